@@ -1,0 +1,458 @@
+"""Typed run configuration: TOML files loaded into small validated dataclasses.
+
+Every component owns one small ``Config`` dataclass and validates it in ``__post_init__``
+with ``ValueError``s that say what to change. :func:`load_config` walks the TOML document
+against those dataclasses and refuses, *before any process starts*:
+
+* unknown keys (with the closest valid name),
+* values of the wrong type,
+* impossible values and combinations,
+
+always naming the file and the dotted key, e.g.::
+
+    configs/x.toml: transport.ring_slots: must be >= 2 (got 1); raise it to at least 2
+
+Values that are valid but ignored by the component that would read them (for example
+``target.spec`` next to ``target.model_path``) produce warnings, returned by
+:meth:`DFlashConfig.ignored_value_warnings` and logged by the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+PROTOCOL_BACKENDS = ("auto", "cpu-shm", "host-pinned", "cuda-ipc")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, already phrased as ``FILE: dotted.key: what to change``."""
+
+
+def _require(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise _FieldError(key, message)
+
+
+class _FieldError(ValueError):
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+        self.message = message
+
+
+# --------------------------------------------------------------------------- components
+
+
+@dataclass
+class RunConfig:
+    name: str = "dflash"
+    run_dir: str = ""  # empty: runs/<name> relative to the working directory
+    seed: int = 0
+    handshake_timeout_s: float = 120.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 60.0
+    teardown_grace_s: float = 15.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name) and "/" not in self.name, "name", "must be a non-empty name without '/'")
+        _require(self.handshake_timeout_s > 0, "handshake_timeout_s", "must be > 0 seconds")
+        _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0 seconds")
+        _require(
+            self.heartbeat_timeout_s >= 3 * self.heartbeat_interval_s,
+            "heartbeat_timeout_s",
+            f"must be at least 3x run.heartbeat_interval_s ({3 * self.heartbeat_interval_s:g} s); raise it",
+        )
+        _require(self.teardown_grace_s >= 0, "teardown_grace_s", "must be >= 0 seconds")
+
+
+@dataclass
+class TopologyConfig:
+    """Which device each process runs on: one OS process per entry."""
+
+    targets: list[str] = field(default_factory=lambda: ["cpu"])
+    drafters: list[str] = field(default_factory=lambda: ["cpu"])
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    def __post_init__(self) -> None:
+        _require(len(self.targets) >= 1, "targets", "needs at least one target device, e.g. [\"cuda:0\"]")
+        _require(len(self.drafters) >= 1, "drafters", "needs at least one drafter device, e.g. [\"cuda:1\"]")
+        for name, devs in (("targets", self.targets), ("drafters", self.drafters)):
+            for i, dev in enumerate(devs):
+                _require(_valid_device(dev), f"{name}[{i}]", f"{dev!r} is not a device; use \"cpu\" or \"cuda:N\"")
+        uses_cuda = any(d.startswith("cuda") for d in self.targets + self.drafters)
+        _require(
+            not (self.dist_backend == "nccl" and any(d == "cpu" for d in self.drafters)),
+            "dist_backend",
+            "nccl needs every drafter on a cuda device; use \"gloo\" or \"auto\"",
+        )
+        _require(
+            not (uses_cuda and any(d == "cpu" for d in self.targets + self.drafters)),
+            "targets",
+            "mixing cpu and cuda processes in one run is not supported; put all on cuda or all on cpu",
+        )
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.targets[0].startswith("cuda")
+
+    def resolved_dist_backend(self) -> str:
+        if self.dist_backend != "auto":
+            return self.dist_backend
+        return "nccl" if self.on_cuda else "gloo"
+
+
+def _valid_device(dev: str) -> bool:
+    if dev == "cpu":
+        return True
+    if dev.startswith("cuda:"):
+        return dev[5:].isdigit()
+    return False
+
+
+@dataclass
+class TransportConfig:
+    backend: Literal["auto", "cpu-shm", "host-pinned", "cuda-ipc"] = "auto"
+    ring_slots: int = 4
+    # Credits: at most this many slots outstanding at one drafter (held or queued), from all targets.
+    max_outstanding_per_drafter: int = 3
+    # Batches a drafter keeps copied out of the rings, ready to train on.
+    drafter_prefetch: int = 1
+    # Extra slot capacity in tokens above the token budget (0: exactly data.token_budget).
+    slot_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.ring_slots >= 2, "ring_slots", f"must be >= 2 (got {self.ring_slots}); raise it to at least 2")
+        _require(self.ring_slots <= 64, "ring_slots", f"must be <= 64 (got {self.ring_slots})")
+        _require(self.max_outstanding_per_drafter >= 1, "max_outstanding_per_drafter", "must be >= 1")
+        _require(self.drafter_prefetch >= 1, "drafter_prefetch", "must be >= 1")
+        _require(self.slot_tokens >= 0, "slot_tokens", "must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    # JSONL files, or "builtin:stdlib-docs" for the bundled offline corpus.
+    paths: list[str] = field(default_factory=lambda: ["builtin:stdlib-docs"])
+    on_bad_line: Literal["skip", "error"] = "skip"
+    max_seq_len: int = 2048
+    bucket_edges: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
+    token_budget: int = 16384
+    max_batch_size: int = 64
+    num_epochs: int = 1
+    cache_dir: str = ""  # empty: RUN_DIR/data
+    # Built-in corpus size (number of conversations); ignored for file paths.
+    builtin_samples: int = 2000
+
+    def __post_init__(self) -> None:
+        _require(len(self.paths) >= 1, "paths", "needs at least one JSONL path or \"builtin:stdlib-docs\"")
+        _require(self.max_seq_len >= 8, "max_seq_len", "must be >= 8 tokens")
+        _require(len(self.bucket_edges) >= 1, "bucket_edges", "needs at least one edge")
+        _require(
+            all(b > a for a, b in zip(self.bucket_edges, self.bucket_edges[1:])),
+            "bucket_edges",
+            f"must be strictly increasing (got {self.bucket_edges})",
+        )
+        _require(self.bucket_edges[0] >= 2, "bucket_edges", "edges must be >= 2 tokens")
+        _require(
+            self.bucket_edges[-1] == self.max_seq_len,
+            "bucket_edges",
+            f"the last edge must equal data.max_seq_len ({self.max_seq_len}); got {self.bucket_edges[-1]}",
+        )
+        _require(
+            self.token_budget >= self.max_seq_len,
+            "token_budget",
+            f"must be >= data.max_seq_len ({self.max_seq_len}) so the longest sequence fits one batch",
+        )
+        _require(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
+        _require(self.num_epochs >= 1, "num_epochs", "must be >= 1")
+        _require(self.builtin_samples >= 1, "builtin_samples", "must be >= 1")
+
+
+@dataclass
+class TargetConfig:
+    # A Hugging Face checkpoint directory; empty: build a random-weight model from ``spec``.
+    model_path: str = ""
+    # Qwen3_5TextConfig fields for a random-weight target (used when model_path is empty).
+    spec: dict[str, Any] = field(default_factory=dict)
+    # Tokenizer directory; "builtin" = the offline byte-level tokenizer with a chat template.
+    tokenizer: str = "builtin"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Decoder-layer outputs to capture; empty: DFlash default spread (5 layers from 1 to L-3).
+    layer_ids: list[int] = field(default_factory=list)
+    num_capture_layers: int = 5
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # Also ship the target's final (normed) hidden state, needed by training.kl_weight > 0.
+    capture_last_hidden: bool = False
+    async_pack: bool = True
+    random_init_seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _require(all(i >= 0 for i in self.layer_ids), "layer_ids", "layer ids must be >= 0")
+        _require(
+            len(set(self.layer_ids)) == len(self.layer_ids), "layer_ids", "layer ids must be distinct"
+        )
+        _require(self.num_capture_layers >= 1, "num_capture_layers", "must be >= 1")
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 5
+    # Layer types from the bottom; empty: all sliding except the last (DFlash default 4+1).
+    layer_types: list[Literal["sliding_attention", "full_attention"]] = field(default_factory=list)
+    sliding_window: int = 2048
+    block_size: int = 16
+    num_anchors: int = 512
+    # 0 means "same as the target".
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    noise_std: float = 0.0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+    mask_token_id: int = -1  # -1: the tokenizer's pad token, else the last vocab id
+
+    def __post_init__(self) -> None:
+        _require(self.num_layers >= 1, "num_layers", "must be >= 1")
+        _require(
+            not self.layer_types or len(self.layer_types) == self.num_layers,
+            "layer_types",
+            f"must list exactly drafter.num_layers ({self.num_layers}) entries or be empty",
+        )
+        _require(self.sliding_window >= 1, "sliding_window", "must be >= 1")
+        _require(2 <= self.block_size <= 64, "block_size", "must be between 2 and 64")
+        _require(self.num_anchors >= 1, "num_anchors", "must be >= 1")
+        _require(self.noise_std >= 0, "noise_std", "must be >= 0")
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            _require(getattr(self, name) >= 0, name, "must be >= 0 (0 = same as the target)")
+
+    def resolved_layer_types(self) -> list[str]:
+        if self.layer_types:
+            return list(self.layer_types)
+        return ["sliding_attention"] * (self.num_layers - 1) + ["full_attention"]
+
+
+@dataclass
+class TrainingConfig:
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    max_steps: int = 0  # 0: until the data (num_epochs) is exhausted
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    loss_gamma: float = 7.0
+    ce_chunk_tokens: int = 2048
+    kl_weight: float = 0.0
+    checkpoint_every: int = 0  # 0: only at the end and on shutdown
+    keep_checkpoints: int = 2
+    export_on_finish: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        _require(self.max_steps >= 0, "max_steps", "must be >= 0 (0 = until the data is exhausted)")
+        _require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "must be two numbers in [0, 1)")
+        _require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
+        _require(self.loss_gamma > 0, "loss_gamma", "must be > 0")
+        _require(self.ce_chunk_tokens >= 16, "ce_chunk_tokens", "must be >= 16")
+        _require(self.kl_weight >= 0, "kl_weight", "must be >= 0")
+        _require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        _require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+
+
+@dataclass
+class DFlashConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    source: str = "<defaults>"
+
+    def __post_init__(self) -> None:
+        if self.transport.backend == "cpu-shm":
+            _require(not self.topology.on_cuda, "transport.backend", "cpu-shm needs cpu devices; use \"auto\" on GPUs")
+        if self.transport.backend in ("cuda-ipc", "host-pinned"):
+            _require(
+                self.topology.on_cuda,
+                "transport.backend",
+                f"{self.transport.backend} needs cuda devices; use \"cpu-shm\" or \"auto\" on CPU",
+            )
+        if self.training.kl_weight > 0:
+            _require(
+                self.target.capture_last_hidden,
+                "training.kl_weight",
+                "needs target.capture_last_hidden = true (the KL loss reads the target's last hidden state)",
+            )
+
+    def resolved_backend(self) -> str:
+        """The transport backend, with "auto" resolved where no GPU probing is needed."""
+        if self.transport.backend != "auto":
+            return self.transport.backend
+        return "cpu-shm" if not self.topology.on_cuda else "auto"
+
+    def ignored_value_warnings(self) -> list[str]:
+        out = []
+        if self.target.model_path and self.target.spec:
+            out.append("target.spec is ignored because target.model_path is set")
+        if self.target.layer_ids and self.target.num_capture_layers != 5 and len(self.target.layer_ids) != self.target.num_capture_layers:
+            out.append("target.num_capture_layers is ignored because target.layer_ids is set")
+        if "sliding_attention" not in self.drafter.resolved_layer_types() and self.drafter.sliding_window != 2048:
+            out.append("drafter.sliding_window is ignored: no drafter layer is sliding_attention")
+        if not self.topology.on_cuda and self.topology.dist_backend == "nccl":
+            out.append("topology.dist_backend=nccl is ignored on cpu")
+        if self.target.capture_last_hidden and self.training.kl_weight == 0:
+            out.append("target.capture_last_hidden ships an extra plane that nothing reads while training.kl_weight = 0")
+        if not any(p.startswith("builtin:") for p in self.data.paths) and self.data.builtin_samples != 2000:
+            out.append("data.builtin_samples is ignored: no builtin: data path is used")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    def run_dir(self, override: str | None = None) -> Path:
+        if override:
+            return Path(override)
+        return Path(self.run.run_dir) if self.run.run_dir else Path("runs") / self.run.name
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "topology": TopologyConfig,
+    "transport": TransportConfig,
+    "data": DataConfig,
+    "target": TargetConfig,
+    "drafter": DrafterConfig,
+    "training": TrainingConfig,
+}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DFlashConfig:
+    """Load and validate a TOML config; raises :class:`ConfigError` naming file and key."""
+    path = Path(path)
+    src = str(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{src}: file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{src}: not valid TOML: {e}") from None
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        raw.setdefault(section, {})[key] = value
+    return config_from_dict(raw, source=src)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> DFlashConfig:
+    unknown = [k for k in raw if k not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"{source}: {unknown[0]}: unknown section{_did_you_mean(unknown[0], SECTIONS)}")
+    built = {}
+    for name, cls in SECTIONS.items():
+        table = raw.get(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: {name}: must be a table ([{name}])")
+        built[name] = _build(cls, table, name, source)
+    try:
+        return DFlashConfig(**built, source=source)
+    except _FieldError as e:
+        raise ConfigError(f"{source}: {e.key}: {e.message}") from None
+
+
+def _build(cls: type, table: dict[str, Any], prefix: str, source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in table.items():
+        dotted = f"{prefix}.{key}"
+        if key not in fields:
+            raise ConfigError(f"{source}: {dotted}: unknown key{_did_you_mean(key, fields)}")
+        try:
+            kwargs[key] = _coerce(value, hints[key], dotted)
+        except _FieldError as e:
+            raise ConfigError(f"{source}: {e.key}: {e.message}") from None
+    try:
+        return cls(**kwargs)
+    except _FieldError as e:
+        raise ConfigError(f"{source}: {prefix}.{e.key}: {e.message}") from None
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (list,):
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, dotted: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise _FieldError(dotted, f"must be one of {', '.join(repr(c) for c in choices)} (got {value!r})")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise _FieldError(dotted, f"must be a {_type_name(tp)} (got {type(value).__name__} {value!r})")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{dotted}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _FieldError(dotted, f"must be a table (got {type(value).__name__})")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        for alt in typing.get_args(tp):
+            try:
+                return _coerce(value, alt, dotted)
+            except _FieldError:
+                continue
+        raise _FieldError(dotted, f"must be {_type_name(tp)} (got {value!r})")
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _FieldError(dotted, f"must be true or false (got {value!r})")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _FieldError(dotted, f"must be an integer (got {type(value).__name__} {value!r})")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _FieldError(dotted, f"must be a number (got {type(value).__name__} {value!r})")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _FieldError(dotted, f"must be a string (got {type(value).__name__} {value!r})")
+        return value
+    raise _FieldError(dotted, f"unsupported type {tp}")
+
+
+def _did_you_mean(key: str, valid: Any) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    valid_list = ", ".join(sorted(valid))
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{hint} (valid: {valid_list})"
