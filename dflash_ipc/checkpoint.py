@@ -1,0 +1,476 @@
+"""Crash-safe checkpoints and the ledger of consumed batches.
+
+Layout under ``ckpt_root``::
+
+    step-000123/
+        model.safetensors   trainable drafter weights
+        trainer.pt          {"trainer": trainer state (master weights, optimizer, schedule, step),
+                             "rng": RNG state(s)}  -- torch.save, loaded with weights_only=True
+        ledger.json         ids of every batch consumed by an optimizer step
+        meta.json           format, step, time, config hash, file sizes, extra  (written last)
+    latest                  "step-000123\\n", replaced atomically
+
+Saving writes everything into ``.tmp-...`` in the same root, fsyncs each file and the
+directory, renames it to ``step-NNNNNN`` (the commit point), fsyncs the root, then replaces
+``latest``. A crash at any point leaves every earlier checkpoint intact; half-written
+``.tmp-*`` directories are never considered and are removed by the next successful save.
+Loading validates a candidate fully (meta, sizes, both payload files parse) and falls back to
+the next newest complete checkpoint, recording why in :attr:`Checkpoint.notes`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file as _st_load_file
+from safetensors.torch import save_file as _st_save_file
+
+log = logging.getLogger(__name__)
+
+CKPT_FORMAT = "dflash-ipc-ckpt/1"
+LEDGER_FORMAT = "dflash-ipc-ledger/1"
+MODEL_FILE = "model.safetensors"
+TRAINER_FILE = "trainer.pt"
+LEDGER_FILE = "ledger.json"
+META_FILE = "meta.json"
+LATEST_FILE = "latest"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+BatchId = tuple[int, ...]
+
+
+# --------------------------------------------------------------------------- ledger
+
+
+class BatchLedger:
+    """The set of batch ids consumed by optimizer steps; an id is a tuple of ints."""
+
+    def __init__(self, ids: Iterable[Sequence[int]] = ()):
+        self._ids: set[BatchId] = set()
+        self.add(ids)
+
+    @staticmethod
+    def _norm(bid: Sequence[int]) -> BatchId:
+        t = tuple(int(x) for x in bid)
+        if not t:
+            raise ValueError("a batch id must have at least one integer")
+        return t
+
+    def add(self, ids: Iterable[Sequence[int]]) -> None:
+        for bid in ids:
+            self._ids.add(self._norm(bid))
+
+    def add_one(self, bid: Sequence[int]) -> None:
+        self._ids.add(self._norm(bid))
+
+    def merge(self, other: "BatchLedger | Iterable[Sequence[int]]") -> "BatchLedger":
+        if isinstance(other, BatchLedger):
+            self._ids |= other._ids
+        else:
+            self.add(other)
+        return self
+
+    def __contains__(self, bid: object) -> bool:
+        try:
+            return tuple(int(x) for x in bid) in self._ids  # type: ignore[union-attr]
+        except (TypeError, ValueError):
+            return False
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self):
+        return iter(sorted(self._ids))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BatchLedger) and self._ids == other._ids
+
+    def __repr__(self) -> str:
+        return f"BatchLedger({len(self._ids)} ids)"
+
+    def copy(self) -> "BatchLedger":
+        out = BatchLedger()
+        out._ids = set(self._ids)
+        return out
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain JSON/msgpack-friendly form: {"format": ..., "ids": [[int, ...], ...]} (sorted)."""
+        return {"format": LEDGER_FORMAT, "ids": [list(t) for t in sorted(self._ids)]}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any] | list) -> "BatchLedger":
+        if isinstance(wire, dict):
+            fmt = wire.get("format")
+            if fmt != LEDGER_FORMAT:
+                raise ValueError(f"unsupported ledger format {fmt!r} (expected {LEDGER_FORMAT})")
+            ids = wire.get("ids")
+        else:
+            ids = wire
+        if not isinstance(ids, list):
+            raise ValueError("ledger wire form needs a list of ids")
+        return cls(ids)
+
+
+def gather_ledger(local_new_ids: Iterable[Sequence[int]], world: Any = None) -> list[BatchId]:
+    """All ranks' newly consumed ids, sorted and de-duplicated. A collective on every rank.
+
+    ``world`` is a :class:`dflash_ipc.trainer.DistInfo` (or None for a single process).
+    """
+    local = sorted({BatchLedger._norm(b) for b in local_new_ids})
+    distributed = (
+        world is not None and getattr(world, "world_size", 1) > 1 and dist.is_available() and dist.is_initialized()
+    )
+    if not distributed:
+        return local
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [list(t) for t in local])
+    out: set[BatchId] = set()
+    for part in gathered:
+        out.update(tuple(int(x) for x in b) for b in part)
+    return sorted(out)
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, torch CPU and (if initialised) CUDA RNG states, in a weights_only-loadable form."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        if len(cuda) != n:
+            log.warning("checkpoint has CUDA RNG state for %d devices, this process sees %d; restoring the overlap",
+                        len(cuda), n)
+        for i, s in enumerate(cuda[:n]):
+            torch.cuda.set_rng_state(s, i)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def config_hash(obj: Any) -> str:
+    """Stable short hash of a JSON-able config (e.g. ``DFlashConfig.to_dict()``)."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync_path(path)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def _write_torch(path: Path, obj: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    # safetensors refuses tensors sharing storage; clone any that alias another.
+    seen: set[tuple[int, int]] = set()
+    for k, v in cpu.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset())
+        if key in seen or v.untyped_storage().nbytes() != v.numel() * v.element_size():
+            cpu[k] = v.clone()
+        seen.add(key)
+    _st_save_file(cpu, str(path), metadata=metadata)
+    _fsync_path(path)
+
+
+def _replace_pointer(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST_FILE}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    _write_bytes(tmp, (name + "\n").encode())
+    os.replace(tmp, root / LATEST_FILE)
+    _fsync_dir(root)
+
+
+def _remove_dir(path: Path) -> None:
+    """Rename out of the step-* namespace first, so a crash mid-delete leaves nothing that looks valid."""
+    trash = path.parent / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _list_step_dirs(root: Path) -> list[tuple[int, Path]]:
+    out = []
+    if not root.is_dir():
+        return out
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    out.sort(key=lambda t: t[0], reverse=True)
+    return out
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    ckpt_root: Path | str,
+    step: int,
+    *,
+    model_state: dict[str, torch.Tensor],
+    trainer_state: dict[str, Any],
+    rng_state: Any,
+    ledger: BatchLedger,
+    extra: dict[str, Any] | None = None,
+    config_hash: str = "",
+    keep: int = 2,
+) -> Path:
+    """Write ``ckpt_root/step-NNNNNN`` atomically, point ``latest`` at it, keep the newest ``keep``.
+
+    Call on one rank only (the others' RNG states can be passed in ``rng_state``, e.g. a list);
+    one saver per ``ckpt_root``: a successful save removes every leftover ``.tmp-*`` there.
+    Returns the final checkpoint directory.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0 (got {step})")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (got {keep})")
+    root = Path(ckpt_root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = step_dir_name(step)
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_safetensors(tmp / MODEL_FILE, model_state, {"format": CKPT_FORMAT, "step": str(step)})
+        _write_torch(tmp / TRAINER_FILE, {"trainer": trainer_state, "rng": rng_state})
+        _write_json(tmp / LEDGER_FILE, ledger.to_wire())
+        now = time.time()
+        meta = {
+            "format": CKPT_FORMAT,
+            "step": int(step),
+            "time": now,
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            "config_hash": config_hash,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "num_batches": len(ledger),
+            "files": {f: (tmp / f).stat().st_size for f in (MODEL_FILE, TRAINER_FILE, LEDGER_FILE)},
+            "extra": extra or {},
+        }
+        _write_json(tmp / META_FILE, meta)  # written last: its presence marks a complete payload
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. after resuming there): move the old one away first
+            _remove_dir(final)
+        os.rename(tmp, final)  # commit point
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _replace_pointer(root, name)
+    _retain(root, step, keep)
+    return final
+
+
+def _retain(root: Path, step: int, keep: int) -> None:
+    kept = 0
+    for s, path in _list_step_dirs(root):
+        if s > step:
+            # Newer than what we just saved: left over from a timeline we did not resume from
+            # (only possible if it was damaged); it would shadow the new checkpoint.
+            log.warning("removing %s: newer than the checkpoint just written (step %d) and not resumed from", path, step)
+            _remove_dir(path)
+        elif kept < keep:
+            kept += 1
+        else:
+            _remove_dir(path)
+    for p in root.iterdir():
+        if p.name.startswith((".tmp-", ".trash-", f".{LATEST_FILE}.tmp-")):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+    _fsync_dir(root)
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    meta: dict[str, Any]
+    model_state: dict[str, torch.Tensor]
+    trainer_state: dict[str, Any]
+    rng_state: Any
+    ledger: BatchLedger
+    notes: list[str] = field(default_factory=list)  # why newer candidates were skipped, pointer issues
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return self.meta.get("extra", {})
+
+    @property
+    def config_hash(self) -> str:
+        return self.meta.get("config_hash", "")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Load and fully validate one checkpoint directory; raises :class:`CheckpointError` saying why."""
+    path = Path(path)
+    m = _STEP_RE.match(path.name)
+    if not m:
+        raise CheckpointError(f"{path}: not a step-NNNNNN directory")
+    meta_path = path / META_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {META_FILE} missing (incomplete checkpoint)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: {META_FILE} unreadable: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != CKPT_FORMAT:
+        raise CheckpointError(f"{path}: unsupported format {meta.get('format') if isinstance(meta, dict) else meta!r}")
+    if meta.get("step") != int(m.group(1)):
+        raise CheckpointError(f"{path}: meta.json says step {meta.get('step')!r}, directory says {int(m.group(1))}")
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path}: meta.json has no file list")
+    for fname in (MODEL_FILE, TRAINER_FILE, LEDGER_FILE):
+        fp = path / fname
+        if not fp.is_file():
+            raise CheckpointError(f"{path}: {fname} missing")
+        size = fp.stat().st_size
+        if size != files.get(fname):
+            raise CheckpointError(f"{path}: {fname} is {size} bytes, meta.json recorded {files.get(fname)}")
+    try:
+        model_state = _st_load_file(str(path / MODEL_FILE), device=str(map_location))
+    except Exception as e:  # noqa: BLE001 - any parse failure means a damaged file
+        raise CheckpointError(f"{path}: {MODEL_FILE} unreadable: {e}") from None
+    try:
+        payload = torch.load(path / TRAINER_FILE, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path}: {TRAINER_FILE} unreadable: {e}") from None
+    if not isinstance(payload, dict) or "trainer" not in payload:
+        raise CheckpointError(f"{path}: {TRAINER_FILE} has no trainer state")
+    try:
+        ledger = BatchLedger.from_wire(json.loads((path / LEDGER_FILE).read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: {LEDGER_FILE} unreadable: {e}") from None
+    return Checkpoint(
+        path=path,
+        step=int(meta["step"]),
+        meta=meta,
+        model_state=model_state,
+        trainer_state=payload["trainer"],
+        rng_state=payload.get("rng"),
+        ledger=ledger,
+    )
+
+
+def read_latest_pointer(ckpt_root: Path | str) -> str | None:
+    try:
+        name = (Path(ckpt_root) / LATEST_FILE).read_text().strip()
+    except (FileNotFoundError, OSError):
+        return None
+    return name or None
+
+
+def load_latest_checkpoint(
+    ckpt_root: Path | str,
+    *,
+    map_location: str | torch.device = "cpu",
+    expected_config_hash: str | None = None,
+) -> Checkpoint | None:
+    """The newest complete, valid checkpoint under ``ckpt_root``, or None if there is none.
+
+    Candidates are the ``step-*`` directories, newest step first (a complete directory newer than
+    ``latest`` exists only if a crash hit between its commit and the pointer update). Damaged
+    candidates are skipped; the reasons land in ``Checkpoint.notes`` and the log. A config hash
+    different from ``expected_config_hash`` is reported in ``notes`` but does not reject.
+    """
+    root = Path(ckpt_root)
+    notes: list[str] = []
+    pointer = read_latest_pointer(root)
+    candidates = _list_step_dirs(root)
+    if pointer is not None and not any(p.name == pointer for _, p in candidates):
+        notes.append(f"{root / LATEST_FILE} points at {pointer!r}, which does not exist")
+    for _, path in candidates:
+        try:
+            ckpt = load_checkpoint(path, map_location=map_location)
+        except CheckpointError as e:
+            notes.append(f"skipped {e}")
+            log.warning("checkpoint skipped: %s", e)
+            continue
+        if pointer is not None and path.name != pointer:
+            notes.append(f"{LATEST_FILE} says {pointer!r}; using newer complete checkpoint {path.name}")
+        if expected_config_hash is not None and ckpt.config_hash != expected_config_hash:
+            notes.append(
+                f"{path.name} was written with config hash {ckpt.config_hash!r}, the current config is "
+                f"{expected_config_hash!r}"
+            )
+        ckpt.notes = notes
+        for n in notes:
+            log.info("checkpoint: %s", n)
+        return ckpt
+    if notes:
+        log.warning("no usable checkpoint under %s: %s", root, "; ".join(notes))
+    return None

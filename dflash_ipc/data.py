@@ -1,0 +1,677 @@
+"""Training data: JSONL chat/text files and the offline ``builtin:stdlib-docs`` corpus,
+tokenized once into flat tensors and cached.
+
+Input lines (one JSON object per line)::
+
+    {"conversations": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
+    {"messages": [...]}                      # same as "conversations"
+    {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}  # ShareGPT
+    {"text": "..."}                          # plain text: every token supervised
+
+Chats are rendered with the tokenizer's chat template. The loss mask is 1 exactly on the
+tokens of assistant contents and the token that closes each assistant turn (``<|im_end|>``
+for ChatML templates, else the eos token) and 0 elsewhere. To make that exact, the rendered
+string is cut at the assistant spans and each piece is tokenized on its own, so no token
+straddles a supervised boundary (this is also how the target sees a reply at inference:
+generated after the prompt's ``<|im_start|>assistant\\n``).
+
+Sequences are truncated to ``data.max_seq_len``; sequences without two consecutive
+supervised tokens are dropped (counted in the report). Bad lines are skipped and reported
+as ``file:line: reason``, or refused with :class:`DataError` when ``on_bad_line = "error"``.
+
+The result is cached in ``cache_dir`` (``tokens-<key>.pt``: flat int32 token ids, uint8 loss
+mask, int64 offsets) keyed by the input files (path, size, mtime), the tokenizer identity,
+``max_seq_len`` and, for the built-in corpus, ``builtin_samples`` and the Python version.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import subprocess
+import sys
+from array import array
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_ipc.config import DataConfig
+from dflash_ipc.tokenizer import IM_END, tokenizer_identity
+
+log = logging.getLogger("dflash_ipc.data")
+
+BUILTIN_STDLIB_DOCS = "builtin:stdlib-docs"
+CACHE_FORMAT = 1
+MAX_REPORTED_BAD_LINES = 1000
+_CHUNK = 256  # records tokenized per batched tokenizer call
+
+_ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+                 "bot": "assistant", "system": "system"}
+
+
+class DataError(ValueError):
+    """A data problem, phrased as ``FILE:LINE: reason`` (or ``FILE: reason``)."""
+
+
+# --------------------------------------------------------------------------- report / corpus
+
+
+@dataclass
+class DataReport:
+    sources: list[str] = field(default_factory=list)
+    lines_read: int = 0
+    records: int = 0  # well-formed lines / built-in conversations
+    samples: int = 0  # kept sequences
+    num_bad_lines: int = 0
+    bad_lines: list[str] = field(default_factory=list)  # "file:line: reason", first MAX_REPORTED_BAD_LINES
+    dropped_no_supervision: int = 0
+    truncated: int = 0  # kept sequences cut to max_seq_len
+    tokens: int = 0
+    supervised_tokens: int = 0
+    loaded_from_cache: bool = False
+    cache_path: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        src = "cache " + self.cache_path if self.loaded_from_cache else ", ".join(self.sources)
+        return (
+            f"{self.samples} samples, {self.tokens} tokens ({self.supervised_tokens} supervised) from {src}; "
+            f"{self.lines_read} lines read, {self.num_bad_lines} bad lines skipped, "
+            f"{self.dropped_no_supervision} dropped without supervision, {self.truncated} truncated"
+        )
+
+
+class Corpus:
+    """Tokenized samples stored flat: ``tokens[offsets[i]:offsets[i+1]]`` is sample ``i``."""
+
+    def __init__(self, tokens: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor, report: DataReport):
+        if tokens.shape != loss_mask.shape or offsets.ndim != 1 or int(offsets[-1]) != tokens.numel():
+            raise ValueError("inconsistent corpus tensors")
+        self.tokens = tokens  # int32 [N]
+        self.loss_mask = loss_mask  # uint8 [N]
+        self.offsets = offsets  # int64 [num_samples + 1]
+        self.lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
+        self.report = report
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.lengths.numel())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(token_ids int64 [L], loss_mask uint8 [L])`` of sample ``i``."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range (corpus has {self.num_samples})")
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b].to(torch.int64), self.loss_mask[a:b].clone()
+
+    def collate(self, indices: list[int] | tuple[int, ...], pad_token_id: int, padded_len: int | None = None):
+        """Right-padded ``(input_ids int64 [B, T], loss_mask uint8 [B, T], lengths int64 [B])``;
+        ``T`` = ``padded_len`` or the longest sample. Padding carries loss mask 0."""
+        lens = [int(self.lengths[i]) for i in indices]
+        t = padded_len if padded_len is not None else max(lens)
+        if t < max(lens):
+            raise ValueError(f"padded_len {t} is shorter than the longest sample ({max(lens)})")
+        ids = torch.full((len(indices), t), pad_token_id, dtype=torch.int64)
+        mask = torch.zeros((len(indices), t), dtype=torch.uint8)
+        for row, i in enumerate(indices):
+            a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+            ids[row, : b - a] = self.tokens[a:b]
+            mask[row, : b - a] = self.loss_mask[a:b]
+        return ids, mask, torch.tensor(lens, dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------- record parsing
+
+
+class _BadLine(Exception):
+    pass
+
+
+def _parse_record(obj: Any) -> tuple[str, Any]:
+    """``("chat", messages)`` or ``("text", str)``; raises :class:`_BadLine` with a reason."""
+    if not isinstance(obj, dict):
+        raise _BadLine(f"expected a JSON object, got {type(obj).__name__}")
+    key = "conversations" if "conversations" in obj else "messages" if "messages" in obj else None
+    if key is not None:
+        turns = obj[key]
+        if not isinstance(turns, list):
+            raise _BadLine(f"\"{key}\" must be a list of messages, got {type(turns).__name__}")
+        if not turns:
+            raise _BadLine(f"\"{key}\" is empty")
+        messages = []
+        for j, m in enumerate(turns):
+            if not isinstance(m, dict):
+                raise _BadLine(f"{key}[{j}] must be an object, got {type(m).__name__}")
+            if "role" in m or "content" in m:
+                role, content = m.get("role"), m.get("content")
+                rk, ck = "role", "content"
+            else:  # ShareGPT
+                role, content = m.get("from"), m.get("value")
+                rk, ck = "from", "value"
+            if role is None:
+                raise _BadLine(f"{key}[{j}] has no \"role\"")
+            if not isinstance(role, str) or not role:
+                raise _BadLine(f"{key}[{j}].{rk} must be a non-empty string, got {role!r}")
+            if content is None:
+                raise _BadLine(f"{key}[{j}] has no \"content\"")
+            if not isinstance(content, str):
+                raise _BadLine(f"{key}[{j}].{ck} must be a string, got {type(content).__name__}")
+            msg = {k: v for k, v in m.items() if k not in ("from", "value")}
+            msg["role"] = _ROLE_ALIASES.get(role, role)
+            msg["content"] = content
+            messages.append(msg)
+        return "chat", messages
+    if "text" in obj:
+        text = obj["text"]
+        if not isinstance(text, str):
+            raise _BadLine(f"\"text\" must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise _BadLine("\"text\" is empty")
+        return "text", text
+    raise _BadLine("missing field: expected \"conversations\", \"messages\" or \"text\"")
+
+
+def _turn_end_token(tokenizer) -> str | None:
+    vocab = tokenizer.get_vocab()
+    if IM_END in vocab:
+        return IM_END
+    return tokenizer.eos_token
+
+
+def _chat_segments(messages: list[dict], tokenizer, end_token: str | None) -> list[tuple[str, bool]]:
+    """Cut the rendered chat into ``(text, supervised)`` pieces."""
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    except Exception as e:  # noqa: BLE001 - jinja errors of arbitrary templates
+        raise _BadLine(f"chat template failed: {type(e).__name__}: {e}") from None
+    if not isinstance(rendered, str):
+        raise _BadLine("chat template did not render to a string")
+    spans = _spans_by_placeholders(messages, tokenizer, rendered)
+    if spans is None:
+        spans = _spans_by_search(messages, tokenizer, rendered)
+    pieces: list[tuple[str, bool]] = []
+    pos = 0
+    for a, b in spans:
+        if b <= a:
+            continue
+        if end_token and rendered.startswith(end_token, b):
+            b += len(end_token)
+        if a > pos:
+            pieces.append((rendered[pos:a], False))
+        pieces.append((rendered[a:b], True))
+        pos = b
+    if pos < len(rendered):
+        pieces.append((rendered[pos:], False))
+    return pieces
+
+
+def _spans_by_placeholders(messages, tokenizer, rendered) -> list[tuple[int, int]] | None:
+    """Exact assistant-content spans when the template inserts contents verbatim: render with
+    unique placeholders, substitute the real contents back and check the result is identical."""
+    marks = [f"\ue000{j}\ue001" for j in range(len(messages))]
+    if any("\ue000" in m["content"] for m in messages):
+        return None
+    try:
+        skeleton = tokenizer.apply_chat_template(
+            [{**m, "content": marks[j]} for j, m in enumerate(messages)], tokenize=False, add_generation_prompt=False
+        )
+    except Exception:  # noqa: BLE001
+        return None
+    out, spans, pos = [], [], 0
+    for j, m in enumerate(messages):
+        k = skeleton.find(marks[j], pos)
+        if k < 0 or skeleton.find(marks[j], k + 1) >= 0:
+            return None
+        out.append(skeleton[pos:k])
+        start = sum(len(s) for s in out)
+        out.append(m["content"])
+        if m["role"] == "assistant":
+            spans.append((start, start + len(m["content"])))
+        pos = k + len(marks[j])
+    out.append(skeleton[pos:])
+    if "".join(out) != rendered:
+        return None
+    return spans
+
+
+def _spans_by_search(messages, tokenizer, rendered) -> list[tuple[int, int]]:
+    """Fallback for templates that rewrite contents (e.g. strip them): find each content in
+    order in the rendered text, trying the stripped content when the verbatim one is absent.
+    An assistant content is searched from the end of the generation prompt that precedes it
+    (``messages[:j]`` rendered with ``add_generation_prompt``) when the full rendering starts
+    with that prompt, so it cannot match inside the turn header."""
+    spans, cursor = [], 0
+    for j, m in enumerate(messages):
+        c = m["content"]
+        if m["role"] == "assistant" and j > 0:
+            try:
+                prompt = tokenizer.apply_chat_template(messages[:j], tokenize=False, add_generation_prompt=True)
+            except Exception:  # noqa: BLE001
+                prompt = None
+            if isinstance(prompt, str) and rendered.startswith(prompt):
+                cursor = max(cursor, len(prompt))
+        found = -1
+        for cand in (c, c.strip()):
+            if cand:
+                k = rendered.find(cand, cursor)
+                if k >= 0:
+                    found, c = k, cand
+                    break
+        if found < 0:
+            if m["role"] == "assistant" and c.strip():
+                raise _BadLine(f"assistant turn {j} not found in the rendered chat template")
+            continue
+        if m["role"] == "assistant":
+            spans.append((found, found + len(c)))
+        cursor = found + len(c)
+    return spans
+
+
+# --------------------------------------------------------------------------- tokenization
+
+
+def _encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    out = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)
+    return out["input_ids"]
+
+
+class _Builder:
+    def __init__(self, cfg: DataConfig, tokenizer, report: DataReport):
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.report = report
+        self.end_token = _turn_end_token(tokenizer)
+        self.pending: list[list[tuple[str, bool]]] = []
+        self.tok_buf = array("i")  # int32 token ids of all kept samples, flat
+        self.mask_buf = array("B")  # uint8 loss mask, flat
+        self.lengths: list[int] = []
+
+    def bad(self, where: str, reason: str) -> None:
+        msg = f"{where}: {reason}"
+        if self.cfg.on_bad_line == "error":
+            raise DataError(f"{msg} (data.on_bad_line = \"error\"; fix the line or set on_bad_line = \"skip\")")
+        r = self.report
+        r.num_bad_lines += 1
+        if len(r.bad_lines) < MAX_REPORTED_BAD_LINES:
+            r.bad_lines.append(msg)
+        if r.num_bad_lines <= 20:
+            log.warning("skipping bad data line %s", msg)
+
+    def add(self, where: str, obj: Any) -> None:
+        try:
+            kind, value = _parse_record(obj)
+            if kind == "chat":
+                pieces = _chat_segments(value, self.tok, self.end_token)
+            else:
+                pieces = [(value, True)]
+        except _BadLine as e:
+            self.bad(where, str(e))
+            return
+        self.report.records += 1
+        self.pending.append(pieces)
+        if len(self.pending) >= _CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        texts = [t for pieces in self.pending for t, _ in pieces]
+        ids = _encode_batch(self.tok, texts)
+        k = 0
+        max_len = self.cfg.max_seq_len
+        for pieces in self.pending:
+            seq: list[int] = []
+            mask: list[int] = []
+            for _, sup in pieces:
+                part = ids[k]
+                k += 1
+                seq.extend(part)
+                mask.extend([1 if sup else 0] * len(part))
+            cut = len(seq) > max_len
+            seq, mask = seq[:max_len], mask[:max_len]
+            if not any(a and b for a, b in zip(mask, mask[1:])):
+                self.report.dropped_no_supervision += 1
+                continue
+            self.report.truncated += int(cut)
+            self.tok_buf.extend(seq)
+            self.mask_buf.extend(mask)
+            self.lengths.append(len(seq))
+        self.pending.clear()
+
+    def finish(self) -> Corpus:
+        self.flush()
+        if self.lengths:
+            tokens = torch.frombuffer(self.tok_buf, dtype=torch.int32).clone()
+            mask = torch.frombuffer(self.mask_buf, dtype=torch.uint8).clone()
+        else:
+            tokens = torch.zeros(0, dtype=torch.int32)
+            mask = torch.zeros(0, dtype=torch.uint8)
+        self.tok_buf, self.mask_buf = array("i"), array("B")
+        offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
+        if self.lengths:
+            offsets[1:] = torch.cumsum(torch.tensor(self.lengths, dtype=torch.int64), 0)
+        r = self.report
+        r.samples = len(self.lengths)
+        r.tokens = int(tokens.numel())
+        r.supervised_tokens = int(mask.sum()) if mask.numel() else 0
+        return Corpus(tokens, mask, offsets, r)
+
+
+def _read_jsonl(builder: _Builder, path: Path, label: str) -> None:
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise DataError(f"{label}: file not found (data.paths)") from None
+    except OSError as e:
+        raise DataError(f"{label}: cannot read: {e}") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            builder.report.lines_read += 1
+            where = f"{label}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                builder.bad(where, f"not valid UTF-8 ({e.reason} at byte {e.start})")
+                continue
+            if not line.strip():
+                builder.bad(where, "empty line")
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                builder.bad(where, f"invalid JSON: {e.msg} (column {e.colno})")
+                continue
+            builder.add(where, obj)
+
+
+# --------------------------------------------------------------------------- cache + entry point
+
+
+def _cache_key(cfg: DataConfig, tokenizer) -> str:
+    sources = []
+    for p in cfg.paths:
+        if p.startswith("builtin:"):
+            sources.append([p, cfg.builtin_samples, sys.version])
+        else:
+            path = Path(p)
+            try:
+                st = path.stat()
+                sources.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
+            except OSError:
+                sources.append([str(path), None, None])
+    blob = json.dumps(
+        {
+            "format": CACHE_FORMAT,
+            "sources": sources,
+            "tokenizer": tokenizer_identity(tokenizer),
+            "max_seq_len": cfg.max_seq_len,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _load_cached(path: Path, key: str) -> Corpus | None:
+    try:
+        d = torch.load(path, map_location="cpu", weights_only=True)
+        if d.get("format") != CACHE_FORMAT or d.get("key") != key:
+            return None
+        report = DataReport(**d["report"])
+        return Corpus(d["tokens"], d["loss_mask"], d["offsets"], report)
+    except Exception as e:  # noqa: BLE001 - a broken cache is rebuilt
+        log.warning("ignoring unreadable data cache %s: %s", path, e)
+        return None
+
+
+def _save_cache(path: Path, key: str, corpus: Corpus) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    report = corpus.report.to_dict()
+    report["loaded_from_cache"] = False
+    torch.save(
+        {
+            "format": CACHE_FORMAT,
+            "key": key,
+            "tokens": corpus.tokens,
+            "loss_mask": corpus.loss_mask,
+            "offsets": corpus.offsets,
+            "report": report,
+        },
+        tmp,
+    )
+    os.replace(tmp, path)
+
+
+def load_corpus(cfg: DataConfig, tokenizer, cache_dir: Path | None) -> Corpus:
+    """Tokenize ``cfg.paths`` (or load the cached result from ``cache_dir``; None: no cache)."""
+    key = _cache_key(cfg, tokenizer)
+    cache_path = Path(cache_dir) / f"tokens-{key[:24]}.pt" if cache_dir is not None else None
+    if cache_path is not None and cache_path.is_file():
+        corpus = _load_cached(cache_path, key)
+        if corpus is not None:
+            r = corpus.report
+            r.loaded_from_cache = True
+            r.cache_path = str(cache_path)
+            if cfg.on_bad_line == "error" and r.num_bad_lines:
+                raise DataError(
+                    f"{r.bad_lines[0]} (data.on_bad_line = \"error\"; fix the line or set on_bad_line = \"skip\")"
+                )
+            log.info("data: %s", r.summary())
+            return corpus
+
+    report = DataReport(sources=list(cfg.paths))
+    builder = _Builder(cfg, tokenizer, report)
+    for i, p in enumerate(cfg.paths):
+        if p.startswith("builtin:"):
+            if p != BUILTIN_STDLIB_DOCS:
+                raise DataError(f"data.paths[{i}]: unknown built-in corpus {p!r}; use {BUILTIN_STDLIB_DOCS!r}")
+            for j, conv in enumerate(builtin_conversations(cfg.builtin_samples, cfg.max_seq_len)):
+                report.lines_read += 1
+                builder.add(f"{p}:{j + 1}", conv)
+        else:
+            _read_jsonl(builder, Path(p), p)
+    corpus = builder.finish()
+    if report.num_bad_lines > 20:
+        log.warning("... %d bad data lines in total", report.num_bad_lines)
+    if corpus.num_samples == 0:
+        raise DataError(f"{', '.join(cfg.paths)}: no usable samples ({report.summary()})")
+    if cache_path is not None:
+        _save_cache(cache_path, key, corpus)
+        report.cache_path = str(cache_path)
+    log.info("data: %s", report.summary())
+    return corpus
+
+
+# --------------------------------------------------------------------------- builtin:stdlib-docs
+
+
+@dataclass(frozen=True)
+class DocEntry:
+    module: str
+    name: str  # dotted, e.g. "json.JSONEncoder.encode"
+    kind: str  # module | class | function | method
+    doc: str
+
+
+# Runs in a fresh isolated interpreter (-I -S: no site-packages, no cwd on sys.path), so the
+# importing has no side effects on the caller and the result does not depend on what the
+# caller imported or patched. Prints one JSON document.
+_COLLECTOR = r'''
+import importlib, inspect, io, json, sys, warnings
+warnings.simplefilter("ignore")
+SKIP = {
+    "antigravity", "this", "idlelib", "idle", "tkinter", "turtle", "turtledemo", "test", "lib2to3", "distutils",
+    "ensurepip", "venv", "readline", "rlcompleter", "site", "sitecustomize", "usercustomize", "__main__",
+    "__hello__", "__phello__", "pydoc_data", "msilib", "winreg", "winsound", "msvcrt", "nt", "_winapi",
+    "xxsubtype", "xxlimited", "xxlimited_35", "ossaudiodev", "nis", "spwd", "crypt", "curses", "webbrowser",
+}
+EXTRA = [
+    "collections.abc", "concurrent.futures", "email.message", "email.utils", "http.client", "http.server",
+    "importlib.metadata", "importlib.resources", "json.decoder", "json.encoder", "logging.handlers", "os.path",
+    "unittest.mock", "urllib.parse", "urllib.request", "xml.etree.ElementTree",
+]
+names = sorted({n for n in sys.stdlib_module_names if not n.startswith("_") and n not in SKIP} | set(EXTRA))
+real_stdout = sys.stdout
+sys.stdout = io.StringIO()
+sys.stderr = io.StringIO()
+
+def clean(d):
+    if not isinstance(d, str):
+        return None
+    d = inspect.cleandoc(d).strip()
+    if len(d) < 24 or " at 0x" in d:
+        return None
+    return d
+
+out = []
+for name in names:
+    try:
+        mod = importlib.import_module(name)
+    except BaseException:
+        continue
+    owners = {name, "_" + name.rsplit(".", 1)[-1]}
+    if name == "os":
+        owners.add("posix")
+    d = clean(getattr(mod, "__doc__", None))
+    if d:
+        out.append([name, name, "module", d])
+    members = vars(mod)
+    for attr in sorted(members):
+        obj = members[attr]
+        if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
+            continue
+        if getattr(obj, "__module__", None) not in owners:
+            continue
+        d = clean(getattr(obj, "__doc__", None))
+        if d:
+            out.append([name, name + "." + attr, "class" if inspect.isclass(obj) else "function", d])
+        if inspect.isclass(obj):
+            cls_vars = vars(obj)
+            for m in sorted(cls_vars):
+                mo = cls_vars[m]
+                if m.startswith("_"):
+                    continue
+                if isinstance(mo, (staticmethod, classmethod)):
+                    mo = mo.__func__
+                if not (inspect.isroutine(mo) or isinstance(mo, property)):
+                    continue
+                d = clean(getattr(mo, "__doc__", None))
+                if d:
+                    out.append([name, name + "." + attr + "." + m, "method", d])
+sys.stdout = real_stdout
+json.dump({"python": sys.version, "entries": out}, real_stdout)
+'''
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_doc_entries() -> tuple[DocEntry, ...]:
+    """Docstrings of the standard library's modules, classes, functions and methods, sorted by
+    module and name. Collected in an isolated subprocess of this interpreter (about 1 s)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "LC_ALL": "C.UTF-8"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-I", "-S", "-X", "utf8", "-c", _COLLECTOR],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=env,
+            timeout=300,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise DataError(f"{BUILTIN_STDLIB_DOCS}: could not collect the standard library docs: {e}") from None
+    if proc.returncode != 0:
+        raise DataError(
+            f"{BUILTIN_STDLIB_DOCS}: doc collector failed (exit {proc.returncode}): "
+            f"{proc.stderr.decode(errors='replace')[-2000:]}"
+        )
+    data = json.loads(proc.stdout.decode("utf-8"))
+    entries = tuple(DocEntry(*e) for e in data["entries"])
+    if not entries:
+        raise DataError(f"{BUILTIN_STDLIB_DOCS}: no docstrings found in the standard library")
+    return entries
+
+
+_SYSTEM_PROMPTS = [
+    "You are a helpful assistant that explains the Python standard library.",
+    "You are an expert Python developer. Answer with the official documentation.",
+    "Answer questions about Python modules precisely.",
+]
+_FIRST_PROMPTS = {
+    "module": ["Explain the `{n}` module.", "What is the `{n}` module for?", "Tell me about the `{n}` module."],
+    "class": ["What is the `{n}` class for?", "Describe the class `{n}`.", "Explain `{n}`."],
+    "function": ["What does `{n}` do?", "How do I use `{n}`?", "Explain `{n}`.", "Show me the docs of `{n}`."],
+    "method": ["What does `{n}` do?", "How does the method `{n}` work?", "Explain `{n}`."],
+}
+_FOLLOW_UPS = ["And `{n}`?", "What about `{n}`?", "How does `{n}` work?", "Now explain `{n}`, please."]
+_LONG_PROMPTS = [
+    "Give me a detailed overview of the `{n}` module and its API.",
+    "Document the `{n}` module in full: every class and function.",
+    "Write a reference guide for `{n}`.",
+]
+_CHARS_PER_TOKEN = 3.0  # rough, for sizing long answers
+
+
+def builtin_conversations(n: int, max_seq_len: int = 2048) -> list[dict]:
+    """``n`` chat records built from :func:`stdlib_doc_entries`, deterministic for a given
+    Python version: about half single Q&A pairs (one docstring), a quarter multi-turn
+    conversations about one module, a quarter long "reference guide" answers that
+    concatenate docstrings up to a log-uniform length target between 64 and
+    1.25 * ``max_seq_len`` tokens (so every length bucket gets samples; some are truncated)."""
+    entries = stdlib_doc_entries()
+    by_module: dict[str, list[DocEntry]] = {}
+    for e in entries:
+        by_module.setdefault(e.module, []).append(e)
+    modules = sorted(by_module)
+    rng = random.Random("dflash-ipc/builtin:stdlib-docs/v1")
+    order = list(range(len(entries)))
+    rng.shuffle(order)
+    lo, hi = 64.0, 1.25 * max_seq_len
+    out = []
+    for i in range(n):
+        e = entries[order[i % len(order)]]
+        r = rng.random()
+        msgs: list[dict[str, str]] = []
+        if rng.random() < 0.3:
+            msgs.append({"role": "system", "content": rng.choice(_SYSTEM_PROMPTS)})
+        if r < 0.5:
+            msgs.append({"role": "user", "content": rng.choice(_FIRST_PROMPTS[e.kind]).format(n=e.name)})
+            msgs.append({"role": "assistant", "content": e.doc})
+        elif r < 0.75:
+            pool = by_module[e.module]
+            turns = [e] + [pool[rng.randrange(len(pool))] for _ in range(rng.randint(1, 3))]
+            for t, x in enumerate(turns):
+                tmpl = rng.choice(_FIRST_PROMPTS[x.kind] if t == 0 else _FOLLOW_UPS)
+                msgs.append({"role": "user", "content": tmpl.format(n=x.name)})
+                msgs.append({"role": "assistant", "content": x.doc})
+        else:
+            target_chars = int(lo * math.exp(rng.random() * math.log(hi / lo)) * _CHARS_PER_TOKEN)
+            mi = modules.index(e.module)
+            parts: list[str] = []
+            size = 0
+            while size < target_chars:
+                mod = modules[mi % len(modules)]
+                for x in by_module[mod]:
+                    piece = f"# `{x.name}`\n\n{x.doc}" if x.kind == "module" else f"## `{x.name}`\n\n{x.doc}"
+                    parts.append(piece)
+                    size += len(piece) + 2
+                    if size >= target_chars:
+                        break
+                mi += 1
+            msgs.append({"role": "user", "content": rng.choice(_LONG_PROMPTS).format(n=e.module)})
+            msgs.append({"role": "assistant", "content": "\n\n".join(parts)})
+        out.append({"conversations": msgs})
+    return out

@@ -1,0 +1,280 @@
+"""Pure cores of the data plane: the producer's and the consumer's side of the slot rings.
+
+Neither core touches a socket: each is given a ``send(peer_rank, message)`` callable and is
+fed decoded messages through ``handle``. The process shells (``procs/``) wire them to
+ZeroMQ; tests can wire two cores together in one process.
+
+Producer side (per target)::
+
+    acquire() ─▶ FILLING ── pack ── enqueue(slot, batch) ─▶ [waiting for credit]
+                                   dispatch(): router.choose() ─▶ SlotReady ─▶ READY(d)
+    SlotFree(slot, d) ─▶ SlotTable.release ─▶ FREE        Load(d) ─▶ router.on_report
+
+Consumer side (per drafter)::
+
+    SlotReady ─▶ held ── free local buffer? copy_out ─▶ copying ── ticket done ─▶ SlotFree
+                                                                   └─▶ ready ─▶ take() ─▶ in use
+    release(buffer) ─▶ buffer free again                      (every change: Load to all)
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dflash_ipc.protocol import EndOfData, Load, Message, RejectCounter, SlotFree, SlotReady
+from dflash_ipc.ring import ConsumerRing, CopyTicket, ProducerRing, SlotStateError, SlotTable
+from dflash_ipc.router import LeastBusyRouter
+from dflash_ipc.slots import SlotViews
+
+Send = Callable[[int, Message], None]
+
+
+@dataclass
+class _Filled:
+    slot: int
+    batch_id: list
+    bucket: int
+    n_tokens: int
+    n_seqs: int
+    meta: dict
+    filled_ns: int
+
+
+class ProducerDataPlane:
+    def __init__(self, rank: int, ring: ProducerRing, num_consumers: int, max_outstanding: int, send: Send, rejects: RejectCounter):
+        self.rank = rank
+        self.ring = ring
+        self.table = SlotTable(ring.num_slots)
+        self.router = LeastBusyRouter(num_consumers, max_outstanding)
+        self._send = send
+        self.rejects = rejects
+        self._waiting: collections.deque[_Filled] = collections.deque()
+        self.seq = [0] * num_consumers
+        self.consumer_copying = [0] * num_consumers
+        self.batches_sent = 0
+        self.slot_free_received = 0
+
+    # -- slots
+    def acquire(self) -> int | None:
+        return self.table.acquire()
+
+    def enqueue(self, slot: int, batch_id: list, bucket: int, n_tokens: int, n_seqs: int, meta: dict | None = None) -> None:
+        """A slot is filled (packing completed): route it as soon as a drafter has credit."""
+        self._waiting.append(_Filled(slot, list(batch_id), bucket, n_tokens, n_seqs, meta or {}, time.monotonic_ns()))
+
+    def dispatch(self) -> int:
+        sent = 0
+        while self._waiting:
+            consumer = self.router.choose()
+            if consumer is None:
+                break
+            f = self._waiting.popleft()
+            self.table.publish(f.slot, consumer)
+            msg = SlotReady(
+                producer=self.rank,
+                slot=f.slot,
+                batch_id=f.batch_id,
+                bucket=f.bucket,
+                n_tokens=f.n_tokens,
+                n_seqs=f.n_seqs,
+                seq=self.seq[consumer],
+                sent_ns=time.monotonic_ns(),
+                meta=f.meta,
+            )
+            self.seq[consumer] += 1
+            self.router.on_sent(consumer)
+            self._send(consumer, msg)
+            self.batches_sent += 1
+            sent += 1
+        return sent
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, SlotFree):
+            if msg.producer != self.rank:
+                self.rejects.reject("wrong_producer", f"slot_free for producer {msg.producer} at {self.rank}")
+                return
+            if msg.consumer >= self.router.num_consumers:
+                self.rejects.reject("out_of_range", f"slot_free from consumer {msg.consumer}")
+                return
+            try:
+                self.table.release(msg.slot, msg.consumer)
+            except SlotStateError as e:
+                self.rejects.reject("bad_slot_free", str(e))
+                return
+            self.slot_free_received += 1
+            self.router.on_report(msg.consumer, msg.outstanding, msg.received)
+        elif isinstance(msg, Load):
+            if msg.consumer >= self.router.num_consumers:
+                self.rejects.reject("out_of_range", f"load from consumer {msg.consumer}")
+                return
+            received = msg.received[self.rank] if self.rank < len(msg.received) else None
+            if not isinstance(received, int) or received < 0:
+                self.rejects.reject("bad_field_type", f"load.received = {msg.received!r}")
+                return
+            self.router.on_report(msg.consumer, msg.outstanding, received)
+        else:
+            self.rejects.reject("unexpected_type", f"{type(msg).__name__} at a producer")
+
+    def end_of_data(self) -> None:
+        for c in range(self.router.num_consumers):
+            self._send(c, EndOfData(producer=self.rank, batches_sent=self.batches_sent))
+
+    def all_returned(self) -> bool:
+        return not self._waiting and self.table.counts()["ready"] == 0
+
+    def stats(self) -> dict:
+        counts = self.table.counts()
+        return {
+            "slots": {"free": counts["free"], "filling": counts["filling"] - len(self._waiting), "queued": len(self._waiting), "ready": counts["ready"]},
+            "inflight_per_drafter": [len(self.table.held_by(c)) for c in range(self.router.num_consumers)],
+            "routed_per_drafter": list(self.router.routed_total),
+            "batches_sent": self.batches_sent,
+        }
+
+
+@dataclass
+class ReceivedBatch:
+    msg: SlotReady
+    buffer_index: int
+    views: SlotViews
+    received_ns: int
+    copied_ns: int
+    copy_s: float = 0.0
+
+
+@dataclass
+class _Copying:
+    msg: SlotReady
+    buffer_index: int
+    ticket: CopyTicket
+    started: float
+    received_ns: int
+
+
+class ConsumerDataPlane:
+    """A drafter's side: hold slots, copy out into local buffers, return slots at once."""
+
+    def __init__(self, rank: int, rings: list[ConsumerRing], buffers: list[torch.Tensor], send: Send, rejects: RejectCounter):
+        self.rank = rank
+        self.rings = rings
+        self.buffers = buffers
+        self._send = send
+        self.rejects = rejects
+        self.num_producers = len(rings)
+        self.held: collections.deque[tuple[SlotReady, int]] = collections.deque()
+        self.copying: list[_Copying] = []
+        self.ready: collections.deque[ReceivedBatch] = collections.deque()
+        self.free_buffers = list(range(len(buffers)))
+        self.in_use = 0
+        self.received = [0] * self.num_producers
+        self.ended = [False] * self.num_producers
+        self.expected_total = [None] * self.num_producers
+        self.handoff_ns: list[int] = []
+        self.copy_seconds = 0.0
+        self.bytes_copied = 0
+        self.slots_done = [0] * self.num_producers
+        self._held_keys: set[tuple[int, int]] = set()
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.held) + len(self.copying) + len(self.ready) + self.in_use
+
+    def handle(self, msg: Message) -> None:
+        now = time.monotonic_ns()
+        if isinstance(msg, SlotReady):
+            if msg.producer >= self.num_producers:
+                self.rejects.reject("out_of_range", f"slot_ready from producer {msg.producer} of {self.num_producers}")
+                return
+            ring = self.rings[msg.producer]
+            if msg.slot >= ring.num_slots:
+                self.rejects.reject("out_of_range", f"slot_ready slot {msg.slot} >= ring size {ring.num_slots}")
+                return
+            if msg.n_tokens > ring.layout.max_tokens or msg.n_seqs > ring.layout.max_seqs:
+                self.rejects.reject("out_of_range", f"slot_ready n_tokens {msg.n_tokens}/n_seqs {msg.n_seqs} over slot capacity")
+                return
+            key = (msg.producer, msg.slot)
+            if key in self._held_keys:
+                self.rejects.reject("duplicate_slot_ready", f"slot {key} already held")
+                return
+            self._held_keys.add(key)
+            self.received[msg.producer] += 1
+            if msg.sent_ns:
+                self.handoff_ns.append(now - msg.sent_ns)
+            self.held.append((msg, now))
+            self._report_load()
+        elif isinstance(msg, EndOfData):
+            if msg.producer >= self.num_producers:
+                self.rejects.reject("out_of_range", f"end_of_data from producer {msg.producer}")
+                return
+            self.ended[msg.producer] = True
+            self.expected_total[msg.producer] = msg.batches_sent
+        else:
+            self.rejects.reject("unexpected_type", f"{type(msg).__name__} at a consumer")
+
+    def pump(self) -> int:
+        """Start copies into free buffers, finish completed ones; returns batches made ready."""
+        while self.held and self.free_buffers:
+            msg, received_ns = self.held.popleft()
+            buf = self.free_buffers.pop(0)
+            ticket = self.rings[msg.producer].copy_out(msg.slot, msg.n_tokens, msg.n_seqs, self.buffers[buf])
+            self.copying.append(_Copying(msg, buf, ticket, time.perf_counter(), received_ns))
+        finished = 0
+        still = []
+        for c in self.copying:
+            if c.ticket.done():
+                self._finish(c)
+                finished += 1
+            else:
+                still.append(c)
+        self.copying = still
+        if finished:
+            self._report_load()
+        return finished
+
+    def _finish(self, c: _Copying) -> None:
+        msg = c.msg
+        copy_s = time.perf_counter() - c.started
+        self.copy_seconds += copy_s
+        ring = self.rings[msg.producer]
+        self.bytes_copied += sum(n for _, n in ring.layout.used_ranges(msg.n_tokens, msg.n_seqs))
+        self._held_keys.discard((msg.producer, msg.slot))
+        self.slots_done[msg.producer] += 1
+        views = ring.layout.views(self.buffers[c.buffer_index], msg.n_tokens, msg.n_seqs)
+        self.ready.append(ReceivedBatch(msg, c.buffer_index, views, c.received_ns, time.monotonic_ns(), copy_s))
+        # The slot goes back only now: the copy out of it has completed.
+        self._send(
+            msg.producer,
+            SlotFree(producer=msg.producer, slot=msg.slot, consumer=self.rank, outstanding=self.outstanding, received=self.received[msg.producer]),
+        )
+
+    def take(self) -> ReceivedBatch | None:
+        if not self.ready:
+            return None
+        self.in_use += 1
+        return self.ready.popleft()
+
+    def release(self, batch: ReceivedBatch) -> None:
+        self.in_use -= 1
+        self.free_buffers.append(batch.buffer_index)
+        self._report_load()
+
+    def _report_load(self) -> None:
+        msg = Load(consumer=self.rank, outstanding=self.outstanding, received=list(self.received))
+        for p in range(self.num_producers):
+            self._send(p, msg)
+
+    def all_ended(self) -> bool:
+        """Every producer said it is done and everything it sent has been copied out."""
+        return all(self.ended) and not self.held and not self.copying
+
+    def drained(self) -> bool:
+        return self.all_ended() and not self.ready

@@ -1,0 +1,600 @@
+"""The DFlash drafter: a small Qwen3-style block-diffusion decoder conditioned on target hidden states.
+
+Architecture (as in the DFlash reference / SpecForge ``DFlashDraftModel`` and the SGLang and
+vLLM serving implementations):
+
+* **Context.** The ``k`` captured target planes of each token are concatenated (layer-major)
+  into ``[n, k*H]`` and projected once: ``ctx = hidden_norm(fc(concat))`` with
+  ``fc = Linear(k*H -> H, bias=False)``.
+* **Block input.** Each draft block is ``[embed(anchor), embed(MASK) x (block_size-1)]``, using
+  the *target's* (frozen) embedding table.
+* **Layers.** Pre-norm Qwen3 decoder layers (RMSNorm, attention with per-head q/k RMSNorm and
+  RoPE, SwiGLU MLP). In every layer the context enters as extra keys/values: ``k_proj``/
+  ``v_proj`` of ``ctx`` (no ``input_layernorm`` on the context), then that layer's ``k_norm``
+  and RoPE at the context token's position. Queries come from the block tokens only.
+* **Head.** Final ``norm``, then the *target's* (frozen) LM head.
+
+The embedding and LM head are given to the constructor as tensors and kept as frozen
+parameters (``requires_grad=False``) that are left out of :meth:`~torch.nn.Module.state_dict`,
+so checkpoints and exports hold only the drafter's own weights.
+
+Attention runs either through ``torch.nn.attention.flex_attention`` with a ``BlockMask``
+(compiled on CUDA) or through ``F.scaled_dot_product_attention`` with a dense boolean mask;
+the masks themselves are built by :mod:`dflash_ipc.dflash_loss` and passed per layer type.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DrafterConfig
+
+try:  # flex_attention exists in every supported torch (>= 2.11); keep the import soft anyway.
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask = None  # type: ignore[assignment,misc]
+    flex_attention = None  # type: ignore[assignment]
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+
+__all__ = [
+    "DrafterModelConfig",
+    "DFlashDrafter",
+    "RMSNorm",
+    "resolve_attention_backend",
+    "export_drafter",
+    "load_exported_drafter",
+    "drafter_hf_config",
+    "EXPORT_WEIGHTS_FILE",
+]
+
+EXPORT_WEIGHTS_FILE = "model.safetensors"
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _rope_theta(cfg: Any) -> float:
+    """Rope theta of a transformers config (5.x keeps it in ``rope_parameters``)."""
+    rp = getattr(cfg, "rope_parameters", None)
+    if isinstance(rp, Mapping):
+        if "rope_theta" in rp:
+            return float(rp["rope_theta"])
+        # Per-layer-type rope parameters ({"full_attention": {...}, ...}).
+        for key in (FULL, *rp.keys()):
+            sub = rp.get(key)
+            if isinstance(sub, Mapping) and "rope_theta" in sub:
+                return float(sub["rope_theta"])
+    theta = getattr(cfg, "rope_theta", None)
+    if theta is not None:
+        return float(theta)
+    return 10000.0
+
+
+def _text_config(cfg: Any) -> Any:
+    get = getattr(cfg, "get_text_config", None)
+    if callable(get):
+        try:
+            out = get()
+            if out is not None:
+                return out
+        except TypeError:
+            pass
+    return getattr(cfg, "text_config", None) or cfg
+
+
+@dataclass
+class DrafterModelConfig:
+    """Shape of one drafter; :meth:`from_configs` resolves ``0 = same as the target``."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_layers: int
+    layer_types: list[str]
+    sliding_window: int
+    block_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    # Decoder layers of the target (0: unknown); exported as ``num_target_layers``.
+    num_target_layers: int = 0
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        self.layer_types = list(self.layer_types)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries, num_layers is {self.num_layers}")
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"unsupported layer types {bad}; use {LAYER_TYPES}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE (got {self.head_dim})")
+
+    @property
+    def num_context_planes(self) -> int:
+        """k: the number of target planes the context concatenates."""
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_configs(
+        cls,
+        drafter_cfg: DrafterConfig,
+        target_hf_config: Any,
+        target_layer_ids: list[int],
+        mask_token_id: int,
+    ) -> "DrafterModelConfig":
+        """Resolve a :class:`DrafterConfig` against the target's transformers config.
+
+        Zeros in ``drafter_cfg`` mean "same as the target". The hidden size must equal the
+        target's: the drafter reads the target's embedding table and LM head directly.
+        """
+        t = _text_config(target_hf_config)
+        t_hidden = int(t.hidden_size)
+        t_heads = int(t.num_attention_heads)
+        t_head_dim = int(getattr(t, "head_dim", None) or t_hidden // t_heads)
+        hidden = drafter_cfg.hidden_size or t_hidden
+        if hidden != t_hidden:
+            raise ValueError(
+                f"drafter.hidden_size ({hidden}) must equal the target's hidden_size ({t_hidden}): "
+                "the drafter uses the target's embedding and LM head; set it to 0"
+            )
+        heads = drafter_cfg.num_attention_heads or t_heads
+        kv_heads = drafter_cfg.num_key_value_heads or int(getattr(t, "num_key_value_heads", None) or t_heads)
+        if drafter_cfg.num_attention_heads and not drafter_cfg.num_key_value_heads and heads % kv_heads:
+            kv_heads = heads
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=drafter_cfg.intermediate_size or int(t.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=drafter_cfg.head_dim or t_head_dim,
+            num_layers=drafter_cfg.num_layers,
+            layer_types=drafter_cfg.resolved_layer_types(),
+            sliding_window=drafter_cfg.sliding_window,
+            block_size=drafter_cfg.block_size,
+            vocab_size=int(t.vocab_size),
+            rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(t),
+            max_position_embeddings=int(getattr(t, "max_position_embeddings", 32768)),
+            target_layer_ids=list(target_layer_ids),
+            mask_token_id=int(mask_token_id),
+            num_target_layers=int(getattr(t, "num_hidden_layers", 0) or 0),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: ``weight * x / rms(x)``, computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin ``[len, head_dim]`` for NeoX-style (rotate-half) RoPE, as Qwen3 uses."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [1, heads, L, hd]; cos/sin [L, hd]
+    return x * cos + _rotate_half(x) * sin
+
+
+def resolve_attention_backend(attention: str, device: torch.device | str) -> str:
+    """``"auto"`` -> ``"flex"`` on CUDA, ``"sdpa"`` elsewhere; explicit choices pass through."""
+    if attention not in ("auto", "flex", "sdpa"):
+        raise ValueError(f"attention must be 'auto', 'flex' or 'sdpa' (got {attention!r})")
+    if attention != "auto":
+        if attention == "flex" and flex_attention is None:  # pragma: no cover
+            raise RuntimeError("attention='flex' needs torch.nn.attention.flex_attention")
+        return attention
+    return "flex" if torch.device(device).type == "cuda" else "sdpa"
+
+
+_COMPILED_FLEX = None
+
+
+def _flex(q, k, v, block_mask, scale):
+    global _COMPILED_FLEX
+    if q.device.type == "cuda":
+        if _COMPILED_FLEX is None:
+            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
+        fn = _COMPILED_FLEX
+    else:  # eager, unfused: fine for tiny CPU checks, no backward on CPU
+        fn = flex_attention
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def _sdpa(q, k, v, mask: torch.Tensor, scale):
+    """Dense-mask attention. Rows with nothing visible output exactly 0 (as flex does)."""
+    row_live = mask.any(dim=-1, keepdim=True)  # [Q, 1]
+    if not bool(row_live.all()):
+        # Give empty rows one visible key so no kernel sees an all -inf row (NaN on some
+        # backends, also in backward), then zero those rows.
+        first = torch.zeros_like(mask)
+        first[:, 0] = True
+        mask = mask | (first & ~row_live)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out * row_live.to(out.dtype)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DrafterModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any):
+        """x ``[Q, H]`` block tokens, ctx ``[n, H]`` projected context; cos/sin ``[n+Q, hd]``."""
+        nq, n = x.shape[0], ctx.shape[0]
+        hd = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(nq, self.num_heads, hd)).transpose(0, 1)
+        kv_in = torch.cat([ctx, x], dim=0)  # keys/values: [context | blocks]
+        k = self.k_norm(self.k_proj(kv_in).view(n + nq, self.num_kv_heads, hd)).transpose(0, 1)
+        v = self.v_proj(kv_in).view(n + nq, self.num_kv_heads, hd).transpose(0, 1)
+        q = _apply_rope(q, cos[n:], sin[n:]).unsqueeze(0)
+        k = _apply_rope(k, cos, sin).unsqueeze(0)
+        v = v.unsqueeze(0)
+        if BlockMask is not None and isinstance(mask, BlockMask):
+            out = _flex(q, k, v, mask, self.scale)
+        elif isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            out = _sdpa(q, k, v, mask, self.scale)
+        else:
+            raise TypeError(f"attention mask must be a flex BlockMask or a bool tensor, got {type(mask).__name__}")
+        out = out[0].transpose(0, 1).reshape(nq, self.num_heads * hd)
+        return self.o_proj(out)
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DrafterModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DFlashMLP(cfg)
+
+    def forward(self, x, ctx, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------- the model
+
+_FROZEN = ("embed_weight", "lm_head_weight")
+
+
+def _drop_frozen_from_state_dict(module, state_dict, prefix, local_metadata):
+    for name in _FROZEN:
+        state_dict.pop(prefix + name, None)
+
+
+def _frozen_not_missing(module, incompatible_keys):
+    for key in list(incompatible_keys.missing_keys):
+        if key.rsplit(".", 1)[-1] in _FROZEN:
+            incompatible_keys.missing_keys.remove(key)
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter. Parameter names match the SGLang / vLLM DFlash checkpoint layout.
+
+    Args:
+        config: the resolved shape.
+        embed_weight: the target's input embedding ``[vocab, H]`` (frozen, not copied if
+            already on the right device/dtype).
+        lm_head_weight: the target's LM head ``[vocab, H]`` (frozen; may be the same tensor as
+            ``embed_weight`` for tied targets).
+        attention: ``"auto" | "flex" | "sdpa"`` (``DrafterConfig.attention``).
+    """
+
+    def __init__(
+        self,
+        config: DrafterModelConfig,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        attention: str = "auto",
+    ):
+        super().__init__()
+        resolve_attention_backend(attention, "cpu")  # validate the name early
+        self.config = config
+        self.attention = attention
+        h, v = config.hidden_size, config.vocab_size
+        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+            if tuple(w.shape) != (v, h):
+                raise ValueError(f"{name} must be [vocab_size={v}, hidden_size={h}], got {tuple(w.shape)}")
+        self.embed_weight = nn.Parameter(embed_weight.detach(), requires_grad=False)
+        self.lm_head_weight = nn.Parameter(lm_head_weight.detach(), requires_grad=False)
+        self.fc = nn.Linear(config.num_context_planes * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.reset_parameters()
+        self._register_state_dict_hook(_drop_frozen_from_state_dict)
+        self.register_load_state_dict_post_hook(_frozen_not_missing)
+
+    # -- parameters --------------------------------------------------------------
+
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def attention_backend(self, device: torch.device | str | None = None) -> str:
+        return resolve_attention_backend(self.attention, device if device is not None else self.device)
+
+    # -- forward pieces ------------------------------------------------------------
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_weight).to(self.dtype)
+
+    def project_context(self, context: torch.Tensor) -> torch.Tensor:
+        """``[n, k*H]`` concatenated target planes -> ``hidden_norm(fc(.))`` ``[n, H]``."""
+        return self.hidden_norm(self.fc(context.to(self.dtype)))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight.to(hidden.dtype))
+
+    def block_input_ids(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """``[N]`` anchor tokens -> ``[N, block_size]``: anchor, then mask tokens."""
+        ids = anchor_tokens.new_full((anchor_tokens.shape[0], self.config.block_size), self.config.mask_token_id)
+        ids[:, 0] = anchor_tokens
+        return ids
+
+    def forward(
+        self,
+        context: torch.Tensor,
+        context_position_ids: torch.Tensor,
+        block_input_ids: torch.Tensor,
+        block_position_ids: torch.Tensor,
+        masks: Mapping[str, Any],
+    ) -> torch.Tensor:
+        """Run all draft blocks of a packed batch at once.
+
+        Args:
+            context: ``[n, k*H]`` concatenated target planes (see ``dflash_loss.concat_context``).
+            context_position_ids: ``[n]`` RoPE position of each context token (restarts at 0
+                in every document).
+            block_input_ids: ``[N, block_size]`` (anchor token, then mask tokens).
+            block_position_ids: ``[N, block_size]`` RoPE positions of the block tokens
+                (anchor's in-document position + 0..block_size-1).
+            masks: per layer type (``"full_attention"``, ``"sliding_attention"``) a flex
+                ``BlockMask`` or a bool ``[N*block_size, n + N*block_size]`` tensor over keys
+                ``[context | blocks]`` (``dflash_loss.build_attention_masks``).
+
+        Returns:
+            ``[N*block_size, H]`` final-normed hidden states (apply :meth:`compute_logits`).
+        """
+        cfg = self.config
+        x = self.embed(block_input_ids.reshape(-1))
+        ctx = self.project_context(context)
+        positions = torch.cat([context_position_ids.reshape(-1), block_position_ids.reshape(-1)])
+        cos, sin = _rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx, cos, sin, masks[layer.layer_type])
+        return self.norm(x)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def drafter_hf_config(config: DrafterModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` of an exported drafter (see :func:`export_drafter`)."""
+    any_sliding = SLIDING in config.layer_types
+    dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    dflash_config: dict[str, Any] = {
+        "block_size": config.block_size,
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+    }
+    out: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": config.rms_norm_eps,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "initializer_range": config.initializer_range,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "layer_types": list(config.layer_types),
+        "use_sliding_window": any_sliding,
+        "sliding_window": config.sliding_window if any_sliding else None,
+        "max_window_layers": config.num_layers,
+        "tie_word_embeddings": False,
+        "block_size": config.block_size,
+        "dflash_config": dflash_config,
+        # vLLM's aux-hidden-state ids are "captured before layer i" = DFlash's "output of
+        # layer i-1", hence +1 (vLLM derives the same from dflash_config.target_layer_ids).
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+    }
+    if config.num_target_layers:
+        out["num_target_layers"] = config.num_target_layers
+    return out
+
+
+def export_drafter(model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` for the SGLang / vLLM DFlash loaders.
+
+    Layout, chosen after reading ``sglang: python/sglang/srt/models/dflash.py`` (``DFlashDraftModel``,
+    ``load_weights``), ``sglang: python/sglang/srt/speculative/dflash_utils.py``
+    (``parse_dflash_draft_config``, ``get_dflash_layer_types``,
+    ``get_dflash_attention_sliding_window_size``), ``vllm: vllm/model_executor/models/qwen3_dflash.py``
+    (``DFlashQwen3Model`` / ``DFlashQwen3ForCausalLM.load_weights``, ``_resolve_layer_attention``),
+    vLLM's ``eagle3_utils.get_eagle3_aux_layers_from_config`` and SpecForge
+    ``specforge/modeling/draft/dflash.py``:
+
+    * ``config.json``: a Qwen3 config (``model_type: "qwen3"``) with
+      ``architectures: ["DFlashDraftModel"]``, ``num_hidden_layers``, ``layer_types``,
+      ``use_sliding_window`` / ``sliding_window`` (HF semantics: the window counts the current
+      token), ``rope_parameters`` (+ legacy ``rope_theta``), top-level ``block_size`` and
+      ``num_target_layers``, ``dflash_config: {block_size, mask_token_id, target_layer_ids}``
+      and ``eagle_aux_hidden_state_layer_ids = target_layer_ids + 1``. No ``is_causal``: both
+      loaders then default to causal in-block attention for sliding layers and bidirectional
+      for full layers, which is what this drafter trains.
+    * ``model.safetensors``: unprefixed names ``layers.N.self_attn.{q,k,v,o}_proj.weight``,
+      ``layers.N.self_attn.{q,k}_norm.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
+      ``layers.N.{input,post_attention}_layernorm.weight``, ``fc.weight``,
+      ``hidden_norm.weight``, ``norm.weight``. SGLang stacks q/k/v and gate/up itself; vLLM
+      adds the ``model.`` prefix itself.
+    * No ``embed_tokens`` / ``lm_head``: SGLang's DFlash model has neither ("uses the target
+      model's embedding/lm_head"), and vLLM's ``load_weights`` treats both as optional and
+      shares the target's when they are absent.
+
+    Note: vLLM needs its V2 model runner for drafters that mix sliding and full layers.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    dtype = dtype or model.dtype
+    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(out / EXPORT_WEIGHTS_FILE), metadata={"format": "pt"})
+    cfg = drafter_hf_config(model.config, dtype)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _config_from_hf_dict(d: Mapping[str, Any]) -> DrafterModelConfig:
+    dflash = d.get("dflash_config") or {}
+    layer_types = d.get("layer_types") or [FULL] * int(d["num_hidden_layers"])
+    rp = d.get("rope_parameters") or {}
+    theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+    return DrafterModelConfig(
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_attention_heads=int(d["num_attention_heads"]),
+        num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
+        head_dim=int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]),
+        num_layers=int(d["num_hidden_layers"]),
+        layer_types=list(layer_types),
+        sliding_window=int(d.get("sliding_window") or 2048),
+        block_size=int(dflash.get("block_size", d.get("block_size", 16))),
+        vocab_size=int(d["vocab_size"]),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        mask_token_id=int(dflash["mask_token_id"]),
+        num_target_layers=int(d.get("num_target_layers", 0) or 0),
+        initializer_range=float(d.get("initializer_range", 0.02)),
+    )
+
+
+def load_exported_drafter(
+    path: str | Path,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    *,
+    attention: str = "auto",
+    device: torch.device | str | None = None,
+) -> DFlashDrafter:
+    """Rebuild a :class:`DFlashDrafter` from an :func:`export_drafter` directory (strict load)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = _config_from_hf_dict(json.loads((path / "config.json").read_text()))
+    state = load_file(str(path / EXPORT_WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
+    dtype = next(iter(state.values())).dtype if state else torch.float32
+    model = DFlashDrafter(cfg, embed_weight, lm_head_weight, attention=attention)
+    if device is not None:
+        model = model.to(device)
+    model = model.to(dtype)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def num_parameters(model: nn.Module, trainable_only: bool = True) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

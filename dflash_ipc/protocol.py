@@ -1,0 +1,250 @@
+"""Every message on the control plane, as a typed struct, msgpack on the wire.
+
+Frames are msgpack maps ``{"v": PROTOCOL_VERSION, "t": <type tag>, <fields>...}``. Decoding
+validates the version, the tag, every field's presence and type, and ranges that can be
+checked without context (non-negative ranks and slots). A frame that fails is rejected with
+:class:`ProtocolError` carrying a short ``kind`` used for counting; the receiving process
+logs each kind once, counts it, and keeps running (:class:`RejectCounter`). Context checks
+(slot index past the ring size, a SlotFree for a slot that is not held) happen in the
+handler that knows the context and are counted the same way. Nothing is ever unpickled.
+
+Who sends what::
+
+    child      -> supervisor  Hello, Ready, Heartbeat, Done, Dead
+    supervisor -> child       Start, Shutdown
+    target     -> drafter     SlotReady, EndOfData
+    drafter    -> target      SlotFree, Load
+
+Handshake (owned by the supervisor, see ``dflash_ipc.supervisor``)::
+
+    child: start ──Hello(ring descriptor)──▶ supervisor (waits for all, run.handshake_timeout_s)
+    supervisor ──Start(all rings, all endpoints)──▶ every child
+    child: import rings once, connect ──Ready──▶ supervisor ──▶ RUNNING (systemd READY=1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 1 << 20
+
+log = logging.getLogger(__name__)
+
+
+class ProtocolError(ValueError):
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Message:
+    TAG: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    TAG: ClassVar[str] = "hello"
+    role: str
+    rank: int
+    pid: int
+    device: str
+    protocol: int = PROTOCOL_VERSION
+    ring: dict | None = None  # target only: the ring descriptor (plain fields)
+    endpoint: str = ""  # the address this child binds for data-plane messages
+
+
+@dataclass(frozen=True)
+class Start(Message):
+    TAG: ClassVar[str] = "start"
+    rings: list  # [descriptor dict per target rank]
+    target_endpoints: list
+    drafter_endpoints: list
+
+
+@dataclass(frozen=True)
+class Ready(Message):
+    TAG: ClassVar[str] = "ready"
+    role: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    TAG: ClassVar[str] = "heartbeat"
+    role: str
+    rank: int
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    TAG: ClassVar[str] = "done"
+    role: str
+    rank: int
+    summary: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Dead(Message):
+    TAG: ClassVar[str] = "dead"
+    role: str
+    rank: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    TAG: ClassVar[str] = "shutdown"
+    reason: str
+    checkpoint: bool = False
+
+
+@dataclass(frozen=True)
+class SlotReady(Message):
+    TAG: ClassVar[str] = "slot_ready"
+    producer: int
+    slot: int
+    batch_id: list  # [epoch, shard, index]
+    bucket: int
+    n_tokens: int
+    n_seqs: int
+    seq: int  # per (producer, consumer) sequence number, for load accounting
+    sent_ns: int = 0  # producer's time.monotonic_ns() at send, for hand-off latency
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SlotFree(Message):
+    TAG: ClassVar[str] = "slot_free"
+    producer: int
+    slot: int
+    consumer: int
+    outstanding: int  # consumer's held + queued batches after this release, all producers
+    received: int  # SlotReady messages the consumer has received from this producer so far
+
+
+@dataclass(frozen=True)
+class Load(Message):
+    TAG: ClassVar[str] = "load"
+    consumer: int
+    outstanding: int
+    received: list  # per producer rank: SlotReady messages received so far
+
+
+@dataclass(frozen=True)
+class EndOfData(Message):
+    TAG: ClassVar[str] = "end_of_data"
+    producer: int
+    batches_sent: int
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TAG: cls
+    for cls in (Hello, Start, Ready, Heartbeat, Done, Dead, Shutdown, SlotReady, SlotFree, Load, EndOfData)
+}
+
+_NON_NEGATIVE = {"rank", "slot", "producer", "consumer", "n_tokens", "n_seqs", "seq", "outstanding", "received", "bucket", "batches_sent"}
+
+
+def _check_type(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is dict or origin is dict:
+        return isinstance(value, dict)
+    if tp is list or origin is list:
+        return isinstance(value, list)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+        return any(_check_type(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    return False
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def encode(msg: Message) -> bytes:
+    d = {"v": PROTOCOL_VERSION, "t": msg.TAG}
+    for f in dataclasses.fields(msg):
+        d[f.name] = getattr(msg, f.name)
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError("not_bytes", f"frame of type {type(frame).__name__}")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError("too_large", f"{len(frame)} bytes > {MAX_FRAME_BYTES}")
+    try:
+        d = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError("undecodable", f"{type(e).__name__}: {e}") from None
+    if not isinstance(d, dict):
+        raise ProtocolError("not_a_map", f"top level is {type(d).__name__}")
+    version = d.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError("bad_version", f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    tag = d.pop("t", None)
+    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise ProtocolError("unknown_type", f"message type {tag!r}")
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in d:
+            value = d.pop(f.name)
+        elif f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            continue
+        else:
+            raise ProtocolError("missing_field", f"{tag}.{f.name} missing")
+        if not _check_type(value, hints[f.name]):
+            raise ProtocolError("bad_field_type", f"{tag}.{f.name} = {value!r}")
+        if f.name in _NON_NEGATIVE and isinstance(value, int) and value < 0:
+            raise ProtocolError("out_of_range", f"{tag}.{f.name} = {value} < 0")
+        kwargs[f.name] = value
+    if d:
+        raise ProtocolError("unknown_field", f"{tag} has unknown fields {sorted(d)[:3]}")
+    if cls is SlotReady:
+        bid = kwargs["batch_id"]
+        if len(bid) != 3 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in bid):
+            raise ProtocolError("bad_field_type", f"slot_ready.batch_id = {bid!r}")
+    return cls(**kwargs)
+
+
+class RejectCounter:
+    """Counts rejected frames by kind; logs the first of each kind only."""
+
+    def __init__(self, who: str, logger: logging.Logger | None = None):
+        self.who = who
+        self.by_kind: dict[str, int] = {}
+        self._log = logger or log
+
+    def reject(self, kind: str, detail: str) -> None:
+        n = self.by_kind.get(kind, 0)
+        self.by_kind[kind] = n + 1
+        if n == 0:
+            self._log.warning("%s: rejected a message (%s): %s; further ones of this kind are only counted", self.who, kind, detail)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())

@@ -1,0 +1,576 @@
+"""Data-parallel drafter optimisation: fp32 master weights, token-weighted gradient all-reduce.
+
+Model-agnostic: :class:`DrafterTrainer` works for any ``nn.Module``; only parameters with
+``requires_grad`` are trained (a frozen embedding / LM head is left alone).
+
+Numerics
+    The model's trainable parameters live in ``compute_dtype`` (bf16 on GPU) as views into one
+    flat compute buffer. The optimizer owns fp32 *master* copies (views into one flat fp32
+    buffer) and fp32 gradients (views into one flat fp32 buffer). After each optimizer step
+    the master buffer is copied back into the compute buffer in one kernel. When the compute
+    dtype already is the master dtype (float32 on CPU) there is a single copy: the model's
+    parameters *are* the master weights and autograd accumulates straight into the flat
+    gradient buffer.
+
+Data parallelism with token weighting
+    Every rank calls :meth:`DrafterTrainer.step` with ``loss_sum`` (a *sum* of weighted
+    per-token losses) and ``weight_sum`` (the sum of those weights). Backward runs on the local
+    sum; gradients are all-reduced (SUM) in a few flat buckets, launched in a fixed order while
+    backward is still running, together with the weight sums (two fp32 scalars ride in the
+    first bucket), and divided by the *global* weight sum. The result equals one process
+    stepping on the concatenation of every rank's batch. A rank with no batch calls
+    :meth:`DrafterTrainer.step_empty` and contributes zeros, so collectives never hang.
+    No DDP wrapper is used.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash_ipc.config import TrainingConfig
+
+log = logging.getLogger(__name__)
+
+_HEADER = 4  # fp32 scalars at the front of the flat gradient buffer: weight_sum, loss_sum, 2 reserved
+_ALIGN_ELEMS = 16  # each parameter's slot starts on a 64-byte boundary (fp32)
+_STATE_FORMAT = 1
+
+
+# --------------------------------------------------------------------------- process group
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the drafter data-parallel group."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str = "gloo"
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> "DistInfo":
+        """A world of one, no process group."""
+        device = torch.device(device)
+        return cls(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo")
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Device of tensors used for small control collectives."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            if self.backend == "nccl" and self.device.type == "cuda":
+                dist.barrier(device_ids=[self.device.index or 0])
+            else:
+                dist.barrier()
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def init_distributed(
+    backend: str = "gloo",
+    timeout_s: float = 1800.0,
+    *,
+    device: str | torch.device | None = None,
+) -> DistInfo:
+    """Join the drafter process group through the standard env rendezvous.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT`` through
+    ``init_method="env://"``, so the group may span nodes). With ``WORLD_SIZE`` unset or 1 no
+    process group is created. ``device`` overrides the default device (``cuda:LOCAL_RANK`` for
+    nccl, ``cpu`` for gloo); for nccl the device is made current and passed as ``device_id``.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl' (got {backend!r})")
+    if not (timeout_s > 0):
+        raise ValueError(f"timeout_s must be > 0 (got {timeout_s})")
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if world_size < 1 or not (0 <= rank < world_size):
+        raise ValueError(f"invalid RANK={rank} / WORLD_SIZE={world_size}")
+    if device is None:
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"nccl needs a cuda device (got {device}); use backend='gloo'")
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    info = DistInfo(rank, world_size, local_rank, device, backend)
+    if world_size == 1:
+        return info
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"a process group already exists with rank {dist.get_rank()}/{dist.get_world_size()}, "
+                f"but the environment says {rank}/{world_size}"
+            )
+        return info
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(var):
+            raise RuntimeError(f"WORLD_SIZE={world_size} but {var} is not set; set MASTER_ADDR and MASTER_PORT")
+    kwargs: dict[str, Any] = dict(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    log.debug("joined %s process group: rank %d/%d on %s", backend, rank, world_size, device)
+    return info
+
+
+def destroy_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def lr_at(step: int, cfg: TrainingConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step index ``step`` (0-based).
+
+    Linear warmup over ``warmup_steps`` (step 0 uses ``lr / warmup_steps``), then cosine decay
+    from ``lr`` to ``min_lr_ratio * lr`` at ``total_steps``; flat at the minimum afterwards.
+    """
+    base = cfg.lr
+    min_lr = cfg.min_lr_ratio * base
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return base * (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, max(0.0, (step - cfg.warmup_steps) / decay_steps))
+    return min_lr + (base - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+def _snapshot(obj: Any) -> Any:
+    """Deep copy with tensors cloned to CPU (an optimizer state_dict aliases live tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_snapshot(v) for v in obj)
+    return obj
+
+
+@dataclass
+class StepStats:
+    step: int  # optimizer steps taken after this call
+    lr: float
+    grad_norm: float  # global, after dividing by the global weight, before clipping
+    global_weight: float
+    global_loss: float  # global loss_sum / global weight_sum (nan when the weight is 0)
+    local_weight: float
+    backward_s: float
+    allreduce_s: float  # time waiting for the all-reduce after backward (the rest overlaps)
+    optimizer_s: float
+    skipped: bool = False  # True: no parameter update (zero global weight or non-finite grads)
+    clipped: bool = False
+
+
+class DrafterTrainer:
+    """AdamW over a model's trainable parameters, fp32 master weights, token-weighted DP."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        training_cfg: TrainingConfig,
+        *,
+        compute_dtype: torch.dtype | None = None,
+        world: DistInfo | None = None,
+        total_steps: int | None = None,
+        bucket_mb: float = 25.0,
+        sync_initial: bool = True,
+        sync_timing: bool = True,
+        eps: float = 1e-8,
+    ):
+        self.model = model
+        self.cfg = training_cfg
+        self.world = world if world is not None else DistInfo.single()
+        self.sync_timing = sync_timing
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        devices = {p.device for _, p in named}
+        if len(devices) != 1:
+            raise ValueError(f"trainable parameters must all be on one device (found {sorted(map(str, devices))})")
+        self.device = devices.pop()
+        if compute_dtype is None:
+            compute_dtype = named[0][1].dtype
+        if not compute_dtype.is_floating_point:
+            raise ValueError(f"compute_dtype must be a floating dtype (got {compute_dtype})")
+        self.compute_dtype = compute_dtype
+        self.master_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        self.single_copy = compute_dtype == self.master_dtype
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]  # model parameters (compute dtype)
+        self.total_steps = self._resolve_total_steps(total_steps)
+        self.step_count = 0
+
+        # Flat layout: gradients are produced roughly in reverse registration order, so slots
+        # (and buckets) follow reverse order to let early buckets launch during backward.
+        order = list(range(len(self.params)))[::-1]
+        offsets: dict[int, int] = {}
+        off = 0
+        for i in order:
+            offsets[i] = off
+            off += -(-self.params[i].numel() // _ALIGN_ELEMS) * _ALIGN_ELEMS
+        self.numel = off
+        self._offsets = [offsets[i] for i in range(len(self.params))]
+
+        dev = self.device
+        self._master_flat = torch.zeros(self.numel, dtype=self.master_dtype, device=dev)
+        self._grad_buf = torch.zeros(_HEADER + self.numel, dtype=self.master_dtype, device=dev)
+        self._grad_flat = self._grad_buf[_HEADER:]
+        self._local_w = torch.zeros(1, dtype=self.master_dtype, device=dev)
+        if self.single_copy:
+            self._compute_flat = self._master_flat
+        else:
+            self._compute_flat = torch.zeros(self.numel, dtype=compute_dtype, device=dev)
+
+        self._master_views: list[torch.Tensor] = []
+        self._compute_views: list[torch.Tensor] = []
+        self._grad_views: list[torch.Tensor] = []
+        self.master_params: list[nn.Parameter] = []
+        with torch.no_grad():
+            for p, o in zip(self.params, self._offsets):
+                n = p.numel()
+                mv = self._master_flat[o : o + n].view(p.shape)
+                cv = self._compute_flat[o : o + n].view(p.shape)
+                gv = self._grad_flat[o : o + n].view(p.shape)
+                mv.copy_(p.detach())  # from the original values, before any down-cast
+                if not self.single_copy:
+                    cv.copy_(mv)
+                p.data = cv
+                p.grad = gv if self.single_copy else None
+                mp = nn.Parameter(mv, requires_grad=True)
+                mp.grad = gv
+                self._master_views.append(mv)
+                self._compute_views.append(cv)
+                self._grad_views.append(gv)
+                self.master_params.append(mp)
+
+        # Buckets over the flat gradient buffer (header included in bucket 0).
+        bucket_elems = max(1, int(bucket_mb * 2**20) // self._grad_buf.element_size())
+        self._bucket_bounds: list[tuple[int, int]] = []
+        self._param_bucket = [0] * len(self.params)
+        start = 0
+        cur_end = _HEADER
+        for i in order:
+            end = _HEADER + offsets[i] + -(-self.params[i].numel() // _ALIGN_ELEMS) * _ALIGN_ELEMS
+            if cur_end - start >= bucket_elems and cur_end > start:
+                self._bucket_bounds.append((start, cur_end))
+                start = cur_end
+            self._param_bucket[i] = len(self._bucket_bounds)
+            cur_end = end
+        self._bucket_bounds.append((start, cur_end))
+        self._bucket_sizes = [0] * len(self._bucket_bounds)
+        for b in self._param_bucket:
+            self._bucket_sizes[b] += 1
+        self._pending: list[int] = []
+        self._next_launch = 0
+        self._works: list[Any] = []
+        self._in_backward = False
+        self._seen: list[bool] = []
+        self.buckets_launched_in_backward = 0
+
+        decay = [mp for mp in self.master_params if mp.ndim >= 2]
+        no_decay = [mp for mp in self.master_params if mp.ndim < 2]
+        groups = []
+        self._decay_group = 0 if decay else -1
+        if decay:
+            groups.append({"params": decay, "weight_decay": training_cfg.weight_decay})
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        opt_kwargs: dict[str, Any] = dict(lr=training_cfg.lr, betas=tuple(training_cfg.betas), eps=eps)
+        if dev.type == "cuda":
+            opt_kwargs["fused"] = True
+        self.optimizer = torch.optim.AdamW(groups, **opt_kwargs)
+
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
+        ]
+        self._relink_warned = False
+        if self.world.is_distributed:
+            self._check_layout()
+            if sync_initial:
+                dist.broadcast(self._master_flat, src=0)
+                if not self.single_copy:
+                    self._compute_flat.copy_(self._master_flat)
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _resolve_total_steps(self, total_steps: int | None) -> int:
+        if self.cfg.max_steps > 0:
+            return self.cfg.max_steps
+        if total_steps is None or total_steps < 1:
+            raise ValueError(
+                "training.max_steps is 0 (run until the data is exhausted): pass total_steps=<estimated "
+                "number of optimizer steps> so the cosine schedule knows where to end"
+            )
+        return int(total_steps)
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """Update the schedule length (only meaningful when training.max_steps is 0)."""
+        self.total_steps = self._resolve_total_steps(total_steps)
+
+    def _check_layout(self) -> None:
+        t = torch.tensor([self.numel, -self.numel, len(self.params), -len(self.params)], dtype=torch.int64,
+                         device=self.world.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t[0]) != -int(t[1]) or int(t[2]) != -int(t[3]):
+            raise RuntimeError(
+                "drafter ranks disagree on the trainable parameter layout "
+                f"(this rank: {len(self.params)} tensors / {self.numel} elements); every rank must build the same model"
+            )
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ backward + all-reduce
+
+    def _make_hook(self, idx: int):
+        def hook(p: torch.Tensor) -> None:
+            if not self._in_backward or self._seen[idx]:
+                return
+            g = p.grad
+            if g is None:
+                return
+            slot = self._grad_views[idx]
+            if g.data_ptr() != slot.data_ptr():
+                slot.copy_(g)
+                p.grad = slot if self.single_copy else None
+            self._seen[idx] = True
+            b = self._param_bucket[idx]
+            self._pending[b] -= 1
+            self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self._pending) and self._pending[self._next_launch] == 0:
+            self._launch(self._next_launch)
+
+    def _launch(self, b: int) -> None:
+        self._next_launch = b + 1
+        if self._in_backward:
+            self.buckets_launched_in_backward += 1
+        if self.world.is_distributed:
+            s, e = self._bucket_bounds[b]
+            self._works.append(dist.all_reduce(self._grad_buf[s:e], op=dist.ReduceOp.SUM, async_op=True))
+
+    def _begin(self, loss_sum: torch.Tensor | None, weight_sum: Any) -> None:
+        self._ensure_linked()
+        self._grad_buf.zero_()
+        if isinstance(weight_sum, torch.Tensor):
+            w = weight_sum.detach().reshape(1).to(self._grad_buf.dtype)
+            self._grad_buf[0:1].copy_(w)
+        else:
+            self._grad_buf[0] = float(weight_sum)
+        # Local weight kept aside (bucket 0 gets summed in place); read with the header, one sync.
+        self._local_w.copy_(self._grad_buf[0:1])
+        if loss_sum is not None:
+            self._grad_buf[1:2].copy_(loss_sum.detach().reshape(1))
+        self._pending = list(self._bucket_sizes)
+        self._seen = [False] * len(self.params)
+        self._next_launch = 0
+        self._works = []
+        self.buckets_launched_in_backward = 0  # overlap diagnostics: buckets sent while backward ran
+
+    def _ensure_linked(self) -> None:
+        """Re-attach model parameters whose storage was replaced behind our back."""
+        for i, (p, cv) in enumerate(zip(self.params, self._compute_views)):
+            if p.data_ptr() != cv.data_ptr() or p.dtype != cv.dtype or p.shape != cv.shape:
+                if not self._relink_warned:
+                    log.warning("trainable parameter %s was replaced outside the trainer; re-linking it to the "
+                                "master weights (its new values are discarded)", self.names[i])
+                    self._relink_warned = True
+                p.data = cv
+                if self.single_copy:
+                    p.grad = self._grad_views[i]
+
+    def _sync(self) -> None:
+        if self.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self, loss_sum: torch.Tensor | None, weight_sum: float | torch.Tensor) -> StepStats:
+        """Backward ``loss_sum``, all-reduce gradients and weights, divide by the global weight, clip, step.
+
+        ``loss_sum`` is a *sum* of weighted per-token losses and ``weight_sum`` the sum of those
+        weights on this rank. ``loss_sum=None`` (and weight 0) is an empty participation.
+        Every rank of the group must call this (or :meth:`step_empty`) once per step.
+        """
+        t0 = time.perf_counter()
+        self._begin(loss_sum, weight_sum)
+        if loss_sum is not None:
+            if not loss_sum.requires_grad:
+                raise ValueError("loss_sum does not require grad; pass None (or call step_empty) for an empty step")
+            self._in_backward = True
+            try:
+                loss_sum.backward()
+            finally:
+                self._in_backward = False
+        self._launch_remaining()
+        self._sync()
+        t1 = time.perf_counter()
+        for w in self._works:
+            w.wait()
+        self._works = []
+        global_w, global_loss_sum, local_w = torch.cat([self._grad_buf[:2], self._local_w]).tolist()  # one sync
+        t2 = time.perf_counter()
+        stats = self._apply(global_w, global_loss_sum)
+        t3 = time.perf_counter()
+        stats.local_weight = local_w
+        stats.backward_s, stats.allreduce_s, stats.optimizer_s = t1 - t0, t2 - t1, t3 - t2
+        return stats
+
+    def step_empty(self) -> StepStats:
+        """Participate in a step with no local batch (zero gradient, zero weight)."""
+        return self.step(None, 0.0)
+
+    def _launch_remaining(self) -> None:
+        # Buckets whose parameters got no gradient (unused, or an empty step) still go out, in order.
+        self._pending = [0] * len(self._pending)
+        self._launch_ready()
+
+    def _apply(self, global_w: float, global_loss_sum: float) -> StepStats:
+        lr = lr_at(self.step_count, self.cfg, self.total_steps)
+        if not (global_w > 0) or not math.isfinite(global_w):
+            if global_w != 0:
+                log.warning("global weight sum is %r; skipping the update", global_w)
+            return StepStats(self.step_count, lr, 0.0, global_w, float("nan"), 0.0, 0.0, 0.0, 0.0, skipped=True)
+        g = self._grad_flat
+        g.mul_(1.0 / global_w)
+        norm = float(torch.linalg.vector_norm(g))
+        global_loss = global_loss_sum / global_w
+        clipped = False
+        if not math.isfinite(norm):
+            log.warning("non-finite gradient norm (%s) at step %d; skipping the update", norm, self.step_count)
+            self.step_count += 1
+            return StepStats(self.step_count, lr, norm, global_w, global_loss, 0.0, 0.0, 0.0, 0.0, skipped=True)
+        clip = self.cfg.grad_clip
+        if clip > 0 and norm > clip:
+            g.mul_(clip / (norm + 1e-6))
+            clipped = True
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if not self.single_copy:
+            self._compute_flat.copy_(self._master_flat)
+        self.step_count += 1
+        self._sync()
+        return StepStats(self.step_count, lr, norm, global_w, global_loss, 0.0, 0.0, 0.0, 0.0, clipped=clipped)
+
+    # ------------------------------------------------------------------ control
+
+    def agree(self, has_batch: bool, stop_requested: bool) -> tuple[bool, bool]:
+        """One small all-reduce: (does any rank have a batch, did any rank ask to stop)."""
+        if not self.world.is_distributed:
+            return bool(has_batch), bool(stop_requested)
+        t = torch.tensor([int(bool(has_batch)), int(bool(stop_requested))], dtype=torch.int32,
+                         device=self.world.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        a, s = t.tolist()
+        return bool(a), bool(s)
+
+    @property
+    def current_lr(self) -> float:
+        return lr_at(self.step_count, self.cfg, self.total_steps)
+
+    # ------------------------------------------------------------------ state
+
+    def trainable_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Trainable weights by name (CPU copies; master precision unless ``dtype`` is given)."""
+        out = {}
+        for n, mv in zip(self.names, self._master_views):
+            t = mv.detach()
+            if dtype is not None:
+                t = t.to(dtype)
+            out[n] = t.to("cpu", copy=True).contiguous()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": _STATE_FORMAT,
+            "step": self.step_count,
+            "total_steps": self.total_steps,
+            "names": list(self.names),
+            "master": {n: mv.detach().to("cpu", copy=True) for n, mv in zip(self.names, self._master_views)},
+            "optimizer": _snapshot(self.optimizer.state_dict()),
+            "schedule": {
+                "kind": "warmup-cosine",
+                "lr": self.cfg.lr,
+                "min_lr_ratio": self.cfg.min_lr_ratio,
+                "warmup_steps": self.cfg.warmup_steps,
+                "total_steps": self.total_steps,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unsupported trainer state format {state.get('format')!r} (expected {_STATE_FORMAT})")
+        names = list(state["names"])
+        if names != self.names:
+            missing = sorted(set(self.names) - set(names))
+            extra = sorted(set(names) - set(self.names))
+            raise ValueError(f"trainer state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        with torch.no_grad():
+            for n, mv in zip(self.names, self._master_views):
+                src = state["master"][n]
+                if src.shape != mv.shape:
+                    raise ValueError(f"trainer state: {n} has shape {tuple(src.shape)}, model has {tuple(mv.shape)}")
+                mv.copy_(src)
+            if not self.single_copy:
+                self._compute_flat.copy_(self._master_flat)
+        self.optimizer.load_state_dict(state["optimizer"])
+        # The config in force now decides the hyper-parameters; the state decides the moments.
+        for gi, group in enumerate(self.optimizer.param_groups):
+            group["betas"] = tuple(self.cfg.betas)
+            group["weight_decay"] = self.cfg.weight_decay if gi == self._decay_group else 0.0
+        self.step_count = int(state["step"])
+        if self.cfg.max_steps == 0:
+            self.total_steps = int(state["total_steps"])
+        self._ensure_linked()

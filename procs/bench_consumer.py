@@ -1,0 +1,106 @@
+"""Bench consumer process: copies slots out, verifies every element, returns the slot."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import zmq
+
+from dflash_ipc import bench_transport, channels, handshake, protocol
+from dflash_ipc.dataplane import ConsumerDataPlane
+from dflash_ipc.protocol import Dead, Done, Hello, RejectCounter
+from dflash_ipc.ring import open_consumer_ring
+from procs.common import setup_child_process
+
+
+def run_bench_consumer_process(a: argparse.Namespace) -> int:
+    run_dir = Path(a.run_dir)
+    log, stop = setup_child_process("consumer", a.rank, run_dir)
+    torch.set_num_threads(1)
+    ctx = zmq.Context()
+    dealer = channels.connect(ctx, zmq.DEALER, channels.supervisor_endpoint(run_dir), handshake.identity("consumer", a.rank))
+    pull = channels.bind(ctx, zmq.PULL, channels.drafter_endpoint(run_dir, a.rank))
+    rings = []
+    pushes: list[zmq.Socket] = []
+    rejects = RejectCounter(f"consumer-{a.rank}", log)
+    try:
+        device = torch.device(a.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        hello = Hello(role="consumer", rank=a.rank, pid=os.getpid(), device=a.device, endpoint=channels.drafter_endpoint(run_dir, a.rank))
+        start = handshake.child_handshake(dealer, hello, 120, rejects)
+        rings = [open_consumer_ring(d, device) for d in start.rings]
+        pushes = [channels.connect(ctx, zmq.PUSH, ep) for ep in start.target_endpoints]
+        slot_bytes = max(r.layout.slot_bytes for r in rings)
+        buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(a.prefetch + 1)]
+        plane = ConsumerDataPlane(a.rank, rings, buffers, lambda p, m: channels.send(pushes[p], m), rejects)
+        handshake.send_ready(dealer, "consumer", a.rank)
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        verified = True
+        slots = 0
+        t_first = None
+        t_last = time.perf_counter()
+        while not plane.drained() and not stop.requested:
+            for msg in channels.drain(pull, rejects):
+                plane.handle(msg)
+            plane.pump()
+            batch = plane.take()
+            if batch is None:
+                poller.poll(5 if plane.copying else 50)
+                continue
+            if t_first is None:
+                t_first = time.perf_counter() - batch.copy_s
+            m = batch.msg
+            verified &= bench_transport.verify_pattern(batch.views, m.producer, m.batch_id[2])
+            if a.slow_ms > 0:
+                time.sleep(a.slow_ms / 1000)
+            plane.release(batch)
+            slots += 1
+            t_last = time.perf_counter()
+        summary = {
+            "slots": slots,
+            "bytes": plane.bytes_copied,
+            "verified": bool(verified),
+            "active_s": (t_last - t_first) if t_first is not None else 0.0,
+            "copy_s": plane.copy_seconds,
+            "handoff_ns": plane.handoff_ns[:20000],
+            "rejected": rejects.total,
+            "per_producer": plane.slots_done,
+        }
+        dealer.send(protocol.encode(Done(role="consumer", rank=a.rank, summary=summary)))
+        return 0
+    except Exception as e:
+        log.error("consumer failed: %s", traceback.format_exc())
+        dealer.send(protocol.encode(Dead(role="consumer", rank=a.rank, error=f"{type(e).__name__}: {e}")))
+        return 1
+    finally:
+        for s in pushes:
+            s.close()
+        for r in rings:
+            r.close()
+        pull.close()
+        dealer.close(linger=1000)
+        ctx.term()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--backend", default="cpu-shm")
+    ap.add_argument("--producers", type=int, default=1)
+    ap.add_argument("--consumers", type=int, default=1)
+    ap.add_argument("--slow-ms", type=float, default=0.0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prefetch", type=int, default=1)
+    return run_bench_consumer_process(ap.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

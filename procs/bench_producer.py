@@ -1,0 +1,107 @@
+"""Bench producer process: fills ring slots with a verifiable pattern for `bench transport`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import zmq
+
+from dflash_ipc import bench_transport, channels, handshake, protocol
+from dflash_ipc.dataplane import ProducerDataPlane
+from dflash_ipc.protocol import Dead, Done, Hello, RejectCounter
+from dflash_ipc.ring import create_producer_ring
+from procs.common import setup_child_process
+
+
+def run_bench_producer_process(a: argparse.Namespace) -> int:
+    run_dir = Path(a.run_dir)
+    log, stop = setup_child_process("producer", a.rank, run_dir)
+    torch.set_num_threads(1)
+    ctx = zmq.Context()
+    dealer = channels.connect(ctx, zmq.DEALER, channels.supervisor_endpoint(run_dir), handshake.identity("producer", a.rank))
+    pull = channels.bind(ctx, zmq.PULL, channels.target_endpoint(run_dir, a.rank))
+    ring = None
+    pushes: list[zmq.Socket] = []
+    rejects = RejectCounter(f"producer-{a.rank}", log)
+    try:
+        layout = bench_transport.bench_layout(a.slot_bytes)
+        device = torch.device(a.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        ring = create_producer_ring(a.backend, layout, a.slots, run_id=a.run_id, producer_rank=a.rank, device=device)
+        hello = Hello(role="producer", rank=a.rank, pid=os.getpid(), device=a.device, ring=ring.descriptor(),
+                      endpoint=channels.target_endpoint(run_dir, a.rank))
+        start = handshake.child_handshake(dealer, hello, 120, rejects)
+        pushes = [channels.connect(ctx, zmq.PUSH, ep) for ep in start.drafter_endpoints]
+        plane = ProducerDataPlane(a.rank, ring, len(pushes), a.max_outstanding, lambda c, m: channels.send(pushes[c], m), rejects)
+        handshake.send_ready(dealer, "producer", a.rank)
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        index = 0
+        end = time.monotonic() + a.seconds
+        while time.monotonic() < end and not stop.requested:
+            for msg in channels.drain(pull, rejects):
+                plane.handle(msg)
+            slot = plane.acquire()
+            if slot is not None:
+                n = layout.max_tokens
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        bench_transport.fill_pattern(ring.staging_views(slot, n, 1), a.rank, index)
+                        ring.commit(slot, n, 1, stream)
+                    stream.synchronize()
+                else:
+                    bench_transport.fill_pattern(ring.staging_views(slot, n, 1), a.rank, index)
+                    ring.commit(slot, n, 1)
+                plane.enqueue(slot, [0, a.rank, index], 0, n, 1)
+                index += 1
+            plane.dispatch()
+            if slot is None or plane.waiting:
+                poller.poll(50)
+        plane.end_of_data()
+        deadline = time.monotonic() + 60
+        while not plane.all_returned() and time.monotonic() < deadline:
+            if poller.poll(100):
+                for msg in channels.drain(pull, rejects):
+                    plane.handle(msg)
+            plane.dispatch()
+        dealer.send(protocol.encode(Done(role="producer", rank=a.rank, summary={"batches": plane.batches_sent, "rejected": rejects.total, **plane.stats()})))
+        return 0
+    except Exception as e:
+        log.error("producer failed: %s", traceback.format_exc())
+        dealer.send(protocol.encode(Dead(role="producer", rank=a.rank, error=f"{type(e).__name__}: {e}")))
+        return 1
+    finally:
+        for s in pushes:
+            s.close()
+        if ring is not None:
+            ring.close()
+        pull.close()
+        dealer.close(linger=1000)
+        ctx.term()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--backend", default="cpu-shm")
+    ap.add_argument("--producers", type=int, default=1)
+    ap.add_argument("--consumers", type=int, default=1)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--slot-bytes", type=int, required=True)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-outstanding", type=int, default=2)
+    return run_bench_producer_process(ap.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

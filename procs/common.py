@@ -1,0 +1,83 @@
+"""What every child process of a run does first: title, logging, faulthandler, parent watch.
+
+Shutdown of a child (drawn once here, used by every role)::
+
+    RUNNING ──Shutdown msg / SIGTERM / parent died──▶ STOPPING ──close rings, sockets──▶ exit 0
+       │
+       └── exception ──▶ send Dead(error) to the supervisor ──▶ close what is open ──▶ exit 1
+
+The supervisor spawns children with ``PR_SET_PDEATHSIG = SIGTERM`` so a child never
+outlives a supervisor killed with SIGKILL; SIGTERM only sets a flag that the role's main loop
+checks, so it always leaves through its own cleanup.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import setproctitle
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT or by a Shutdown message; polled by the main loop."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        if not self.requested:
+            self.requested = True
+            self.reason = reason
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def setup_child_process(role: str, rank: int, run_dir: Path, log_level: str = "info") -> tuple[logging.Logger, StopFlag]:
+    """Title, logging to RUN_DIR/logs/<role>-<rank>.log (+stderr), faulthandler, signals."""
+    setproctitle.setproctitle(f"dflash-ipc:{role}:{rank}")
+    _set_parent_death_signal(signal.SIGTERM)
+    parent = os.getppid()
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{role}-{rank}.log"
+    fault_file = open(log_path, "a", buffering=1)
+    faulthandler.enable(file=fault_file, all_threads=True)
+    if os.environ.get("DFLASH_IPC_DEBUG_FAULTHANDLER_SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=fault_file, all_threads=True)
+    logger = logging.getLogger(f"dflash_ipc.{role}{rank}")
+    root = logging.getLogger()
+    root.handlers.clear()
+    handler = logging.StreamHandler(fault_file)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {role}-{rank} %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, log_level.upper()))
+    stop = StopFlag()
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stop.set(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if os.getppid() != parent:  # parent died before the death signal was armed
+        stop.set("parent died")
+    return logger, stop
+
+
+def parent_alive(original_parent: int) -> bool:
+    return os.getppid() == original_parent

@@ -1,0 +1,356 @@
+"""Status snapshot: schema validation and the table / Prometheus / JSON renderings."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+
+import pytest
+
+from dflash_ipc import status_view as sv
+
+NOW = 1_800_000_000.0
+
+
+@pytest.fixture
+def status():
+    return sv.example_status(2, 3, now=NOW)
+
+
+# --------------------------------------------------------------------------- a strict exposition parser
+
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_LABEL = r"[a-zA-Z_][a-zA-Z0-9_]*"
+_SAMPLE = re.compile(rf"^({_NAME})(\{{.*\}})? (\S+)$")
+_VALUE = re.compile(r"^(NaN|[+-]Inf|[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?)$")
+
+
+def _parse_labels(text: str) -> dict[str, str]:
+    assert text[0] == "{" and text[-1] == "}", text
+    body, i, out = text[1:-1], 0, {}
+    while i < len(body):
+        m = re.match(rf"({_LABEL})=\"", body[i:])
+        assert m, f"bad label at {body[i:]!r}"
+        name = m.group(1)
+        assert not name.startswith("__") and name not in out, name
+        i += m.end()
+        val = []
+        while True:
+            assert i < len(body), f"unterminated label value in {text!r}"
+            c = body[i]
+            if c == "\\":
+                nxt = body[i + 1]
+                assert nxt in '\\"n', f"bad escape \\{nxt}"
+                val.append({"\\": "\\", '"': '"', "n": "\n"}[nxt])
+                i += 2
+            elif c == '"':
+                i += 1
+                break
+            else:
+                assert c != "\n"
+                val.append(c)
+                i += 1
+        out[name] = "".join(val)
+        if i < len(body):
+            assert body[i] == ",", f"expected ',' in {text!r}"
+            i += 1
+            assert i < len(body), "trailing comma"
+    return out
+
+
+def parse_exposition(text: str) -> dict[str, dict]:
+    """Families {name: {"help": str, "type": str, "samples": [(labels, value)]}}; asserts the
+    text format rules: HELP/TYPE before samples, one family block each, no duplicate series."""
+    assert text.endswith("\n")
+    families: dict[str, dict] = {}
+    current = None
+    closed: set[str] = set()
+    for line in text[:-1].split("\n"):
+        assert line, "empty line"
+        if line.startswith("# HELP "):
+            name, _, help_text = line[7:].partition(" ")
+            assert re.fullmatch(_NAME, name) and name not in families, line
+            if current:
+                closed.add(current)
+            families[name] = {"help": help_text, "type": None, "samples": []}
+            current = name
+        elif line.startswith("# TYPE "):
+            name, _, typ = line[7:].partition(" ")
+            assert name == current and families[name]["type"] is None and not families[name]["samples"], line
+            assert typ in ("gauge", "counter", "untyped", "summary", "histogram"), line
+            families[name]["type"] = typ
+        elif line.startswith("#"):
+            continue
+        else:
+            m = _SAMPLE.match(line)
+            assert m, f"bad sample line {line!r}"
+            name, labels, value = m.groups()
+            assert name == current and name not in closed, f"sample outside its family: {line!r}"
+            assert families[name]["type"] is not None, f"no TYPE before {line!r}"
+            assert _VALUE.match(value), f"bad value {value!r}"
+            lbl = _parse_labels(labels) if labels else {}
+            key = tuple(sorted(lbl.items()))
+            assert key not in {tuple(sorted(s.items())) for s, _ in families[name]["samples"]}, f"dup {line!r}"
+            families[name]["samples"].append((lbl, float(value)))
+    return families
+
+
+def test_parser_rejects_bad_text():
+    for bad in ("x 1\n", "# HELP a h\n# TYPE a gauge\na{b=\"1} 1\n", "# HELP a h\n# TYPE a gauge\na 1\na 2\n",
+                "# HELP a h\n# TYPE a gauge\na one\n"):
+        with pytest.raises(AssertionError):
+            parse_exposition(bad)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_example_is_valid(status):
+    assert sv.validate_status(status) == []
+    assert sv.validate_status(sv.example_status(1, 1)) == []
+
+
+def test_missing_fields_are_reported(status):
+    s = copy.deepcopy(status)
+    del s["state"]
+    del s["totals"]["eta_s"]
+    del s["processes"][1]["heartbeat_age_s"]
+    del s["processes"][0]["slots"]["ready"]
+    problems = sv.validate_status(s)
+    assert "state: missing" in problems
+    assert "totals.eta_s: missing" in problems
+    assert "processes[1].heartbeat_age_s: missing" in problems
+    assert "processes[0].slots.ready: missing" in problems
+    assert len(problems) == 4
+
+
+@pytest.mark.parametrize(
+    "path, value, expect",
+    [
+        (("supervisor_pid",), "123", "supervisor_pid: expected int, got str"),
+        (("supervisor_pid",), True, "supervisor_pid: expected int, got bool"),
+        (("updated_unix",), "now", "updated_unix: expected float"),
+        (("updated_unix",), None, "updated_unix: expected float, got null"),
+        (("schema",), 2, "schema: must be 1"),
+        (("state",), "paused", "state: must be one of"),
+        (("run_dir",), 5, "run_dir: expected str"),
+        (("totals", "step"), 1.5, "totals.step: expected int, got float"),
+        (("totals", "max_steps"), "10", "totals.max_steps: expected int"),
+        (("totals", "tokens_per_s"), -1.0, "totals.tokens_per_s: must be >= 0"),
+        (("totals", "tokens_per_s"), float("nan"), "totals.tokens_per_s: must be finite"),
+        (("processes", 0, "role"), "teacher", "processes[0].role: must be one of"),
+        (("processes", 0, "rank"), -1, "processes[0].rank: must be >= 0"),
+        (("processes", 0, "slots"), [1, 2, 3, 4], "processes[0].slots: expected object, got list"),
+        (("processes", 0, "slots", "free"), "1", "processes[0].slots.free: expected int"),
+        (("processes", 0, "inflight_per_drafter"), [1, "2"], "processes[0].inflight_per_drafter[1]: expected int"),
+        (("processes", 0, "inflight_per_drafter"), 3, "processes[0].inflight_per_drafter: expected list"),
+        (("processes", 2, "busy_pct"), 150.0, "processes[2].busy_pct: must be <= 100"),
+        (("processes", 2, "rejected_messages"), None, "processes[2].rejected_messages: expected int, got null"),
+        (("processes", 2, "device"), "", "processes[2].device: must not be empty"),
+        (("processes", 2, "exit_code"), "1", "processes[2].exit_code: expected int"),
+        (("processes",), {}, "processes: expected list"),
+        (("totals",), None, "totals: expected object, got null"),
+    ],
+)
+def test_mistyped_fields_are_reported(status, path, value, expect):
+    s = copy.deepcopy(status)
+    obj = s
+    for k in path[:-1]:
+        obj = obj[k]
+    obj[path[-1]] = value
+    problems = sv.validate_status(s)
+    assert any(p.startswith(expect) for p in problems), problems
+
+
+def test_optional_fields_accept_null_and_ints_for_floats(status):
+    s = copy.deepcopy(status)
+    for k in ("max_steps", "loss", "eta_s"):
+        s["totals"][k] = None
+    p = s["processes"][0]
+    for k in ("pid", "heartbeat_age_s", "slots", "inflight_per_drafter", "gpu_mem_allocated_bytes",
+              "gpu_mem_reserved_bytes", "rss_bytes", "busy_pct", "wait_pct", "exit_code"):
+        p[k] = None
+    p["uptime_s"] = 5  # int where float is expected
+    s["processes"][2]["loss"] = float("nan")  # a diverged loss is reportable
+    assert sv.validate_status(s) == []
+
+
+def test_unknown_keys_duplicates_and_non_objects(status):
+    s = copy.deepcopy(status)
+    s["processes"][0]["heartbeat_age"] = 1.0
+    s["extra"] = 1
+    s["processes"][4]["rank"] = 1  # drafter rank 1 twice
+    problems = sv.validate_status(s)
+    assert "processes[0].heartbeat_age: unknown key; did you mean 'heartbeat_age_s'?" in problems
+    assert any(p.startswith("extra: unknown key") for p in problems)
+    s["processes"][0].pop("heartbeat_age")
+    s.pop("extra")
+    assert sv.validate_status(s) == ["processes[4]: duplicate drafter rank 1"]
+    assert sv.validate_status([]) == ["status: expected object, got list"]
+    assert sv.validate_status(None) == ["status: expected object, got null"]
+
+
+# --------------------------------------------------------------------------- prometheus
+
+TARGET_ONLY = {"process_slots_free", "process_slots_filling", "process_slots_ready", "process_slots_copying",
+               "process_inflight_slots"}
+DRAFTER_ONLY = {"process_queue_depth", "process_step", "process_loss"}
+
+
+def test_prometheus_parses_with_one_sample_per_process(status):
+    fams = parse_exposition(sv.render_prometheus(status))
+    assert all(name.startswith("dflash_ipc_") for name in fams)
+    assert all(f["type"] == "gauge" and f["help"] for f in fams.values())
+    procs = {(p["role"], str(p["rank"]), p["device"]) for p in status["processes"]}
+    per_process = [n for n in fams if n.startswith("dflash_ipc_process_") and n != "dflash_ipc_process_inflight_to_drafter"]
+    assert len(per_process) >= 15
+    for name in per_process:
+        short = name[len("dflash_ipc_"):]
+        seen = [(s["role"], s["rank"], s["device"]) for s, _ in fams[name]["samples"]]
+        assert len(seen) == len(set(seen)), name  # at most one sample per process
+        expected = {p for p in procs if not (short in TARGET_ONLY and p[0] == "drafter")
+                    and not (short in DRAFTER_ONLY and p[0] == "target")}
+        if short == "process_exit_code":
+            expected = set()  # nothing has exited
+        assert set(seen) == expected, name
+        for labels, _ in fams[name]["samples"]:
+            assert set(labels) - {"state"} == {"role", "rank", "device"}, labels
+    inflight = fams["dflash_ipc_process_inflight_to_drafter"]["samples"]
+    assert len(inflight) == 2 * 3 and {s["drafter"] for s, _ in inflight} == {"0", "1", "2"}
+    state = {s["state"]: v for s, v in fams["dflash_ipc_state"]["samples"]}
+    assert state == {"starting": 0, "running": 1, "stopping": 0, "finished": 0, "failed": 0}
+    assert fams["dflash_ipc_step"]["samples"] == [({}, 1234.0)]
+    busy = {s["rank"]: v for s, v in fams["dflash_ipc_process_busy_ratio"]["samples"] if s["role"] == "target"}
+    assert busy == {"0": 0.91, "1": 0.91}
+
+
+def test_prometheus_values_escapes_and_absent_samples(status):
+    s = copy.deepcopy(status)
+    s["run_dir"] = 'C:\\runs\n"x"'
+    s["processes"][0]["device"] = 'cuda:"0"'
+    s["processes"][2]["loss"] = float("nan")
+    s["processes"][3]["loss"] = float("inf")
+    s["processes"][4]["exit_code"] = 137
+    s["processes"][4]["pid"] = None
+    s["totals"]["max_steps"] = None
+    fams = parse_exposition(sv.render_prometheus(s, extra_labels={"run": "my\\run"}))
+    (info_labels, _), = fams["dflash_ipc_info"]["samples"]
+    assert info_labels["run_dir"] == 'C:\\runs\n"x"' and info_labels["run"] == "my\\run"
+    devices = {lbl["device"] for lbl, _ in fams["dflash_ipc_process_up"]["samples"]}
+    assert 'cuda:"0"' in devices
+    losses = {lbl["rank"]: v for lbl, v in fams["dflash_ipc_process_loss"]["samples"]}
+    assert math.isnan(losses["0"]) and losses["1"] == math.inf
+    assert "dflash_ipc_max_steps" not in fams  # None: no sample, no family
+    assert fams["dflash_ipc_process_exit_code"]["samples"] == [
+        ({"run": "my\\run", "role": "drafter", "rank": "2", "device": "cuda:4"}, 137.0)
+    ]
+    up = {(lbl["role"], lbl["rank"]): v for lbl, v in fams["dflash_ipc_process_up"]["samples"]}
+    assert up[("drafter", "2")] == 0 and up[("target", "0")] == 1
+    assert len(fams["dflash_ipc_process_pid"]["samples"]) == 4
+    with pytest.raises(ValueError):
+        sv.render_prometheus(s, extra_labels={"role": "x"})
+    with pytest.raises(ValueError):
+        sv.render_prometheus(s, extra_labels={"bad-name": "x"})
+
+
+# --------------------------------------------------------------------------- table
+
+
+def test_table_has_every_process_and_totals(status):
+    text = sv.render_table(status, now=NOW + 2)
+    for p in status["processes"]:
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"{p['role']}{p['rank']} "))
+        assert str(p["pid"]) in line and p["device"] in line
+    assert "RUNNING" in text and "updated 2.0s ago" in text
+    assert "TOTAL  18.2k tok/s  step 1,234/10,000 (12.3%)  loss 2.346" in text
+    assert "30.0/34.0G" in text and "q1 s1234" in text and "1/1/1/1 i3" in text
+    assert "!" not in text  # nothing to warn about
+    assert all(len(ln) <= 100 for ln in text.splitlines())
+
+
+def test_table_fits_100_columns_in_the_worst_case():
+    s = sv.example_status(8, 16, now=NOW)
+    s["config"] = "/very/long/path/" + "x" * 150 + ".toml"
+    s["run_dir"] = "/runs/" + "y" * 200
+    s["totals"].update(tokens_per_s=987_654_321.0, step=12_345_678, max_steps=99_999_999, loss=1e-9,
+                       pipeline_rss_bytes=2**50, eta_s=9e7)
+    for i, p in enumerate(s["processes"]):
+        p.update(pid=4_194_304, device="cuda:15", state="handshaking-forever", uptime_s=8.6e7,
+                 heartbeat_age_s=99_999.0, tokens_per_s=999_999.0, gpu_mem_allocated_bytes=140 * 2**30,
+                 gpu_mem_reserved_bytes=141 * 2**30, rss_bytes=1000 * 2**30, busy_pct=100.0, wait_pct=100.0,
+                 rejected_messages=10**9, exit_code=-9)
+        if p["role"] == "target":
+            p.update(slots={"free": 64, "filling": 64, "ready": 64, "copying": 64}, inflight_per_drafter=[64] * 16)
+        else:
+            p.update(queue_depth=1000, step=12_345_678, loss=-123456.0)
+    assert sv.validate_status(s) == []
+    text = sv.render_table(s, now=NOW + 1e6)
+    lines = text.splitlines()
+    assert max(len(ln) for ln in lines) <= 100, "\n".join(ln for ln in lines if len(ln) > 100)
+    assert "STALE" in text and "! target0 exited with code -9" in text
+    assert sum(1 for ln in lines if re.match(r"(target|drafter)\d+ ", ln)) == 24
+
+
+def test_table_warnings_and_edge_cases(status):
+    s = copy.deepcopy(status)
+    s["processes"][3].update(exit_code=1, state="exited", pid=None)
+    s["processes"][1]["heartbeat_age_s"] = 42.0
+    s["processes"][0]["rejected_messages"] = 3
+    s["processes"][4]["loss"] = float("nan")
+    text = sv.render_table(s, now=NOW)
+    assert "! drafter1 exited with code 1" in text
+    assert "! target1 last heartbeat 42s ago" in text
+    assert "! target0 rejected 3 control message(s)" in text
+    assert "! drafter2 loss is nan" in text
+    empty = sv.example_status(0, 0, now=NOW)
+    empty["state"] = "starting"
+    text = sv.render_table(empty, now=NOW)
+    assert "(no processes)" in text and "STARTING" in text
+
+
+def test_formatters_stay_short():
+    for exp in range(0, 64):
+        for m in (1.0, 1.5, 9.99, 99.9, 999.4, 1000.0, 1023.9):
+            n = int(m * 2**exp)
+            assert len(sv.fmt_bytes(n)) <= 5, (n, sv.fmt_bytes(n))
+    for exp in range(-3, 25):
+        for m in (1.0, 9.994, 9.996, 99.94, 99.96, 999.4, 999.6):
+            x = m * 10**exp
+            assert len(sv.fmt_rate(x)) <= 5, (x, sv.fmt_rate(x))
+            assert len(sv.fmt_loss(x)) <= 6 and len(sv.fmt_loss(-x)) <= 7, x
+    for s in (0, 0.04, 9.94, 9.96, 59.4, 59.6, 3599.4, 3599.6, 86399.6, 999 * 86400 + 3599):
+        assert len(sv.fmt_duration(s)) <= 6, (s, sv.fmt_duration(s))
+    assert sv.fmt_bytes(1536) == "1.5K" and sv.fmt_bytes(12 * 2**30, long=True) == "12.0 GiB"
+    assert sv.fmt_rate(18_200) == "18.2k" and sv.fmt_rate(999) == "999"
+    assert sv.fmt_duration(3725) == "1h02m" and sv.fmt_duration(0.42) == "0.4s"
+
+
+# --------------------------------------------------------------------------- json and helpers
+
+
+def test_json_round_trip_is_strict(status):
+    s = copy.deepcopy(status)
+    s["processes"][2]["loss"] = float("nan")
+
+    def refuse(c):
+        raise AssertionError(f"non-standard JSON constant {c}")
+
+    back = json.loads(sv.render_json(s), parse_constant=refuse)
+    assert back["processes"][2]["loss"] is None
+    back["processes"][2]["loss"] = s["processes"][2]["loss"] = 1.0
+    assert back == s
+    assert sv.validate_status(json.loads(sv.render_json(status))) == []
+
+
+def test_render_status_dispatch_and_atomic_write(status, tmp_path):
+    assert sv.render_status(status, "json", indent=None).count("\n") == 1
+    assert sv.render_status(status, "prometheus").startswith("# HELP dflash_ipc_")
+    assert "PROC" in sv.render_status(status, "table", now=NOW)
+    with pytest.raises(ValueError, match="unknown status format"):
+        sv.render_status(status, "xml")
+    target = tmp_path / "dflash.prom"
+    sv.write_text_atomic(target, "a\n")
+    sv.write_text_atomic(target, "b\n")
+    assert target.read_text() == "b\n" and [p.name for p in tmp_path.iterdir()] == ["dflash.prom"]
