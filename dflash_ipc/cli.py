@@ -83,5 +83,93 @@ def check_config(config_path: str) -> None:
     click.echo(json.dumps(cfg.to_dict(), indent=2))
 
 
+@main.command("up")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Run configuration (TOML).")
+@click.option("--run-dir", default=None, help="Run directory (default: run.run_dir or runs/<run.name>).")
+@click.option("--max-steps", type=click.IntRange(0), default=None, help="Override training.max_steps.")
+@click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the run directory (fresh if none).")
+@click.option("--max-restarts", type=click.IntRange(0), default=0, show_default=True, help="Restart the group from the last checkpoint after a failure, at most K times.")
+def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: bool, max_restarts: int) -> None:
+    """Start the whole pipeline: one process per target and per drafter."""
+    from pathlib import Path
+
+    from dflash_ipc.config import load_config
+    from dflash_ipc.supervisor import GroupFailed, Supervisor
+
+    overrides = {"training.max_steps": max_steps} if max_steps is not None else None
+    try:
+        cfg = load_config(config_path, overrides)
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    for w in cfg.ignored_value_warnings():
+        click.echo(f"warning: {config_path}: {w}", err=True)
+    sup = Supervisor(cfg, cfg.run_dir(run_dir).absolute(), resume=resume, max_restarts=max_restarts, echo=click.echo)
+    try:
+        sup.prepare()
+    except (GroupFailed, ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    sys.exit(sup.run())
+
+
+@main.command("status")
+@click.option("--run-dir", default="runs", show_default=True, help="Run directory (or a folder of runs: the newest).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object with a `processes` list.")
+@click.option("--prometheus", is_flag=True, help="Prometheus text exposition format.")
+@click.option("--watch", is_flag=True, help="Refresh every second until interrupted.")
+def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
+    """What every process of a run is doing (live, or the last snapshot after it ended)."""
+    import time
+    from pathlib import Path
+
+    from dflash_ipc.status_client import StatusUnavailable, read_status
+    from dflash_ipc.status_view import render_json, render_prometheus, render_table
+
+    while True:
+        try:
+            snap = read_status(Path(run_dir))
+        except StatusUnavailable as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        if as_json:
+            out = render_json(snap, indent=None)
+        elif prometheus:
+            out = render_prometheus(snap)
+        else:
+            out = render_table(snap)
+        if watch:
+            click.clear()
+        click.echo(out)
+        if not watch:
+            return
+        time.sleep(1.0)
+
+
+@main.command("plan")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+def plan(config_path: str, as_json: bool) -> None:
+    """Length-bucketed batch plan statistics for a config (no model is loaded)."""
+    from dflash_ipc.plan import plan_command
+
+    _load_or_exit(config_path)
+    stats = plan_command(config_path)
+    if as_json:
+        click.echo(json.dumps(stats))
+    else:
+        for k, v in stats.items():
+            click.echo(f"{k:>32}: {v}")
+
+
+def _add_systemd() -> None:
+    from dflash_ipc.systemd import systemd_group
+
+    main.add_command(systemd_group, "systemd")
+
+
+_add_systemd()
+
+
 if __name__ == "__main__":
     main()

@@ -456,3 +456,24 @@ def _did_you_mean(key: str, valid: Any) -> str:
     valid_list = ", ".join(sorted(valid))
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"{hint} (valid: {valid_list})"
+
+
+RESOLVED_CONFIG_FILE = "config.json"
+
+
+def write_resolved_config(cfg: DFlashConfig, run_dir: Path) -> Path:
+    """Freeze the validated config into the run directory; children load exactly this."""
+    import json
+
+    path = Path(run_dir) / RESOLVED_CONFIG_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"source": cfg.source, "config": cfg.to_dict()}, indent=2))
+    tmp.replace(path)
+    return path
+
+
+def load_resolved_config(run_dir: Path) -> DFlashConfig:
+    import json
+
+    d = json.loads((Path(run_dir) / RESOLVED_CONFIG_FILE).read_text())
+    return config_from_dict(d["config"], source=d.get("source", str(run_dir)))

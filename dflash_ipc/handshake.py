@@ -19,7 +19,6 @@ A child that dies during the handshake is reported by the coordinator's sentinel
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import zmq
@@ -31,15 +30,6 @@ from dflash_ipc.protocol import Dead, Hello, Ready, RejectCounter, Start
 
 class HandshakeError(RuntimeError):
     pass
-
-
-@dataclass
-class ChildKey:
-    role: str
-    rank: int
-
-    def identity(self) -> bytes:
-        return f"{self.role}-{self.rank}".encode()
 
 
 def identity(role: str, rank: int) -> bytes:
@@ -103,10 +93,12 @@ def coordinate(
     by_key = {idents[i]: m for i, m in hellos.items()}
     targets = sorted(k for k in by_key if k[0] in ("target", "producer"))
     drafters = sorted(k for k in by_key if k[0] in ("drafter", "consumer"))
+    resume = by_key[drafters[0]].info.get("resume", {}) if drafters else {}
     start = Start(
         rings=[by_key[k].ring for k in targets],
         target_endpoints=[by_key[k].endpoint for k in targets],
         drafter_endpoints=[by_key[k].endpoint for k in drafters],
+        resume=resume,
     )
     frame = protocol.encode(start)
     for ident in idents:

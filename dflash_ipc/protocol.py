@@ -60,6 +60,7 @@ class Hello(Message):
     protocol: int = PROTOCOL_VERSION
     ring: dict | None = None  # target only: the ring descriptor (plain fields)
     endpoint: str = ""  # the address this child binds for data-plane messages
+    info: dict = field(default_factory=dict)  # e.g. drafters: the checkpoint they resume from
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Start(Message):
     rings: list  # [descriptor dict per target rank]
     target_endpoints: list
     drafter_endpoints: list
+    resume: dict = field(default_factory=dict)  # {"checkpoint": path, "step": n} when resuming
 
 
 @dataclass(frozen=True)

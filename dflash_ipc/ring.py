@@ -139,6 +139,8 @@ class ProducerRing(Protocol):
 
     def staging_views(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews: ...
 
+    def pack_target(self, index: int) -> torch.Tensor: ...
+
     def commit(self, index: int, n_tokens: int, n_seqs: int, stream: "torch.cuda.Stream | None" = None) -> None: ...
 
     def descriptor(self) -> dict: ...
@@ -232,6 +234,10 @@ class CpuShmProducerRing(_Base):
 
     # The packer writes straight into the shared slot on CPU.
     staging_views = views
+
+    def pack_target(self, index: int) -> torch.Tensor:
+        """The flat buffer the packer writes for this slot (the slot itself here)."""
+        return self.slot(index)
 
     def commit(self, index: int, n_tokens: int, n_seqs: int, stream=None) -> None:
         return None

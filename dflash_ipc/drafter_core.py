@@ -1,0 +1,186 @@
+"""The drafter's pure core: model, trainer, ledger, checkpoints, metrics. No sockets.
+
+One training step, identical on every drafter rank (data parallel, lockstep)::
+
+    batch (copied out of a ring) or none
+        │
+    agree(has_batch, stop)  ── no rank has a batch and no more will come ──▶ finish
+        │                   ── stop requested ──▶ checkpoint at this boundary ──▶ finish
+    compute_loss (concat planes + noise on this GPU) ─▶ trainer.step (token-weighted all-reduce)
+        │   (a rank without a batch steps with zero weight, so collectives never hang)
+    ledger += batch id ─▶ metrics.jsonl (rank 0) ─▶ checkpoint every N steps
+
+The ledger holds the id of every batch whose gradient is inside the checkpointed weights;
+on resume targets skip exactly those, so no consumed batch repeats and none is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_ipc.checkpoint import (
+    BatchLedger,
+    config_hash,
+    gather_ledger,
+    load_latest_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from dflash_ipc.config import DFlashConfig
+from dflash_ipc.dflash_loss import accuracy_per_pos, compute_loss, expected_acceptance_length
+from dflash_ipc.drafter_model import DFlashDrafter, DrafterModelConfig, export_drafter, num_parameters
+from dflash_ipc.slots import SlotViews
+from dflash_ipc.target_model import load_hf_config, resolve_layer_ids, target_head_weights, text_config
+from dflash_ipc.tokenizer import load_tokenizer, mask_token_id
+from dflash_ipc.trainer import DistInfo, DrafterTrainer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class DrafterCore:
+    def __init__(self, cfg: DFlashConfig, run_dir: Path, world: DistInfo, device: torch.device, total_steps: int, resume: bool):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.world = world
+        self.device = device
+        tokenizer = load_tokenizer(cfg.target.tokenizer)
+        hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))
+        layer_ids = resolve_layer_ids(cfg.target, int(text_config(hf_config).num_hidden_layers))
+        mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else mask_token_id(tokenizer)
+        dtype = _DTYPES[cfg.drafter.dtype]
+        embed, lm_head = target_head_weights(cfg.target, hf_config, device, dtype)
+        mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
+        torch.manual_seed(cfg.run.seed)
+        self.model = DFlashDrafter(mcfg, embed, lm_head, attention=cfg.drafter.attention).to(device=device, dtype=dtype)
+        self.trainer = DrafterTrainer(self.model, cfg.training, compute_dtype=dtype, world=world, total_steps=max(1, total_steps))
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(cfg.run.seed * 1000 + world.rank)
+        self.ledger = BatchLedger()
+        self._new_ids: list[tuple] = []
+        self.step = 0
+        self.resumed_from: dict = {}
+        self.ckpt_root = run_dir / "checkpoints"
+        self.config_hash = config_hash(cfg.to_dict() | {"training": {**cfg.to_dict()["training"], "max_steps": None}})
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.tokens_total = 0
+        self.t_start = time.perf_counter()
+        self.last: dict = {}
+        self.n_params = num_parameters(self.model)
+        if resume:
+            self._resume()
+
+    def _resume(self) -> None:
+        ckpt = load_latest_checkpoint(self.ckpt_root, map_location=self.device)
+        if ckpt is None:
+            log.info("resume: no checkpoint under %s, starting fresh", self.ckpt_root)
+            return
+        self.trainer.load_state_dict(ckpt.trainer_state)
+        set_rng_state(ckpt.rng_state)
+        self.generator.manual_seed(self.cfg.run.seed * 1000 + self.world.rank + 7919 * ckpt.step)
+        self.ledger = ckpt.ledger
+        self.step = ckpt.step
+        self.resumed_from = {"checkpoint": str(ckpt.path), "step": ckpt.step}
+        log.info("resumed from %s: step %d, %d batches in the ledger", ckpt.path, ckpt.step, len(self.ledger))
+
+    # -- training
+    def train_step(self, views: SlotViews | None, batch_id: list | None, wait_s: float, copy_s: float) -> dict:
+        t0 = time.perf_counter()
+        if views is not None:
+            out = compute_loss(self.model, views, self.cfg.drafter, self.cfg.training, self.generator)
+            t_fwd = time.perf_counter()
+            stats = self.trainer.step(out.loss_sum, out.weight_sum)
+            correct, count = out.correct_per_pos.detach(), out.count_per_pos.detach()
+            n_tokens = int(views.token_ids.numel())
+            self._new_ids.append(tuple(batch_id))
+        else:
+            t_fwd = time.perf_counter()
+            stats = self.trainer.step_empty()
+            bs = self.model.config.block_size
+            correct = torch.zeros(bs, device=self.device)
+            count = torch.zeros(bs, device=self.device)
+            n_tokens = 0
+        sums = torch.cat([correct.float(), count.float(), torch.tensor([float(n_tokens)], device=self.device)])
+        if self.world.is_distributed:
+            torch.distributed.all_reduce(sums)
+        bs = self.model.config.block_size
+        acc = accuracy_per_pos(sums[:bs], sums[bs : 2 * bs])
+        tokens = int(sums[-1].item())
+        self.step += 1
+        self.tokens_total += tokens
+        dt = time.perf_counter() - t0
+        acc_list = [round(float(a), 4) if not math.isnan(float(a)) else None for a in acc.tolist()]
+        acc_valid = [a for a in acc_list[1:] if a is not None]
+        elapsed = time.perf_counter() - self.t_start
+        rec = {
+            "step": self.step,
+            "loss": stats.global_loss,
+            "tokens": tokens,
+            "tokens_per_s": tokens / max(1e-9, dt + wait_s),
+            "lr": stats.lr,
+            "grad_norm": stats.grad_norm,
+            "acc": round(sum(acc_valid) / len(acc_valid), 4) if acc_valid else None,
+            "acc_per_pos": acc_list,
+            "tau": expected_acceptance_length([0.0 if a is None else a for a in acc_list]),
+            "wait_s": wait_s,
+            "copy_s": copy_s,
+            "forward_s": t_fwd - t0,
+            "backward_s": stats.backward_s,
+            "allreduce_s": stats.allreduce_s,
+            "optimizer_s": stats.optimizer_s,
+            "step_s": dt,
+            "elapsed_s": elapsed,
+            "skipped": stats.skipped,
+        }
+        self.last = rec
+        if self.world.is_main:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        return rec
+
+    # -- checkpoints
+    def checkpoint(self, reason: str) -> Path | None:
+        """Collective: every rank calls it at the same step boundary."""
+        ids = gather_ledger(self._new_ids, self.world)
+        self.ledger.add(ids)
+        self._new_ids = []
+        path = None
+        if self.world.is_main:
+            path = save_checkpoint(
+                self.ckpt_root,
+                self.step,
+                model_state=self.trainer.trainable_state_dict(),
+                trainer_state=self.trainer.state_dict(),
+                rng_state=rng_state(),
+                ledger=self.ledger,
+                extra={"reason": reason, "tokens_total": self.tokens_total},
+                config_hash=self.config_hash,
+                keep=self.cfg.training.keep_checkpoints,
+            )
+            log.info("checkpoint %s (%s): %d batches in the ledger", path, reason, len(self.ledger))
+        return path
+
+    def export(self) -> Path | None:
+        if not self.world.is_main:
+            return None
+        out = self.run_dir / "export" / "drafter"
+        export_drafter(self.model, out)
+        return out
+
+    def stats(self) -> dict:
+        wall = max(1e-9, time.perf_counter() - self.t_start)
+        out = {"step": self.step, "loss": self.last.get("loss"), "acc": self.last.get("acc"), "tau": self.last.get("tau"),
+               "tokens_per_s": self.tokens_total / wall, "tokens": self.tokens_total, "params": self.n_params}
+        if self.device.type == "cuda":
+            out["gpu_mem_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            out["gpu_mem_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+            out["gpu_mem_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return out

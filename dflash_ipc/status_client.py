@@ -1,0 +1,53 @@
+"""Reading a run's status: live from the supervisor's endpoint, else its last snapshot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import zmq
+
+from dflash_ipc import channels
+
+
+class StatusUnavailable(RuntimeError):
+    pass
+
+
+def resolve_run_dir(path: Path) -> Path:
+    """A run directory, or the newest run inside a folder of runs."""
+    if (path / "status.json").exists() or (path / "run_id").exists():
+        return path
+    runs = [p for p in path.glob("*/status.json")] if path.is_dir() else []
+    if not runs:
+        raise StatusUnavailable(f"{path} is not a run directory (no status.json) and holds no runs")
+    return max(runs, key=lambda p: p.stat().st_mtime).parent
+
+
+def read_status(path: Path, timeout_ms: int = 500) -> dict:
+    run_dir = resolve_run_dir(path)
+    sock_path = channels.socket_dir(run_dir) / "status"
+    if sock_path.exists():
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(channels.status_endpoint(run_dir))
+            sock.send(b"status")
+            if sock.poll(timeout_ms):
+                snap = json.loads(sock.recv())
+                snap["source"] = "live"
+                return _clean(snap)
+        finally:
+            sock.close()
+            ctx.term()
+    try:
+        snap = json.loads((run_dir / "status.json").read_text())
+    except FileNotFoundError:
+        raise StatusUnavailable(f"{run_dir} has no status.json yet (the run has not started)") from None
+    return _clean(snap)
+
+
+def _clean(snap: dict) -> dict:
+    snap.pop("source", None)
+    return snap

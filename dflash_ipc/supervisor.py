@@ -1,0 +1,496 @@
+"""`dflash-ipc up`: start one process per target and drafter, watch them, end them cleanly.
+
+Run states (the supervisor's own state machine)::
+
+    validate config ─▶ prepare RUN_DIR (0700) ─▶ tokenize + plan once ─▶ STARTING
+    STARTING: spawn children ─▶ handshake (run.handshake_timeout_s) ─▶ RUNNING (systemd READY=1)
+    RUNNING:
+      every drafter Done            ─▶ Shutdown targets ─▶ FINISHED, exit 0
+      SIGTERM / SIGINT              ─▶ STOPPING: Shutdown(checkpoint) to drafters; they agree on
+                                       a step boundary, checkpoint, Done ─▶ Shutdown targets ─▶ exit 0
+      a child exits unexpectedly,
+      sends Dead, or misses heartbeats ─▶ FAILED: teardown (Shutdown, SIGTERM, SIGKILL after
+                                       run.teardown_grace_s), sweep shared memory, exit 1 naming the
+                                       process, its exit code or signal, and the tail of its log;
+                                       with --max-restarts K: restart the group from the last
+                                       checkpoint (--resume semantics), at most K times.
+
+The supervisor watches process sentinels (``Popen.poll``) and heartbeats; it never trains
+and never touches the rings, so it stays responsive. It serves its status snapshot
+read-only on ``sock/status`` (REP) and writes ``status.json`` every second.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import zmq
+
+from dflash_ipc import channels, handshake, protocol, systemd
+from dflash_ipc.config import DFlashConfig, write_resolved_config
+from dflash_ipc.handshake import HandshakeError
+from dflash_ipc.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown
+from dflash_ipc.ring import new_run_id, sweep_run_shm
+from dflash_ipc.status_view import write_text_atomic
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+
+@dataclass
+class Child:
+    role: str
+    rank: int
+    device: str
+    popen: subprocess.Popen | None = None
+    started: float = 0.0
+    last_beat: float | None = None
+    stats: dict = field(default_factory=dict)
+    done: dict | None = None
+    dead_error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.rank}"
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.role, self.rank)
+
+
+class GroupFailed(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join("    " + ln for ln in text[-lines:])
+
+
+class Supervisor:
+    def __init__(self, cfg: DFlashConfig, run_dir: Path, *, resume: bool = False, max_restarts: int = 0, echo=print):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.resume = resume
+        self.max_restarts = max_restarts
+        self.echo = echo
+        self.is_tty = sys.stdout.isatty()
+        self.state = "starting"
+        self.children: list[Child] = []
+        self.stop_requested = ""
+        self.started_unix = time.time()
+        self.rejects = RejectCounter("supervisor", log)
+        self.run_id = ""
+        self.plan: dict = {}
+        self._last_progress = 0.0
+        self._first_loss: float | None = None
+        self._summary: dict = {}
+
+    # ------------------------------------------------------------------ prepare
+
+    def prepare(self) -> None:
+        """Everything that can fail on bad input happens here, before any process starts."""
+        run_dir = self.run_dir
+        channels.make_private_dir(run_dir)
+        for sub in ("logs", "checkpoints", "data"):
+            channels.make_private_dir(run_dir / sub)
+        channels.prepare_socket_dir(run_dir)
+        old_id = (run_dir / "run_id").read_text().strip() if (run_dir / "run_id").exists() else ""
+        if old_id:
+            swept = sweep_run_shm(old_id)
+            if swept:
+                self.echo(f"[up] swept {len(swept)} leftover shared-memory segment(s) of the previous run")
+        if not self.resume and (run_dir / "checkpoints" / "latest").exists():
+            raise GroupFailed(f"{run_dir} already holds checkpoints; pass --resume to continue that run, or use another --run-dir")
+        if not self.resume and (run_dir / "metrics.jsonl").exists():
+            (run_dir / "metrics.jsonl").unlink()
+        self.run_id = new_run_id()
+        (run_dir / "run_id").write_text(self.run_id + "\n")
+        write_resolved_config(self.cfg, run_dir)
+        self.plan = self._tokenize_and_plan()
+        (run_dir / "plan.json").write_text(json.dumps(self.plan, indent=2))
+
+    def _tokenize_and_plan(self) -> dict:
+        from dflash_ipc.data import load_corpus
+        from dflash_ipc.plan import plan_epoch
+        from dflash_ipc.tokenizer import load_tokenizer
+
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        tok = load_tokenizer(cfg.target.tokenizer)
+        data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
+        corpus = load_corpus(cfg.data, tok, data_dir)
+        n_shards = len(cfg.topology.targets)
+        per_shard = [sum(len(plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, e, n_shards, s)) for e in range(cfg.data.num_epochs)) for s in range(n_shards)]
+        self.echo(f"[up] data: {corpus.report.summary()} ({time.perf_counter() - t0:.1f} s); plan: {sum(per_shard)} batches over {n_shards} target shard(s)")
+        return {"n_batches_total": sum(per_shard), "n_batches_per_shard": per_shard, "samples": corpus.num_samples}
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> int:
+        attempts = 0
+        resume = self.resume
+        while True:
+            try:
+                code = self._run_group(resume)
+                return code
+            except GroupFailed as e:
+                self.state = "failed"
+                self._write_status()
+                self.echo(f"[up] FAILED: {e}")
+                if attempts >= self.max_restarts or self.stop_requested:
+                    return EXIT_FAILED
+                attempts += 1
+                resume = True
+                self.echo(f"[up] restarting the group from the last checkpoint ({attempts}/{self.max_restarts})")
+                self.run_id = new_run_id()
+                (self.run_dir / "run_id").write_text(self.run_id + "\n")
+
+    def _spawn(self, resume: bool) -> None:
+        cfg = self.cfg
+        port = _free_port()
+        base_env = systemd.scrub_notify_env(dict(os.environ))
+        base_env.setdefault("NCCL_NVLS_ENABLE", "0")
+        base_env["PYTHONUNBUFFERED"] = "1"
+        self.children = [Child("target", r, d) for r, d in enumerate(cfg.topology.targets)]
+        self.children += [Child("drafter", r, d) for r, d in enumerate(cfg.topology.drafters)]
+        n_drafters = len(cfg.topology.drafters)
+        for ch in self.children:
+            env = dict(base_env)
+            argv = [sys.executable, "-m", f"procs.{ch.role}", "--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
+            if ch.role == "drafter":
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n_drafters), RANK=str(ch.rank), LOCAL_RANK=str(ch.rank))
+                if resume:
+                    argv.append("--resume")
+            out = open(self.run_dir / "logs" / f"{ch.name}.stdout", "ab")
+            ch.popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False)
+            out.close()
+            ch.started = time.time()
+
+    def _dead_child(self) -> str | None:
+        for ch in self.children:
+            code = ch.popen.poll() if ch.popen else None
+            if code is not None and ch.done is None:
+                return f"{ch.name} (pid {ch.popen.pid}) {describe_exit(code)}"
+        return None
+
+    def _run_group(self, resume: bool) -> int:
+        ctx = zmq.Context()
+        router = channels.bind(ctx, zmq.ROUTER, channels.supervisor_endpoint(self.run_dir))
+        status_sock = channels.bind(ctx, zmq.REP, channels.status_endpoint(self.run_dir))
+        self.state = "starting"
+        old_handlers = self._install_signals()
+        try:
+            self._spawn(resume)
+            self.echo(f"[up] started {len(self.children)} processes: " + ", ".join(f"{c.name}@{c.device} pid {c.popen.pid}" for c in self.children))
+            t0 = time.perf_counter()
+            try:
+                handshake.coordinate(router, [c.key for c in self.children], self.cfg.run.handshake_timeout_s, self.rejects, self._dead_child)
+            except HandshakeError as e:
+                raise GroupFailed(self._failure_text(str(e))) from None
+            self.state = "running"
+            now = time.monotonic()
+            for c in self.children:
+                c.last_beat = now
+            self.echo(f"[up] all {len(self.children)} processes ready after {time.perf_counter() - t0:.1f} s; training")
+            systemd.notify_ready(f"running {len(self.children)} processes")
+            return self._watch(router, status_sock)
+        finally:
+            self._teardown(router)
+            self._write_status()
+            router.close()
+            status_sock.close()
+            ctx.term()
+            sweep_run_shm(self.run_id)
+            self._restore_signals(old_handlers)
+
+    def _install_signals(self):
+        def on_signal(signum, frame):  # noqa: ARG001
+            if not self.stop_requested:
+                self.stop_requested = signal.Signals(signum).name
+        return {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _restore_signals(self, old) -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    def _send(self, router: zmq.Socket, ch: Child, msg: protocol.Message) -> None:
+        try:
+            router.send_multipart([handshake.identity(ch.role, ch.rank), protocol.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _watch(self, router: zmq.Socket, status_sock: zmq.Socket) -> int:
+        cfg = self.cfg
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(status_sock, zmq.POLLIN)
+        drafters = [c for c in self.children if c.role == "drafter"]
+        targets = [c for c in self.children if c.role == "target"]
+        stop_sent = False
+        targets_stopped = False
+        next_status = 0.0
+        watchdog = systemd.watchdog_interval_s()
+        next_watchdog = 0.0
+        while True:
+            events = dict(poller.poll(100))
+            if router in events:
+                for _ in range(1000):
+                    try:
+                        ident, frame = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_message(ident, frame)
+            if status_sock in events:
+                status_sock.recv()
+                status_sock.send(json.dumps(self.snapshot()).encode())
+            if self.stop_requested and not stop_sent:
+                stop_sent = True
+                self.state = "stopping"
+                systemd.notify_stopping("checkpointing")
+                self.echo(f"[up] {self.stop_requested}: asking drafters to checkpoint and stop")
+                for ch in drafters:
+                    self._send(router, ch, Shutdown(reason=self.stop_requested, checkpoint=True))
+            for ch in self.children:
+                if ch.dead_error and ch.done is None:
+                    raise GroupFailed(self._failure_text(f"{ch.name} reported: {ch.dead_error}", ch))
+            dead = self._dead_child()
+            if dead:
+                ch = next(c for c in self.children if c.popen.poll() is not None and c.done is None)
+                if not (targets_stopped and ch.role == "target" and ch.popen.returncode == 0):
+                    raise GroupFailed(self._failure_text(dead, ch))
+            now = time.monotonic()
+            for ch in self.children:
+                if ch.done is None and ch.last_beat is not None and now - ch.last_beat > cfg.run.heartbeat_timeout_s and not targets_stopped:
+                    raise GroupFailed(self._failure_text(
+                        f"{ch.name} missed heartbeats for {now - ch.last_beat:.0f} s (run.heartbeat_timeout_s = {cfg.run.heartbeat_timeout_s:g})", ch))
+            if all(c.done is not None for c in drafters) and not targets_stopped:
+                targets_stopped = True
+                for ch in targets:
+                    self._send(router, ch, Shutdown(reason="training finished"))
+            if targets_stopped:
+                if all(c.popen.poll() is not None for c in targets):
+                    bad = [c for c in targets if c.popen.returncode != 0]
+                    if bad:
+                        raise GroupFailed(self._failure_text(f"{bad[0].name} {describe_exit(bad[0].popen.returncode)} while stopping", bad[0]))
+                    for c in drafters:
+                        c.popen.wait(timeout=max(5.0, cfg.run.teardown_grace_s))
+                    self.state = "finished"
+                    self._write_status()
+                    self._final_summary()
+                    return EXIT_OK
+            if now >= next_status:
+                next_status = now + 1.0
+                self._write_status()
+                self._progress()
+            if watchdog and now >= next_watchdog and self._beats_fresh(now):
+                next_watchdog = now + watchdog / 2
+                systemd.notify_watchdog()
+
+    def _beats_fresh(self, now: float) -> bool:
+        return all(c.done is not None or (c.last_beat is not None and now - c.last_beat < self.cfg.run.heartbeat_timeout_s) for c in self.children)
+
+    def _on_message(self, ident: bytes, frame: bytes) -> None:
+        msg = channels.decode_or_reject(frame, self.rejects)
+        if msg is None:
+            return
+        by_ident = {handshake.identity(c.role, c.rank): c for c in self.children}
+        ch = by_ident.get(ident)
+        if ch is None:
+            self.rejects.reject("unexpected_peer", f"{ident!r}")
+            return
+        if isinstance(msg, Heartbeat):
+            ch.last_beat = time.monotonic()
+            ch.stats = msg.stats
+        elif isinstance(msg, Done):
+            ch.done = msg.summary
+            ch.last_beat = time.monotonic()
+            if ch.role == "drafter" and ch.rank == 0:
+                self._summary = msg.summary
+        elif isinstance(msg, Dead):
+            ch.dead_error = msg.error
+        else:
+            self.rejects.reject("unexpected_type", f"{type(msg).__name__} from {ch.name}")
+
+    # ------------------------------------------------------------------ teardown
+
+    def _teardown(self, router: zmq.Socket) -> None:
+        alive = [c for c in self.children if c.popen and c.popen.poll() is None]
+        if not alive:
+            return
+        for ch in alive:
+            self._send(router, ch, Shutdown(reason="teardown"))
+        grace = self.cfg.run.teardown_grace_s
+        deadline = time.monotonic() + min(grace, 5.0)
+        while time.monotonic() < deadline and any(c.popen.poll() is None for c in alive):
+            time.sleep(0.05)
+        for ch in alive:
+            if ch.popen.poll() is None:
+                ch.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(c.popen.poll() is None for c in alive):
+            time.sleep(0.05)
+        for ch in alive:
+            if ch.popen.poll() is None:
+                log.warning("%s did not stop within %.0f s of SIGTERM: SIGKILL", ch.name, grace)
+                ch.popen.kill()
+                ch.popen.wait()
+
+    def _failure_text(self, what: str, ch: Child | None = None) -> str:
+        if ch is None:
+            ch = next((c for c in self.children if c.name in what), None)
+        text = what
+        if ch is not None:
+            if ch.popen is not None and ch.popen.poll() is not None:
+                text += f" [{describe_exit(ch.popen.returncode)}]"
+            text += f"\n  last lines of {self.run_dir}/logs/{ch.name}.log:\n{log_tail(self.run_dir / 'logs' / f'{ch.name}.log')}"
+        return text
+
+    # ------------------------------------------------------------------ status
+
+    def snapshot(self) -> dict:
+        now_m = time.monotonic()
+        now = time.time()
+        procs = []
+        rss_total = psutil.Process().memory_info().rss
+        for ch in self.children:
+            s = ch.stats
+            pid = ch.popen.pid if ch.popen else None
+            code = ch.popen.poll() if ch.popen else None
+            rss = s.get("rss_bytes")
+            if pid and code is None:
+                try:
+                    rss = psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    pass
+            rss_total += rss or 0
+            slots = s.get("slots")
+            entry = {
+                "role": ch.role,
+                "rank": ch.rank,
+                "pid": pid,
+                "device": ch.device,
+                "state": "exited" if code is not None else ("done" if ch.done is not None else s.get("state", "starting")),
+                "uptime_s": max(0.0, now - ch.started) if ch.started else 0.0,
+                "heartbeat_age_s": (now_m - ch.last_beat) if ch.last_beat is not None else None,
+                "tokens_per_s": float(s.get("tokens_per_s", 0.0)),
+                "slots": {"free": slots["free"], "filling": slots["filling"] + slots.get("queued", 0), "ready": slots["ready"], "copying": 0}
+                if slots else None,
+                "inflight_per_drafter": s.get("inflight_per_drafter"),
+                "queue_depth": s.get("queue_depth"),
+                "step": s.get("step"),
+                "loss": s.get("loss"),
+                "gpu_mem_allocated_bytes": s.get("gpu_mem_allocated_bytes"),
+                "gpu_mem_reserved_bytes": s.get("gpu_mem_reserved_bytes"),
+                "rss_bytes": rss,
+                "rejected_messages": int(s.get("rejected_messages", 0)),
+                "busy_pct": s.get("busy_pct"),
+                "wait_pct": min(100.0, s["wait_pct"]) if s.get("wait_pct") is not None else None,
+                "exit_code": code,
+            }
+            procs.append(entry)
+        d0 = next((c for c in self.children if c.role == "drafter" and c.rank == 0), None)
+        ds = d0.stats if d0 else {}
+        step = int(ds.get("step") or 0)
+        max_steps = self.cfg.training.max_steps or None
+        tps = float(ds.get("tokens_per_s") or 0.0)
+        last = ds.get("last") or {}
+        eta = None
+        if max_steps and step and last.get("elapsed_s"):
+            eta = max(0.0, (max_steps - step) * last["elapsed_s"] / step)
+        return {
+            "schema": 1,
+            "run_dir": str(self.run_dir),
+            "state": self.state,
+            "updated_unix": now,
+            "supervisor_pid": os.getpid(),
+            "config": self.cfg.source,
+            "started_unix": self.started_unix,
+            "totals": {"tokens_per_s": tps, "step": step, "max_steps": max_steps, "loss": ds.get("loss"),
+                       "pipeline_rss_bytes": rss_total, "eta_s": eta},
+            "processes": procs,
+        }
+
+    def _write_status(self) -> None:
+        try:
+            write_text_atomic(self.run_dir / "status.json", json.dumps(self.snapshot()))
+        except OSError as e:
+            log.warning("could not write status.json: %s", e)
+
+    def _progress(self) -> None:
+        d0 = next((c for c in self.children if c.role == "drafter" and c.rank == 0), None)
+        if d0 is None or not d0.stats:
+            return
+        s = d0.stats
+        step = s.get("step") or 0
+        loss = s.get("loss")
+        if loss is not None and self._first_loss is None and step:
+            self._first_loss = loss
+        max_steps = self.cfg.training.max_steps
+        last = s.get("last") or {}
+        eta = ""
+        if max_steps and step and last.get("elapsed_s"):
+            eta = f" ETA {max(0.0, (max_steps - step) * last['elapsed_s'] / step):.0f}s"
+        total = f"/{max_steps}" if max_steps else ""
+        waits = " ".join(f"{c.name}:{(c.stats.get('busy_pct') or 0):.0f}%busy" for c in self.children if c.role == "target")
+        line = f"[up] step {step}{total} loss {loss if loss is None else f'{loss:.4f}'} acc {s.get('acc')} tok/s {s.get('tokens_per_s', 0):.0f}{eta} | {waits}"
+        if self.is_tty:
+            sys.stdout.write("\r" + line[:160].ljust(160))
+            sys.stdout.flush()
+        else:
+            self.echo(line)
+
+    def _final_summary(self) -> None:
+        if self.is_tty:
+            sys.stdout.write("\n")
+        lines = []
+        with_metrics = self.run_dir / "metrics.jsonl"
+        recs = []
+        if with_metrics.exists():
+            recs = [json.loads(x) for x in with_metrics.read_text().splitlines() if x.strip()]
+        s = self._summary
+        wall = time.time() - self.started_unix
+        if recs:
+            first = [r["loss"] for r in recs[:10] if r.get("loss") is not None]
+            lastl = [r["loss"] for r in recs[-10:] if r.get("loss") is not None]
+            toks = sum(r["tokens"] for r in recs)
+            train_s = recs[-1]["elapsed_s"] if recs[-1].get("elapsed_s") else wall
+            lines.append(f"steps {recs[-1]['step']}, loss {first[0] if first else float('nan'):.4f} -> {lastl[-1] if lastl else float('nan'):.4f}"
+                         f" (mean of first 10 {sum(first) / max(1, len(first)):.4f}, last 10 {sum(lastl) / max(1, len(lastl)):.4f})")
+            lines.append(f"trained on {toks} target tokens in {train_s:.1f} s: {toks / max(1e-9, train_s):.0f} tokens/s; wall {wall:.1f} s")
+        lines.append(f"checkpoint: {s.get('checkpoint')}")
+        lines.append(f"exported drafter: {s.get('export')}")
+        lines.append(f"metrics: {with_metrics}; status: dflash-ipc status --run-dir {self.run_dir}")
+        self.echo("[up] finished (" + s.get("reason", "?") + ")\n  " + "\n  ".join(lines))

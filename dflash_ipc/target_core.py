@@ -1,0 +1,173 @@
+"""The target's pure core: its data shard, the frozen model, the packer, and the batch schedule.
+
+The process shell (``procs/target.py``) owns sockets and signals; this core owns everything
+else and never blocks on the network. One step of the target::
+
+    next_batch() ─▶ forward(batch) ─▶ [captured planes]  ─ slot free? ─▶ submit_pack(slot)
+       (skips ledgered ids)           (critical path)                     (side stream/thread)
+                                                              finished_packs() ─▶ commit + route
+
+The forward of batch i+1 starts while batch i is packed: ``submit_pack`` returns at once,
+and the captured tensors stay referenced by the pack handle until the pack has completed.
+At most one forward runs ahead of the free slots, so slot waits are bounded and measured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_ipc.checkpoint import LEDGER_FILE, BatchLedger
+from dflash_ipc.config import DFlashConfig
+from dflash_ipc.data import load_corpus
+from dflash_ipc.packing import AsyncPacker, BatchMeta, PackHandle
+from dflash_ipc.plan import PlannedBatch, plan_epoch
+from dflash_ipc.slots import SlotLayout
+from dflash_ipc.target_model import TargetModel, build_target, fast_path_report
+from dflash_ipc.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def slot_layout_for(cfg: DFlashConfig, model: TargetModel) -> SlotLayout:
+    tokens = cfg.data.token_budget + cfg.transport.slot_tokens
+    return SlotLayout(
+        num_planes=model.num_planes,
+        hidden_size=model.hidden_size,
+        max_tokens=tokens,
+        max_seqs=cfg.data.max_batch_size,
+        plane_dtype=cfg.target.dtype,
+    )
+
+
+def read_ledger(checkpoint_dir: str | None) -> BatchLedger:
+    if not checkpoint_dir:
+        return BatchLedger()
+    return BatchLedger.from_wire(json.loads((Path(checkpoint_dir) / LEDGER_FILE).read_text()))
+
+
+@dataclass
+class Captured:
+    batch: PlannedBatch
+    planes: list[torch.Tensor]
+    meta: BatchMeta
+    forward_s: float
+
+
+@dataclass
+class _Packing:
+    handle: PackHandle
+    slot: int
+    batch: PlannedBatch
+
+
+class TargetCore:
+    def __init__(self, cfg: DFlashConfig, rank: int, run_dir: Path, device: torch.device):
+        self.cfg = cfg
+        self.rank = rank
+        self.device = device
+        self.num_shards = len(cfg.topology.targets)
+        self.tokenizer = load_tokenizer(cfg.target.tokenizer)
+        data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data"
+        self.corpus = load_corpus(cfg.data, self.tokenizer, data_dir)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.model = build_target(cfg.target, device, vocab_size=len(self.tokenizer))
+        self.fast_path = fast_path_report(self.model.stack)
+        self.layout = slot_layout_for(cfg, self.model)
+        self.packer: AsyncPacker | None = None
+        self._packing: deque[_Packing] = deque()
+        self._schedule: deque[PlannedBatch] = deque()
+        self.ledger = BatchLedger()
+        self.skipped_ledgered = 0
+        self.planned = 0
+        # stats
+        self.t_start = time.perf_counter()
+        self.forward_s = 0.0
+        self.forwards = 0
+        self.tokens_forwarded = 0
+        self.slot_wait_s = 0.0
+        self.flops = 0.0
+
+    def start(self, ledger: BatchLedger) -> None:
+        """Plan every epoch of this shard, leaving out batches already consumed."""
+        self.ledger = ledger
+        for epoch in range(self.cfg.data.num_epochs):
+            for b in plan_epoch(self.corpus.lengths, self.cfg.data, self.cfg.run.seed, epoch, self.num_shards, self.rank):
+                self.planned += 1
+                if tuple(b.id.to_wire()) in ledger:
+                    self.skipped_ledgered += 1
+                    continue
+                self._schedule.append(b)
+        self.packer = AsyncPacker(self.layout, self.device, async_pack=self.cfg.target.async_pack)
+        self.t_start = time.perf_counter()
+
+    @property
+    def batches_left(self) -> int:
+        return len(self._schedule)
+
+    def forward_next(self) -> Captured | None:
+        if not self._schedule:
+            return None
+        batch = self._schedule.popleft()
+        ids, mask, lens = self.corpus.collate(batch.sample_indices, self.pad_id)
+        t0 = time.perf_counter()
+        planes = self.model.capture(ids.to(self.device, non_blocking=True))
+        if self.device.type == "cuda":
+            # Host time only: the GPU runs ahead; busy % is measured from the forward wall time
+            # per batch on the compute stream by the next forward's start.
+            torch.cuda.current_stream(self.device).synchronize()
+        dt = time.perf_counter() - t0
+        self.forward_s += dt
+        self.forwards += 1
+        self.tokens_forwarded += batch.n_tokens
+        self.flops += self.model.forward_flops(lens.tolist())
+        return Captured(batch, planes, BatchMeta(seq_lens=lens, token_ids=ids, loss_mask=mask), dt)
+
+    def submit_pack(self, captured: Captured, slot: int, slot_tensor: torch.Tensor) -> None:
+        assert self.packer is not None
+        handle = self.packer.submit(captured.planes, captured.meta, slot, slot_tensor)
+        self._packing.append(_Packing(handle, slot, captured.batch))
+
+    def finished_packs(self) -> list[_Packing]:
+        out = []
+        while self._packing and self._packing[0].handle.done():
+            p = self._packing.popleft()
+            p.handle.wait()  # re-raises a pack error
+            out.append(p)
+        return out
+
+    @property
+    def packs_in_flight(self) -> int:
+        return len(self._packing)
+
+    def stats(self) -> dict:
+        wall = max(1e-9, time.perf_counter() - self.t_start)
+        pk = self.packer.stats() if self.packer else {}
+        out = {
+            "forwards": self.forwards,
+            "forward_ms": 1e3 * self.forward_s / max(1, self.forwards),
+            "pack_ms": 1e3 * pk.get("pack_s_mean", 0.0),
+            "slot_wait_ms": 1e3 * self.slot_wait_s,
+            "busy_pct": 100.0 * min(1.0, self.forward_s / wall),
+            "tokens_per_s": self.tokens_forwarded / wall,
+            "tokens": self.tokens_forwarded,
+            "batches_left": self.batches_left,
+            "planned": self.planned,
+            "skipped_ledgered": self.skipped_ledgered,
+            "tflops": self.flops / wall / 1e12,
+        }
+        if self.device.type == "cuda":
+            out["gpu_mem_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            out["gpu_mem_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+        return out
+
+    def close(self) -> None:
+        if self.packer is not None:
+            self.packer.close()
+            self.packer = None

@@ -1,0 +1,157 @@
+"""Drafter process: one per drafter device. Wires :class:`DrafterCore` to the rings and sockets.
+
+Main loop::
+
+    drain sockets (SlotReady/EndOfData -> data plane, Shutdown -> stop at the next boundary)
+    pump copies out of the rings (SlotFree goes back the moment a copy completed)
+    have a batch, or nothing more can come, or a stop was requested?  -> one lockstep step
+    otherwise wait on the sockets (counted as slot wait)
+    finish: checkpoint, export (rank 0), Done -> supervisor
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import psutil
+import torch
+import zmq
+
+from dflash_ipc import channels, handshake, protocol
+from dflash_ipc.config import load_resolved_config
+from dflash_ipc.dataplane import ConsumerDataPlane
+from dflash_ipc.drafter_core import DrafterCore
+from dflash_ipc.protocol import Dead, Done, Heartbeat, Hello, RejectCounter, Shutdown
+from dflash_ipc.ring import open_consumer_ring
+from dflash_ipc.trainer import destroy_distributed, init_distributed
+from procs.common import setup_child_process
+
+
+def run_drafter_process(run_dir: Path, rank: int, resume: bool) -> int:
+    cfg = load_resolved_config(run_dir)
+    log, stop = setup_child_process("drafter", rank, run_dir, cfg.run.log_level)
+    parent = os.getppid()
+    device = torch.device(cfg.topology.drafters[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, len(cfg.topology.targets) + len(cfg.topology.drafters))))
+    ctx = zmq.Context()
+    dealer = channels.connect(ctx, zmq.DEALER, channels.supervisor_endpoint(run_dir), handshake.identity("drafter", rank))
+    pull = channels.bind(ctx, zmq.PULL, channels.drafter_endpoint(run_dir, rank))
+    rejects = RejectCounter(f"drafter-{rank}", log)
+    rings = []
+    pushes: list[zmq.Socket] = []
+    proc = psutil.Process()
+    world = None
+    try:
+        world = init_distributed(cfg.topology.resolved_dist_backend(), timeout_s=max(600.0, cfg.run.handshake_timeout_s), device=device)
+        plan = json.loads((run_dir / "plan.json").read_text())
+        total_steps = cfg.training.max_steps or max(1, -(-plan["n_batches_total"] // world.world_size))
+        core = DrafterCore(cfg, run_dir, world, device, total_steps, resume)
+        log.info("drafter %d/%d on %s: %.2fM trainable params, step %d", rank, world.world_size, device, core.n_params / 1e6, core.step)
+        hello = Hello(role="drafter", rank=rank, pid=os.getpid(), device=str(device), endpoint=channels.drafter_endpoint(run_dir, rank),
+                      info={"resume": core.resumed_from})
+        start = handshake.child_handshake(dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
+        rings = [open_consumer_ring(d, device) for d in start.rings]
+        pushes = [channels.connect(ctx, zmq.PUSH, ep) for ep in start.target_endpoints]
+        slot_bytes = max(r.layout.slot_bytes for r in rings)
+        buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(cfg.transport.drafter_prefetch + 1)]
+        plane = ConsumerDataPlane(rank, rings, buffers, lambda p, m: channels.send(pushes[p], m), rejects)
+        handshake.send_ready(dealer, "drafter", rank)
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        poller.register(dealer, zmq.POLLIN)
+        max_steps = cfg.training.max_steps
+        every = cfg.training.checkpoint_every
+        next_beat = 0.0
+        wait_s = 0.0
+        wait_total = 0.0
+        t0 = time.perf_counter()
+        finish_reason = "data exhausted"
+        while True:
+            for msg in channels.drain(pull, rejects):
+                plane.handle(msg)
+            for msg in channels.drain(dealer, rejects):
+                if isinstance(msg, Shutdown):
+                    stop.set(f"shutdown: {msg.reason}")
+            if os.getppid() != parent:
+                stop.set("supervisor died")
+            plane.pump()
+            batch = plane.take()
+            if batch is None and not plane.all_ended() and not stop.requested:
+                w0 = time.perf_counter()
+                poller.poll(2 if plane.copying else 20)
+                dt = time.perf_counter() - w0
+                wait_s += dt
+                wait_total += dt
+            else:
+                any_batch, any_stop = core.trainer.agree(batch is not None, stop.requested)
+                if any_stop or not any_batch:
+                    if batch is not None:
+                        plane.release(batch)  # not trained on: stays out of the ledger
+                    finish_reason = stop.reason if any_stop else "data exhausted"
+                    break
+                copy_s = batch.copy_s if batch is not None else 0.0
+                core.train_step(batch.views if batch else None, batch.msg.batch_id if batch else None, wait_s, copy_s)
+                wait_s = 0.0
+                if batch is not None:
+                    plane.release(batch)
+                if every and core.step % every == 0:
+                    core.checkpoint(f"every {every} steps")
+                if max_steps and core.step >= max_steps:
+                    finish_reason = f"max_steps {max_steps}"
+                    break
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + cfg.run.heartbeat_interval_s
+                elapsed = time.perf_counter() - t0
+                stats = {**core.stats(), "queue_depth": len(plane.ready) + len(plane.held), "outstanding": plane.outstanding,
+                         "copying": len(plane.copying), "wait_pct": 100.0 * wait_total / max(1e-9, elapsed),
+                         "rss_bytes": proc.memory_info().rss, "rejected_messages": rejects.total,
+                         "rejected_by_kind": dict(rejects.by_kind), "slots_per_target": list(plane.slots_done),
+                         "uptime_s": elapsed, "state": "running", "last": core.last}
+                dealer.send(protocol.encode(Heartbeat(role="drafter", rank=rank, stats=stats)))
+        log.info("finishing at step %d: %s", core.step, finish_reason)
+        ckpt = core.checkpoint(finish_reason)
+        export = core.export() if cfg.training.export_on_finish else None
+        summary = {**core.stats(), "reason": finish_reason, "checkpoint": str(ckpt) if ckpt else None,
+                   "export": str(export) if export else None, "slots_per_target": list(plane.slots_done),
+                   "rejected_messages": rejects.total}
+        dealer.send(protocol.encode(Done(role="drafter", rank=rank, summary=summary)))
+        return 0
+    except Exception as e:
+        log.error("drafter failed: %s", traceback.format_exc())
+        try:
+            dealer.send(protocol.encode(Dead(role="drafter", rank=rank, error=f"{type(e).__name__}: {e}")))
+        except zmq.ZMQError:
+            pass
+        return 1
+    finally:
+        for s in pushes:
+            s.close()
+        for r in rings:
+            r.close()
+        pull.close()
+        dealer.close(linger=2000)
+        ctx.term()
+        if world is not None:
+            destroy_distributed()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="dflash-ipc drafter process (started by `dflash-ipc up`)")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--resume", action="store_true")
+    a = ap.parse_args()
+    return run_drafter_process(Path(a.run_dir), a.rank, a.resume)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
