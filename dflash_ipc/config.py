@@ -256,6 +256,8 @@ class TrainingConfig:
     checkpoint_every: int = 0  # 0: only at the end and on shutdown
     keep_checkpoints: int = 2
     export_on_finish: bool = True
+    # Write a checkpoint when training ends (benchmarks turn it off: at 27B shapes it is ~20 GB).
+    checkpoint_on_finish: bool = True
 
     def __post_init__(self) -> None:
         _require(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")

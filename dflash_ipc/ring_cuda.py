@@ -58,7 +58,8 @@ DESCRIPTOR_VERSION = 1
 # unused on both sides). One copy costs more than copying a megabyte over NVLink.
 COALESCE_GAP = 1 << 20
 # Host-pinned producers: GPU staging slots the packer can hold at once (staging_views .. commit).
-HOST_PINNED_STAGING_SLOTS = 2
+# The target packs at most 2 batches ahead of its commits (AsyncPacker.max_pending) plus one new.
+HOST_PINNED_STAGING_SLOTS = 3
 # Name given to torch as the consumer's IPC reference-counter file: it never exists, so a
 # consumer's release is a no-op (see the module docstring).
 _NO_REFCOUNT = b"/dflash-ipc-no-refcount"
@@ -279,6 +280,10 @@ class CudaIpcProducerRing(_RingBase):
     # The packer writes straight into the GPU slot on its side stream.
     def staging_views(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews:
         return self.views(index, n_tokens, n_seqs)
+
+    def pack_target(self, index: int) -> torch.Tensor:
+        """The flat buffer the packer writes for this slot: the GPU slot itself."""
+        return self.slot(index)
 
     def commit(self, index: int, n_tokens: int, n_seqs: int, stream: torch.cuda.Stream | None = None) -> None:
         """Record the slot's event on the stream that wrote it (default: the device's current stream)."""
@@ -503,6 +508,11 @@ class HostPinnedProducerRing(_RingBase):
                 ) from None
             self._staging_owner[k] = index
         return self.layout.views(self._staging[k], n_tokens, n_seqs)
+
+    def pack_target(self, index: int) -> torch.Tensor:
+        """The flat GPU staging buffer the packer writes for this slot (held until commit)."""
+        self.staging_views(index, 0, 0)
+        return self._staging[self._staging_for(index)]
 
     def commit(self, index: int, n_tokens: int, n_seqs: int, stream: torch.cuda.Stream | None = None) -> None:
         """D2H of the used ranges into the pinned slot on ``stream``, then synchronize it.

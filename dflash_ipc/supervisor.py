@@ -100,7 +100,8 @@ def log_tail(path: Path, lines: int = 15) -> str:
 
 
 class Supervisor:
-    def __init__(self, cfg: DFlashConfig, run_dir: Path, *, resume: bool = False, max_restarts: int = 0, echo=print):
+    def __init__(self, cfg: DFlashConfig, run_dir: Path, *, resume: bool = False, max_restarts: int = 0, echo=print,
+                 forward_only: int = 0):
         self.cfg = cfg
         self.run_dir = run_dir
         self.resume = resume
@@ -117,6 +118,8 @@ class Supervisor:
         self._last_progress = 0.0
         self._first_loss: float | None = None
         self._summary: dict = {}
+        # Benchmark ceiling: only targets, N batches each, slots released as soon as packed.
+        self.forward_only = forward_only
 
     # ------------------------------------------------------------------ prepare
 
@@ -185,11 +188,14 @@ class Supervisor:
         base_env.setdefault("NCCL_NVLS_ENABLE", "0")
         base_env["PYTHONUNBUFFERED"] = "1"
         self.children = [Child("target", r, d) for r, d in enumerate(cfg.topology.targets)]
-        self.children += [Child("drafter", r, d) for r, d in enumerate(cfg.topology.drafters)]
+        if not self.forward_only:
+            self.children += [Child("drafter", r, d) for r, d in enumerate(cfg.topology.drafters)]
         n_drafters = len(cfg.topology.drafters)
         for ch in self.children:
             env = dict(base_env)
             argv = [sys.executable, "-m", f"procs.{ch.role}", "--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
+            if self.forward_only:
+                argv += ["--forward-only", str(self.forward_only)]
             if ch.role == "drafter":
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n_drafters), RANK=str(ch.rank), LOCAL_RANK=str(ch.rank))
                 if resume:
@@ -296,7 +302,13 @@ class Supervisor:
                 if ch.done is None and ch.last_beat is not None and now - ch.last_beat > cfg.run.heartbeat_timeout_s and not targets_stopped:
                     raise GroupFailed(self._failure_text(
                         f"{ch.name} missed heartbeats for {now - ch.last_beat:.0f} s (run.heartbeat_timeout_s = {cfg.run.heartbeat_timeout_s:g})", ch))
-            if all(c.done is not None for c in drafters) and not targets_stopped:
+            if self.forward_only and all(c.done is not None for c in targets):
+                for c in targets:
+                    c.popen.wait(timeout=max(5.0, cfg.run.teardown_grace_s))
+                self.state = "finished"
+                self._write_status()
+                return EXIT_OK
+            if drafters and all(c.done is not None for c in drafters) and not targets_stopped:
                 targets_stopped = True
                 for ch in targets:
                     self._send(router, ch, Shutdown(reason="training finished"))

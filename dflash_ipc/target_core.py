@@ -93,6 +93,13 @@ class TargetCore:
         self.tokens_forwarded = 0
         self.slot_wait_s = 0.0
         self.flops = 0.0
+        # Steady state: everything after the first forward (which pays warm-up and compilation).
+        self.t_first_done: float | None = None
+        self.steady_tokens = 0
+        self.steady_flops = 0.0
+        self.steady_forward_s = 0.0
+        self.bare_forward_s = 0.0
+        self.bare_forwards = 0
 
     def start(self, ledger: BatchLedger) -> None:
         """Plan every epoch of this shard, leaving out batches already consumed."""
@@ -122,12 +129,37 @@ class TargetCore:
             # Host time only: the GPU runs ahead; busy % is measured from the forward wall time
             # per batch on the compute stream by the next forward's start.
             torch.cuda.current_stream(self.device).synchronize()
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        dt = t1 - t0
+        flops = self.model.forward_flops(lens.tolist())
         self.forward_s += dt
         self.forwards += 1
         self.tokens_forwarded += batch.n_tokens
-        self.flops += self.model.forward_flops(lens.tolist())
+        self.flops += flops
+        if self.t_first_done is None:
+            self.t_first_done = t1
+        else:
+            self.steady_tokens += batch.n_tokens
+            self.steady_flops += flops
+            self.steady_forward_s += dt
+        self.last_input = ids
         return Captured(batch, planes, BatchMeta(seq_lens=lens, token_ids=ids, loss_mask=mask), dt)
+
+    def bare_forward(self, ids: torch.Tensor) -> float:
+        """The same batch through the plain transformers stack: no hooks, no capture (baseline)."""
+        ids = ids.to(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.model.stack(input_ids=ids, use_cache=False)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        dt = time.perf_counter() - t0
+        if self.forwards > 1:
+            self.bare_forward_s += dt
+            self.bare_forwards += 1
+        return dt
 
     def submit_pack(self, captured: Captured, slot: int, slot_tensor: torch.Tensor) -> None:
         assert self.packer is not None
@@ -161,10 +193,18 @@ class TargetCore:
             "planned": self.planned,
             "skipped_ledgered": self.skipped_ledgered,
             "tflops": self.flops / wall / 1e12,
+            "steady_tokens_per_s": self.steady_tokens / max(1e-9, time.perf_counter() - self.t_first_done) if self.t_first_done else 0.0,
+            "steady_tflops": self.steady_flops / max(1e-9, time.perf_counter() - self.t_first_done) / 1e12 if self.t_first_done else 0.0,
+            "steady_forward_s": self.steady_forward_s,
+            "steady_forward_tflops": self.steady_flops / max(1e-9, self.steady_forward_s) / 1e12,
+            "bare_forward_s": self.bare_forward_s,
+            "bare_forwards": self.bare_forwards,
+            "layers_run": self.model.layers_run,
         }
         if self.device.type == "cuda":
             out["gpu_mem_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             out["gpu_mem_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+            out["gpu_mem_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out
 
     def close(self) -> None:

@@ -212,17 +212,28 @@ def _truncated_spec_config(hf_config: Any, num_layers: int):
 # --------------------------------------------------------------------------- frozen head weights
 
 
-def _head_generator(seed: int, tag: str) -> torch.Generator:
-    g = torch.Generator(device="cpu")
+def _head_generator(seed: int, tag: str, device="cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
     g.manual_seed((int(seed) * 1_000_003 + zlib.crc32(tag.encode())) % (2**63 - 1))
     return g
 
 
 def _random_matrix(rows: int, cols: int, std: float, seed: int, tag: str, device, dtype) -> torch.Tensor:
-    """N(0, std) [rows, cols] drawn on the CPU in fixed row chunks (bounded host memory,
-    identical on every process and device), written straight to ``device``."""
-    gen = _head_generator(seed, tag)
+    """N(0, std) [rows, cols] drawn in fixed row chunks (bounded memory) and written to ``device``.
+
+    On the CPU the draw is identical on every process. On CUDA it is drawn on the GPU (a CPU
+    draw of a 248k x 5120 table takes ~30 s per process); every process of one run uses the
+    same GPU model, so target and drafters still get identical tensors."""
+    device = torch.device(device)
     out = torch.empty(rows, cols, device=device, dtype=dtype)
+    if device.type == "cuda":
+        gen = _head_generator(seed, tag, device)
+        chunk = max(1, (1 << 28) // max(cols, 1))
+        for r in range(0, rows, chunk):
+            n = min(chunk, rows - r)
+            out[r : r + n].copy_(torch.randn(n, cols, generator=gen, device=device, dtype=torch.float32) * std)
+        return out
+    gen = _head_generator(seed, tag)
     chunk = max(1, (1 << 24) // max(cols, 1))
     for r in range(0, rows, chunk):
         block = torch.randn(min(chunk, rows - r), cols, generator=gen, dtype=torch.float32) * std

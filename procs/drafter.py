@@ -118,7 +118,8 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool) -> int:
                          "uptime_s": elapsed, "state": "running", "last": core.last}
                 dealer.send(protocol.encode(Heartbeat(role="drafter", rank=rank, stats=stats)))
         log.info("finishing at step %d: %s", core.step, finish_reason)
-        ckpt = core.checkpoint(finish_reason)
+        stopping_on_request = finish_reason.startswith(("shutdown", "signal", "supervisor"))
+        ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopping_on_request) else None
         export = core.export() if cfg.training.export_on_finish else None
         summary = {**core.stats(), "reason": finish_reason, "checkpoint": str(ckpt) if ckpt else None,
                    "export": str(export) if export else None, "slots_per_target": list(plane.slots_done),

@@ -25,13 +25,15 @@ import zmq
 from dflash_ipc import channels, handshake, protocol
 from dflash_ipc.config import load_resolved_config
 from dflash_ipc.dataplane import ProducerDataPlane
-from dflash_ipc.protocol import Dead, Heartbeat, Hello, RejectCounter, Shutdown
+from dflash_ipc.protocol import Dead, Done, Heartbeat, Hello, RejectCounter, Shutdown
 from dflash_ipc.ring import create_producer_ring
 from dflash_ipc.target_core import TargetCore, read_ledger
 from procs.common import setup_child_process
 
 
-def run_target_process(run_dir: Path, rank: int) -> int:
+def run_target_process(run_dir: Path, rank: int, forward_only: int = 0) -> int:
+    """``forward_only`` > 0: the benchmark ceiling. No drafters; each slot is released the moment
+    its pack completed, and every batch also runs once through the bare transformers stack."""
     cfg = load_resolved_config(run_dir)
     log, stop = setup_child_process("target", rank, run_dir, cfg.run.log_level)
     parent = os.getppid()
@@ -64,7 +66,7 @@ def run_target_process(run_dir: Path, rank: int) -> int:
         core.start(ledger)
         log.info("schedule: %d batches planned, %d already consumed (ledger), %d to run", core.planned, core.skipped_ledgered, core.batches_left)
         pushes = [channels.connect(ctx, zmq.PUSH, ep) for ep in start.drafter_endpoints]
-        plane = ProducerDataPlane(rank, ring, len(pushes), cfg.transport.max_outstanding_per_drafter,
+        plane = ProducerDataPlane(rank, ring, max(1, len(pushes)), cfg.transport.max_outstanding_per_drafter,
                                   lambda c, m: channels.send(pushes[c], m), rejects)
         handshake.send_ready(dealer, "target", rank)
         poller = zmq.Poller()
@@ -88,11 +90,21 @@ def run_target_process(run_dir: Path, rank: int) -> int:
             for done in core.finished_packs():
                 b = done.batch
                 ring.commit(done.slot, b.n_tokens, b.batch_size, commit_stream)
+                if forward_only:
+                    plane.table.abort_filling(done.slot)
+                    continue
                 plane.enqueue(done.slot, b.id.to_wire(), b.bucket, b.n_tokens, b.batch_size, {"padded_len": b.padded_len})
+            if forward_only and captured is None and (core.forwards >= forward_only or core.batches_left == 0) and core.packs_in_flight == 0:
+                stats = {**core.stats(), "rss_bytes": proc.memory_info().rss}
+                dealer.send(protocol.encode(Done(role="target", rank=rank, summary=stats)))
+                log.info("forward-only done: %s", stats)
+                break
             plane.dispatch()
             waited = False
-            if captured is None and not end_sent:
+            if captured is None and not end_sent and not (forward_only and core.forwards >= forward_only):
                 captured = core.forward_next()
+                if forward_only and captured is not None:
+                    core.bare_forward(core.last_input)
             if captured is not None:
                 slot = plane.acquire()
                 if slot is not None:
@@ -103,7 +115,7 @@ def run_target_process(run_dir: Path, rank: int) -> int:
                     poller.poll(5)
                     core.slot_wait_s += time.perf_counter() - w0
                     waited = True
-            if captured is None and core.batches_left == 0 and core.packs_in_flight == 0 and plane.waiting == 0 and not end_sent:
+            if not forward_only and captured is None and core.batches_left == 0 and core.packs_in_flight == 0 and plane.waiting == 0 and not end_sent:
                 plane.end_of_data()
                 end_sent = True
                 log.info("end of data: %d batches sent", plane.batches_sent)
@@ -158,8 +170,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description="dflash-ipc target process (started by `dflash-ipc up`)")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--forward-only", type=int, default=0, help="benchmark: run N batches with no drafters")
     a = ap.parse_args()
-    return run_target_process(Path(a.run_dir), a.rank)
+    return run_target_process(Path(a.run_dir), a.rank, a.forward_only)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,168 @@
+"""`dflash-ipc bench pipeline`: the whole pipeline, several variants, one invocation.
+
+Variants (each a fresh run directory and a fresh process group):
+
+* ``cuda-ipc``      the pipeline, hidden states GPU->GPU through CUDA IPC rings;
+* ``host-pinned``   the same, staged through pinned shared host memory;
+* ``forward-only``  targets alone, each slot released the moment it is packed: the ceiling
+                    for the pipeline; every batch also runs once through the bare transformers
+                    stack (no hooks, no capture), the baseline for the target's own overhead;
+* ``depth-2`` / ``depth-8``  cuda-ipc with 2 and 8 ring slots: host memory must not grow.
+
+On CPU the same variants run with cpu-shm (``forward-only`` and depths only): the figures
+are then only ratios. Steady state excludes each process's first forward / first two
+optimizer steps (compilation, allocator warm-up). MFU counts the forward FLOPs actually run
+(``target_model.forward_flops``: 2 x matmul parameters of the layers run x tokens + causal
+attention of the full-attention layers + the GatedDeltaNet state update) against a peak of
+``--peak-tflops`` (790 TFLOP/s: bf16 matrix products measured on an H200 here).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from dflash_ipc.config import load_config
+from dflash_ipc.supervisor import Supervisor
+
+DEFAULT_VARIANTS = ("cuda-ipc", "host-pinned", "forward-only", "depth-2", "depth-8")
+
+
+class TreeSampler:
+    """Samples the RSS of this process and all its descendants, and the supervisor's view."""
+
+    def __init__(self, sup: Supervisor, period_s: float = 0.5):
+        self.sup = sup
+        self.period_s = period_s
+        self.peak_rss = 0
+        self.occupancy: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "TreeSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            for p in [me, *me.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak_rss = max(self.peak_rss, total)
+            for ch in list(self.sup.children):
+                slots = ch.stats.get("slots")
+                if ch.role == "target" and slots and self.sup.state == "running":
+                    n = sum(slots.values())
+                    self.occupancy.append((n - slots["free"]) / max(1, n))
+            self._stop.wait(self.period_s)
+
+
+def _variant_overrides(name: str, on_cuda: bool) -> tuple[dict, int]:
+    """(config overrides, forward_only batches) for one variant."""
+    base_backend = "cuda-ipc" if on_cuda else "cpu-shm"
+    if name == "cuda-ipc":
+        return {"transport.backend": base_backend}, 0
+    if name == "host-pinned":
+        return {"transport.backend": "host-pinned" if on_cuda else "cpu-shm"}, 0
+    if name == "forward-only":
+        return {"transport.backend": base_backend}, -1
+    if name.startswith("depth-"):
+        return {"transport.backend": base_backend, "transport.ring_slots": int(name.split("-")[1])}, 0
+    raise ValueError(f"unknown variant {name!r}; use {', '.join(DEFAULT_VARIANTS)}")
+
+
+def _steady(recs: list[dict], skip: int = 2) -> list[dict]:
+    return recs[skip:] if len(recs) > skip + 1 else recs[-1:]
+
+
+def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, echo) -> dict:
+    probe = load_config(config_path)
+    overrides, fwd = _variant_overrides(name, probe.topology.on_cuda)
+    overrides.update({"training.max_steps": steps, "training.checkpoint_every": 0, "training.checkpoint_on_finish": False,
+                      "training.export_on_finish": False})
+    cfg = load_config(config_path, overrides)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"dflash-bench-{name}-"))
+    n_targets = len(cfg.topology.targets)
+    forward_only = max(2, -(-steps * len(cfg.topology.drafters) // n_targets)) if fwd else 0
+    sup = Supervisor(cfg, run_dir, echo=lambda s: echo(f"[{name}] {s}"), forward_only=forward_only)
+    t0 = time.perf_counter()
+    sup.prepare()
+    with TreeSampler(sup) as sampler:
+        code = sup.run()
+    wall = time.perf_counter() - t0
+    out: dict = {"variant": name, "exit_code": code, "wall_s": round(wall, 1), "run_dir": str(run_dir),
+                 "backend": cfg.transport.backend, "ring_slots": cfg.transport.ring_slots,
+                 "peak_host_rss_bytes": sampler.peak_rss,
+                 "slot_occupancy_mean": round(sum(sampler.occupancy) / len(sampler.occupancy), 3) if sampler.occupancy else None}
+    targets = [c for c in sup.children if c.role == "target"]
+    drafters = [c for c in sup.children if c.role == "drafter"]
+    tstats = [(c.done if fwd else c.stats) or c.stats for c in targets]
+    out["targets"] = [
+        {k: ts.get(k) for k in ("forwards", "forward_ms", "pack_ms", "slot_wait_ms", "busy_pct", "steady_tokens_per_s", "steady_tflops",
+                                "steady_forward_tflops", "gpu_mem_peak_bytes", "layers_run", "routed_per_drafter")}
+        for ts in tstats
+    ]
+    gpu_peaks: dict[str, int] = {}
+    for c, ts in zip(targets, tstats):
+        gpu_peaks[c.device] = max(gpu_peaks.get(c.device, 0), int(ts.get("gpu_mem_peak_bytes") or 0))
+    out["target_tflops_steady"] = round(sum(float(ts.get("steady_tflops") or 0) for ts in tstats), 2)
+    out["target_mfu"] = round(sum(float(ts.get("steady_forward_tflops") or 0) for ts in tstats) / len(tstats) / peak_tflops, 4)
+    if fwd:
+        out["tokens_per_s"] = round(sum(float(ts.get("steady_tokens_per_s") or 0) for ts in tstats), 1)
+        capt = sum(float(ts.get("steady_forward_s") or 0) for ts in tstats)
+        bare = sum(float(ts.get("bare_forward_s") or 0) for ts in tstats)
+        out["bare_forward_s"] = round(bare, 3)
+        out["capture_forward_s"] = round(capt, 3)
+        out["capture_vs_bare"] = round(bare / capt, 4) if capt > 0 else None
+    else:
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        st = _steady(recs)
+        span = st[-1]["elapsed_s"] - (recs[recs.index(st[0]) - 1]["elapsed_s"] if recs.index(st[0]) > 0 else 0.0)
+        toks = sum(r["tokens"] for r in st)
+        out["steps"] = len(recs)
+        out["tokens_per_s"] = round(toks / max(1e-9, span), 1)
+        keys = ("wait_s", "copy_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s", "step_s")
+        out["drafter_step_split_s"] = {k: round(sum(r[k] for r in st) / len(st), 4) for k in keys}
+        out["drafter_wait_pct"] = round(100 * sum(r["wait_s"] for r in st) / max(1e-9, sum(r["wait_s"] + r["step_s"] for r in st)), 2)
+        out["loss_first_last"] = [recs[0]["loss"], recs[-1]["loss"]]
+        for c in drafters:
+            gpu_peaks[c.device] = max(gpu_peaks.get(c.device, 0), int(c.stats.get("gpu_mem_peak_bytes") or 0))
+    out["peak_gpu_mem_bytes"] = gpu_peaks
+    return out
+
+
+def run_pipeline_bench(config_path: str, steps: int, variants: list[str], peak_tflops: float = 790.0, echo=print) -> dict:
+    results = {}
+    for name in variants:
+        echo(f"[bench pipeline] variant {name}: {steps} steps")
+        try:
+            results[name] = run_variant(config_path, name, steps, peak_tflops, echo)
+        except Exception as e:  # one failed variant must not lose the others' figures
+            results[name] = {"variant": name, "error": f"{type(e).__name__}: {e}"}
+            echo(f"[bench pipeline] {name} FAILED: {e}")
+            continue
+        echo(f"[bench pipeline] {name}: {json.dumps({k: v for k, v in results[name].items() if k not in ('targets',)})}")
+    summary: dict = {"config": config_path, "steps": steps, "peak_tflops": peak_tflops, "variants": results}
+    results_ok = {k: v for k, v in results.items() if "error" not in v}
+    ipc = results_ok.get("cuda-ipc")
+    results = results_ok
+    if ipc and results.get("forward-only"):
+        summary["ratio_pipeline_to_forward_only"] = round(ipc["tokens_per_s"] / max(1e-9, results["forward-only"]["tokens_per_s"]), 4)
+    if ipc and results.get("host-pinned"):
+        summary["ratio_cuda_ipc_to_host_pinned"] = round(ipc["tokens_per_s"] / max(1e-9, results["host-pinned"]["tokens_per_s"]), 4)
+    if results.get("depth-2") and results.get("depth-8"):
+        summary["host_rss_depth8_over_depth2"] = round(results["depth-8"]["peak_host_rss_bytes"] / max(1, results["depth-2"]["peak_host_rss_bytes"]), 4)
+    return summary
