@@ -209,7 +209,8 @@ class DrafterConfig:
     layer_types: list[Literal["sliding_attention", "full_attention"]] = field(default_factory=list)
     sliding_window: int = 2048
     block_size: int = 16
-    num_anchors: int = 512
+    num_anchors: int = 512  # per document (SpecForge's per-sample budget)
+    max_anchors_per_batch: int = 0  # 0: no cap; else a uniform subset of the batch's anchors
     # 0 means "same as the target".
     hidden_size: int = 0
     intermediate_size: int = 0
@@ -231,6 +232,7 @@ class DrafterConfig:
         _require(self.sliding_window >= 1, "sliding_window", "must be >= 1")
         _require(2 <= self.block_size <= 64, "block_size", "must be between 2 and 64")
         _require(self.num_anchors >= 1, "num_anchors", "must be >= 1")
+        _require(self.max_anchors_per_batch >= 0, "max_anchors_per_batch", "must be >= 0 (0 = no cap)")
         _require(self.noise_std >= 0, "noise_std", "must be >= 0")
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
             _require(getattr(self, name) >= 0, name, "must be >= 0 (0 = same as the target)")

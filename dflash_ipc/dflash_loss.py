@@ -149,6 +149,7 @@ def sample_anchors(
     generator: torch.Generator | None = None,
     *,
     doc: DocumentIndex | None = None,
+    max_per_batch: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample draft-block anchors per document.
 
@@ -157,6 +158,10 @@ def sample_anchors(
     anchors drawn uniformly without replacement (SpecForge's per-sample budget, a document
     being one sample). ``block_size`` does not restrict the candidates (a block may run past
     its document's end; those slots just carry no loss, as in SpecForge) and is only checked.
+
+    ``max_per_batch`` > 0 caps the whole packed batch: a batch of many short documents would
+    otherwise bring ``num_anchors`` blocks per document (and its drafter step would grow with the
+    document count, not the token budget); the cap keeps a uniform random subset.
 
     Returns ``(anchors [N] int64 global positions, ascending; doc [N] int64 document index)``.
     One vectorized pass: random keys, a single sort by ``(document, key)``, a rank cut.
@@ -175,7 +180,11 @@ def sample_anchors(
     # Documents are contiguous, so sorted slot i still belongs to document doc_of_token[i].
     rank = torch.arange(n, device=dev) - doc.doc_start[doc.doc_of_token]
     take = (rank < num_anchors) & valid[order]
-    anchors = torch.sort(order[take]).values
+    anchors = order[take]
+    if max_per_batch > 0 and anchors.numel() > max_per_batch:
+        pick = torch.randperm(anchors.numel(), generator=generator, device="cpu" if generator is None else generator.device)
+        anchors = anchors[pick[:max_per_batch].to(dev)]
+    anchors = torch.sort(anchors).values
     return anchors, doc.doc_of_token[anchors]
 
 
@@ -632,7 +641,9 @@ def compute_loss(
     seq_lens = views.seq_lens
 
     doc = document_index(seq_lens, n)
-    anchors, anchor_doc = sample_anchors(loss_mask, seq_lens, drafter_cfg.num_anchors, bs, generator, doc=doc)
+    anchors, anchor_doc = sample_anchors(
+        loss_mask, seq_lens, drafter_cfg.num_anchors, bs, generator, doc=doc, max_per_batch=drafter_cfg.max_anchors_per_batch
+    )
     if anchors.numel() == 0:
         return _empty_output(model, bs, dev)
     lab = block_labels(token_ids, loss_mask, anchors, doc.doc_end[anchor_doc], bs, training_cfg.loss_gamma)

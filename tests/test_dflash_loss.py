@@ -490,3 +490,19 @@ def test_cuda_flex_matches_sdpa_loss_and_gradients():
     out = L.compute_loss(m, views, dc, tc, torch.Generator(dev).manual_seed(2))
     out.loss_sum.backward()
     assert torch.isfinite(out.loss_sum) and all(torch.isfinite(p.grad).all() for p in m.trainable_parameters())
+
+
+def test_max_anchors_per_batch_caps_a_batch_of_many_short_documents():
+    from dflash_ipc.dflash_loss import sample_anchors
+
+    seq_lens = torch.tensor([20] * 30, dtype=torch.int32)
+    loss_mask = torch.ones(600, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(0)
+    full, doc_full = sample_anchors(loss_mask, seq_lens, 8, 4, g)
+    assert full.numel() == 30 * 8
+    g = torch.Generator().manual_seed(0)
+    capped, doc = sample_anchors(loss_mask, seq_lens, 8, 4, g, max_per_batch=50)
+    assert capped.numel() == 50
+    assert torch.all(capped[1:] > capped[:-1])  # sorted, distinct
+    assert set(capped.tolist()) <= set(full.tolist())  # a subset of the per-document draw
+    assert torch.equal(doc, capped // 20)
