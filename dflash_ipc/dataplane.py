@@ -58,6 +58,8 @@ class ProducerDataPlane:
         self.consumer_copying = [0] * num_consumers
         self.batches_sent = 0
         self.slot_free_received = 0
+        self._end_requested = False
+        self._end_sent = False
 
     # -- slots
     def acquire(self) -> int | None:
@@ -91,6 +93,7 @@ class ProducerDataPlane:
             self._send(consumer, msg)
             self.batches_sent += 1
             sent += 1
+        self._maybe_send_end()
         return sent
 
     @property
@@ -125,6 +128,19 @@ class ProducerDataPlane:
             self.rejects.reject("unexpected_type", f"{type(msg).__name__} at a producer")
 
     def end_of_data(self) -> None:
+        """No more slots will be enqueued. EndOfData goes out once every filled slot is routed.
+
+        A consumer stops once every producer sent EndOfData and it holds nothing, so a
+        SlotReady sent after EndOfData may never be returned: with slots still waiting for
+        credit, EndOfData is deferred until ``dispatch()`` has routed the last of them.
+        """
+        self._end_requested = True
+        self._maybe_send_end()
+
+    def _maybe_send_end(self) -> None:
+        if not self._end_requested or self._end_sent or self._waiting:
+            return
+        self._end_sent = True
         for c in range(self.router.num_consumers):
             self._send(c, EndOfData(producer=self.rank, batches_sent=self.batches_sent))
 
@@ -239,6 +255,12 @@ class ConsumerDataPlane:
         if finished:
             self._report_load()
         return finished
+
+    def wait_for_copy(self) -> None:
+        """Block until the oldest copy in flight completed (a GPU copy takes well under a
+        millisecond per 256 MiB: sleeping on the sockets instead would idle the link)."""
+        if self.copying:
+            self.copying[0].ticket.wait()
 
     def _finish(self, c: _Copying) -> None:
         msg = c.msg

@@ -89,7 +89,27 @@ class DrafterCore:
         self.ledger = ckpt.ledger
         self.step = ckpt.step
         self.resumed_from = {"checkpoint": str(ckpt.path), "step": ckpt.step}
+        if self.world.is_main:
+            self._truncate_metrics(ckpt.step)
         log.info("resumed from %s: step %d, %d batches in the ledger", ckpt.path, ckpt.step, len(self.ledger))
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop metrics of steps after the checkpoint (trained before a crash, trained again now)."""
+        if not self.metrics_path.exists():
+            return
+        lines = self.metrics_path.read_text().splitlines()
+        kept = []
+        for ln in lines:
+            try:
+                if json.loads(ln)["step"] <= step:
+                    kept.append(ln)
+            except (ValueError, KeyError, TypeError):
+                pass  # a torn last line of a crashed run
+        if len(kept) != len(lines):
+            tmp = self.metrics_path.with_suffix(".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            tmp.replace(self.metrics_path)
+            log.info("resume: dropped %d metrics lines after step %d", len(lines) - len(kept), step)
 
     # -- training
     def train_step(self, views: SlotViews | None, batch_id: list | None, wait_s: float, copy_s: float) -> dict:

@@ -204,7 +204,7 @@ def decode(frame: bytes) -> Message:
     if not isinstance(d, dict):
         raise ProtocolError("not_a_map", f"top level is {type(d).__name__}")
     version = d.pop("v", None)
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # 1.0 and True compare equal to 1
         raise ProtocolError("bad_version", f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
     tag = d.pop("t", None)
     cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None

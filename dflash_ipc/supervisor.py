@@ -205,12 +205,18 @@ class Supervisor:
             out.close()
             ch.started = time.time()
 
+    def _exited_child(self) -> Child | None:
+        exited = [c for c in self.children if c.popen is not None and c.popen.poll() is not None and c.done is None]
+        # The likely cause first: killed by a signal, else exited without a Dead report. Peers
+        # report Dead ("connection closed by peer" from gloo) and exit because of it.
+        return min(exited, key=lambda c: (c.popen.returncode >= 0, c.dead_error is not None), default=None)
+
     def _dead_child(self) -> str | None:
-        for ch in self.children:
-            code = ch.popen.poll() if ch.popen else None
-            if code is not None and ch.done is None:
-                return f"{ch.name} (pid {ch.popen.pid}) {describe_exit(code)}"
-        return None
+        ch = self._exited_child()
+        if ch is None:
+            return None
+        text = f"{ch.name} (pid {ch.popen.pid}) {describe_exit(ch.popen.returncode)}"
+        return text + (f" after reporting: {ch.dead_error}" if ch.dead_error else "")
 
     def _run_group(self, resume: bool) -> int:
         ctx = zmq.Context()
@@ -289,14 +295,14 @@ class Supervisor:
                 self.echo(f"[up] {self.stop_requested}: asking drafters to checkpoint and stop")
                 for ch in drafters:
                     self._send(router, ch, Shutdown(reason=self.stop_requested, checkpoint=True))
+            # A child that exited is checked before Dead reports: a peer's Dead ("connection closed
+            # by peer" from gloo) is usually the consequence of that exit, not its cause.
+            ch = self._exited_child()
+            if ch is not None and not (targets_stopped and ch.role == "target" and ch.popen.returncode == 0):
+                raise GroupFailed(self._failure_text(self._dead_child(), ch))
             for ch in self.children:
                 if ch.dead_error and ch.done is None:
                     raise GroupFailed(self._failure_text(f"{ch.name} reported: {ch.dead_error}", ch))
-            dead = self._dead_child()
-            if dead:
-                ch = next(c for c in self.children if c.popen.poll() is not None and c.done is None)
-                if not (targets_stopped and ch.role == "target" and ch.popen.returncode == 0):
-                    raise GroupFailed(self._failure_text(dead, ch))
             now = time.monotonic()
             for ch in self.children:
                 if ch.done is None and ch.last_beat is not None and now - ch.last_beat > cfg.run.heartbeat_timeout_s and not targets_stopped:
@@ -348,6 +354,7 @@ class Supervisor:
             ch.stats = msg.stats
         elif isinstance(msg, Done):
             ch.done = msg.summary
+            ch.stats = {**ch.stats, **msg.summary}  # the final step/loss: the last heartbeat may predate them
             ch.last_beat = time.monotonic()
             if ch.role == "drafter" and ch.rank == 0:
                 self._summary = msg.summary
@@ -385,7 +392,7 @@ class Supervisor:
             ch = next((c for c in self.children if c.name in what), None)
         text = what
         if ch is not None:
-            if ch.popen is not None and ch.popen.poll() is not None:
+            if ch.popen is not None and ch.popen.poll() is not None and describe_exit(ch.popen.returncode) not in text:
                 text += f" [{describe_exit(ch.popen.returncode)}]"
             text += f"\n  last lines of {self.run_dir}/logs/{ch.name}.log:\n{log_tail(self.run_dir / 'logs' / f'{ch.name}.log')}"
         return text

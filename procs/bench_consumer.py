@@ -52,7 +52,10 @@ def run_bench_consumer_process(a: argparse.Namespace) -> int:
             plane.pump()
             batch = plane.take()
             if batch is None:
-                poller.poll(5 if plane.copying else 50)
+                if plane.copying:
+                    plane.wait_for_copy()
+                else:
+                    poller.poll(50)
                 continue
             if t_first is None:
                 t_first = time.perf_counter() - batch.copy_s

@@ -86,7 +86,10 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool) -> int:
             batch = plane.take()
             if batch is None and not plane.all_ended() and not stop.requested:
                 w0 = time.perf_counter()
-                poller.poll(2 if plane.copying else 20)
+                if plane.copying:
+                    plane.wait_for_copy()
+                else:
+                    poller.poll(20)
                 dt = time.perf_counter() - w0
                 wait_s += dt
                 wait_total += dt

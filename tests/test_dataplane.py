@@ -1,0 +1,295 @@
+"""Producer and consumer data-plane cores wired in one process through real cpu-shm rings.
+
+Every message between the cores goes through ``protocol.encode`` and ``protocol.decode``,
+exactly as it would over a socket; the slot contents travel through POSIX shared memory.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import msgpack
+import pytest
+import torch
+
+from dflash_ipc import protocol
+from dflash_ipc.dataplane import ConsumerDataPlane, ProducerDataPlane
+from dflash_ipc.protocol import EndOfData, Hello, Load, RejectCounter, SlotFree, SlotReady
+from dflash_ipc.ring import create_producer_ring, new_run_id, open_consumer_ring, sweep_run_shm
+from dflash_ipc.slots import SlotLayout
+
+LAYOUT = SlotLayout(num_planes=2, hidden_size=8, max_tokens=24, max_seqs=4, plane_dtype="float32")
+
+
+def wire(msg: protocol.Message) -> protocol.Message:
+    return protocol.decode(protocol.encode(msg))
+
+
+def batch_shape(index: int) -> tuple[int, int]:
+    n = 1 + (index * 7) % LAYOUT.max_tokens
+    s = 1 + index % min(n, LAYOUT.max_seqs)
+    return n, s
+
+
+def expected(index: int) -> dict[str, torch.Tensor]:
+    n, s = batch_shape(index)
+    k, h = LAYOUT.num_planes, LAYOUT.hidden_size
+    lens = [n // s] * (s - 1) + [n - (n // s) * (s - 1)]
+    return {
+        "planes": (torch.arange(k * n * h, dtype=torch.float32) + index * 3).view(k, n, h),
+        "token_ids": torch.arange(n, dtype=torch.int64) + index * 1000,
+        "loss_mask": ((torch.arange(n) + index) % 2).to(torch.uint8),
+        "seq_lens": torch.tensor(lens, dtype=torch.int32),
+    }
+
+
+class Wiring:
+    """One producer core, C consumer cores, FIFO 'sockets' carrying decoded wire frames."""
+
+    def __init__(self, num_consumers: int = 2, ring_slots: int = 4, max_outstanding: int = 2, prefetch: int = 1):
+        self.run_id = new_run_id()
+        self.max_outstanding = max_outstanding
+        self.ring = create_producer_ring("cpu-shm", LAYOUT, ring_slots, run_id=self.run_id, producer_rank=0)
+        self.to_consumer: list[collections.deque] = [collections.deque() for _ in range(num_consumers)]
+        self.to_producer: collections.deque = collections.deque()
+        self.stream_log: list[list[str]] = [[] for _ in range(num_consumers)]  # what each consumer received, in order
+        self.prod_rejects = RejectCounter("producer-0")
+        self.producer = ProducerDataPlane(0, self.ring, num_consumers, max_outstanding, self._to_consumer, self.prod_rejects)
+        # the descriptor crosses the wire as msgpack, as in the handshake
+        desc = msgpack.unpackb(msgpack.packb(self.ring.descriptor(), use_bin_type=True), raw=False)
+        self.cons_rejects = [RejectCounter(f"consumer-{c}") for c in range(num_consumers)]
+        self.consumers = [
+            ConsumerDataPlane(
+                c,
+                [open_consumer_ring(desc)],
+                [torch.empty(LAYOUT.slot_bytes, dtype=torch.uint8) for _ in range(prefetch + 1)],
+                self._to_producer,
+                self.cons_rejects[c],
+            )
+            for c in range(num_consumers)
+        ]
+        self.next_index = 0
+        self.seen: collections.Counter = collections.Counter()
+        self.taken_by = [0] * num_consumers
+        self.max_outstanding_seen = [0] * num_consumers
+
+    def _to_consumer(self, c: int, msg) -> None:
+        self.to_consumer[c].append(wire(msg))
+
+    def _to_producer(self, p: int, msg) -> None:
+        assert p == 0
+        self.to_producer.append(wire(msg))
+
+    def close(self) -> None:
+        for c in self.consumers:
+            for r in c.rings:
+                r.close()
+        self.ring.close()
+        sweep_run_shm(self.run_id)
+
+    # -- steps
+    def produce(self, limit: int) -> bool:
+        if self.next_index >= limit:
+            return False
+        slot = self.producer.acquire()
+        if slot is None:
+            return False
+        i = self.next_index
+        n, s = batch_shape(i)
+        v = self.ring.staging_views(slot, n, s)
+        e = expected(i)
+        for name in ("planes", "token_ids", "loss_mask", "seq_lens"):
+            getattr(v, name).copy_(e[name])
+        self.ring.commit(slot, n, s)
+        self.producer.enqueue(slot, [0, 0, i], 0, n, s, {"i": i})
+        self.next_index += 1
+        return True
+
+    def deliver(self) -> None:
+        while any(self.to_consumer) or self.to_producer:
+            for c, q in enumerate(self.to_consumer):
+                while q:
+                    msg = q.popleft()
+                    self.stream_log[c].append(type(msg).__name__)
+                    self.consumers[c].handle(msg)
+                    self.check_bounds()
+            while self.to_producer:
+                self.producer.handle(self.to_producer.popleft())
+
+    def check_bounds(self) -> None:
+        for c, cons in enumerate(self.consumers):
+            out = len(cons.held) + len(cons.copying) + len(cons.ready) + cons.in_use
+            assert out == cons.outstanding
+            assert out <= self.max_outstanding, f"consumer {c} holds {out} > credits {self.max_outstanding}"
+            self.max_outstanding_seen[c] = max(self.max_outstanding_seen[c], out)
+        for c in range(len(self.consumers)):
+            assert len(self.producer.table.held_by(c)) <= self.max_outstanding
+
+    def consume(self, c: int) -> int:
+        cons = self.consumers[c]
+        cons.pump()
+        got = 0
+        while (b := cons.take()) is not None:
+            i = b.msg.batch_id[2]
+            assert b.msg.meta == {"i": i}
+            e = expected(i)
+            assert (b.msg.n_tokens, b.msg.n_seqs) == batch_shape(i)
+            for name in ("planes", "token_ids", "loss_mask", "seq_lens"):
+                assert torch.equal(getattr(b.views, name), e[name]), (i, name)
+            self.seen[i] += 1
+            self.taken_by[c] += 1
+            cons.release(b)
+            cons.pump()
+            got += 1
+        return got
+
+    def step(self, limit: int, active: tuple[int, ...], burst: bool = False) -> None:
+        while self.produce(limit) and burst:  # burst: fill every free slot before routing
+            pass
+        self.producer.dispatch()
+        self.deliver()
+        for c in active:
+            self.consume(c)
+            self.deliver()
+
+
+@pytest.fixture
+def wiring_factory():
+    made = []
+
+    def make(**kw) -> Wiring:
+        w = Wiring(**kw)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def test_many_batches_flow_and_every_slot_verifies(wiring_factory):
+    w = wiring_factory(num_consumers=2, ring_slots=4, max_outstanding=2)
+    n_batches = 300
+    for _ in range(20 * n_batches):
+        if w.next_index >= n_batches and w.producer.waiting == 0:
+            break
+        w.step(n_batches, active=(0, 1))
+    w.producer.end_of_data()
+    for _ in range(100):
+        if all(c.drained() for c in w.consumers) and w.producer.all_returned():
+            break
+        w.step(n_batches, active=(0, 1))
+    assert all(c.drained() for c in w.consumers)
+    assert w.producer.all_returned() and w.producer.table.counts() == {"free": 4, "filling": 0, "ready": 0}
+    assert sorted(w.seen) == list(range(n_batches)) and set(w.seen.values()) == {1}  # each exactly once
+    assert w.producer.batches_sent == n_batches == w.producer.slot_free_received
+    assert all(t > 0 for t in w.taken_by) and sum(w.taken_by) == n_batches
+    assert sum(c.slots_done[0] for c in w.consumers) == n_batches
+    assert [c.received[0] for c in w.consumers] == w.producer.router.routed_total
+    for c in w.consumers:
+        assert c.expected_total == [n_batches]
+        assert w.stream_log[c.rank][-1] == "EndOfData"
+    assert w.prod_rejects.total == 0 and all(r.total == 0 for r in w.cons_rejects)
+    assert max(w.max_outstanding_seen) <= 2
+
+
+def test_stalled_consumer_gets_at_most_its_credits(wiring_factory):
+    cap = 2
+    w = wiring_factory(num_consumers=2, ring_slots=5, max_outstanding=cap)
+    n_batches = 60
+    for _ in range(20 * n_batches):
+        if w.next_index >= n_batches and w.producer.waiting == 0:
+            break
+        # the producer outpaces the consumers; consumer 1 receives messages but never copies or trains
+        w.step(n_batches, active=(0,), burst=True)
+        assert w.consumers[1].outstanding <= cap
+        assert w.producer.waiting <= 5
+    stalled = w.consumers[1]
+    assert stalled.received == [cap] and len(stalled.held) == cap and not stalled.ready
+    assert w.producer.router.routed_total == [n_batches - cap, cap]
+    assert sorted(w.producer.table.held_by(1)) == sorted(m.slot for m, _ in stalled.held)
+    assert w.taken_by == [n_batches - cap, 0]
+    assert sorted(w.seen) == [i for i in range(n_batches) if i not in {m.batch_id[2] for m, _ in stalled.held}]
+    assert w.max_outstanding_seen[1] == cap and w.max_outstanding_seen[0] <= cap
+    # the producer cannot finish while the stalled consumer holds its slots...
+    w.producer.end_of_data()
+    w.deliver()
+    assert not w.producer.all_returned()
+    # ...and once it wakes up, everything drains and verifies
+    for _ in range(50):
+        w.step(n_batches, active=(0, 1))
+    assert w.producer.all_returned() and all(c.drained() for c in w.consumers)
+    assert sorted(w.seen) == list(range(n_batches)) and set(w.seen.values()) == {1}
+
+
+def test_end_of_data_waits_for_slots_still_queued_for_credit(wiring_factory):
+    """EndOfData must follow every SlotReady: a consumer stops once it has it and holds nothing."""
+    w = wiring_factory(num_consumers=2, ring_slots=6, max_outstanding=1)
+    for _ in range(6):
+        assert w.produce(6)
+    w.producer.dispatch()  # one per consumer: four slots wait for credit
+    assert w.producer.waiting == 4
+    w.producer.end_of_data()
+    w.deliver()
+    assert all("EndOfData" not in log for log in w.stream_log)
+    for _ in range(50):
+        w.step(6, active=(0, 1))
+    assert sorted(w.seen) == list(range(6))
+    for log in w.stream_log:
+        assert log.count("EndOfData") == 1 and log[-1] == "EndOfData"
+        assert log.count("SlotReady") >= 1
+    assert w.producer.all_returned() and all(c.drained() for c in w.consumers)
+    assert [c.expected_total for c in w.consumers] == [[6], [6]]
+
+
+def test_bad_messages_are_rejected_and_counted_without_raising(wiring_factory):
+    w = wiring_factory(num_consumers=2, ring_slots=4, max_outstanding=2)
+    for _ in range(3):
+        w.produce(100)
+    w.producer.dispatch()
+    w.deliver()  # consumers hold their SlotReady
+    w.consumers[0].pump()  # consumer 0 copies out one slot and returns it
+    frees = [m for m in w.to_producer if isinstance(m, SlotFree)]
+    assert len(frees) >= 1
+    dup = frees[0]
+    w.deliver()
+    before = w.producer.table.counts()
+    p = w.producer
+    p.handle(wire(dup))  # duplicated SlotFree
+    p.handle(wire(SlotFree(producer=0, slot=99, consumer=0, outstanding=0, received=1)))  # slot outside the ring
+    p.handle(wire(SlotFree(producer=0, slot=3, consumer=0, outstanding=0, received=1)))  # slot never handed out
+    p.handle(wire(SlotFree(producer=0, slot=dup.slot, consumer=7, outstanding=0, received=1)))  # no such consumer
+    p.handle(wire(SlotFree(producer=3, slot=0, consumer=0, outstanding=0, received=1)))  # not our ring
+    p.handle(wire(Load(consumer=9, outstanding=0, received=[0])))
+    p.handle(wire(Load(consumer=0, outstanding=0, received=[])))  # no count for us
+    p.handle(wire(Hello(role="x", rank=0, pid=1, device="cpu")))  # not a data-plane message
+    assert p.rejects.by_kind == {"bad_slot_free": 3, "out_of_range": 2, "wrong_producer": 1, "bad_field_type": 1, "unexpected_type": 1}
+    assert p.table.counts() == before  # nothing changed state
+    assert p.slot_free_received == len(frees)
+
+    c = w.consumers[1]
+    held_before, received_before = len(c.held), list(c.received)
+    c.handle(wire(SlotReady(producer=0, slot=4, batch_id=[0, 0, 1], bucket=0, n_tokens=1, n_seqs=1, seq=0)))  # slot == ring size
+    c.handle(wire(SlotReady(producer=0, slot=1000, batch_id=[0, 0, 1], bucket=0, n_tokens=1, n_seqs=1, seq=0)))
+    c.handle(wire(SlotReady(producer=1, slot=0, batch_id=[0, 0, 1], bucket=0, n_tokens=1, n_seqs=1, seq=0)))  # no such producer
+    c.handle(wire(SlotReady(producer=0, slot=0, batch_id=[0, 0, 1], bucket=0, n_tokens=LAYOUT.max_tokens + 1, n_seqs=1, seq=0)))
+    c.handle(wire(SlotReady(producer=0, slot=0, batch_id=[0, 0, 1], bucket=0, n_tokens=1, n_seqs=LAYOUT.max_seqs + 1, seq=0)))
+    held_msg = c.held[0][0]
+    c.handle(wire(held_msg))  # the same slot again while held
+    c.handle(wire(EndOfData(producer=5, batches_sent=1)))
+    c.handle(wire(SlotFree(producer=0, slot=0, consumer=1, outstanding=0, received=0)))  # wrong direction
+    assert c.rejects.by_kind == {"out_of_range": 6, "duplicate_slot_ready": 1, "unexpected_type": 1}
+    assert len(c.held) == held_before and c.received == received_before and not any(c.ended)
+    assert not w.to_producer or all(not isinstance(m, SlotFree) for m in w.to_producer)
+
+    # rejected frames changed nothing: the run still completes and every batch verifies
+    for _ in range(400):
+        if w.next_index >= 40 and w.producer.waiting == 0:
+            break
+        w.step(40, active=(0, 1))
+    w.producer.end_of_data()
+    for _ in range(50):
+        w.step(40, active=(0, 1))
+    assert sorted(w.seen) == list(range(40)) and set(w.seen.values()) == {1}
+    assert w.producer.all_returned() and all(cc.drained() for cc in w.consumers)
+    assert p.rejects.total == 8 and c.rejects.total == 8 and w.cons_rejects[0].total == 0

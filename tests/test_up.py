@@ -1,0 +1,444 @@
+"""`dflash-ipc up` end to end: real processes, real sockets, real shared memory (CPU only).
+
+Every run uses a smaller copy of configs/tiny-cpu.toml (same model; 300 samples, 256-token
+sequences: 59 batches over 2 target shards, ~30 steps to exhaust the data). Runs that several
+tests read are module-scoped fixtures: the whole file runs `up` 6 times (7 process groups).
+No assertion depends on timing; timeouts are safety nets only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dflash_ipc import channels
+from dflash_ipc.checkpoint import LEDGER_FILE, META_FILE, read_latest_pointer, step_dir_name
+from dflash_ipc.ring import list_run_shm
+from dflash_ipc.status_view import validate_status
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "dflash_ipc.cli"]
+RUN_TIMEOUT_S = 240  # safety net per `up` invocation, never expected to be reached
+METRIC_KEYS = {"step", "loss", "tokens", "tokens_per_s", "lr", "acc",
+               "wait_s", "copy_s", "forward_s", "backward_s", "optimizer_s"}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def write_config(path: Path, raw_overrides: dict | None = None, **overrides) -> Path:
+    """configs/tiny-cpu.toml made smaller, plus ``section__key=value`` overrides."""
+    raw = tomllib.loads((REPO / "configs" / "tiny-cpu.toml").read_text())
+    raw["data"].update(builtin_samples=300, max_seq_len=256, bucket_edges=[64, 128, 256], token_budget=1024)
+    raw["run"].update(teardown_grace_s=3.0)
+    raw["training"].update(checkpoint_every=0, max_steps=0)
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        raw[section][key] = value
+    for section, table in (raw_overrides or {}).items():
+        raw.setdefault(section, {}).update(table)
+    lines = []
+    for section, table in raw.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+class Up:
+    """One `dflash-ipc up` supervisor, its output in a file (progress lines never block it)."""
+
+    def __init__(self, config: Path, run_dir: Path, *extra: str, name: str = "up"):
+        self.run_dir = run_dir
+        self.out_path = run_dir.parent / f"{run_dir.name}.{name}.out"
+        self._out = open(self.out_path, "wb")
+        self.proc = subprocess.Popen([*CLI, "up", "--config", str(config), "--run-dir", str(run_dir), *extra],
+                                     stdout=self._out, stderr=subprocess.STDOUT, cwd=run_dir.parent)
+
+    @property
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def child_pids(self) -> dict[str, list[int]]:
+        """Every child started (a restart starts a new group), by name, from the supervisor's output."""
+        pids: dict[str, list[int]] = {}
+        for line in self.output.splitlines():
+            if line.startswith("[up] started"):
+                for name, pid in re.findall(r"(\w+-\d+)@\S+ pid (\d+)", line):
+                    pids.setdefault(name, []).append(int(pid))
+        return pids
+
+    def wait(self, timeout: float = RUN_TIMEOUT_S) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            pytest.fail(f"`up` did not exit within {timeout} s (safety net); output:\n{self.output[-4000:]}")
+
+    def wait_until(self, pred, what: str, timeout: float = RUN_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if self.proc.poll() is not None:
+                pytest.fail(f"`up` exited ({self.proc.returncode}) before {what}; output:\n{self.output[-4000:]}")
+            if time.monotonic() > deadline:
+                self.kill_all()
+                pytest.fail(f"timed out waiting for {what}; output:\n{self.output[-4000:]}")
+            time.sleep(0.05)
+
+    def steps_logged(self) -> int:
+        return len(read_metrics(self.run_dir)) if (self.run_dir / "metrics.jsonl").exists() else 0
+
+    def kill_all(self) -> None:
+        """Safety net for a failing test: end this supervisor and the children it started (by pid)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in (p for ps in self.child_pids().values() for p in ps):
+            if _is_pipeline_process(pid):
+                psutil.Process(pid).kill()
+
+    def close(self) -> None:
+        self.kill_all()
+        self._out.close()
+
+
+def _is_pipeline_process(pid: int) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE and "dflash-ipc:" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def read_ledger(ckpt: Path) -> set[tuple[int, ...]]:
+    return {tuple(i) for i in json.loads((ckpt / LEDGER_FILE).read_text())["ids"]}
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    name = read_latest_pointer(run_dir / "checkpoints")
+    assert name, f"no checkpoint under {run_dir}/checkpoints"
+    return run_dir / "checkpoints" / name
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    return json.loads((ckpt / META_FILE).read_text())["step"]
+
+
+def status_cli(run_dir: Path, *flags: str) -> str:
+    r = subprocess.run([*CLI, "status", "--run-dir", str(run_dir), *flags], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def assert_no_leftovers(up: Up) -> None:
+    """No process of the run alive (pids from the output and status.json), no shm segment left."""
+    pids = {p for ps in up.child_pids().values() for p in ps}
+    assert pids, up.output
+    status = json.loads((up.run_dir / "status.json").read_text())
+    pids |= {p["pid"] for p in status["processes"] if p["pid"]}
+    alive = [pid for pid in pids if _is_pipeline_process(pid)]
+    assert not alive, f"processes of the run still alive: {alive}"
+    run_id = (up.run_dir / "run_id").read_text().strip()
+    assert list_run_shm(run_id) == []
+
+
+def plan_ids(run_dir: Path) -> set[tuple[int, int, int]]:
+    plan = json.loads((run_dir / "plan.json").read_text())
+    return {(0, s, i) for s, n in enumerate(plan["n_batches_per_shard"]) for i in range(n)}
+
+
+def corpus_tokens(output: str) -> int:
+    """Real tokens of the whole corpus, from the supervisor's `[up] data: N samples, T tokens` line."""
+    m = re.search(r"\[up\] data: \d+ samples, (\d+) tokens", output)
+    assert m, output
+    return int(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("up")
+
+
+@pytest.fixture(scope="module")
+def started():
+    """Every Up started by this module; anything left running at the end is killed (by pid)."""
+    ups: list[Up] = []
+    yield ups
+    for up in ups:
+        up.close()
+
+
+# --------------------------------------------------------------------------- 1. a full run
+
+FULL_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def full_run(work, started):
+    cfg = write_config(work / "full.toml")
+    up = Up(cfg, work / "full", "--max-steps", str(FULL_STEPS))
+    started.append(up)
+    code = up.wait()
+    return up, code
+
+
+def test_full_run_trains_checkpoints_and_exports(full_run):
+    up, code = full_run
+    out, run_dir = up.output, up.run_dir
+    assert code == 0, out
+
+    recs = read_metrics(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, FULL_STEPS + 1))
+    for r in recs:
+        assert METRIC_KEYS <= set(r), METRIC_KEYS - set(r)
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["lr"] > 0
+        assert all(r[k] >= 0 for k in ("wait_s", "copy_s", "forward_s", "backward_s", "optimizer_s"))
+    losses = [r["loss"] for r in recs]
+    assert sum(losses[:3]) / 3 > sum(losses[-3:]) / 3, losses
+
+    ckpt = run_dir / "checkpoints" / step_dir_name(FULL_STEPS)
+    assert (ckpt / META_FILE).is_file() and checkpoint_step(ckpt) == FULL_STEPS
+    assert latest_checkpoint(run_dir) == ckpt
+    export = run_dir / "export" / "drafter"
+    assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
+
+    # the final summary
+    assert f"[up] finished (max_steps {FULL_STEPS})" in out
+    assert re.search(rf"steps {FULL_STEPS}, loss {losses[0]:.4f} -> {losses[-1]:.4f}", out), out[-2000:]
+    assert re.search(r"\d+ tokens/s", out)
+    assert f"checkpoint: {ckpt}" in out
+    assert f"exported drafter: {export}" in out
+
+    # private directories
+    for d in (run_dir, channels.socket_dir(run_dir)):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    assert_no_leftovers(up)
+
+
+def test_status_after_the_run_reads_status_json(full_run):
+    up, code = full_run
+    assert code == 0
+    snap = json.loads(status_cli(up.run_dir, "--json"))
+    assert validate_status(snap) == []
+    assert snap["state"] == "finished"
+    assert snap["totals"]["step"] == FULL_STEPS
+    assert sorted((p["role"], p["rank"]) for p in snap["processes"]) == [
+        ("drafter", 0), ("drafter", 1), ("target", 0), ("target", 1)]
+    assert all(p["exit_code"] == 0 for p in snap["processes"]), snap["processes"]
+
+
+# --------------------------------------------------------------------------- 2 + 3. live status, SIGTERM, resume
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed(work, started):
+    """Run until the data is exhausted, SIGTERM the supervisor mid-run (status is read live
+    first), then `up --resume` to the end."""
+    cfg = write_config(work / "resume.toml")
+    run_dir = work / "resume"
+    first = Up(cfg, run_dir, name="first")
+    started.append(first)
+    first.wait_until(lambda: first.steps_logged() >= 3, "step 3")
+    live_json = status_cli(run_dir, "--json")
+    live_prom = status_cli(run_dir, "--prometheus")
+    first.proc.send_signal(signal.SIGTERM)
+    first_code = first.wait()
+    first_metrics = read_metrics(run_dir)
+    ckpt1 = latest_checkpoint(run_dir)
+    ledger1 = read_ledger(ckpt1)
+    first_target_logs = {r: (run_dir / "logs" / f"target-{r}.log").read_text() for r in range(2)}
+
+    second = Up(cfg, run_dir, "--resume", name="second")
+    started.append(second)
+    second_code = second.wait()
+    return dict(first=first, second=second, first_code=first_code, second_code=second_code, live_json=live_json,
+                live_prom=live_prom, first_metrics=first_metrics, ckpt1=ckpt1, ledger1=ledger1,
+                first_target_logs=first_target_logs)
+
+
+def test_status_while_running(stopped_and_resumed):
+    r = stopped_and_resumed
+    snap = json.loads(r["live_json"])
+    assert validate_status(snap) == [], validate_status(snap)
+    assert snap["state"] == "running"
+    procs = {(p["role"], p["rank"]): p for p in snap["processes"]}
+    assert sorted(procs) == [("drafter", 0), ("drafter", 1), ("target", 0), ("target", 1)]
+    pids = r["first"].child_pids()
+    for (role, rank), p in procs.items():
+        assert [p["pid"]] == pids[f"{role}-{rank}"]
+        assert p["exit_code"] is None and p["state"] != "exited"
+    assert snap["totals"]["step"] >= 1
+
+    prom = r["live_prom"]
+    assert 'dflash_ipc_state{state="running"} 1' in prom
+    for role, rank in procs:
+        assert f'dflash_ipc_process_up{{role="{role}",rank="{rank}",device="cpu"}} 1' in prom, prom
+        assert re.search(rf'^dflash_ipc_process_pid{{role="{role}",rank="{rank}",device="cpu"}} \d+$', prom, re.M)
+    assert re.search(r'^dflash_ipc_process_step\{role="drafter",rank="0",device="cpu"\} \d+$', prom, re.M)
+
+
+def test_sigterm_checkpoints_and_resume_consumes_every_batch_once(stopped_and_resumed):
+    r = stopped_and_resumed
+    first, second = r["first"], r["second"]
+    run_dir = first.run_dir
+    assert r["first_code"] == 0, first.output
+    assert "SIGTERM: asking drafters to checkpoint and stop" in first.output
+
+    # a fresh checkpoint at the step the first run stopped at
+    stop_step = r["first_metrics"][-1]["step"]
+    assert [m["step"] for m in r["first_metrics"]] == list(range(1, stop_step + 1))
+    assert checkpoint_step(r["ckpt1"]) == stop_step
+    assert "SIGTERM" in json.loads((r["ckpt1"] / META_FILE).read_text())["extra"]["reason"]
+    all_ids = plan_ids(run_dir)
+    assert 0 < len(r["ledger1"]) < len(all_ids), "the SIGTERM landed after the data was exhausted"
+    assert r["ledger1"] <= all_ids
+
+    # the resumed run continues from there and exhausts the data
+    assert r["second_code"] == 0, second.output
+    recs = read_metrics(run_dir)
+    final_step = recs[-1]["step"]
+    assert [m["step"] for m in recs] == list(range(1, final_step + 1)), "metrics steps do not continue"
+    assert final_step > stop_step
+    assert "[up] finished (data exhausted)" in second.output
+    ckpt2 = latest_checkpoint(run_dir)
+    assert checkpoint_step(ckpt2) == final_step
+
+    # every target skipped exactly the ledgered batches of its shard
+    for rank in range(2):
+        log = (run_dir / "logs" / f"target-{rank}.log").read_text()[len(r["first_target_logs"][rank]):]
+        m = re.findall(r"schedule: (\d+) batches planned, (\d+) already consumed \(ledger\), (\d+) to run", log)
+        assert len(m) == 1, log
+        planned, consumed, to_run = map(int, m[0])
+        mine = sum(1 for bid in r["ledger1"] if bid[1] == rank)
+        assert planned == sum(1 for bid in all_ids if bid[1] == rank)
+        assert (consumed, to_run) == (mine, planned - mine)
+
+    # none skipped: the final ledger holds every planned batch, and it extends the first one
+    ledger2 = read_ledger(ckpt2)
+    assert ledger2 == all_ids
+    assert r["ledger1"] <= ledger2
+    # none trained twice: the tokens trained over both runs are exactly the corpus' tokens once
+    assert corpus_tokens(second.output) == corpus_tokens(first.output)
+    assert sum(m["tokens"] for m in recs) == corpus_tokens(first.output)
+    assert_no_leftovers(second)
+
+
+# --------------------------------------------------------------------------- 4. a child killed
+
+
+def test_child_killed_fails_the_run_and_cleans_up(work, started):
+    cfg = write_config(work / "kill.toml")
+    up = Up(cfg, work / "kill")
+    started.append(up)
+    up.wait_until(lambda: up.steps_logged() >= 2, "step 2")
+    victim = up.child_pids()["target-0"][0]
+    run_id = (up.run_dir / "run_id").read_text().strip()
+    assert list_run_shm(run_id), "the targets' rings should exist while running"
+    os.kill(victim, signal.SIGKILL)
+    code = up.wait()
+    out = up.output
+    assert code != 0, out
+    failed = out[out.index("[up] FAILED"):]
+    assert failed.startswith(f"[up] FAILED: target-0 (pid {victim}) killed by signal SIGKILL\n"), failed
+    # the tail of its log
+    assert f"last lines of {up.run_dir}/logs/target-0.log" in failed
+    last_logged = [ln for ln in (up.run_dir / "logs" / "target-0.log").read_text().splitlines() if ln.strip()][-1]
+    assert last_logged.strip() in failed
+    assert json.loads((up.run_dir / "status.json").read_text())["state"] == "failed"
+    assert_no_leftovers(up)
+
+
+# --------------------------------------------------------------------------- 5. restart after a failure
+
+
+def test_max_restarts_restarts_from_the_last_checkpoint(work, started):
+    steps = 10
+    cfg = write_config(work / "restart.toml", training__checkpoint_every=2)
+    up = Up(cfg, work / "restart", "--max-steps", str(steps), "--max-restarts", "1")
+    started.append(up)
+    up.wait_until(lambda: read_latest_pointer(up.run_dir / "checkpoints") is not None and up.steps_logged() >= 3,
+                  "a checkpoint and step 3")
+    victim = up.child_pids()["drafter-1"][0]
+    os.kill(victim, signal.SIGKILL)
+    code = up.wait()
+    out = up.output
+    assert code == 0, out
+    # named as the cause, not drafter-0 (whose collective then fails with "connection closed by peer")
+    assert f"[up] FAILED: drafter-1 (pid {victim}) killed by signal SIGKILL" in out, out
+    assert "restarting the group from the last checkpoint (1/1)" in out
+    pids = up.child_pids()
+    assert all(len(p) == 2 for p in pids.values()), pids  # a second group was started
+    assert f"[up] finished (max_steps {steps})" in out
+    assert checkpoint_step(latest_checkpoint(up.run_dir)) == steps
+    # the restarted targets skipped what the checkpoint had consumed
+    consumed = [int(n) for r in range(2) for n in re.findall(
+        r"(\d+) already consumed \(ledger\)", (up.run_dir / "logs" / f"target-{r}.log").read_text())]
+    assert len(consumed) == 4 and consumed[0] == consumed[2] == 0 and consumed[1] + consumed[3] > 0, consumed
+    # metrics of steps trained after that checkpoint and lost with the crash are not kept twice
+    assert [m["step"] for m in read_metrics(up.run_dir)] == list(range(1, steps + 1))
+    assert_no_leftovers(up)
+
+
+# --------------------------------------------------------------------------- 6. bad configs
+
+
+@pytest.mark.parametrize("section, key, value, expect", [
+    ("transport", "ring_slotz", 4, "unknown key; did you mean 'ring_slots'?"),
+    ("data", "token_budget", "lots", "must be an integer"),
+])
+def test_bad_config_is_refused_before_anything_starts(tmp_path, section, key, value, expect):
+    cfg = write_config(tmp_path / "bad.toml", raw_overrides={section: {key: value}})
+    run_dir = tmp_path / "run"
+    r = subprocess.run([*CLI, "up", "--config", str(cfg), "--run-dir", str(run_dir)],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"{cfg}: {section}.{key}: " in r.stderr and expect in r.stderr, r.stderr
+    assert not run_dir.exists()
+    assert "[up] started" not in r.stdout
+
+
+# --------------------------------------------------------------------------- 7. handshake timeout
+
+
+def test_handshake_timeout_names_the_setting_and_leaves_no_process(work, started):
+    cfg = write_config(work / "hs.toml", run__handshake_timeout_s=0.5, run__teardown_grace_s=1.0)
+    up = Up(cfg, work / "hs")
+    started.append(up)
+    code = up.wait()
+    out = up.output
+    assert code != 0, out
+    assert "handshake timed out" in out and "run.handshake_timeout_s" in out, out
+    assert len(up.child_pids()) == 4
+    assert_no_leftovers(up)
