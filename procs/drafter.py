@@ -120,7 +120,7 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool) -> int:
                          "rejected_by_kind": dict(rejects.by_kind), "slots_per_target": list(plane.slots_done),
                          "uptime_s": elapsed, "state": "running", "last": core.last}
                 dealer.send(protocol.encode(Heartbeat(role="drafter", rank=rank, stats=stats)))
-        log.info("finishing at step %d: %s", core.step, finish_reason)
+        log.info("finishing at step %d: %s; batches received per target: %s", core.step, finish_reason, plane.slots_done)
         stopping_on_request = finish_reason.startswith(("shutdown", "signal", "supervisor"))
         ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopping_on_request) else None
         export = core.export() if cfg.training.export_on_finish else None

@@ -51,7 +51,10 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0) -> int:
     proc = psutil.Process()
     try:
         core = TargetCore(cfg, rank, run_dir, device)
-        log.info("target %d: %s, layers %s, fast path %s", rank, device, core.model.layer_ids, core.fast_path.get("fast_path"))
+        fp = core.fast_path
+        log.info("target %d: %s, layers %s; GatedDeltaNet kernels: flash-linear-attention %s, causal-conv1d %s (%s)",
+                 rank, device, core.model.layer_ids, "active" if fp.get("fla") else "NOT active (slow torch fallback)",
+                 "active" if fp.get("causal_conv1d") else "not active (torch conv fallback)", fp.get("implementations"))
         log.info("data: %s", core.corpus.report.summary())
         backend = resolve_backend(cfg, rank, log)
         ring = create_producer_ring(
@@ -60,7 +63,7 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0) -> int:
         )
         log.info("ring: %s, %d slots x %.1f MiB", ring.backend, ring.num_slots, core.layout.slot_bytes / 2**20)
         hello = Hello(role="target", rank=rank, pid=os.getpid(), device=str(device), ring=ring.descriptor(),
-                      endpoint=channels.target_endpoint(run_dir, rank), info={"fast_path": bool(core.fast_path.get("fast_path"))})
+                      endpoint=channels.target_endpoint(run_dir, rank), info={"fla": bool(core.fast_path.get("fla")), "causal_conv1d": bool(core.fast_path.get("causal_conv1d"))})
         start = handshake.child_handshake(dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
         ledger = read_ledger(start.resume.get("checkpoint"))
         core.start(ledger)
@@ -128,7 +131,7 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0) -> int:
                 dealer.send(protocol.encode(Heartbeat(role="target", rank=rank, stats=stats)))
             if (end_sent or (captured is None and core.packs_in_flight)) and not waited:
                 poller.poll(100 if end_sent else 2)
-        log.info("stopping: %s", stop.reason)
+        log.info("stopping: %s; slots routed per drafter: %s", stop.reason, plane.router.routed_total)
         return 0
     except Exception as e:
         log.error("target failed: %s", traceback.format_exc())
