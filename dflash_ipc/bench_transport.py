@@ -19,6 +19,7 @@ import json
 import math
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,6 +98,7 @@ def run_ring(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
     ctx = zmq.Context()
     router = channels.bind(ctx, zmq.ROUTER, channels.supervisor_endpoint(run_dir))
     procs: dict[tuple[str, int], subprocess.Popen] = {}
+    finished = False  # on failure the run directory (its logs) stays for diagnosis
     common = ["--run-dir", str(run_dir), "--backend", args.backend, "--producers", str(args.producers), "--consumers", str(args.consumers)]
     try:
         for p in range(args.producers):
@@ -140,6 +142,7 @@ def run_ring(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
         wall = time.perf_counter() - t0
         for pr in procs.values():
             pr.wait(timeout=60)
+        finished = True
         return {"summaries": summaries, "wall_s": wall}
     finally:
         for pr in procs.values():
@@ -149,6 +152,8 @@ def run_ring(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
         router.close()
         ctx.term()
         sweep_run_shm(run_id)
+        if finished:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _ring_result(res: dict, args: BenchArgs) -> dict:

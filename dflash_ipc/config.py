@@ -61,6 +61,9 @@ class RunConfig:
     heartbeat_timeout_s: float = 60.0
     teardown_grace_s: float = 15.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # "auto": on GPU hosts give each process its own share of the CPU cores, so one process's
+    # compile workers or data loading cannot starve another's kernel launches. "off": inherit.
+    cpu_affinity: Literal["auto", "off"] = "auto"
 
     def __post_init__(self) -> None:
         _require(bool(self.name) and "/" not in self.name, "name", "must be a non-empty name without '/'")

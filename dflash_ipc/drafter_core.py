@@ -68,6 +68,7 @@ class DrafterCore:
         self._new_ids: list[tuple] = []
         self.step = 0
         self.resumed_from: dict = {}
+        self.last_checkpoint: tuple[int, Path | None] | None = None
         self.ckpt_root = run_dir / "checkpoints"
         self.config_hash = config_hash(cfg.to_dict() | {"training": {**cfg.to_dict()["training"], "max_steps": None}})
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -168,7 +169,12 @@ class DrafterCore:
 
     # -- checkpoints
     def checkpoint(self, reason: str) -> Path | None:
-        """Collective: every rank calls it at the same step boundary."""
+        """Collective: every rank calls it at the same step boundary.
+
+        A step that is already checkpointed (the periodic checkpoint fell on the last step) is
+        not written again; its path is returned."""
+        if self.last_checkpoint is not None and self.last_checkpoint[0] == self.step:
+            return self.last_checkpoint[1]
         ids = gather_ledger(self._new_ids, self.world)
         self.ledger.add(ids)
         self._new_ids = []
@@ -186,6 +192,7 @@ class DrafterCore:
                 keep=self.cfg.training.keep_checkpoints,
             )
             log.info("checkpoint %s (%s): %d batches in the ledger", path, reason, len(self.ledger))
+        self.last_checkpoint = (self.step, path)
         return path
 
     def export(self) -> Path | None:

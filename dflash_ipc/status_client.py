@@ -35,19 +35,11 @@ def read_status(path: Path, timeout_ms: int = 500) -> dict:
             sock.connect(channels.status_endpoint(run_dir))
             sock.send(b"status")
             if sock.poll(timeout_ms):
-                snap = json.loads(sock.recv())
-                snap["source"] = "live"
-                return _clean(snap)
+                return json.loads(sock.recv())
         finally:
             sock.close()
             ctx.term()
     try:
-        snap = json.loads((run_dir / "status.json").read_text())
+        return json.loads((run_dir / "status.json").read_text())
     except FileNotFoundError:
         raise StatusUnavailable(f"{run_dir} has no status.json yet (the run has not started)") from None
-    return _clean(snap)
-
-
-def _clean(snap: dict) -> dict:
-    snap.pop("source", None)
-    return snap

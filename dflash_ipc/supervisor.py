@@ -80,6 +80,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_shares_for(n_children: int) -> list[list[int]] | None:
+    """Split this process's CPU cores into n contiguous shares (None if there are too few)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 * n_children:
+        return None
+    size = len(cores) // n_children
+    return [cores[i * size : (i + 1) * size] for i in range(n_children)]
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -191,11 +200,14 @@ class Supervisor:
         if not self.forward_only:
             self.children += [Child("drafter", r, d) for r, d in enumerate(cfg.topology.drafters)]
         n_drafters = len(cfg.topology.drafters)
-        for ch in self.children:
+        cpu_shares = cpu_shares_for(len(self.children)) if (cfg.run.cpu_affinity == "auto" and cfg.topology.on_cuda) else None
+        for i, ch in enumerate(self.children):
             env = dict(base_env)
             argv = [sys.executable, "-m", f"procs.{ch.role}", "--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
             if self.forward_only:
                 argv += ["--forward-only", str(self.forward_only)]
+            if cpu_shares:
+                argv += ["--cpus", ",".join(map(str, cpu_shares[i]))]
             if ch.role == "drafter":
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n_drafters), RANK=str(ch.rank), LOCAL_RANK=str(ch.rank))
                 if resume:

@@ -79,5 +79,11 @@ def setup_child_process(role: str, rank: int, run_dir: Path, log_level: str = "i
     return logger, stop
 
 
-def parent_alive(original_parent: int) -> bool:
-    return os.getppid() == original_parent
+def apply_cpu_share(cpus: str | None) -> int | None:
+    """Pin this process (and what it spawns, e.g. compile workers) to its share of the cores;
+    returns the number of cores, for torch's intra-op thread count."""
+    if not cpus:
+        return None
+    cores = {int(c) for c in cpus.split(",") if c.strip()}
+    os.sched_setaffinity(0, cores)
+    return len(cores)

@@ -29,16 +29,19 @@ from dflash_ipc.drafter_core import DrafterCore
 from dflash_ipc.protocol import Dead, Done, Heartbeat, Hello, RejectCounter, Shutdown
 from dflash_ipc.ring import open_consumer_ring
 from dflash_ipc.trainer import destroy_distributed, init_distributed
-from procs.common import setup_child_process
+from procs.common import apply_cpu_share, setup_child_process
 
 
-def run_drafter_process(run_dir: Path, rank: int, resume: bool) -> int:
+def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None = None) -> int:
     cfg = load_resolved_config(run_dir)
     log, stop = setup_child_process("drafter", rank, run_dir, cfg.run.log_level)
     parent = os.getppid()
     device = torch.device(cfg.topology.drafters[rank])
+    n_cores = apply_cpu_share(cpus)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if n_cores:
+            torch.set_num_threads(n_cores)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, len(cfg.topology.targets) + len(cfg.topology.drafters))))
     ctx = zmq.Context()
@@ -152,9 +155,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description="dflash-ipc drafter process (started by `dflash-ipc up`)")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--cpus", default=None, help="comma-separated CPU cores of this process (set by the supervisor)")
     ap.add_argument("--resume", action="store_true")
     a = ap.parse_args()
-    return run_drafter_process(Path(a.run_dir), a.rank, a.resume)
+    return run_drafter_process(Path(a.run_dir), a.rank, a.resume, a.cpus)
 
 
 if __name__ == "__main__":

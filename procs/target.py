@@ -28,18 +28,21 @@ from dflash_ipc.dataplane import ProducerDataPlane
 from dflash_ipc.protocol import Dead, Done, Heartbeat, Hello, RejectCounter, Shutdown
 from dflash_ipc.ring import create_producer_ring
 from dflash_ipc.target_core import TargetCore, read_ledger
-from procs.common import setup_child_process
+from procs.common import apply_cpu_share, setup_child_process
 
 
-def run_target_process(run_dir: Path, rank: int, forward_only: int = 0) -> int:
+def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: str | None = None) -> int:
     """``forward_only`` > 0: the benchmark ceiling. No drafters; each slot is released the moment
     its pack completed, and every batch also runs once through the bare transformers stack."""
     cfg = load_resolved_config(run_dir)
     log, stop = setup_child_process("target", rank, run_dir, cfg.run.log_level)
     parent = os.getppid()
     device = torch.device(cfg.topology.targets[rank])
+    n_cores = apply_cpu_share(cpus)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if n_cores:
+            torch.set_num_threads(n_cores)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, len(cfg.topology.targets) + len(cfg.topology.drafters))))
     ctx = zmq.Context()
@@ -173,9 +176,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description="dflash-ipc target process (started by `dflash-ipc up`)")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--cpus", default=None, help="comma-separated CPU cores of this process (set by the supervisor)")
     ap.add_argument("--forward-only", type=int, default=0, help="benchmark: run N batches with no drafters")
     a = ap.parse_args()
-    return run_target_process(Path(a.run_dir), a.rank, a.forward_only)
+    return run_target_process(Path(a.run_dir), a.rank, a.forward_only, a.cpus)
 
 
 if __name__ == "__main__":
