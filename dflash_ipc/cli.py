@@ -107,7 +107,6 @@ def check_config(config_path: str) -> None:
 @click.option("--max-restarts", type=click.IntRange(0), default=0, show_default=True, help="Restart the group from the last checkpoint after a failure, at most K times.")
 def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: bool, max_restarts: int) -> None:
     """Start the whole pipeline: one process per target and per drafter."""
-    from pathlib import Path
 
     from dflash_ipc.config import load_config
     from dflash_ipc.supervisor import GroupFailed, Supervisor

@@ -5,49 +5,39 @@ from __future__ import annotations
 import argparse
 import os
 import time
-import traceback
 from pathlib import Path
 
 import torch
-import zmq
 
-from dflash_ipc import bench_transport, channels, handshake, protocol
+from dflash_ipc import bench_transport, channels, handshake
 from dflash_ipc.dataplane import ConsumerDataPlane
-from dflash_ipc.protocol import Dead, Done, Hello, RejectCounter
+from dflash_ipc.protocol import Done, Hello, RejectCounter
 from dflash_ipc.ring import open_consumer_ring
-from procs.common import setup_child_process
+from procs.common import ChildSockets, place_process, setup_child_process
 
 
 def run_bench_consumer_process(a: argparse.Namespace) -> int:
     run_dir = Path(a.run_dir)
     log, stop = setup_child_process("consumer", a.rank, run_dir)
-    torch.set_num_threads(1)
-    ctx = zmq.Context()
-    dealer = channels.connect(ctx, zmq.DEALER, channels.supervisor_endpoint(run_dir), handshake.identity("consumer", a.rank))
-    pull = channels.bind(ctx, zmq.PULL, channels.drafter_endpoint(run_dir, a.rank))
-    rings = []
-    pushes: list[zmq.Socket] = []
+    device = place_process(a.device, None, a.producers + a.consumers)
+    socks = ChildSockets(run_dir, "consumer", a.rank, channels.drafter_endpoint(run_dir, a.rank))
     rejects = RejectCounter(f"consumer-{a.rank}", log)
     try:
-        device = torch.device(a.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        hello = Hello(role="consumer", rank=a.rank, pid=os.getpid(), device=a.device, endpoint=channels.drafter_endpoint(run_dir, a.rank))
-        start = handshake.child_handshake(dealer, hello, 120, rejects)
+        hello = Hello(role="consumer", rank=a.rank, pid=os.getpid(), device=a.device, endpoint=socks.pull_endpoint)
+        start = handshake.child_handshake(socks.dealer, hello, 120, rejects)
         rings = [open_consumer_ring(d, device) for d in start.rings]
-        pushes = [channels.connect(ctx, zmq.PUSH, ep) for ep in start.target_endpoints]
+        socks.connect_peers(start.target_endpoints)
         slot_bytes = max(r.layout.slot_bytes for r in rings)
         buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(a.prefetch + 1)]
-        plane = ConsumerDataPlane(a.rank, rings, buffers, lambda p, m: channels.send(pushes[p], m), rejects)
-        handshake.send_ready(dealer, "consumer", a.rank)
-        poller = zmq.Poller()
-        poller.register(pull, zmq.POLLIN)
+        plane = ConsumerDataPlane(a.rank, rings, buffers, socks.send_to_peer, rejects)
+        handshake.send_ready(socks.dealer, "consumer", a.rank)
+        poller = socks.poller()
         verified = True
         slots = 0
         t_first = None
         t_last = time.perf_counter()
         while not plane.drained() and not stop.requested:
-            for msg in channels.drain(pull, rejects):
+            for msg in channels.drain(socks.pull, rejects):
                 plane.handle(msg)
             plane.pump()
             batch = plane.take()
@@ -76,20 +66,15 @@ def run_bench_consumer_process(a: argparse.Namespace) -> int:
             "rejected": rejects.total,
             "per_producer": plane.slots_done,
         }
-        dealer.send(protocol.encode(Done(role="consumer", rank=a.rank, summary=summary)))
+        socks.send_to_supervisor(Done(role="consumer", rank=a.rank, summary=summary))
         return 0
     except Exception as e:
-        log.error("consumer failed: %s", traceback.format_exc())
-        dealer.send(protocol.encode(Dead(role="consumer", rank=a.rank, error=f"{type(e).__name__}: {e}")))
+        socks.report_dead(e, log)
         return 1
     finally:
-        for s in pushes:
-            s.close()
         for r in rings:
             r.close()
-        pull.close()
-        dealer.close(linger=1000)
-        ctx.term()
+        socks.close()
 
 
 def main() -> int:

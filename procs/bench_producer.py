@@ -5,48 +5,38 @@ from __future__ import annotations
 import argparse
 import os
 import time
-import traceback
 from pathlib import Path
 
 import torch
-import zmq
 
-from dflash_ipc import bench_transport, channels, handshake, protocol
+from dflash_ipc import bench_transport, channels, handshake
 from dflash_ipc.dataplane import ProducerDataPlane
-from dflash_ipc.protocol import Dead, Done, Hello, RejectCounter
+from dflash_ipc.protocol import Done, Hello, RejectCounter
 from dflash_ipc.ring import create_producer_ring
-from procs.common import setup_child_process
+from procs.common import ChildSockets, place_process, setup_child_process
 
 
 def run_bench_producer_process(a: argparse.Namespace) -> int:
     run_dir = Path(a.run_dir)
     log, stop = setup_child_process("producer", a.rank, run_dir)
-    torch.set_num_threads(1)
-    ctx = zmq.Context()
-    dealer = channels.connect(ctx, zmq.DEALER, channels.supervisor_endpoint(run_dir), handshake.identity("producer", a.rank))
-    pull = channels.bind(ctx, zmq.PULL, channels.target_endpoint(run_dir, a.rank))
-    ring = None
-    pushes: list[zmq.Socket] = []
+    device = place_process(a.device, None, a.producers + a.consumers)
+    socks = ChildSockets(run_dir, "producer", a.rank, channels.target_endpoint(run_dir, a.rank))
     rejects = RejectCounter(f"producer-{a.rank}", log)
     try:
         layout = bench_transport.bench_layout(a.slot_bytes)
-        device = torch.device(a.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         ring = create_producer_ring(a.backend, layout, a.slots, run_id=a.run_id, producer_rank=a.rank, device=device)
         hello = Hello(role="producer", rank=a.rank, pid=os.getpid(), device=a.device, ring=ring.descriptor(),
-                      endpoint=channels.target_endpoint(run_dir, a.rank))
-        start = handshake.child_handshake(dealer, hello, 120, rejects)
-        pushes = [channels.connect(ctx, zmq.PUSH, ep) for ep in start.drafter_endpoints]
-        plane = ProducerDataPlane(a.rank, ring, len(pushes), a.max_outstanding, lambda c, m: channels.send(pushes[c], m), rejects)
-        handshake.send_ready(dealer, "producer", a.rank)
+                      endpoint=socks.pull_endpoint)
+        start = handshake.child_handshake(socks.dealer, hello, 120, rejects)
+        socks.connect_peers(start.drafter_endpoints)
+        plane = ProducerDataPlane(a.rank, ring, len(socks.pushes), a.max_outstanding, socks.send_to_peer, rejects)
+        handshake.send_ready(socks.dealer, "producer", a.rank)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        poller = zmq.Poller()
-        poller.register(pull, zmq.POLLIN)
+        poller = socks.poller()
         index = 0
         end = time.monotonic() + a.seconds
         while time.monotonic() < end and not stop.requested:
-            for msg in channels.drain(pull, rejects):
+            for msg in channels.drain(socks.pull, rejects):
                 plane.handle(msg)
             slot = plane.acquire()
             if slot is not None:
@@ -68,23 +58,18 @@ def run_bench_producer_process(a: argparse.Namespace) -> int:
         deadline = time.monotonic() + 60
         while not plane.all_returned() and time.monotonic() < deadline:
             if poller.poll(100):
-                for msg in channels.drain(pull, rejects):
+                for msg in channels.drain(socks.pull, rejects):
                     plane.handle(msg)
             plane.dispatch()
-        dealer.send(protocol.encode(Done(role="producer", rank=a.rank, summary={"batches": plane.batches_sent, "rejected": rejects.total, **plane.stats()})))
+        socks.send_to_supervisor(Done(role="producer", rank=a.rank, summary={"batches": plane.batches_sent, "rejected": rejects.total, **plane.stats()}))
         return 0
     except Exception as e:
-        log.error("producer failed: %s", traceback.format_exc())
-        dealer.send(protocol.encode(Dead(role="producer", rank=a.rank, error=f"{type(e).__name__}: {e}")))
+        socks.report_dead(e, log)
         return 1
     finally:
-        for s in pushes:
-            s.close()
         if ring is not None:
             ring.close()
-        pull.close()
-        dealer.close(linger=1000)
-        ctx.term()
+        socks.close()
 
 
 def main() -> int:

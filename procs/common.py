@@ -87,3 +87,83 @@ def apply_cpu_share(cpus: str | None) -> int | None:
     cores = {int(c) for c in cpus.split(",") if c.strip()}
     os.sched_setaffinity(0, cores)
     return len(cores)
+
+
+def place_process(device_name: str, cpus: str | None, processes_on_host: int):
+    """Bind this process to its device and its CPU share; returns the torch device."""
+    import torch
+
+    device = torch.device(device_name)
+    n_cores = apply_cpu_share(cpus)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if n_cores:
+            torch.set_num_threads(n_cores)
+    else:
+        # CPU runs share the host's cores among all processes of the run.
+        torch.set_num_threads(n_cores or max(1, (os.cpu_count() or 1) // max(1, processes_on_host)))
+    return device
+
+
+class ChildSockets:
+    """The sockets every child holds: a DEALER to the supervisor (identity role-rank), its own
+    bound PULL for data-plane messages, and PUSH sockets to its peers. Closed explicitly."""
+
+    def __init__(self, run_dir: Path, role: str, rank: int, pull_endpoint: str):
+        import zmq
+
+        from dflash_ipc import channels, handshake
+
+        self.role, self.rank = role, rank
+        self.ctx = zmq.Context()
+        self.dealer = channels.connect(self.ctx, zmq.DEALER, channels.supervisor_endpoint(run_dir), handshake.identity(role, rank))
+        self.pull_endpoint = pull_endpoint
+        self.pull = channels.bind(self.ctx, zmq.PULL, pull_endpoint)
+        self.pushes: list = []
+
+    def connect_peers(self, endpoints: list[str]) -> list:
+        import zmq
+
+        from dflash_ipc import channels
+
+        self.pushes = [channels.connect(self.ctx, zmq.PUSH, ep) for ep in endpoints]
+        return self.pushes
+
+    def send_to_peer(self, peer: int, msg) -> None:
+        from dflash_ipc import channels
+
+        channels.send(self.pushes[peer], msg)
+
+    def send_to_supervisor(self, msg) -> None:
+        from dflash_ipc import protocol
+
+        self.dealer.send(protocol.encode(msg))
+
+    def report_dead(self, exc: BaseException, log: logging.Logger) -> None:
+        """Log the traceback and tell the supervisor (best effort: it may be gone)."""
+        import traceback
+
+        import zmq
+
+        from dflash_ipc.protocol import Dead
+
+        log.error("%s-%d failed: %s", self.role, self.rank, traceback.format_exc())
+        try:
+            self.send_to_supervisor(Dead(role=self.role, rank=self.rank, error=f"{type(exc).__name__}: {exc}"))
+        except zmq.ZMQError:
+            pass
+
+    def poller(self):
+        import zmq
+
+        p = zmq.Poller()
+        p.register(self.pull, zmq.POLLIN)
+        p.register(self.dealer, zmq.POLLIN)
+        return p
+
+    def close(self, linger_ms: int = 1000) -> None:
+        for s in self.pushes:
+            s.close()
+        self.pull.close()
+        self.dealer.close(linger=linger_ms)
+        self.ctx.term()

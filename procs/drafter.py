@@ -15,41 +15,29 @@ import argparse
 import json
 import os
 import time
-import traceback
 from pathlib import Path
 
 import psutil
 import torch
-import zmq
 
-from dflash_ipc import channels, handshake, protocol
+from dflash_ipc import channels, handshake
 from dflash_ipc.config import load_resolved_config
 from dflash_ipc.dataplane import ConsumerDataPlane
 from dflash_ipc.drafter_core import DrafterCore
-from dflash_ipc.protocol import Dead, Done, Heartbeat, Hello, RejectCounter, Shutdown
+from dflash_ipc.protocol import Done, Heartbeat, Hello, RejectCounter, Shutdown
 from dflash_ipc.ring import open_consumer_ring
 from dflash_ipc.trainer import destroy_distributed, init_distributed
-from procs.common import apply_cpu_share, setup_child_process
+from procs.common import ChildSockets, place_process, setup_child_process
 
 
 def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None = None) -> int:
     cfg = load_resolved_config(run_dir)
     log, stop = setup_child_process("drafter", rank, run_dir, cfg.run.log_level)
     parent = os.getppid()
-    device = torch.device(cfg.topology.drafters[rank])
-    n_cores = apply_cpu_share(cpus)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        if n_cores:
-            torch.set_num_threads(n_cores)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, len(cfg.topology.targets) + len(cfg.topology.drafters))))
-    ctx = zmq.Context()
-    dealer = channels.connect(ctx, zmq.DEALER, channels.supervisor_endpoint(run_dir), handshake.identity("drafter", rank))
-    pull = channels.bind(ctx, zmq.PULL, channels.drafter_endpoint(run_dir, rank))
+    device = place_process(cfg.topology.drafters[rank], cpus, len(cfg.topology.targets) + len(cfg.topology.drafters))
+    socks = ChildSockets(run_dir, "drafter", rank, channels.drafter_endpoint(run_dir, rank))
     rejects = RejectCounter(f"drafter-{rank}", log)
     rings = []
-    pushes: list[zmq.Socket] = []
     proc = psutil.Process()
     world = None
     try:
@@ -58,18 +46,16 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
         total_steps = cfg.training.max_steps or max(1, -(-plan["n_batches_total"] // world.world_size))
         core = DrafterCore(cfg, run_dir, world, device, total_steps, resume)
         log.info("drafter %d/%d on %s: %.2fM trainable params, step %d", rank, world.world_size, device, core.n_params / 1e6, core.step)
-        hello = Hello(role="drafter", rank=rank, pid=os.getpid(), device=str(device), endpoint=channels.drafter_endpoint(run_dir, rank),
+        hello = Hello(role="drafter", rank=rank, pid=os.getpid(), device=str(device), endpoint=socks.pull_endpoint,
                       info={"resume": core.resumed_from})
-        start = handshake.child_handshake(dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
+        start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
         rings = [open_consumer_ring(d, device) for d in start.rings]
-        pushes = [channels.connect(ctx, zmq.PUSH, ep) for ep in start.target_endpoints]
+        socks.connect_peers(start.target_endpoints)
         slot_bytes = max(r.layout.slot_bytes for r in rings)
         buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(cfg.transport.drafter_prefetch + 1)]
-        plane = ConsumerDataPlane(rank, rings, buffers, lambda p, m: channels.send(pushes[p], m), rejects)
-        handshake.send_ready(dealer, "drafter", rank)
-        poller = zmq.Poller()
-        poller.register(pull, zmq.POLLIN)
-        poller.register(dealer, zmq.POLLIN)
+        plane = ConsumerDataPlane(rank, rings, buffers, socks.send_to_peer, rejects)
+        handshake.send_ready(socks.dealer, "drafter", rank)
+        poller = socks.poller()
         max_steps = cfg.training.max_steps
         every = cfg.training.checkpoint_every
         next_beat = 0.0
@@ -78,9 +64,9 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
         t0 = time.perf_counter()
         finish_reason = "data exhausted"
         while True:
-            for msg in channels.drain(pull, rejects):
+            for msg in channels.drain(socks.pull, rejects):
                 plane.handle(msg)
-            for msg in channels.drain(dealer, rejects):
+            for msg in channels.drain(socks.dealer, rejects):
                 if isinstance(msg, Shutdown):
                     stop.set(f"shutdown: {msg.reason}")
             if os.getppid() != parent:
@@ -122,7 +108,7 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
                          "rss_bytes": proc.memory_info().rss, "rejected_messages": rejects.total,
                          "rejected_by_kind": dict(rejects.by_kind), "slots_per_target": list(plane.slots_done),
                          "uptime_s": elapsed, "state": "running", "last": core.last}
-                dealer.send(protocol.encode(Heartbeat(role="drafter", rank=rank, stats=stats)))
+                socks.send_to_supervisor(Heartbeat(role="drafter", rank=rank, stats=stats))
         log.info("finishing at step %d: %s; batches received per target: %s", core.step, finish_reason, plane.slots_done)
         stopping_on_request = finish_reason.startswith(("shutdown", "signal", "supervisor"))
         ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopping_on_request) else None
@@ -130,23 +116,15 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
         summary = {**core.stats(), "reason": finish_reason, "checkpoint": str(ckpt) if ckpt else None,
                    "export": str(export) if export else None, "slots_per_target": list(plane.slots_done),
                    "rejected_messages": rejects.total}
-        dealer.send(protocol.encode(Done(role="drafter", rank=rank, summary=summary)))
+        socks.send_to_supervisor(Done(role="drafter", rank=rank, summary=summary))
         return 0
     except Exception as e:
-        log.error("drafter failed: %s", traceback.format_exc())
-        try:
-            dealer.send(protocol.encode(Dead(role="drafter", rank=rank, error=f"{type(e).__name__}: {e}")))
-        except zmq.ZMQError:
-            pass
+        socks.report_dead(e, log)
         return 1
     finally:
-        for s in pushes:
-            s.close()
         for r in rings:
             r.close()
-        pull.close()
-        dealer.close(linger=2000)
-        ctx.term()
+        socks.close(linger_ms=2000)
         if world is not None:
             destroy_distributed()
 

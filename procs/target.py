@@ -15,20 +15,18 @@ from __future__ import annotations
 import argparse
 import os
 import time
-import traceback
 from pathlib import Path
 
 import psutil
 import torch
-import zmq
 
-from dflash_ipc import channels, handshake, protocol
+from dflash_ipc import channels, handshake
 from dflash_ipc.config import load_resolved_config
 from dflash_ipc.dataplane import ProducerDataPlane
-from dflash_ipc.protocol import Dead, Done, Heartbeat, Hello, RejectCounter, Shutdown
+from dflash_ipc.protocol import Done, Heartbeat, Hello, RejectCounter, Shutdown
 from dflash_ipc.ring import create_producer_ring
 from dflash_ipc.target_core import TargetCore, read_ledger
-from procs.common import apply_cpu_share, setup_child_process
+from procs.common import ChildSockets, place_process, setup_child_process
 
 
 def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: str | None = None) -> int:
@@ -37,20 +35,10 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: st
     cfg = load_resolved_config(run_dir)
     log, stop = setup_child_process("target", rank, run_dir, cfg.run.log_level)
     parent = os.getppid()
-    device = torch.device(cfg.topology.targets[rank])
-    n_cores = apply_cpu_share(cpus)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        if n_cores:
-            torch.set_num_threads(n_cores)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, len(cfg.topology.targets) + len(cfg.topology.drafters))))
-    ctx = zmq.Context()
-    dealer = channels.connect(ctx, zmq.DEALER, channels.supervisor_endpoint(run_dir), handshake.identity("target", rank))
-    pull = channels.bind(ctx, zmq.PULL, channels.target_endpoint(run_dir, rank))
+    device = place_process(cfg.topology.targets[rank], cpus, len(cfg.topology.targets) + len(cfg.topology.drafters))
+    socks = ChildSockets(run_dir, "target", rank, channels.target_endpoint(run_dir, rank))
     rejects = RejectCounter(f"target-{rank}", log)
     core = ring = None
-    pushes: list[zmq.Socket] = []
     proc = psutil.Process()
     try:
         core = TargetCore(cfg, rank, run_dir, device)
@@ -66,18 +54,16 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: st
         )
         log.info("ring: %s, %d slots x %.1f MiB", ring.backend, ring.num_slots, core.layout.slot_bytes / 2**20)
         hello = Hello(role="target", rank=rank, pid=os.getpid(), device=str(device), ring=ring.descriptor(),
-                      endpoint=channels.target_endpoint(run_dir, rank), info={"fla": bool(core.fast_path.get("fla")), "causal_conv1d": bool(core.fast_path.get("causal_conv1d"))})
-        start = handshake.child_handshake(dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
+                      endpoint=socks.pull_endpoint, info={"fla": bool(core.fast_path.get("fla")), "causal_conv1d": bool(core.fast_path.get("causal_conv1d"))})
+        start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
         ledger = read_ledger(start.resume.get("checkpoint"))
         core.start(ledger)
         log.info("schedule: %d batches planned, %d already consumed (ledger), %d to run", core.planned, core.skipped_ledgered, core.batches_left)
-        pushes = [channels.connect(ctx, zmq.PUSH, ep) for ep in start.drafter_endpoints]
-        plane = ProducerDataPlane(rank, ring, max(1, len(pushes)), cfg.transport.max_outstanding_per_drafter,
-                                  lambda c, m: channels.send(pushes[c], m), rejects)
-        handshake.send_ready(dealer, "target", rank)
-        poller = zmq.Poller()
-        poller.register(pull, zmq.POLLIN)
-        poller.register(dealer, zmq.POLLIN)
+        socks.connect_peers(start.drafter_endpoints)
+        plane = ProducerDataPlane(rank, ring, max(1, len(socks.pushes)), cfg.transport.max_outstanding_per_drafter,
+                                  socks.send_to_peer, rejects)
+        handshake.send_ready(socks.dealer, "target", rank)
+        poller = socks.poller()
         # The pack already completed (observed on the host): record slot events on an idle
         # stream, never on the compute stream, or the drafter's copy would wait for the next forward.
         commit_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -86,9 +72,9 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: st
         next_beat = 0.0
         t0 = time.perf_counter()
         while not stop.requested:
-            for msg in channels.drain(pull, rejects):
+            for msg in channels.drain(socks.pull, rejects):
                 plane.handle(msg)
-            for msg in channels.drain(dealer, rejects):
+            for msg in channels.drain(socks.dealer, rejects):
                 if isinstance(msg, Shutdown):
                     stop.set(f"shutdown: {msg.reason}")
             if os.getppid() != parent:
@@ -102,7 +88,7 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: st
                 plane.enqueue(done.slot, b.id.to_wire(), b.bucket, b.n_tokens, b.batch_size, {"padded_len": b.padded_len})
             if forward_only and captured is None and (core.forwards >= forward_only or core.batches_left == 0) and core.packs_in_flight == 0:
                 stats = {**core.stats(), "rss_bytes": proc.memory_info().rss}
-                dealer.send(protocol.encode(Done(role="target", rank=rank, summary=stats)))
+                socks.send_to_supervisor(Done(role="target", rank=rank, summary=stats))
                 log.info("forward-only done: %s", stats)
                 break
             plane.dispatch()
@@ -131,28 +117,20 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: st
                 stats = {**core.stats(), **plane.stats(), "rss_bytes": proc.memory_info().rss, "rejected_messages": rejects.total,
                          "rejected_by_kind": dict(rejects.by_kind), "state": "done" if end_sent else "running",
                          "uptime_s": time.perf_counter() - t0}
-                dealer.send(protocol.encode(Heartbeat(role="target", rank=rank, stats=stats)))
+                socks.send_to_supervisor(Heartbeat(role="target", rank=rank, stats=stats))
             if (end_sent or (captured is None and core.packs_in_flight)) and not waited:
                 poller.poll(100 if end_sent else 2)
         log.info("stopping: %s; slots routed per drafter: %s", stop.reason, plane.router.routed_total)
         return 0
     except Exception as e:
-        log.error("target failed: %s", traceback.format_exc())
-        try:
-            dealer.send(protocol.encode(Dead(role="target", rank=rank, error=f"{type(e).__name__}: {e}")))
-        except zmq.ZMQError:
-            pass
+        socks.report_dead(e, log)
         return 1
     finally:
-        for s in pushes:
-            s.close()
         if core is not None:
             core.close()
         if ring is not None:
             ring.close()
-        pull.close()
-        dealer.close(linger=1000)
-        ctx.term()
+        socks.close()
 
 
 def resolve_backend(cfg, rank: int, log) -> str:

@@ -126,7 +126,7 @@ def test_render_command_prints_install_steps(tmp_path):
     assert str(paths[0]) in text
     assert "systemctl --user enable --now dflash-ipc@myrun" in text
     assert "loginctl enable-linger" in text
-    assert f"mkdir -p" in text and str(tmp_path / "runs") in text
+    assert "mkdir -p" in text and str(tmp_path / "runs") in text
 
 
 def test_click_render_command(tmp_path):
