@@ -90,6 +90,7 @@ class DrafterCore:
         self.ledger = ckpt.ledger
         self.step = ckpt.step
         self.resumed_from = {"checkpoint": str(ckpt.path), "step": ckpt.step}
+        self.last_checkpoint = (ckpt.step, ckpt.path)
         if self.world.is_main:
             self._truncate_metrics(ckpt.step)
         log.info("resumed from %s: step %d, %d batches in the ledger", ckpt.path, ckpt.step, len(self.ledger))

@@ -45,6 +45,7 @@ def _wait_for(
     rejects: RejectCounter,
     is_alive: Callable[[], str | None],
     phase: str,
+    on_other: Callable[[bytes, protocol.Message], None] | None = None,
 ) -> dict[bytes, protocol.Message]:
     got: dict[bytes, protocol.Message] = {}
     deadline = time.monotonic() + timeout_s
@@ -76,6 +77,9 @@ def _wait_for(
             if isinstance(msg, Hello) and msg.protocol != protocol.PROTOCOL_VERSION:
                 raise HandshakeError(f"{ident.decode()} speaks protocol {msg.protocol}, expected {protocol.PROTOCOL_VERSION}")
             got[ident] = msg
+        elif on_other is not None:
+            # A fast child may already heartbeat, or even finish, before the slowest is Ready.
+            on_other(ident, msg)
     return got
 
 
@@ -86,6 +90,7 @@ def coordinate(
     rejects: RejectCounter,
     is_alive: Callable[[], str | None] = lambda: None,
     setting: str = "run.handshake_timeout_s",
+    on_other: Callable[[bytes, protocol.Message], None] | None = None,
 ) -> dict[tuple[str, int], Hello]:
     """Run the whole handshake; returns the Hellos keyed by (role, rank)."""
     idents = {identity(r, k): (r, k) for r, k in expected}
@@ -103,7 +108,7 @@ def coordinate(
     frame = protocol.encode(start)
     for ident in idents:
         router.send_multipart([ident, frame])
-    _wait_for(router, set(idents), Ready, timeout_s, setting, rejects, is_alive, "Ready")
+    _wait_for(router, set(idents), Ready, timeout_s, setting, rejects, is_alive, "Ready", on_other)
     return by_key
 
 

@@ -241,7 +241,8 @@ class Supervisor:
             self.echo(f"[up] started {len(self.children)} processes: " + ", ".join(f"{c.name}@{c.device} pid {c.popen.pid}" for c in self.children))
             t0 = time.perf_counter()
             try:
-                handshake.coordinate(router, [c.key for c in self.children], self.cfg.run.handshake_timeout_s, self.rejects, self._dead_child)
+                handshake.coordinate(router, [c.key for c in self.children], self.cfg.run.handshake_timeout_s, self.rejects,
+                                     self._dead_child, on_other=self._on_decoded)
             except HandshakeError as e:
                 raise GroupFailed(self._failure_text(str(e))) from None
             self.state = "running"
@@ -291,12 +292,7 @@ class Supervisor:
         while True:
             events = dict(poller.poll(100))
             if router in events:
-                for _ in range(1000):
-                    try:
-                        ident, frame = router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_message(ident, frame)
+                self._drain_router(router)
             if status_sock in events:
                 status_sock.recv()
                 status_sock.send(json.dumps(self.snapshot()).encode())
@@ -310,6 +306,12 @@ class Supervisor:
             # A child that exited is checked before Dead reports: a peer's Dead ("connection closed
             # by peer" from gloo) is usually the consequence of that exit, not its cause.
             ch = self._exited_child()
+            expected_exit = ch is not None and targets_stopped and ch.role == "target" and ch.popen.returncode == 0
+            if ch is not None and ch.popen.returncode == 0 and not expected_exit:
+                # A clean exit usually follows its Done by microseconds: read what is in flight
+                # before calling the exit unexpected.
+                self._drain_router(router, wait_ms=500)
+                ch = self._exited_child()
             if ch is not None and not (targets_stopped and ch.role == "target" and ch.popen.returncode == 0):
                 raise GroupFailed(self._failure_text(self._dead_child(), ch))
             for ch in self.children:
@@ -349,13 +351,25 @@ class Supervisor:
                 next_watchdog = now + watchdog / 2
                 systemd.notify_watchdog()
 
+    def _drain_router(self, router: zmq.Socket, wait_ms: int = 0) -> None:
+        if wait_ms and not router.poll(wait_ms):
+            return
+        for _ in range(1000):
+            try:
+                ident, frame = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._on_message(ident, frame)
+
     def _beats_fresh(self, now: float) -> bool:
         return all(c.done is not None or (c.last_beat is not None and now - c.last_beat < self.cfg.run.heartbeat_timeout_s) for c in self.children)
 
     def _on_message(self, ident: bytes, frame: bytes) -> None:
         msg = channels.decode_or_reject(frame, self.rejects)
-        if msg is None:
-            return
+        if msg is not None:
+            self._on_decoded(ident, msg)
+
+    def _on_decoded(self, ident: bytes, msg: protocol.Message) -> None:
         by_ident = {handshake.identity(c.role, c.rank): c for c in self.children}
         ch = by_ident.get(ident)
         if ch is None:

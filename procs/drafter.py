@@ -63,7 +63,8 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
         wait_total = 0.0
         t0 = time.perf_counter()
         finish_reason = "data exhausted"
-        while True:
+        # A resumed run that already reached max_steps trains nothing more (systemd restarts it).
+        while not (max_steps and core.step >= max_steps):
             for msg in channels.drain(socks.pull, rejects):
                 plane.handle(msg)
             for msg in channels.drain(socks.dealer, rejects):
@@ -97,7 +98,6 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
                 if every and core.step % every == 0:
                     core.checkpoint(f"every {every} steps")
                 if max_steps and core.step >= max_steps:
-                    finish_reason = f"max_steps {max_steps}"
                     break
             now = time.monotonic()
             if now >= next_beat:
@@ -109,6 +109,8 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
                          "rejected_by_kind": dict(rejects.by_kind), "slots_per_target": list(plane.slots_done),
                          "uptime_s": elapsed, "state": "running", "last": core.last}
                 socks.send_to_supervisor(Heartbeat(role="drafter", rank=rank, stats=stats))
+        if max_steps and core.step >= max_steps:
+            finish_reason = f"max_steps {max_steps}"
         log.info("finishing at step %d: %s; batches received per target: %s", core.step, finish_reason, plane.slots_done)
         stopping_on_request = finish_reason.startswith(("shutdown", "signal", "supervisor"))
         ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopping_on_request) else None

@@ -77,6 +77,7 @@ class Up:
     """One `dflash-ipc up` supervisor, its output in a file (progress lines never block it)."""
 
     def __init__(self, config: Path, run_dir: Path, *extra: str, name: str = "up"):
+        self.config = config
         self.run_dir = run_dir
         self.out_path = run_dir.parent / f"{run_dir.name}.{name}.out"
         self._out = open(self.out_path, "wb")
@@ -245,6 +246,20 @@ def test_full_run_trains_checkpoints_and_exports(full_run):
     for d in (run_dir, channels.socket_dir(run_dir)):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
     assert_no_leftovers(up)
+
+
+def test_resuming_a_finished_run_trains_nothing_more(full_run, started):
+    """What systemd's Restart= does to a finished run: exit 0, no step beyond max_steps."""
+    up, code = full_run
+    assert code == 0
+    ckpt = latest_checkpoint(up.run_dir)
+    meta_before = (ckpt / META_FILE).read_text()
+    again = Up(up.config, up.run_dir, "--max-steps", str(FULL_STEPS), "--resume", name="again")
+    started.append(again)
+    assert again.wait() == 0, again.output
+    assert [r["step"] for r in read_metrics(up.run_dir)] == list(range(1, FULL_STEPS + 1))
+    assert latest_checkpoint(up.run_dir) == ckpt and (ckpt / META_FILE).read_text() == meta_before
+    assert_no_leftovers(again)
 
 
 def test_status_after_the_run_reads_status_json(full_run):
