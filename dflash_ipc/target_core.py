@@ -118,48 +118,57 @@ class TargetCore:
     def batches_left(self) -> int:
         return len(self._schedule)
 
-    def forward_next(self) -> Captured | None:
+    def forward_next(self, bare_baseline: bool = False) -> Captured | None:
+        """Forward the next batch with capture hooks (the critical path), timed to completion.
+
+        ``bare_baseline`` (benchmark ceiling): the same batch also runs through the bare stack,
+        before the captured forward on every other batch and after it on the rest, so neither
+        side always pays the first compilation of a new batch shape."""
         if not self._schedule:
             return None
         batch = self._schedule.popleft()
         ids, mask, lens = self.corpus.collate(batch.sample_indices, self.pad_id)
+        steady = self.t_first_done is not None
+        bare_first = bare_baseline and self.forwards % 2 == 1
+        bare_s = self._bare_forward(ids) if bare_first else 0.0
+        self._sync()
         t0 = time.perf_counter()
         planes = self.model.capture(ids.to(self.device, non_blocking=True))
-        if self.device.type == "cuda":
-            # Host time only: the GPU runs ahead; busy % is measured from the forward wall time
-            # per batch on the compute stream by the next forward's start.
-            torch.cuda.current_stream(self.device).synchronize()
+        self._sync()
         t1 = time.perf_counter()
         dt = t1 - t0
+        if bare_baseline and not bare_first:
+            bare_s = self._bare_forward(ids)
         flops = self.model.forward_flops(lens.tolist())
         self.forward_s += dt
         self.forwards += 1
         self.tokens_forwarded += batch.n_tokens
         self.flops += flops
-        if self.t_first_done is None:
+        if not steady:
             self.t_first_done = t1
         else:
             self.steady_tokens += batch.n_tokens
             self.steady_flops += flops
             self.steady_forward_s += dt
-        self.last_input = ids
+            if bare_baseline:
+                self.bare_forward_s += bare_s
+                self.bare_forwards += 1
         return Captured(batch, planes, BatchMeta(seq_lens=lens, token_ids=ids, loss_mask=mask), dt)
 
-    def bare_forward(self, ids: torch.Tensor) -> float:
-        """The same batch through the plain transformers stack: no hooks, no capture (baseline)."""
-        ids = ids.to(self.device)
+    def _sync(self) -> None:
+        # The forward's wall time must be its GPU time: wait for the compute stream.
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+    def _bare_forward(self, ids: torch.Tensor) -> float:
+        """The batch through the plain transformers stack: no hooks, no capture."""
+        ids = ids.to(self.device)
+        self._sync()
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.model.stack(input_ids=ids, use_cache=False)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        dt = time.perf_counter() - t0
-        if self.forwards > 1:
-            self.bare_forward_s += dt
-            self.bare_forwards += 1
-        return dt
+        self._sync()
+        return time.perf_counter() - t0
 
     def submit_pack(self, captured: Captured, slot: int, slot_tensor: torch.Tensor) -> None:
         assert self.packer is not None

@@ -94,9 +94,7 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: st
             plane.dispatch()
             waited = False
             if captured is None and not end_sent and not (forward_only and core.forwards >= forward_only):
-                captured = core.forward_next()
-                if forward_only and captured is not None:
-                    core.bare_forward(core.last_input)
+                captured = core.forward_next(bare_baseline=bool(forward_only))
             if captured is not None:
                 slot = plane.acquire()
                 if slot is not None:
