@@ -269,8 +269,11 @@ def run_transport_bench(args: BenchArgs, progress=print) -> dict:
     progress(f"[bench] baseline: torch.multiprocessing queue, {args.seconds:g} s")
     base = run_baseline(args, slot_bytes, args.seconds)
     progress(f"[bench] baseline: {base['gbps']:.2f} GB/s, verified={base['verified']}")
-    tiny = BenchArgs(**{**args.__dict__, "slot_mib": 4 / 1024, "slow_consumer": None, "seconds": min(2.0, args.seconds)})
-    progress("[bench] handoff: 4 KiB slots")
+    # Control-plane cost alone: one producer, one consumer, one slot in flight (a ping-pong), so
+    # the latency is send -> wake -> decode, not time spent queued behind other slots' copies.
+    tiny = BenchArgs(**{**args.__dict__, "slot_mib": 4 / 1024, "slow_consumer": None, "seconds": min(2.0, args.seconds),
+                        "producers": 1, "consumers": 1, "slots": 2, "max_outstanding": 1})
+    progress("[bench] handoff: 4 KiB slots, one in flight")
     hand = _ring_result(run_ring(tiny, 4096, tiny.seconds), tiny)
     result = {
         "backend": args.backend,

@@ -25,7 +25,9 @@ Handshake (owned by the supervisor, see ``dflash_ipc.supervisor``)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -157,38 +159,33 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 _NON_NEGATIVE = {"rank", "slot", "producer", "consumer", "n_tokens", "n_seqs", "seq", "outstanding", "received", "bucket", "batches_sent"}
 
 
-def _check_type(value: Any, tp: Any) -> bool:
+def _exact_types(tp: Any) -> tuple[type, ...]:
+    """The exact Python types msgpack yields for a field annotation (bool is never an int)."""
     origin = typing.get_origin(tp)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is dict or origin is dict:
-        return isinstance(value, dict)
-    if tp is list or origin is list:
-        return isinstance(value, list)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
-        return any(_check_type(value, a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return tuple(t for a in typing.get_args(tp) for t in _exact_types(a))
     if tp is type(None):
-        return value is None
-    return False
+        return (type(None),)
+    base = origin or tp
+    if base in (int, str, bool, dict, list):
+        return (base,)
+    raise TypeError(f"unsupported wire type {tp!r}")
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+@functools.cache
+def _schema(cls: type) -> tuple[tuple[str, tuple[type, ...], bool, bool], ...]:
+    """(name, exact types, required, non-negative) per field, computed once per message type."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (f.name, _exact_types(hints[f.name]), f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f.name in _NON_NEGATIVE)
+        for f in dataclasses.fields(cls)
+    )
 
 
 def encode(msg: Message) -> bytes:
     d = {"v": PROTOCOL_VERSION, "t": msg.TAG}
-    for f in dataclasses.fields(msg):
-        d[f.name] = getattr(msg, f.name)
+    for name, *_ in _schema(type(msg)):
+        d[name] = getattr(msg, name)
     return msgpack.packb(d, use_bin_type=True)
 
 
@@ -210,20 +207,19 @@ def decode(frame: bytes) -> Message:
     cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError("unknown_type", f"message type {tag!r}")
-    hints = _hints(cls)
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in d:
-            value = d.pop(f.name)
-        elif f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
-            continue
+    for name, allowed, required, non_negative in _schema(cls):
+        if name in d:
+            value = d.pop(name)
+        elif required:
+            raise ProtocolError("missing_field", f"{tag}.{name} missing")
         else:
-            raise ProtocolError("missing_field", f"{tag}.{f.name} missing")
-        if not _check_type(value, hints[f.name]):
-            raise ProtocolError("bad_field_type", f"{tag}.{f.name} = {value!r}")
-        if f.name in _NON_NEGATIVE and isinstance(value, int) and value < 0:
-            raise ProtocolError("out_of_range", f"{tag}.{f.name} = {value} < 0")
-        kwargs[f.name] = value
+            continue
+        if type(value) not in allowed:
+            raise ProtocolError("bad_field_type", f"{tag}.{name} = {value!r}")
+        if non_negative and type(value) is int and value < 0:
+            raise ProtocolError("out_of_range", f"{tag}.{name} = {value} < 0")
+        kwargs[name] = value
     if d:
         raise ProtocolError("unknown_field", f"{tag} has unknown fields {sorted(d)[:3]}")
     if cls is SlotReady:
