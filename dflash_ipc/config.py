@@ -29,9 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-PROTOCOL_BACKENDS = ("auto", "cpu-shm", "host-pinned", "cuda-ipc")
-
-
 class ConfigError(ValueError):
     """A configuration problem, already phrased as ``FILE: dotted.key: what to change``."""
 

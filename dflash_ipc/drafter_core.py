@@ -36,15 +36,12 @@ from dflash_ipc.checkpoint import (
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.dflash_loss import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter_model import DFlashDrafter, DrafterModelConfig, export_drafter, num_parameters
-from dflash_ipc.slots import SlotViews
+from dflash_ipc.slots import SlotViews, dtype_from_name
 from dflash_ipc.target_model import load_hf_config, resolve_layer_ids, target_head_weights, text_config
 from dflash_ipc.tokenizer import load_tokenizer, mask_token_id
 from dflash_ipc.trainer import DistInfo, DrafterTrainer
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 class DrafterCore:
     def __init__(self, cfg: DFlashConfig, run_dir: Path, world: DistInfo, device: torch.device, total_steps: int, resume: bool):
@@ -56,7 +53,7 @@ class DrafterCore:
         hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))
         layer_ids = resolve_layer_ids(cfg.target, int(text_config(hf_config).num_hidden_layers))
         mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else mask_token_id(tokenizer)
-        dtype = _DTYPES[cfg.drafter.dtype]
+        dtype = dtype_from_name(cfg.drafter.dtype)
         embed, lm_head = target_head_weights(cfg.target, hf_config, device, dtype)
         mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
         torch.manual_seed(cfg.run.seed)

@@ -25,6 +25,8 @@ the masks themselves are built by :mod:`dflash_ipc.dflash_loss` and passed per l
 
 from __future__ import annotations
 
+import functools
+
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -238,15 +240,15 @@ def resolve_attention_backend(attention: str, device: torch.device | str) -> str
     return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
-_COMPILED_FLEX = None
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once per process (dynamic shapes: every batch differs)."""
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def _flex(q, k, v, block_mask, scale):
-    global _COMPILED_FLEX
     if q.device.type == "cuda":
-        if _COMPILED_FLEX is None:
-            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
-        fn = _COMPILED_FLEX
+        fn = _compiled_flex()
     else:  # eager, unfused: fine for tiny CPU checks, no backward on CPU
         fn = flex_attention
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
