@@ -506,3 +506,34 @@ def test_max_anchors_per_batch_caps_a_batch_of_many_short_documents():
     assert torch.all(capped[1:] > capped[:-1])  # sorted, distinct
     assert set(capped.tolist()) <= set(full.tolist())  # a subset of the per-document draw
     assert torch.equal(doc, capped // 20)
+
+
+def test_a_batch_split_by_documents_gives_the_same_token_weighted_gradient():
+    """What data parallelism relies on: a packed batch split into two halves (by document) on
+    two drafters gives, after the token-weighted reduction (sum of loss sums / sum of weights),
+    exactly the gradient of the whole batch on one drafter. It holds because a block never sees
+    another document and the loss is a weighted sum, not a per-batch mean."""
+    model, dc = tiny_model(["sliding_attention", "full_attention"], num_anchors=64)
+    tc = TrainingConfig()
+    lens = [9, 14, 7, 12]
+    full = packed_views(lens, seed=3)
+    cut = lens[0] + lens[1]
+
+    def half(lo, hi, seq):
+        return SlotViews(planes=full.planes[:, lo:hi], token_ids=full.token_ids[lo:hi], loss_mask=full.loss_mask[lo:hi],
+                         seq_lens=torch.tensor(seq, dtype=torch.int32))
+
+    def grads(parts):
+        model.zero_grad()
+        outs = [L.compute_loss(model, v, dc, tc) for v in parts]  # num_anchors >= candidates: no sampling noise
+        weight = sum(o.weight_sum for o in outs)
+        (sum(o.loss_sum for o in outs) / weight).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, outs
+
+    g_full, (o_full,) = grads([full])
+    g_split, (o_a, o_b) = grads([half(0, cut, lens[:2]), half(cut, sum(lens), lens[2:])])
+    assert o_a.weight_sum != o_b.weight_sum  # unequal halves: a plain mean of means would differ
+    torch.testing.assert_close(o_a.weight_sum + o_b.weight_sum, o_full.weight_sum)
+    assert g_full.keys() == g_split.keys() and g_full
+    for n in g_full:
+        torch.testing.assert_close(g_split[n], g_full[n], rtol=1e-5, atol=1e-6, msg=n)
