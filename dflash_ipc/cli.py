@@ -34,9 +34,12 @@ def bench() -> None:
 @click.option("--slow-ms", type=float, default=None, help="Sleep per slot of the slow consumer (default: 4x a copy).")
 @click.option("--producer-device", default=None, help="cpu, or cuda:N (default by backend).")
 @click.option("--consumer-device", default=None, help="cpu, cuda:N, or 'same' (the producer's GPU).")
-@click.option("--max-outstanding", type=click.IntRange(1, 64), default=2, show_default=True)
+@click.option("--max-outstanding", type=click.IntRange(1, 64), default=None,
+              help="Credits per consumer (default: 2 on cpu-shm; 3 on GPU, so copies queue behind each other).")
+@click.option("--prefetch", type=click.IntRange(1, 16), default=None,
+              help="Copied-out batches a consumer may hold beyond the one in use (default: 1 on cpu-shm, 2 on GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
-def bench_transport_cmd(backend, producers, consumers, slots, slot_mib, seconds, slow_consumer, slow_ms, producer_device, consumer_device, max_outstanding, as_json):
+def bench_transport_cmd(backend, producers, consumers, slots, slot_mib, seconds, slow_consumer, slow_ms, producer_device, consumer_device, max_outstanding, prefetch, as_json):
     """Move real data through the slot rings between real processes; verify every slot."""
     from dflash_ipc.bench_transport import BenchArgs, run_transport_bench
 
@@ -52,7 +55,9 @@ def bench_transport_cmd(backend, producers, consumers, slots, slot_mib, seconds,
         slow_ms = max(5.0, slot_mib / 64 * 40.0) if slow_consumer is not None else 0.0
     args = BenchArgs(backend=backend, producers=producers, consumers=consumers, slots=slots, slot_mib=slot_mib, seconds=seconds,
                      slow_consumer=slow_consumer, slow_ms=slow_ms, producer_device=producer_device, consumer_device=consumer_device,
-                     max_outstanding=max_outstanding)
+                     # On GPU a slot's round trip (SlotFree, next SlotReady, verify) is as long as a
+                     # 256 MiB copy: with two credits the link idles between copies.
+                     max_outstanding=max_outstanding or (3 if gpu else 2), prefetch=prefetch or (2 if gpu else 1))
     result = run_transport_bench(args, progress=lambda s: click.echo(s, err=as_json))
     if as_json:
         click.echo(json.dumps(result))
