@@ -116,7 +116,8 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: st
                          "rejected_by_kind": dict(rejects.by_kind), "state": "done" if end_sent else "running",
                          "uptime_s": time.perf_counter() - t0}
                 socks.send_to_supervisor(Heartbeat(role="target", rank=rank, stats=stats))
-            if (end_sent or (captured is None and core.packs_in_flight)) and not waited:
+            if captured is None and not waited:
+                # Nothing to forward: waiting for packs, for credit to route, or for Shutdown.
                 poller.poll(100 if end_sent else 2)
         log.info("stopping: %s; slots routed per drafter: %s", stop.reason, plane.router.routed_total)
         return 0
