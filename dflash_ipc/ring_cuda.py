@@ -510,9 +510,10 @@ class HostPinnedProducerRing(_RingBase):
         return self.layout.views(self._staging[k], n_tokens, n_seqs)
 
     def pack_target(self, index: int) -> torch.Tensor:
-        """The flat GPU staging buffer the packer writes for this slot (held until commit)."""
-        self.staging_views(index, 0, 0)
-        return self._staging[self._staging_for(index)]
+        """The pinned host slot itself: the packer gathers on the GPU and copies D2H on its side
+        stream, so the copy is off the forward's critical path and complete when the pack
+        handle is; ``commit`` then has nothing left to copy."""
+        return self.slot(index)
 
     def commit(self, index: int, n_tokens: int, n_seqs: int, stream: torch.cuda.Stream | None = None) -> None:
         """D2H of the used ranges into the pinned slot on ``stream``, then synchronize it.
