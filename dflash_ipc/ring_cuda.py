@@ -58,7 +58,8 @@ DESCRIPTOR_VERSION = 1
 # unused on both sides). One copy costs more than copying a megabyte over NVLink.
 COALESCE_GAP = 1 << 20
 # Host-pinned producers: GPU staging slots the packer can hold at once (staging_views .. commit).
-# The target packs at most 2 batches ahead of its commits (AsyncPacker.max_pending) plus one new.
+# GPU staging slots for writers that use staging_views (the target's packer writes the pinned
+# slot directly through pack_target).
 HOST_PINNED_STAGING_SLOTS = 3
 # Name given to torch as the consumer's IPC reference-counter file: it never exists, so a
 # consumer's release is a no-op (see the module docstring).
