@@ -63,6 +63,7 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
         wait_total = 0.0
         t0 = time.perf_counter()
         finish_reason = "data exhausted"
+        stopped_on_request = False
         # A resumed run that already reached max_steps trains nothing more (systemd restarts it).
         while not (max_steps and core.step >= max_steps):
             for msg in channels.drain(socks.pull, rejects):
@@ -88,7 +89,11 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
                 if any_stop or not any_batch:
                     if batch is not None:
                         plane.release(batch)  # not trained on: stays out of the ledger
-                    finish_reason = stop.reason if any_stop else "data exhausted"
+                    stopped_on_request = any_stop  # agreed: the same on every rank
+                    if any_stop and not stop.requested:
+                        # A peer saw the supervisor's Shutdown first; ours is a moment behind.
+                        wait_for_shutdown(socks.dealer, rejects, stop, timeout_s=2.0)
+                    finish_reason = (stop.reason or "stop requested (seen by another drafter)") if any_stop else "data exhausted"
                     break
                 copy_s = batch.copy_s if batch is not None else 0.0
                 core.train_step(batch.views if batch else None, batch.msg.batch_id if batch else None, wait_s, copy_s)
@@ -112,8 +117,8 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
         if max_steps and core.step >= max_steps:
             finish_reason = f"max_steps {max_steps}"
         log.info("finishing at step %d: %s; batches received per target: %s", core.step, finish_reason, plane.slots_done)
-        stopping_on_request = finish_reason.startswith(("shutdown", "signal", "supervisor"))
-        ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopping_on_request) else None
+        # Collective: every rank takes the same branch (stopped_on_request was agreed).
+        ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopped_on_request) else None
         export = core.export() if cfg.training.export_on_finish else None
         summary = {**core.stats(), "reason": finish_reason, "checkpoint": str(ckpt) if ckpt else None,
                    "export": str(export) if export else None, "slots_per_target": list(plane.slots_done),
@@ -129,6 +134,15 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
         socks.close(linger_ms=2000)
         if world is not None:
             destroy_distributed()
+
+
+def wait_for_shutdown(dealer, rejects: RejectCounter, stop, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not stop.requested and time.monotonic() < deadline:
+        if dealer.poll(50):
+            for msg in channels.drain(dealer, rejects):
+                if isinstance(msg, Shutdown):
+                    stop.set(f"shutdown: {msg.reason}")
 
 
 def main() -> int:

@@ -457,3 +457,17 @@ def test_handshake_timeout_names_the_setting_and_leaves_no_process(work, started
     assert "handshake timed out" in out and "run.handshake_timeout_s" in out, out
     assert len(up.child_pids()) == 4
     assert_no_leftovers(up)
+
+
+def test_sigterm_without_final_checkpoint_setting_still_checkpoints_on_every_rank(work, started):
+    """training.checkpoint_on_finish = false (benchmarks) must not split the drafters at a
+    requested stop: the checkpoint is collective, so every rank takes the same branch."""
+    cfg = write_config(work / "nofinal.toml", training__checkpoint_on_finish=False)
+    up = Up(cfg, work / "nofinal", name="nofinal")
+    started.append(up)
+    up.wait_until(lambda: up.steps_logged() >= 2, "step 2")
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.wait() == 0, up.output
+    stop_step = read_metrics(up.run_dir)[-1]["step"]
+    assert checkpoint_step(latest_checkpoint(up.run_dir)) == stop_step
+    assert_no_leftovers(up)
