@@ -146,7 +146,10 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
     return out
 
 
-def run_pipeline_bench(config_path: str, steps: int, variants: list[str], peak_tflops: float = 790.0, echo=print) -> dict:
+def run_pipeline_bench(config_path: str, steps: int, variants: list[str], peak_tflops: float = 790.0, echo=print,
+                       out_path: str | None = None) -> dict:
+    """``out_path``: each variant's result is appended there as one JSON line the moment it is
+    known, so a run cut short by a time limit keeps the variants it finished."""
     results = {}
     for name in variants:
         echo(f"[bench pipeline] variant {name}: {steps} steps")
@@ -155,6 +158,10 @@ def run_pipeline_bench(config_path: str, steps: int, variants: list[str], peak_t
         except Exception as e:  # one failed variant must not lose the others' figures
             results[name] = {"variant": name, "error": f"{type(e).__name__}: {e}"}
             echo(f"[bench pipeline] {name} FAILED: {e}")
+        if out_path:
+            with open(out_path, "a") as f:
+                f.write(json.dumps(results[name]) + "\n")
+        if "error" in results[name]:
             continue
         echo(f"[bench pipeline] {name}: {json.dumps({k: v for k, v in results[name].items() if k not in ('targets',)})}")
     summary: dict = {"config": config_path, "steps": steps, "peak_tflops": peak_tflops, "variants": results}

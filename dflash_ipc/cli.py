@@ -72,14 +72,15 @@ def bench_transport_cmd(backend, producers, consumers, slots, slot_mib, seconds,
 @click.option("--steps", type=click.IntRange(3), default=8, show_default=True, help="Optimizer steps per pipeline variant.")
 @click.option("--variants", default="forward-only,cuda-ipc,host-pinned,depth-2,depth-8", show_default=True)
 @click.option("--peak-tflops", type=float, default=790.0, show_default=True, help="Peak for MFU (bf16 matmul measured on an H200).")
+@click.option("--out", "out_path", default=None, help="Append each variant's result to this file (JSON lines) as soon as it is done.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
-def bench_pipeline_cmd(config_path: str, steps: int, variants: str, peak_tflops: float, as_json: bool) -> None:
+def bench_pipeline_cmd(config_path: str, steps: int, variants: str, peak_tflops: float, out_path: str | None, as_json: bool) -> None:
     """Run the pipeline in several variants (transport, ceiling, ring depth) and compare them."""
     from dflash_ipc.bench_pipeline import run_pipeline_bench
 
     _load_or_exit(config_path)
     names = [v.strip() for v in variants.split(",") if v.strip()]
-    result = run_pipeline_bench(config_path, steps, names, peak_tflops, echo=lambda s: click.echo(s, err=as_json))
+    result = run_pipeline_bench(config_path, steps, names, peak_tflops, echo=lambda s: click.echo(s, err=as_json), out_path=out_path)
     click.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 
 

@@ -8,7 +8,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 STEPS=${STEPS:-6}
 VARIANTS=${VARIANTS:-forward-only,cuda-ipc,host-pinned,depth-2,depth-8}
 timeout ${LIMIT_S:-560} python3 -m dflash_ipc.cli bench pipeline --config ${CONFIG:-configs/h200-x2.toml} --steps $STEPS \
-  --variants $VARIANTS --json 2>$OUT/pipeline.err | tail -1 > $OUT/pipeline.json
+  --variants $VARIANTS --out $OUT/variants.jsonl --json 2>$OUT/pipeline.err | tail -1 > $OUT/pipeline.json
 grep -v "\] \[up\] step" $OUT/pipeline.err | tail -25
 tail -c 4000 $OUT/pipeline.json
 tar czf $OUT/logs.tgz /tmp/dflash-bench-*/logs 2>/dev/null
