@@ -1,0 +1,37 @@
+"""`dflash-ipc bench pipeline` on CPU: real process groups per variant, figures in one JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
+    text = (REPO / "configs" / "tiny-cpu.toml").read_text()
+    text = text.replace("builtin_samples = 800", "builtin_samples = 300").replace("max_seq_len = 512", "max_seq_len = 256")
+    text = text.replace("bucket_edges = [64, 128, 256, 512]", "bucket_edges = [64, 128, 256]").replace("token_budget = 2048", "token_budget = 1024")
+    cfg = tmp_path / "bench.toml"
+    cfg.write_text(text)
+    out = tmp_path / "variants.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_ipc.cli", "bench", "pipeline", "--config", str(cfg), "--steps", "4",
+         "--variants", "forward-only,cuda-ipc,depth-2", "--out", str(out), "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    v = result["variants"]
+    assert set(v) == {"forward-only", "cuda-ipc", "depth-2"}
+    assert all(x["exit_code"] == 0 for x in v.values())
+    assert v["cuda-ipc"]["backend"] == "cpu-shm" and v["depth-2"]["ring_slots"] == 2  # CPU: cpu-shm rings
+    assert v["cuda-ipc"]["steps"] == 4 and v["cuda-ipc"]["tokens_per_s"] > 0
+    assert set(v["cuda-ipc"]["drafter_step_split_s"]) >= {"wait_s", "copy_s", "forward_s", "backward_s", "optimizer_s"}
+    assert v["forward-only"]["tokens_per_s"] > 0 and v["forward-only"]["capture_vs_bare"] > 0
+    assert all(x["peak_host_rss_bytes"] > 0 for x in v.values())
+    assert 0 < result["ratio_pipeline_to_forward_only"]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["variant"] for x in lines] == ["forward-only", "cuda-ipc", "depth-2"]
