@@ -57,7 +57,6 @@ DESCRIPTOR_VERSION = 1
 # Ranges closer than this are copied as one range (the gap's bytes are copied too; they are
 # unused on both sides). One copy costs more than copying a megabyte over NVLink.
 COALESCE_GAP = 1 << 20
-# Host-pinned producers: GPU staging slots the packer can hold at once (staging_views .. commit).
 # GPU staging slots for writers that use staging_views (the target's packer writes the pinned
 # slot directly through pack_target).
 HOST_PINNED_STAGING_SLOTS = 3

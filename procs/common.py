@@ -153,6 +153,20 @@ class ChildSockets:
         except zmq.ZMQError:
             pass
 
+    def read_control(self, rejects, stop: StopFlag, parent_pid: int, wait_ms: int = 0) -> None:
+        """Apply what the supervisor said (Shutdown -> stop) and notice a dead supervisor;
+        ``wait_ms`` > 0 waits that long for a message first."""
+        from dflash_ipc import channels
+        from dflash_ipc.protocol import Shutdown
+
+        if wait_ms:
+            self.dealer.poll(wait_ms)
+        for msg in channels.drain(self.dealer, rejects):
+            if isinstance(msg, Shutdown):
+                stop.set(f"shutdown: {msg.reason}")
+        if os.getppid() != parent_pid:
+            stop.set("supervisor died")
+
     def poller(self):
         import zmq
 

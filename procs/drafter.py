@@ -24,7 +24,7 @@ from dflash_ipc import channels, handshake
 from dflash_ipc.config import load_resolved_config
 from dflash_ipc.dataplane import ConsumerDataPlane
 from dflash_ipc.drafter_core import DrafterCore
-from dflash_ipc.protocol import Done, Heartbeat, Hello, RejectCounter, Shutdown
+from dflash_ipc.protocol import Done, Heartbeat, Hello, RejectCounter
 from dflash_ipc.ring import open_consumer_ring
 from dflash_ipc.trainer import destroy_distributed, init_distributed
 from procs.common import ChildSockets, place_process, setup_child_process
@@ -68,11 +68,7 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
         while not (max_steps and core.step >= max_steps):
             for msg in channels.drain(socks.pull, rejects):
                 plane.handle(msg)
-            for msg in channels.drain(socks.dealer, rejects):
-                if isinstance(msg, Shutdown):
-                    stop.set(f"shutdown: {msg.reason}")
-            if os.getppid() != parent:
-                stop.set("supervisor died")
+            socks.read_control(rejects, stop, parent)
             plane.pump()
             batch = plane.take()
             if batch is None and not plane.all_ended() and not stop.requested:
@@ -92,7 +88,9 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
                     stopped_on_request = any_stop  # agreed: the same on every rank
                     if any_stop and not stop.requested:
                         # A peer saw the supervisor's Shutdown first; ours is a moment behind.
-                        wait_for_shutdown(socks.dealer, rejects, stop, timeout_s=2.0)
+                        deadline = time.monotonic() + 2.0
+                        while not stop.requested and time.monotonic() < deadline:
+                            socks.read_control(rejects, stop, parent, wait_ms=50)
                     finish_reason = (stop.reason or "stop requested (seen by another drafter)") if any_stop else "data exhausted"
                     break
                 copy_s = batch.copy_s if batch is not None else 0.0
@@ -134,15 +132,6 @@ def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None
         socks.close(linger_ms=2000)
         if world is not None:
             destroy_distributed()
-
-
-def wait_for_shutdown(dealer, rejects: RejectCounter, stop, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not stop.requested and time.monotonic() < deadline:
-        if dealer.poll(50):
-            for msg in channels.drain(dealer, rejects):
-                if isinstance(msg, Shutdown):
-                    stop.set(f"shutdown: {msg.reason}")
 
 
 def main() -> int:

@@ -23,7 +23,7 @@ import torch
 from dflash_ipc import channels, handshake
 from dflash_ipc.config import load_resolved_config
 from dflash_ipc.dataplane import ProducerDataPlane
-from dflash_ipc.protocol import Done, Heartbeat, Hello, RejectCounter, Shutdown
+from dflash_ipc.protocol import Done, Heartbeat, Hello, RejectCounter
 from dflash_ipc.ring import create_producer_ring
 from dflash_ipc.target_core import TargetCore, read_ledger
 from procs.common import ChildSockets, place_process, setup_child_process
@@ -74,11 +74,7 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: st
         while not stop.requested:
             for msg in channels.drain(socks.pull, rejects):
                 plane.handle(msg)
-            for msg in channels.drain(socks.dealer, rejects):
-                if isinstance(msg, Shutdown):
-                    stop.set(f"shutdown: {msg.reason}")
-            if os.getppid() != parent:
-                stop.set("supervisor died")
+            socks.read_control(rejects, stop, parent)
             for done in core.finished_packs():
                 b = done.batch
                 ring.commit(done.slot, b.n_tokens, b.batch_size, commit_stream)
