@@ -39,7 +39,7 @@ import torch
 
 from .slots import SlotLayout, SlotViews
 
-__all__ = ["BatchMeta", "PackHandle", "AsyncPacker", "real_token_index", "pack_into_slot"]
+__all__ = ["BatchMeta", "PackHandle", "AsyncPacker", "OverlapMeter", "real_token_index", "pack_into_slot"]
 
 
 @dataclass
@@ -182,6 +182,7 @@ class PackHandle:
         self._keep: list | None = []  # tensors the pack reads/writes, released once done
         self._error: BaseException | None = None
         self._pack_s: float | None = None
+        self._host_interval: tuple[float, float] | None = None  # perf_counter start/end (CPU packs)
         self._finished = False
 
     def done(self) -> bool:
@@ -216,6 +217,16 @@ class PackHandle:
         if self._pack_s is None and self._finished and self._start_event is not None:
             self._pack_s = self._start_event.elapsed_time(self._event) / 1e3
         return self._pack_s
+
+    @property
+    def marks(self) -> tuple[Any, Any] | None:
+        """Start and end of the pack on :class:`OverlapMeter`'s clock: CUDA events on the
+        packing stream, or host ``perf_counter`` seconds for a CPU pack; None until done."""
+        if not self._finished or self._error is not None:
+            return None
+        if self._start_event is not None:
+            return (self._start_event, self._event)
+        return self._host_interval
 
     def _finish(self) -> None:
         self._finished = True
@@ -289,7 +300,9 @@ class AsyncPacker:
                 pack_into_slot(self.layout, slot_tensor, captured, batch_meta)
             except BaseException as e:  # surfaced by wait()
                 handle._error = e
-            handle._pack_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            handle._pack_s = t1 - t0
+            handle._host_interval = (t0, t1)
             handle._finish()
         self._pending.append(handle)
         return handle
@@ -364,7 +377,9 @@ class AsyncPacker:
                     time.sleep(self._delay)
                 t0 = time.perf_counter()
                 pack_into_slot(self.layout, slot_tensor, captured, meta)
-                handle._pack_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                handle._pack_s = t1 - t0
+                handle._host_interval = (t0, t1)
             except BaseException as e:  # surfaced by wait()
                 handle._error = e
             finally:
@@ -392,3 +407,73 @@ class AsyncPacker:
                 err = h.error
         if err is not None:
             raise RuntimeError("an earlier pack failed") from err
+
+
+class OverlapMeter:
+    """How much of the packing ran while a forward was running: the point of packing async.
+
+    Forwards and packs are intervals on one clock per device: on CUDA, GPU time since a
+    reference event recorded at start (the marks are CUDA events, read only once complete, so
+    measuring adds no host sync); on CPU, host ``perf_counter`` seconds. A pack is settled once
+    a forward has ended after it (or at :meth:`stats` with ``final``): the part of it that
+    intersects no forward is *exposed*; with synchronous packing all of it would be.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._ref = None
+        if self.device.type == "cuda":
+            self._ref = torch.cuda.Event(enable_timing=True)
+            self._ref.record(torch.cuda.current_stream(self.device))
+        self._forwards: deque[tuple[float, float]] = deque(maxlen=16)
+        self._unsettled: list[tuple[float, float]] = []
+        self.packs = 0
+        self.pack_s = 0.0
+        self.overlapped_s = 0.0
+
+    def mark(self) -> Any:
+        """A point in time on this meter's clock, taken on the current stream."""
+        if self._ref is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            return ev
+        return time.perf_counter()
+
+    def _seconds(self, mark: Any) -> float:
+        if isinstance(mark, float):
+            return mark
+        return self._ref.elapsed_time(mark) / 1e3
+
+    def add_forward(self, start: Any, end: Any) -> None:
+        """A forward whose end mark has completed."""
+        interval = (self._seconds(start), self._seconds(end))
+        self._forwards.append(interval)
+        self._settle(until=interval[1])
+
+    def add_pack(self, handle: PackHandle) -> None:
+        """A pack that is done (failed packs are ignored)."""
+        marks = handle.marks
+        if marks is None:
+            return
+        self._unsettled.append((self._seconds(marks[0]), self._seconds(marks[1])))
+
+    def _settle(self, until: float | None) -> None:
+        keep = []
+        for start, end in self._unsettled:
+            if until is not None and end > until:
+                keep.append((start, end))
+                continue
+            self.packs += 1
+            self.pack_s += end - start
+            self.overlapped_s += sum(max(0.0, min(end, fe) - max(start, fs)) for fs, fe in self._forwards)
+        self._unsettled = keep
+
+    def stats(self, final: bool = False) -> dict[str, float]:
+        if final:
+            self._settle(until=None)
+        exposed = self.pack_s - self.overlapped_s
+        return {
+            "packs_measured": self.packs,
+            "pack_overlap_pct": 100.0 * self.overlapped_s / self.pack_s if self.pack_s > 0 else 0.0,
+            "pack_exposed_ms": 1e3 * exposed / self.packs if self.packs else 0.0,
+        }

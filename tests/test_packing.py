@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.packing import AsyncPacker, BatchMeta, pack_into_slot, real_token_index
+from dflash_ipc.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, pack_into_slot, real_token_index
 from dflash_ipc.slots import SlotLayout
 from dflash_ipc.target_model import build_target, tiny_spec
 
@@ -225,6 +225,100 @@ def test_sync_mode_cpu():
     h = p.submit(captured, meta, 2, slot)
     assert h.done() and h.slot_index == 2 and h.pack_time_s > 0
     _check_slot(layout, slot, captured, meta)
+
+
+def _host_pack(start: float, end: float) -> PackHandle:
+    h = PackHandle(0, 1, 1)
+    h._host_interval = (start, end)
+    h._finish()
+    return h
+
+
+def test_overlap_meter_arithmetic():
+    m = OverlapMeter("cpu")
+    m.add_forward(0.0, 1.0)
+    m.add_pack(_host_pack(0.5, 1.5))   # half under forward 1, half in the gap
+    m.add_pack(_host_pack(2.2, 2.4))   # wholly under forward 2
+    assert m.stats()["packs_measured"] == 0  # nothing settled before a forward ends after them
+    m.add_forward(2.0, 3.0)
+    st = m.stats()
+    assert st["packs_measured"] == 2
+    assert st["pack_overlap_pct"] == pytest.approx(100 * 0.7 / 1.2)
+    assert st["pack_exposed_ms"] == pytest.approx(1e3 * 0.5 / 2)
+    m.add_pack(_host_pack(3.5, 3.6))   # the last pack: no forward after it
+    assert m.stats()["packs_measured"] == 2
+    assert m.stats(final=True)["packs_measured"] == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlap_meter_sync_packing_is_fully_exposed(device):
+    """Packing inline between two forwards can overlap neither (stream / thread order)."""
+    layout = _layout()
+    m = OverlapMeter(device)
+    p = AsyncPacker(layout, device, async_pack=False)
+    rng = random.Random(11)
+    for i in range(3):
+        captured, meta = _batch(rng, device)
+        f0 = m.mark()
+        (captured[0] @ captured[0].transpose(1, 2)).sum()  # a "forward" on the same stream
+        f1 = m.mark()
+        h = p.submit(captured, meta, i, _slot(layout, device))
+        h.wait()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        m.add_forward(f0, f1)
+        m.add_pack(h)
+    f0 = m.mark()
+    f1 = m.mark()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    m.add_forward(f0, f1)
+    st = m.stats()
+    assert st["packs_measured"] == 3
+    assert st["pack_overlap_pct"] == 0.0
+    assert st["pack_exposed_ms"] > 0
+
+
+def test_overlap_meter_async_pack_inside_a_running_forward_cpu():
+    """A pack submitted while a forward runs, which ends only after the pack: fully overlapped."""
+    layout = _layout()
+    m = OverlapMeter("cpu")
+    rng = random.Random(12)
+    with AsyncPacker(layout, "cpu") as p:
+        for i in range(3):
+            captured, meta = _batch(rng, "cpu")
+            f0 = m.mark()
+            h = p.submit(captured, meta, i, _slot(layout, "cpu"))
+            h.wait()
+            m.add_forward(f0, m.mark())
+            m.add_pack(h)
+        m.add_forward(m.mark(), m.mark())
+    st = m.stats()
+    assert st["packs_measured"] == 3 and st["pack_overlap_pct"] == pytest.approx(100.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_overlap_meter_cuda_pack_runs_under_next_forward():
+    """The real pattern: pack N on the side stream, forward N+1 on the compute stream."""
+    layout = _layout()
+    m = OverlapMeter("cuda")
+    captured, meta = _batch(random.Random(13), "cuda")
+    with AsyncPacker(layout, "cuda", _debug_delay_s=0.02) as p:
+        f0 = m.mark()
+        torch.cuda._sleep(int(0.01 * 1.5e9))
+        f1 = m.mark()
+        h = p.submit(captured, meta, 0, _slot(layout, "cuda"))
+        g0 = m.mark()
+        torch.cuda._sleep(int(0.2 * 1.5e9))  # forward N+1, much longer than the pack
+        g1 = m.mark()
+        torch.cuda.synchronize()
+        h.wait()
+    m.add_forward(f0, f1)
+    m.add_pack(h)
+    m.add_forward(g0, g1)
+    st = m.stats()
+    assert st["packs_measured"] == 1 and st["pack_overlap_pct"] > 50.0
 
 
 def test_pack_real_capture_equals_unpadded_forward():
