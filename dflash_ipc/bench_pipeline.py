@@ -7,7 +7,19 @@ Variants (each a fresh run directory and a fresh process group):
 * ``forward-only``  targets alone, each slot released the moment it is packed: the ceiling
                     for the pipeline; every batch also runs once through the bare transformers
                     stack (no hooks, no capture), the baseline for the target's own overhead;
-* ``depth-2`` / ``depth-8``  cuda-ipc with 2 and 8 ring slots: host memory must not grow.
+* ``depth-2`` / ``depth-8``  cuda-ipc with 2 and 8 ring slots: host memory must not grow;
+* ``warmup``        forward-only over the same batches through the first four decoder layers
+                    (both layer types, the target's real widths): compiles every Triton (fla)
+                    kernel the measured variants will call into the on-disk cache, cheaply, so
+                    no measured forward pays compilation. Not a result; run it first on a cold
+                    machine.
+
+Throughput: ``tokens_per_s`` is the slower of the two sides' steady rates, target tokens
+forwarded and shipped per second (``target_tokens_per_s``, after each target's first forward,
+without the benchmark's own bare-baseline forwards) and tokens the drafters trained on per
+second (``drafter_tokens_per_s``, after two optimizer steps). Over a run of N steps the two
+differ by at most the ring's depth; in a short run the drafter's rate is inflated by the
+backlog the target built while the drafter compiled, which is why the minimum is reported.
 
 On CPU the same variants run with cpu-shm (``forward-only`` and depths only): the figures
 are then only ratios. Steady state excludes each process's first forward / first two
@@ -33,6 +45,7 @@ from dflash_ipc.supervisor import Supervisor
 # forward-only first: its run compiles the target's Triton (fla) kernels for the plan's first
 # batch shapes into the on-disk cache, so no later variant pays compilation inside its forwards.
 DEFAULT_VARIANTS = ("forward-only", "cuda-ipc", "host-pinned", "depth-2", "depth-8")
+KNOWN_VARIANTS = (*DEFAULT_VARIANTS, "warmup")
 
 
 class TreeSampler:
@@ -42,6 +55,10 @@ class TreeSampler:
         self.sup = sup
         self.period_s = period_s
         self.peak_rss = 0
+        # per process tree under the supervisor (a role process and its helpers, e.g. inductor
+        # compile workers), keyed by the role process's title
+        self.peak_rss_by_tree: dict[str, int] = {}
+        self.peak_procs_by_tree: dict[str, int] = {}
         self.occupancy: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -58,11 +75,31 @@ class TreeSampler:
         me = psutil.Process()
         while not self._stop.is_set():
             total = 0
-            for p in [me, *me.children(recursive=True)]:
+            try:
+                total = me.memory_info().rss
+                roots = me.children(recursive=False)
+            except psutil.Error:
+                roots = []
+            self.peak_rss_by_tree["supervisor"] = max(self.peak_rss_by_tree.get("supervisor", 0), total)
+            for root in roots:
+                tree_rss, n = 0, 0
                 try:
-                    total += p.memory_info().rss
+                    cmd = root.cmdline()
+                    name = Path(cmd[0]).name if cmd else root.name()  # role processes: their title
+                    procs = [root, *root.children(recursive=True)]
                 except psutil.Error:
-                    pass
+                    continue
+                for p in procs:
+                    try:
+                        tree_rss += p.memory_info().rss
+                        n += 1
+                    except psutil.Error:
+                        pass
+                total += tree_rss
+                if n == 0:
+                    continue
+                self.peak_rss_by_tree[name] = max(self.peak_rss_by_tree.get(name, 0), tree_rss)
+                self.peak_procs_by_tree[name] = max(self.peak_procs_by_tree.get(name, 0), n)
             self.peak_rss = max(self.peak_rss, total)
             for ch in list(self.sup.children):
                 slots = ch.stats.get("slots")
@@ -81,9 +118,11 @@ def _variant_overrides(name: str, on_cuda: bool) -> tuple[dict, int]:
         return {"transport.backend": "host-pinned" if on_cuda else "cpu-shm"}, 0
     if name == "forward-only":
         return {"transport.backend": base_backend}, -1
+    if name == "warmup":
+        return {"transport.backend": base_backend}, -1
     if name.startswith("depth-"):
         return {"transport.backend": base_backend, "transport.ring_slots": int(name.split("-")[1])}, 0
-    raise ValueError(f"unknown variant {name!r}; use {', '.join(DEFAULT_VARIANTS)}")
+    raise ValueError(f"unknown variant {name!r}; use {', '.join(KNOWN_VARIANTS)}")
 
 
 def _steady(recs: list[dict], skip: int = 2) -> list[dict]:
@@ -95,10 +134,14 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
     overrides, fwd = _variant_overrides(name, probe.topology.on_cuda)
     overrides.update({"training.max_steps": steps, "training.checkpoint_every": 0, "training.checkpoint_on_finish": False,
                       "training.export_on_finish": False})
+    n_targets = len(probe.topology.targets)
+    forward_only = max(2, -(-steps * len(probe.topology.drafters) // n_targets)) if fwd else 0
+    if name == "warmup":
+        overrides.update(_warmup_overrides(probe))
+        # the pipeline variants forward up to a ring's depth of batches beyond their steps
+        forward_only += probe.transport.ring_slots + 2
     cfg = load_config(config_path, overrides)
     run_dir = Path(tempfile.mkdtemp(prefix=f"dflash-bench-{name}-"))
-    n_targets = len(cfg.topology.targets)
-    forward_only = max(2, -(-steps * len(cfg.topology.drafters) // n_targets)) if fwd else 0
     sup = Supervisor(cfg, run_dir, echo=lambda s: echo(f"[{name}] {s}"), forward_only=forward_only)
     t0 = time.perf_counter()
     sup.prepare()
@@ -108,13 +151,16 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
     out: dict = {"variant": name, "exit_code": code, "wall_s": round(wall, 1), "run_dir": str(run_dir),
                  "backend": cfg.transport.backend, "ring_slots": cfg.transport.ring_slots,
                  "peak_host_rss_bytes": sampler.peak_rss,
+                 "peak_host_rss_by_process_tree": sampler.peak_rss_by_tree,
+                 "processes_by_tree": sampler.peak_procs_by_tree,
                  "slot_occupancy_mean": round(sum(sampler.occupancy) / len(sampler.occupancy), 3) if sampler.occupancy else None}
     targets = [c for c in sup.children if c.role == "target"]
     drafters = [c for c in sup.children if c.role == "drafter"]
     tstats = [(c.done if fwd else c.stats) or c.stats for c in targets]
     out["targets"] = [
-        {k: ts.get(k) for k in ("forwards", "forward_ms", "pack_ms", "slot_wait_ms", "busy_pct", "steady_tokens_per_s", "steady_tflops",
-                                "steady_forward_tflops", "gpu_mem_peak_bytes", "layers_run", "routed_per_drafter")}
+        {k: ts.get(k) for k in ("forwards", "forward_ms", "pack_ms", "pack_overlap_pct", "pack_exposed_ms", "pack_submit_ms", "slot_wait_ms",
+                                "busy_pct", "steady_tokens_per_s", "steady_tflops", "steady_forward_tflops", "gpu_mem_peak_bytes",
+                                "layers_run", "routed_per_drafter")}
         for ts in tstats
     ]
     gpu_peaks: dict[str, int] = {}
@@ -122,8 +168,9 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
         gpu_peaks[c.device] = max(gpu_peaks.get(c.device, 0), int(ts.get("gpu_mem_peak_bytes") or 0))
     out["target_tflops_steady"] = round(sum(float(ts.get("steady_tflops") or 0) for ts in tstats), 2)
     out["target_mfu"] = round(sum(float(ts.get("steady_forward_tflops") or 0) for ts in tstats) / len(tstats) / peak_tflops, 4)
+    out["target_tokens_per_s"] = round(sum(float(ts.get("steady_tokens_per_s") or 0) for ts in tstats), 1)
     if fwd:
-        out["tokens_per_s"] = round(sum(float(ts.get("steady_tokens_per_s") or 0) for ts in tstats), 1)
+        out["tokens_per_s"] = out["target_tokens_per_s"]
         capt = sum(float(ts.get("steady_forward_s") or 0) for ts in tstats)
         bare = sum(float(ts.get("bare_forward_s") or 0) for ts in tstats)
         out["bare_forward_s"] = round(bare, 3)
@@ -135,7 +182,9 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
         span = st[-1]["elapsed_s"] - (recs[recs.index(st[0]) - 1]["elapsed_s"] if recs.index(st[0]) > 0 else 0.0)
         toks = sum(r["tokens"] for r in st)
         out["steps"] = len(recs)
-        out["tokens_per_s"] = round(toks / max(1e-9, span), 1)
+        out["drafter_tokens_per_s"] = round(toks / max(1e-9, span), 1)
+        out["tokens_per_s"] = min(out["drafter_tokens_per_s"], out["target_tokens_per_s"])
+        out["bound_by"] = "target" if out["target_tokens_per_s"] <= out["drafter_tokens_per_s"] else "drafter"
         keys = ("wait_s", "copy_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s", "step_s")
         out["drafter_step_split_s"] = {k: round(sum(r[k] for r in st) / len(st), 4) for k in keys}
         out["drafter_wait_pct"] = round(100 * sum(r["wait_s"] for r in st) / max(1e-9, sum(r["wait_s"] + r["step_s"] for r in st)), 2)
@@ -144,6 +193,19 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
             gpu_peaks[c.device] = max(gpu_peaks.get(c.device, 0), int(c.stats.get("gpu_mem_peak_bytes") or 0))
     out["peak_gpu_mem_bytes"] = gpu_peaks
     return out
+
+
+def _warmup_overrides(probe) -> dict:
+    """The first four decoder layers of the configured target (same widths, both layer types)."""
+    spec = dict(probe.target.spec)
+    if not spec:
+        raise ValueError("the warmup variant needs a target built from target.spec (a checkpoint's own layers "
+                         "cannot be cut); leave 'warmup' out of --variants")
+    n = min(4, int(spec.get("num_hidden_layers", 4)))
+    spec["num_hidden_layers"] = n
+    if isinstance(spec.get("layer_types"), list):
+        spec["layer_types"] = spec["layer_types"][:n]
+    return {"target.spec": spec, "target.layer_ids": [1, n - 1] if n > 2 else [n - 1]}
 
 
 def run_pipeline_bench(config_path: str, steps: int, variants: list[str], peak_tflops: float = 790.0, echo=print,
@@ -165,7 +227,7 @@ def run_pipeline_bench(config_path: str, steps: int, variants: list[str], peak_t
             continue
         echo(f"[bench pipeline] {name}: {json.dumps({k: v for k, v in results[name].items() if k not in ('targets',)})}")
     summary: dict = {"config": config_path, "steps": steps, "peak_tflops": peak_tflops, "variants": results}
-    results_ok = {k: v for k, v in results.items() if "error" not in v}
+    results_ok = {k: v for k, v in results.items() if "error" not in v and k != "warmup"}
     ipc = results_ok.get("cuda-ipc")
     results = results_ok
     if ipc and results.get("forward-only"):

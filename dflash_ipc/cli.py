@@ -70,7 +70,8 @@ def bench_transport_cmd(backend, producers, consumers, slots, slot_mib, seconds,
 @bench.command("pipeline")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--steps", type=click.IntRange(3), default=8, show_default=True, help="Optimizer steps per pipeline variant.")
-@click.option("--variants", default="forward-only,cuda-ipc,host-pinned,depth-2,depth-8", show_default=True)
+@click.option("--variants", default="forward-only,cuda-ipc,host-pinned,depth-2,depth-8", show_default=True,
+              help="Comma-separated, run in this order; put 'warmup' first on a machine whose Triton cache is cold.")
 @click.option("--peak-tflops", type=float, default=790.0, show_default=True, help="Peak for MFU (bf16 matmul measured on an H200).")
 @click.option("--out", "out_path", default=None, help="Append each variant's result to this file (JSON lines) as soon as it is done.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")

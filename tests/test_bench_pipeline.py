@@ -19,19 +19,25 @@ def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
     out = tmp_path / "variants.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "dflash_ipc.cli", "bench", "pipeline", "--config", str(cfg), "--steps", "4",
-         "--variants", "forward-only,cuda-ipc,depth-2", "--out", str(out), "--json"],
+         "--variants", "warmup,forward-only,cuda-ipc,depth-2", "--out", str(out), "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     v = result["variants"]
-    assert set(v) == {"forward-only", "cuda-ipc", "depth-2"}
+    assert set(v) == {"warmup", "forward-only", "cuda-ipc", "depth-2"}
+    assert all(t["layers_run"] == 4 for t in v["warmup"]["targets"])  # the cut-down target
     assert all(x["exit_code"] == 0 for x in v.values())
     assert v["cuda-ipc"]["backend"] == "cpu-shm" and v["depth-2"]["ring_slots"] == 2  # CPU: cpu-shm rings
     assert v["cuda-ipc"]["steps"] == 4 and v["cuda-ipc"]["tokens_per_s"] > 0
+    ipc = v["cuda-ipc"]
+    assert ipc["tokens_per_s"] == min(ipc["target_tokens_per_s"], ipc["drafter_tokens_per_s"]) and ipc["bound_by"] in ("target", "drafter")
+    # the tree's RSS, split by role process (titles set by setproctitle)
+    assert {"dflash-ipc:target:0", "dflash-ipc:target:1", "dflash-ipc:drafter:0", "dflash-ipc:drafter:1"} <= set(ipc["peak_host_rss_by_process_tree"])
+    assert all(0 <= t["pack_overlap_pct"] <= 100 for t in ipc["targets"])
     assert set(v["cuda-ipc"]["drafter_step_split_s"]) >= {"wait_s", "copy_s", "forward_s", "backward_s", "optimizer_s"}
     assert v["forward-only"]["tokens_per_s"] > 0 and v["forward-only"]["capture_vs_bare"] > 0
     assert all(x["peak_host_rss_bytes"] > 0 for x in v.values())
     assert 0 < result["ratio_pipeline_to_forward_only"]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["variant"] for x in lines] == ["forward-only", "cuda-ipc", "depth-2"]
+    assert [x["variant"] for x in lines] == ["warmup", "forward-only", "cuda-ipc", "depth-2"]
