@@ -11,4 +11,5 @@ timeout ${LIMIT_S:-550} python3 -m dflash_ipc.cli bench pipeline --config ${CONF
   --variants $VARIANTS --out $OUT/variants.jsonl --json 2>$OUT/pipeline.err | tail -1 > $OUT/pipeline.json
 grep -v "\] \[up\] step" $OUT/pipeline.err | tail -25
 tail -c 4000 $OUT/pipeline.json
+grep -h "GatedDeltaNet kernels\|off the critical path" /tmp/dflash-bench-*/logs/target-*.log | cut -c1-400
 tar czf $OUT/logs.tgz /tmp/dflash-bench-*/logs 2>/dev/null
