@@ -8,7 +8,6 @@ import time
 import torch
 
 from dflash_ipc.packing import AsyncPacker, BatchMeta, real_token_index
-from dflash_ipc.ring_cuda import create_producer_ring  # noqa: F401  (probe below)
 from dflash_ipc.slots import SlotLayout
 
 dev = torch.device("cuda:0")
