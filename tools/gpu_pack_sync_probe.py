@@ -39,13 +39,14 @@ def timed(label, fn):
 side = torch.cuda.Stream(dev)
 idx = real_token_index(lens.to(dev), L, n)
 out = torch.empty(n, H, dtype=torch.bfloat16, device=dev)
+ids_buf = torch.empty(n, dtype=torch.int64, device=dev)
 for _ in range(2):
     timed("index_select(out=) on compute stream", lambda: torch.index_select(planes[0].reshape(-1, H), 0, idx, out=out))
     timed("index_select (no out) on compute stream", lambda: planes[0].reshape(-1, H).index_select(0, idx))
     timed("advanced indexing flat[idx]", lambda: planes[0].reshape(-1, H)[idx])
     timed("index_select inference tensor", lambda: torch.index_select(planes_inf[0].reshape(-1, H), 0, idx, out=out))
     timed("real_token_index on GPU from pinned lens", lambda: real_token_index(lens.pin_memory().to(dev, non_blocking=True), L, n))
-    timed("pin_memory + H2D of ids", lambda: out.view(torch.int64)[:n].copy_(ids_cpu.reshape(-1)[:n].contiguous().pin_memory(), non_blocking=True))
+    timed("pin_memory + H2D of ids", lambda: ids_buf.copy_(ids_cpu.reshape(-1)[:n].contiguous().pin_memory(), non_blocking=True))
     timed("CPU gather of ids", lambda: ids_cpu.reshape(-1).index_select(0, real_token_index(lens, L, n)))
     for inf in (False, True):
         for ids_dev in (False, True):
