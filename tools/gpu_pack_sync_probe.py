@@ -54,3 +54,15 @@ for _ in range(2):
             meta = BatchMeta(seq_lens=lens, token_ids=ids_cpu.to(dev) if ids_dev else ids_cpu, loss_mask=mask_cpu)
             timed(f"AsyncPacker.submit inference={inf} ids_on_gpu={ids_dev}", lambda: p.submit(planes_inf if inf else planes, meta, 0, slot))
             p.close()
+
+# The fix: the target prepares the real-token ids / mask on the host while its forward runs
+# (flat [n], pinned), so submit only enqueues GPU gathers and pinned H2D copies.
+flat_idx = real_token_index(lens, L, n)
+flat_ids = ids_cpu.reshape(-1).index_select(0, flat_idx).pin_memory()
+flat_mask = mask_cpu.reshape(-1).index_select(0, flat_idx).to(torch.uint8).pin_memory()
+for _ in range(3):
+    for inf in (False, True):
+        p = AsyncPacker(layout, dev)
+        meta = BatchMeta(seq_lens=lens, token_ids=flat_ids, loss_mask=flat_mask)
+        timed(f"AsyncPacker.submit flat pinned meta, inference={inf}", lambda: p.submit(planes_inf if inf else planes, meta, 0, slot))
+        p.close()
