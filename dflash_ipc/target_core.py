@@ -26,7 +26,7 @@ import torch
 from dflash_ipc.checkpoint import LEDGER_FILE, BatchLedger
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.data import load_corpus
-from dflash_ipc.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle
+from dflash_ipc.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta
 from dflash_ipc.plan import PlannedBatch, plan_epoch
 from dflash_ipc.slots import SlotLayout
 from dflash_ipc.target_model import TargetModel, build_target, fast_path_report
@@ -139,8 +139,13 @@ class TargetCore:
         start_mark = self.overlap.mark()
         planes = self.model.capture(ids.to(self.device, non_blocking=True))
         end_mark = self.overlap.mark()
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:  # host work while the GPU still runs the forward: submit then only enqueues
+            meta = flat_batch_meta(ids, mask, lens, pin=True)
         self._sync()
         t1 = time.perf_counter()
+        if not on_gpu:
+            meta = flat_batch_meta(ids, mask, lens, pin=False)
         self.overlap.add_forward(start_mark, end_mark)
         dt = t1 - t0
         if bare_baseline and not bare_first:
@@ -159,7 +164,7 @@ class TargetCore:
             if bare_baseline:
                 self.bare_forward_s += bare_s
                 self.bare_forwards += 1
-        return Captured(batch, planes, BatchMeta(seq_lens=lens, token_ids=ids, loss_mask=mask), dt)
+        return Captured(batch, planes, meta, dt)
 
     def _sync(self) -> None:
         # The forward's wall time must be its GPU time: wait for the compute stream.

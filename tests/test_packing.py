@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, pack_into_slot, real_token_index
+from dflash_ipc.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta, pack_into_slot, real_token_index
 from dflash_ipc.slots import SlotLayout
 from dflash_ipc.target_model import build_target, tiny_spec
 
@@ -225,6 +225,26 @@ def test_sync_mode_cpu():
     h = p.submit(captured, meta, 2, slot)
     assert h.done() and h.slot_index == 2 and h.pack_time_s > 0
     _check_slot(layout, slot, captured, meta)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flat_host_meta_packs_the_same_bytes(device):
+    """The target's path (real-token ids/mask flattened on the host, pinned on GPU hosts)
+    writes exactly the slot the padded [B, L] meta writes."""
+    layout = _layout()
+    rng = random.Random(21)
+    with AsyncPacker(layout, device) as p:
+        for i in range(20):
+            captured, meta = _batch(rng, device)
+            padded = BatchMeta(meta.seq_lens, meta.token_ids.cpu(), meta.loss_mask.cpu())
+            flat = flat_batch_meta(padded.token_ids, padded.loss_mask, torch.tensor(meta.lens()), pin=device == "cuda")
+            assert flat.token_ids.dim() == 1 and flat.token_ids.numel() == sum(meta.lens())
+            a, b = _slot(layout, device, 0x11), _slot(layout, device, 0x11)
+            p.submit(captured, padded, i, a)
+            p.submit(captured, flat, i, b).wait()
+            p.drain()
+            assert torch.equal(a, b)
+            _check_slot(layout, b, captured, padded)
 
 
 def _host_pack(start: float, end: float) -> PackHandle:
