@@ -259,20 +259,24 @@ def _produce(sc: dict, conn, rank: int) -> dict:
         rt_ns: list[int] = []
         commit_ns: list[int] = []
         stray = 0
+
+        def take_free(m: dict) -> None:
+            nonlocal stray
+            if m["t"] != "free":
+                raise RuntimeError(f"expected free, got {m}")
+            try:
+                table.release(m["slot"], 0)
+            except SlotStateError:
+                stray += 1
+                return
+            rt_ns.append(time.perf_counter_ns() - sent_ns.pop(m["seq"]))
+
         seq = 0
         while seq < iters or sent_ns:
             can_issue = seq < iters and len(sent_ns) < max_out
             slot = table.acquire() if can_issue else None
             if slot is None:
-                m = _recv(conn, 120)
-                if m["t"] != "free":
-                    raise RuntimeError(f"expected free, got {m}")
-                try:
-                    table.release(m["slot"], 0)
-                except SlotStateError:
-                    stray += 1
-                    continue
-                rt_ns.append(time.perf_counter_ns() - sent_ns.pop(m["seq"]))
+                take_free(_recv(conn, 120))
                 continue
             n, b = _sizes(sc, layout, seq)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -291,13 +295,7 @@ def _produce(sc: dict, conn, rank: int) -> dict:
             seq += 1
             # Take any SlotFree already here before filling the next slot.
             while conn.poll(0):
-                m = _recv(conn)
-                try:
-                    table.release(m["slot"], 0)
-                except SlotStateError:
-                    stray += 1
-                    continue
-                rt_ns.append(time.perf_counter_ns() - sent_ns.pop(m["seq"]))
+                take_free(_recv(conn))
         _send(conn, {"t": "end"})
         m = _recv(conn, 120)  # the consumer closed its ring: now the producer may free it
         if m["t"] != "closed":

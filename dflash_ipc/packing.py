@@ -82,8 +82,7 @@ def flat_batch_meta(token_ids: torch.Tensor, loss_mask: torch.Tensor, seq_lens: 
     ``submit`` to enqueueing GPU work: on an H200, 48 x 768 tokens, 5.2 ms -> 1.2 ms per submit."""
     meta = BatchMeta(seq_lens=seq_lens, token_ids=token_ids, loss_mask=loss_mask)
     lens = meta.lens()
-    b, seq = token_ids.shape
-    idx = real_token_index(torch.tensor(lens, dtype=torch.int64), seq, sum(lens))
+    idx = real_token_index(torch.tensor(lens, dtype=torch.int64), token_ids.shape[1], sum(lens))
     ids = token_ids.reshape(-1).index_select(0, idx).to(torch.int64)
     mask = loss_mask.reshape(-1).index_select(0, idx).to(torch.uint8)
     if pin:

@@ -86,7 +86,6 @@ def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: st
                 stats = {**core.stats(final=True), "rss_bytes": proc.memory_info().rss}
                 socks.send_to_supervisor(Done(role="target", rank=rank, summary=stats))
                 log.info("forward-only done: %s", stats)
-                _log_pack_overlap(log, stats)
                 break
             plane.dispatch()
             waited = False
