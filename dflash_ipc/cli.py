@@ -41,7 +41,7 @@ def bench() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def bench_transport_cmd(backend, producers, consumers, slots, slot_mib, seconds, slow_consumer, slow_ms, producer_device, consumer_device, max_outstanding, prefetch, as_json):
     """Move real data through the slot rings between real processes; verify every slot."""
-    from dflash_ipc.bench_transport import BenchArgs, run_transport_bench
+    from dflash_ipc.bench.transport import BenchArgs, run_transport_bench
 
     gpu = backend != "cpu-shm"
     producer_device = producer_device or ("cuda:0" if gpu else "cpu")
@@ -77,7 +77,7 @@ def bench_transport_cmd(backend, producers, consumers, slots, slot_mib, seconds,
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def bench_pipeline_cmd(config_path: str, steps: int, variants: str, peak_tflops: float, out_path: str | None, as_json: bool) -> None:
     """Run the pipeline in several variants (transport, ceiling, ring depth) and compare them."""
-    from dflash_ipc.bench_pipeline import run_pipeline_bench
+    from dflash_ipc.bench.pipeline import run_pipeline_bench
 
     _load_or_exit(config_path)
     names = [v.strip() for v in variants.split(",") if v.strip()]
@@ -116,7 +116,7 @@ def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: boo
     """Start the whole pipeline: one process per target and per drafter."""
 
     from dflash_ipc.config import load_config
-    from dflash_ipc.supervisor import GroupFailed, Supervisor
+    from dflash_ipc.runtime.supervisor import GroupFailed, Supervisor
 
     overrides = {"training.max_steps": max_steps} if max_steps is not None else None
     try:
@@ -145,8 +145,8 @@ def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
     import time
     from pathlib import Path
 
-    from dflash_ipc.status_client import StatusUnavailable, read_status
-    from dflash_ipc.status_view import render_json, render_prometheus, render_table
+    from dflash_ipc.ops.status_client import StatusUnavailable, read_status
+    from dflash_ipc.ops.status_view import render_json, render_prometheus, render_table
 
     while True:
         try:
@@ -173,7 +173,7 @@ def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def plan(config_path: str, as_json: bool) -> None:
     """Length-bucketed batch plan statistics for a config (no model is loaded)."""
-    from dflash_ipc.plan import plan_command
+    from dflash_ipc.data.plan import plan_command
 
     _load_or_exit(config_path)
     stats = plan_command(config_path)
@@ -185,7 +185,7 @@ def plan(config_path: str, as_json: bool) -> None:
 
 
 def _add_systemd() -> None:
-    from dflash_ipc.systemd import systemd_group
+    from dflash_ipc.ops.systemd import systemd_group
 
     main.add_command(systemd_group, "systemd")
 

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
-from dflash_ipc import bench_transport, channels, handshake
-from dflash_ipc.dataplane import ProducerDataPlane
-from dflash_ipc.protocol import Done, Hello, RejectCounter
-from dflash_ipc.ring import create_producer_ring
-from procs.common import ChildSockets, place_process, setup_child_process
+from dflash_ipc.bench import transport as bench_transport
+from dflash_ipc.control import channels
+from dflash_ipc.control import handshake
+from dflash_ipc.transport.dataplane import ProducerDataPlane
+from dflash_ipc.control.protocol import Done, Hello, RejectCounter
+from dflash_ipc.transport.ring import create_producer_ring
+from dflash_ipc.runtime.child import ChildSockets, place_process, setup_child_process
 
 
 def run_bench_producer_process(a: argparse.Namespace) -> int:

@@ -20,14 +20,15 @@ from pathlib import Path
 import psutil
 import torch
 
-from dflash_ipc import channels, handshake
+from dflash_ipc.control import channels
+from dflash_ipc.control import handshake
 from dflash_ipc.config import load_resolved_config
-from dflash_ipc.dataplane import ConsumerDataPlane
-from dflash_ipc.drafter_core import DrafterCore
-from dflash_ipc.protocol import Done, Heartbeat, Hello, RejectCounter
-from dflash_ipc.ring import open_consumer_ring
-from dflash_ipc.trainer import destroy_distributed, init_distributed
-from procs.common import ChildSockets, place_process, setup_child_process
+from dflash_ipc.transport.dataplane import ConsumerDataPlane
+from dflash_ipc.drafter.core import DrafterCore
+from dflash_ipc.control.protocol import Done, Heartbeat, Hello, RejectCounter
+from dflash_ipc.transport.ring import open_consumer_ring
+from dflash_ipc.drafter.trainer import destroy_distributed, init_distributed
+from dflash_ipc.runtime.child import ChildSockets, place_process, setup_child_process
 
 
 def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None = None) -> int:

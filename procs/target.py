@@ -20,13 +20,14 @@ from pathlib import Path
 import psutil
 import torch
 
-from dflash_ipc import channels, handshake
+from dflash_ipc.control import channels
+from dflash_ipc.control import handshake
 from dflash_ipc.config import load_resolved_config
-from dflash_ipc.dataplane import ProducerDataPlane
-from dflash_ipc.protocol import Done, Heartbeat, Hello, RejectCounter
-from dflash_ipc.ring import create_producer_ring
-from dflash_ipc.target_core import TargetCore, read_ledger
-from procs.common import ChildSockets, place_process, setup_child_process
+from dflash_ipc.transport.dataplane import ProducerDataPlane
+from dflash_ipc.control.protocol import Done, Heartbeat, Hello, RejectCounter
+from dflash_ipc.transport.ring import create_producer_ring
+from dflash_ipc.target.core import TargetCore, read_ledger
+from dflash_ipc.runtime.child import ChildSockets, place_process, setup_child_process
 
 
 def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: str | None = None) -> int:
@@ -135,7 +136,7 @@ def resolve_backend(cfg, rank: int, log) -> str:
         return backend
     if not cfg.topology.on_cuda:
         return "cpu-shm"
-    from dflash_ipc.ring_cuda import choose_backend
+    from dflash_ipc.transport.ring_cuda import choose_backend
 
     backend, reason = choose_backend(cfg.topology.targets[rank], cfg.topology.drafters)
     log.info("transport.backend = auto -> %s (%s)", backend, reason)

@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from dflash_ipc import checkpoint as ck
-from dflash_ipc.checkpoint import (
+from dflash_ipc.drafter import checkpoint as ck
+from dflash_ipc.drafter.checkpoint import (
     BatchLedger,
     gather_ledger,
     load_latest_checkpoint,
@@ -30,7 +30,7 @@ from dflash_ipc.checkpoint import (
     set_rng_state,
 )
 from dflash_ipc.config import TrainingConfig
-from dflash_ipc.trainer import DrafterTrainer, init_distributed
+from dflash_ipc.drafter.trainer import DrafterTrainer, init_distributed
 
 CFG = TrainingConfig(lr=1e-2, warmup_steps=2, max_steps=50, grad_clip=0.5)
 
@@ -218,7 +218,7 @@ def test_killed_mid_save_and_leftover_tmp(tmp_path):
     script = textwrap.dedent(f"""
         import time, torch
         from pathlib import Path
-        from dflash_ipc import checkpoint as ck
+        from dflash_ipc.drafter import checkpoint as ck
         real = ck._write_torch
         def slow(path, obj):
             with open(path, "wb") as f:

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from dflash_ipc.supervisor import cpu_shares_for
+from dflash_ipc.runtime.supervisor import cpu_shares_for
 
 
 def test_cpu_shares_are_disjoint_and_cover_equal_parts():
@@ -23,7 +23,7 @@ def test_apply_cpu_share_pins_the_process_and_its_children():
     core = sorted(os.sched_getaffinity(0))[-1]
     code = (
         "import os, subprocess, sys\n"
-        "from procs.common import apply_cpu_share\n"
+        "from dflash_ipc.runtime.child import apply_cpu_share\n"
         f"assert apply_cpu_share('{core}') == 1\n"
         "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'], capture_output=True, text=True)\n"
         "print(sorted(os.sched_getaffinity(0)), child.stdout.strip())\n"

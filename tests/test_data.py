@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_ipc import data as data_mod
+from dflash_ipc.data import corpus as data_mod
 from dflash_ipc.config import DataConfig
-from dflash_ipc.data import DataError, builtin_conversations, load_corpus, stdlib_doc_entries
-from dflash_ipc.tokenizer import (
+from dflash_ipc.data.corpus import DataError, builtin_conversations, load_corpus, stdlib_doc_entries
+from dflash_ipc.data.tokenizer import (
     IM_END,
     TokenizerError,
     build_builtin_tokenizer,
@@ -207,7 +207,7 @@ BAD_ROWS = [
 
 def test_bad_lines_skipped_and_reported(tok, tmp_path, caplog):
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS)
-    with caplog.at_level("WARNING", logger="dflash_ipc.data"):
+    with caplog.at_level("WARNING", logger="dflash_ipc.data.corpus"):
         corpus = load_corpus(cfg_for(path), tok, None)
     r = corpus.report
     assert corpus.num_samples == 2 and r.lines_read == 12 and r.num_bad_lines == 10

@@ -12,11 +12,11 @@ import msgpack
 import pytest
 import torch
 
-from dflash_ipc import protocol
-from dflash_ipc.dataplane import ConsumerDataPlane, ProducerDataPlane
-from dflash_ipc.protocol import EndOfData, Hello, Load, RejectCounter, SlotFree, SlotReady
-from dflash_ipc.ring import create_producer_ring, new_run_id, open_consumer_ring, sweep_run_shm
-from dflash_ipc.slots import SlotLayout
+from dflash_ipc.control import protocol
+from dflash_ipc.transport.dataplane import ConsumerDataPlane, ProducerDataPlane
+from dflash_ipc.control.protocol import EndOfData, Hello, Load, RejectCounter, SlotFree, SlotReady
+from dflash_ipc.transport.ring import create_producer_ring, new_run_id, open_consumer_ring, sweep_run_shm
+from dflash_ipc.transport.slots import SlotLayout
 
 LAYOUT = SlotLayout(num_planes=2, hidden_size=8, max_tokens=24, max_seqs=4, plane_dtype="float32")
 

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3_5TextConfig
 
-from dflash_ipc import dflash_loss as L
+from dflash_ipc.drafter import loss as L
 from dflash_ipc.config import DrafterConfig
-from dflash_ipc.drafter_model import (
+from dflash_ipc.drafter.model import (
     DFlashDrafter,
     DrafterModelConfig,
     export_drafter,

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dflash_ipc.config import DataConfig, load_config
-from dflash_ipc.data import load_corpus
-from dflash_ipc.plan import BatchId, PlannedBatch, bucket_of, plan_command, plan_epoch, plan_stats
-from dflash_ipc.tokenizer import build_builtin_tokenizer
+from dflash_ipc.data.corpus import load_corpus
+from dflash_ipc.data.plan import BatchId, PlannedBatch, bucket_of, plan_command, plan_epoch, plan_stats
+from dflash_ipc.data.tokenizer import build_builtin_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = DataConfig()  # edges [256, 512, 1024, 2048], budget 16384, max_batch_size 64

@@ -9,8 +9,8 @@ import random
 import msgpack
 import pytest
 
-from dflash_ipc import protocol
-from dflash_ipc.protocol import (
+from dflash_ipc.control import protocol
+from dflash_ipc.control.protocol import (
     MAX_FRAME_BYTES,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import torch
 
-from dflash_ipc.ring import (
+from dflash_ipc.transport.ring import (
     SHM_DIR,
     CpuShmConsumerRing,
     CpuShmProducerRing,
@@ -28,7 +28,7 @@ from dflash_ipc.ring import (
     shm_name,
     sweep_run_shm,
 )
-from dflash_ipc.slots import SlotLayout
+from dflash_ipc.transport.slots import SlotLayout
 
 LAYOUT = SlotLayout(num_planes=2, hidden_size=16, max_tokens=32, max_seqs=4, plane_dtype="float32")
 
@@ -167,7 +167,7 @@ CONSUMER_CHILD = textwrap.dedent(
     r"""
     import json, sys
     import msgpack, torch
-    from dflash_ipc.ring import open_consumer_ring
+    from dflash_ipc.transport.ring import open_consumer_ring
     desc = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
     ring = open_consumer_ring(desc)
     out = {"num_slots": ring.num_slots, "ok": []}
@@ -217,8 +217,8 @@ def test_cpu_shm_cross_process(run_id):
 PRODUCER_CHILD = textwrap.dedent(
     r"""
     import sys, time
-    from dflash_ipc.ring import create_producer_ring
-    from dflash_ipc.slots import SlotLayout
+    from dflash_ipc.transport.ring import create_producer_ring
+    from dflash_ipc.transport.slots import SlotLayout
     ring = create_producer_ring("cpu-shm", SlotLayout(1, 8, 8, 1), 2, run_id=sys.argv[1], producer_rank=0)
     ring.slot(1)[0] = 7
     print(ring.name, flush=True)

@@ -2,7 +2,7 @@
 
 Every test here needs CUDA and is skipped without it. The producer and the consumer are
 separate spawned processes; the ring descriptor and every control message travel between them
-as msgpack bytes over a pipe (dflash_ipc.bench_gpu), never pickled. Run on the lent H200
+as msgpack bytes over a pipe (dflash_ipc.bench.gpu_harness), never pickled. Run on the lent H200
 machine: ``python -m pytest tests/test_ring_cuda.py -q``.
 """
 
@@ -17,9 +17,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs"),
 ]
 
-from dflash_ipc import bench_gpu as bg  # noqa: E402
-from dflash_ipc.ring import create_producer_ring, new_run_id, open_consumer_ring  # noqa: E402
-from dflash_ipc.slots import SlotLayout  # noqa: E402
+from dflash_ipc.bench import gpu_harness as bg  # noqa: E402
+from dflash_ipc.transport.ring import create_producer_ring, new_run_id, open_consumer_ring  # noqa: E402
+from dflash_ipc.transport.slots import SlotLayout  # noqa: E402
 
 MIB = 1 << 20
 
@@ -143,7 +143,7 @@ def test_descriptor_is_plain_msgpack_and_device_uuid_is_checked():
 
 
 def test_choose_backend():
-    from dflash_ipc.ring_cuda import choose_backend
+    from dflash_ipc.transport.ring_cuda import choose_backend
 
     backend, reason = choose_backend("cuda:0", ["cuda:0"])
     assert backend == "cuda-ipc" and reason

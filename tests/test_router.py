@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dflash_ipc.router import LeastBusyRouter
+from dflash_ipc.control.router import LeastBusyRouter
 
 
 def send(r: LeastBusyRouter) -> int | None:

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from dflash_ipc import status_view as sv
+from dflash_ipc.ops import status_view as sv
 
 NOW = 1_800_000_000.0
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash_ipc import systemd as sd
+from dflash_ipc.ops import systemd as sd
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_ANALYZE = shutil.which("systemd-analyze") is not None

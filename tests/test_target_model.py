@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.target_model import (
+from dflash_ipc.target.model import (
     TargetModel,
     _origin,
     _resolve_impl,

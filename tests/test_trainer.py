@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
-from dflash_ipc.trainer import DistInfo, DrafterTrainer, init_distributed, lr_at
+from dflash_ipc.drafter.trainer import DistInfo, DrafterTrainer, init_distributed, lr_at
 
 VOCAB, DIM, CLASSES = 11, 8, 5
 

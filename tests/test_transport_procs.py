@@ -21,10 +21,13 @@ import msgpack
 import pytest
 import zmq
 
-from dflash_ipc import bench_transport, channels, handshake, protocol
-from dflash_ipc.handshake import HandshakeError
-from dflash_ipc.protocol import Done, EndOfData, RejectCounter, SlotFree, SlotReady
-from dflash_ipc.ring import list_run_shm, new_run_id, sweep_run_shm
+from dflash_ipc.bench import transport as bench_transport
+from dflash_ipc.control import channels
+from dflash_ipc.control import handshake
+from dflash_ipc.control import protocol
+from dflash_ipc.control.handshake import HandshakeError
+from dflash_ipc.control.protocol import Done, EndOfData, RejectCounter, SlotFree, SlotReady
+from dflash_ipc.transport.ring import list_run_shm, new_run_id, sweep_run_shm
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED_KEYS = {
@@ -100,8 +103,8 @@ def test_run_ring_child_failure_is_named(short_tmp, run_ids):
 CLI_SHIM = textwrap.dedent(
     r"""
     import os, sys
-    from dflash_ipc import bench_transport
-    from dflash_ipc.ring import new_run_id
+    from dflash_ipc.bench import transport as bench_transport
+    from dflash_ipc.transport.ring import new_run_id
 
     def recording_new_run_id():
         rid = new_run_id()
@@ -157,8 +160,10 @@ def test_cli_bench_transport_json_slow_consumer():
 HELLO_CHILD = textwrap.dedent(
     r"""
     import os, sys, zmq
-    from dflash_ipc import channels, handshake, protocol
-    from dflash_ipc.protocol import Hello, RejectCounter
+    from dflash_ipc.control import channels
+    from dflash_ipc.control import handshake
+    from dflash_ipc.control import protocol
+    from dflash_ipc.control.protocol import Hello, RejectCounter
     endpoint, role, rank, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     ctx = zmq.Context()
     dealer = channels.connect(ctx, zmq.DEALER, endpoint, handshake.identity(role, rank))
@@ -305,9 +310,9 @@ def test_malformed_frames_into_running_processes_are_counted(short_tmp):
     router = channels.bind(ctx, zmq.ROUTER, channels.supervisor_endpoint(run_dir))
     common = ["--run-dir", str(run_dir), "--backend", "cpu-shm", "--producers", "1", "--consumers", "1", "--rank", "0"]
     procs = {
-        ("producer", 0): _spawn_bench("procs.bench_producer", common + ["--run-id", run_id, "--slots", "3", "--slot-bytes", str(1 << 16),
+        ("producer", 0): _spawn_bench("dflash_ipc.procs.bench_producer", common + ["--run-id", run_id, "--slots", "3", "--slot-bytes", str(1 << 16),
                                                                           "--seconds", "2.5", "--max-outstanding", "2"], run_dir / "p0.out"),
-        ("consumer", 0): _spawn_bench("procs.bench_consumer", common, run_dir / "c0.out"),
+        ("consumer", 0): _spawn_bench("dflash_ipc.procs.bench_consumer", common, run_dir / "c0.out"),
     }
     push_c = push_p = None
 

@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from dflash_ipc.packing import AsyncPacker, BatchMeta, real_token_index
-from dflash_ipc.slots import SlotLayout
+from dflash_ipc.target.packing import AsyncPacker, BatchMeta, real_token_index
+from dflash_ipc.transport.slots import SlotLayout
 
 dev = torch.device("cuda:0")
 torch.cuda.set_device(dev)

@@ -112,7 +112,8 @@ class ChildSockets:
     def __init__(self, run_dir: Path, role: str, rank: int, pull_endpoint: str):
         import zmq
 
-        from dflash_ipc import channels, handshake
+        from dflash_ipc.control import channels
+        from dflash_ipc.control import handshake
 
         self.role, self.rank = role, rank
         self.ctx = zmq.Context()
@@ -124,18 +125,18 @@ class ChildSockets:
     def connect_peers(self, endpoints: list[str]) -> list:
         import zmq
 
-        from dflash_ipc import channels
+        from dflash_ipc.control import channels
 
         self.pushes = [channels.connect(self.ctx, zmq.PUSH, ep) for ep in endpoints]
         return self.pushes
 
     def send_to_peer(self, peer: int, msg) -> None:
-        from dflash_ipc import channels
+        from dflash_ipc.control import channels
 
         channels.send(self.pushes[peer], msg)
 
     def send_to_supervisor(self, msg) -> None:
-        from dflash_ipc import protocol
+        from dflash_ipc.control import protocol
 
         self.dealer.send(protocol.encode(msg))
 
@@ -145,7 +146,7 @@ class ChildSockets:
 
         import zmq
 
-        from dflash_ipc.protocol import Dead
+        from dflash_ipc.control.protocol import Dead
 
         log.error("%s-%d failed: %s", self.role, self.rank, traceback.format_exc())
         try:
@@ -156,8 +157,8 @@ class ChildSockets:
     def read_control(self, rejects, stop: StopFlag, parent_pid: int, wait_ms: int = 0) -> None:
         """Apply what the supervisor said (Shutdown -> stop) and notice a dead supervisor;
         ``wait_ms`` > 0 waits that long for a message first."""
-        from dflash_ipc import channels
-        from dflash_ipc.protocol import Shutdown
+        from dflash_ipc.control import channels
+        from dflash_ipc.control.protocol import Shutdown
 
         if wait_ms:
             self.dealer.poll(wait_ms)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import TargetConfig
+from dflash_ipc.config import TargetConfig
 
 __all__ = [
     "TargetModel",

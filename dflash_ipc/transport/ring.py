@@ -8,9 +8,9 @@ and keeps the mapping for its life. Backends:
 * ``cpu-shm``     POSIX shared memory: a 0600 file in /dev/shm mapped MAP_SHARED into a
                   torch uint8 tensor in every process (this module).
 * ``host-pinned`` the same shared memory, page-locked with cudaHostRegister in both processes:
-                  D2H by the producer, H2D by the consumer (``dflash_ipc.ring_cuda``).
+                  D2H by the producer, H2D by the consumer (``dflash_ipc.transport.ring_cuda``).
 * ``cuda-ipc``    one GPU allocation plus one interprocess CUDA event per slot, shared through
-                  CUDA IPC handles (``dflash_ipc.ring_cuda``).
+                  CUDA IPC handles (``dflash_ipc.transport.ring_cuda``).
 
 Slot lifecycle and who owns each transition::
 
@@ -43,7 +43,7 @@ from typing import Protocol
 
 import torch
 
-from dflash_ipc.slots import SlotLayout, SlotViews
+from dflash_ipc.transport.slots import SlotLayout, SlotViews
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ def create_producer_ring(
     if backend == "cpu-shm":
         return CpuShmProducerRing(layout, num_slots, run_id, producer_rank)
     if backend in ("cuda-ipc", "host-pinned"):
-        from dflash_ipc import ring_cuda
+        from dflash_ipc.transport import ring_cuda
 
         return ring_cuda.create_producer_ring(backend, layout, num_slots, run_id=run_id, producer_rank=producer_rank, device=torch.device(device))
     raise ValueError(f"unknown transport backend {backend!r}")
@@ -315,7 +315,7 @@ def open_consumer_ring(descriptor: dict, local_device: torch.device | str = "cpu
     if backend == "cpu-shm":
         return CpuShmConsumerRing(descriptor)
     if backend in ("cuda-ipc", "host-pinned"):
-        from dflash_ipc import ring_cuda
+        from dflash_ipc.transport import ring_cuda
 
         return ring_cuda.open_consumer_ring(descriptor, torch.device(local_device))
     raise ValueError(f"unknown transport backend {backend!r}")

@@ -1,7 +1,7 @@
 """GPU ring backends: ``cuda-ipc`` (GPU memory shared through CUDA IPC) and ``host-pinned``.
 
-Both implement the ProducerRing / ConsumerRing protocols of :mod:`dflash_ipc.ring`; the
-factories there import this module lazily, so importing ``dflash_ipc.ring`` never needs CUDA.
+Both implement the ProducerRing / ConsumerRing protocols of :mod:`dflash_ipc.transport.ring`; the
+factories there import this module lazily, so importing ``dflash_ipc.transport.ring`` never needs CUDA.
 
 cuda-ipc
     The producer allocates its whole ring once, as one ``torch.empty(num_slots * slot_bytes,
@@ -48,8 +48,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from dflash_ipc.ring import SHM_DIR, create_shm_tensor, open_shm_tensor, shm_name
-from dflash_ipc.slots import SlotLayout, SlotViews
+from dflash_ipc.transport.ring import SHM_DIR, create_shm_tensor, open_shm_tensor, shm_name
+from dflash_ipc.transport.slots import SlotLayout, SlotViews
 
 log = logging.getLogger(__name__)
 

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 
 from dflash_ipc.config import DataConfig
-from dflash_ipc.tokenizer import IM_END, tokenizer_identity
+from dflash_ipc.data.tokenizer import IM_END, tokenizer_identity
 
-log = logging.getLogger("dflash_ipc.data")
+log = logging.getLogger("dflash_ipc.data.corpus")
 
 BUILTIN_STDLIB_DOCS = "builtin:stdlib-docs"
 CACHE_FORMAT = 1

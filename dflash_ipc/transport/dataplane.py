@@ -26,10 +26,10 @@ from typing import Callable
 
 import torch
 
-from dflash_ipc.protocol import EndOfData, Load, Message, RejectCounter, SlotFree, SlotReady
-from dflash_ipc.ring import ConsumerRing, CopyTicket, ProducerRing, SlotStateError, SlotTable
-from dflash_ipc.router import LeastBusyRouter
-from dflash_ipc.slots import SlotViews
+from dflash_ipc.control.protocol import EndOfData, Load, Message, RejectCounter, SlotFree, SlotReady
+from dflash_ipc.transport.ring import ConsumerRing, CopyTicket, ProducerRing, SlotStateError, SlotTable
+from dflash_ipc.control.router import LeastBusyRouter
+from dflash_ipc.transport.slots import SlotViews
 
 Send = Callable[[int, Message], None]
 

@@ -15,7 +15,7 @@ Who sends what::
     target     -> drafter     SlotReady, EndOfData
     drafter    -> target      SlotFree, Load
 
-Handshake (owned by the supervisor, see ``dflash_ipc.supervisor``)::
+Handshake (owned by the supervisor, see ``dflash_ipc.runtime.supervisor``)::
 
     child: start ──Hello(ring descriptor)──▶ supervisor (waits for all, run.handshake_timeout_s)
     supervisor ──Start(all rings, all endpoints)──▶ every child

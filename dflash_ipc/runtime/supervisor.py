@@ -36,12 +36,15 @@ from pathlib import Path
 import psutil
 import zmq
 
-from dflash_ipc import channels, handshake, protocol, systemd
+from dflash_ipc.control import channels
+from dflash_ipc.control import handshake
+from dflash_ipc.control import protocol
+from dflash_ipc.ops import systemd
 from dflash_ipc.config import DFlashConfig, write_resolved_config
-from dflash_ipc.handshake import HandshakeError
-from dflash_ipc.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown
-from dflash_ipc.ring import new_run_id, sweep_run_shm
-from dflash_ipc.status_view import write_text_atomic
+from dflash_ipc.control.handshake import HandshakeError
+from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown
+from dflash_ipc.transport.ring import new_run_id, sweep_run_shm
+from dflash_ipc.ops.status_view import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +158,9 @@ class Supervisor:
         (run_dir / "plan.json").write_text(json.dumps(self.plan, indent=2))
 
     def _tokenize_and_plan(self) -> dict:
-        from dflash_ipc.data import load_corpus
-        from dflash_ipc.plan import plan_epoch
-        from dflash_ipc.tokenizer import load_tokenizer
+        from dflash_ipc.data.corpus import load_corpus
+        from dflash_ipc.data.plan import plan_epoch
+        from dflash_ipc.data.tokenizer import load_tokenizer
 
         t0 = time.perf_counter()
         cfg = self.cfg
@@ -203,7 +206,7 @@ class Supervisor:
         cpu_shares = cpu_shares_for(len(self.children)) if (cfg.run.cpu_affinity == "auto" and cfg.topology.on_cuda) else None
         for i, ch in enumerate(self.children):
             env = dict(base_env)
-            argv = [sys.executable, "-m", f"procs.{ch.role}", "--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
+            argv = [sys.executable, "-m", f"dflash_ipc.procs.{ch.role}", "--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
             if self.forward_only:
                 argv += ["--forward-only", str(self.forward_only)]
             if cpu_shares:

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from dflash_ipc.checkpoint import LEDGER_FILE, BatchLedger
+from dflash_ipc.drafter.checkpoint import LEDGER_FILE, BatchLedger
 from dflash_ipc.config import DFlashConfig
-from dflash_ipc.data import load_corpus
-from dflash_ipc.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta
-from dflash_ipc.plan import PlannedBatch, plan_epoch
-from dflash_ipc.slots import SlotLayout
-from dflash_ipc.target_model import TargetModel, build_target, fast_path_report
-from dflash_ipc.tokenizer import load_tokenizer
+from dflash_ipc.data.corpus import load_corpus
+from dflash_ipc.target.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta
+from dflash_ipc.data.plan import PlannedBatch, plan_epoch
+from dflash_ipc.transport.slots import SlotLayout
+from dflash_ipc.target.model import TargetModel, build_target, fast_path_report
+from dflash_ipc.data.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

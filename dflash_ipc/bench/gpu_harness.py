@@ -13,7 +13,7 @@
   in flight; :func:`run_sigkill_check` — a consumer killed with SIGKILL while holding the
   ring's mappings must not keep the producer from closing and releasing its GPU memory.
 
-CLI: ``python -m dflash_ipc.bench_gpu [--out results.json] [--quick]``.
+CLI: ``python -m dflash_ipc.bench.gpu_harness [--out results.json] [--quick]``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from collections import deque
 import msgpack
 import torch
 
-from dflash_ipc.ring import SlotStateError, SlotTable, create_producer_ring, new_run_id, open_consumer_ring, sweep_run_shm
-from dflash_ipc.slots import SlotLayout
+from dflash_ipc.transport.ring import SlotStateError, SlotTable, create_producer_ring, new_run_id, open_consumer_ring, sweep_run_shm
+from dflash_ipc.transport.slots import SlotLayout
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -682,7 +682,7 @@ def run_bench(quick: bool = False, progress=print) -> dict:
                  "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     if n > 1:
         out["peer_access"] = torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0)
-        from dflash_ipc.ring_cuda import choose_backend
+        from dflash_ipc.transport.ring_cuda import choose_backend
 
         out["auto"] = list(choose_backend(0, [1]))
     ref = {}

@@ -1,6 +1,6 @@
 """ZeroMQ endpoints of one run: ``ipc://`` sockets in a private (0700) directory.
 
-Topology (all sockets carry msgpack frames from :mod:`dflash_ipc.protocol`)::
+Topology (all sockets carry msgpack frames from :mod:`dflash_ipc.control.protocol`)::
 
     supervisor  ROUTER bind  sock/sup           <- every child's DEALER (identity role-rank)
     supervisor  REP    bind  sock/status        <- `dflash-ipc status` (read-only snapshot)
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import zmq
 
-from dflash_ipc import protocol
-from dflash_ipc.protocol import Message, ProtocolError, RejectCounter
+from dflash_ipc.control import protocol
+from dflash_ipc.control.protocol import Message, ProtocolError, RejectCounter
 
 log = logging.getLogger(__name__)
 

@@ -199,8 +199,8 @@ def plan_command(config_path: str | Path, cache_dir: str | Path | None = None) -
     ``data`` directory when ``run.run_dir`` is set, else a temporary directory.
     """
     from dflash_ipc.config import load_config
-    from dflash_ipc.data import load_corpus
-    from dflash_ipc.tokenizer import load_tokenizer
+    from dflash_ipc.data.corpus import load_corpus
+    from dflash_ipc.data.tokenizer import load_tokenizer
 
     cfg = load_config(config_path)
     num_shards = len(cfg.topology.targets)

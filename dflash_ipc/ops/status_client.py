@@ -7,7 +7,7 @@ from pathlib import Path
 
 import zmq
 
-from dflash_ipc import channels
+from dflash_ipc.control import channels
 
 
 class StatusUnavailable(RuntimeError):

@@ -40,7 +40,7 @@ from pathlib import Path
 import psutil
 
 from dflash_ipc.config import load_config
-from dflash_ipc.supervisor import Supervisor
+from dflash_ipc.runtime.supervisor import Supervisor
 
 # forward-only first: on a machine whose Triton cache is cold it pays the compilation of the fla
 # kernels inside its own forwards (so its ceiling reads low), and no later variant does; put

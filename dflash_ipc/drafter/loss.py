@@ -53,9 +53,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .config import DrafterConfig, TrainingConfig
-from .drafter_model import FULL, SLIDING, DFlashDrafter
-from .slots import SlotViews
+from dflash_ipc.config import DrafterConfig, TrainingConfig
+from dflash_ipc.drafter.model import FULL, SLIDING, DFlashDrafter
+from dflash_ipc.transport.slots import SlotViews
 
 try:
     from torch.nn.attention.flex_attention import BlockMask

@@ -23,9 +23,9 @@ from typing import Callable
 
 import zmq
 
-from dflash_ipc import protocol
-from dflash_ipc.channels import decode_or_reject
-from dflash_ipc.protocol import Dead, Hello, Ready, RejectCounter, Start
+from dflash_ipc.control import protocol
+from dflash_ipc.control.channels import decode_or_reject
+from dflash_ipc.control.protocol import Dead, Hello, Ready, RejectCounter, Start
 
 
 class HandshakeError(RuntimeError):

@@ -20,7 +20,7 @@ so checkpoints and exports hold only the drafter's own weights.
 
 Attention runs either through ``torch.nn.attention.flex_attention`` with a ``BlockMask``
 (compiled on CUDA) or through ``F.scaled_dot_product_attention`` with a dense boolean mask;
-the masks themselves are built by :mod:`dflash_ipc.dflash_loss` and passed per layer type.
+the masks themselves are built by :mod:`dflash_ipc.drafter.loss` and passed per layer type.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DrafterConfig
+from dflash_ipc.config import DrafterConfig
 
 try:  # flex_attention exists in every supported torch (>= 2.11); keep the import soft anyway.
     from torch.nn.attention.flex_attention import BlockMask, flex_attention

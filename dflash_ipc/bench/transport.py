@@ -30,10 +30,12 @@ from pathlib import Path
 import torch
 import zmq
 
-from dflash_ipc import channels, handshake, protocol
-from dflash_ipc.protocol import Done, RejectCounter
-from dflash_ipc.ring import new_run_id, sweep_run_shm
-from dflash_ipc.slots import SlotLayout
+from dflash_ipc.control import channels
+from dflash_ipc.control import handshake
+from dflash_ipc.control import protocol
+from dflash_ipc.control.protocol import Done, RejectCounter
+from dflash_ipc.transport.ring import new_run_id, sweep_run_shm
+from dflash_ipc.transport.slots import SlotLayout
 
 BENCH_HIDDEN = 1024
 
@@ -103,7 +105,7 @@ def run_ring(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
     try:
         for p in range(args.producers):
             procs[("producer", p)] = _spawn(
-                "procs.bench_producer",
+                "dflash_ipc.procs.bench_producer",
                 common + ["--rank", str(p), "--run-id", run_id, "--slots", str(args.slots), "--slot-bytes", str(slot_bytes),
                           "--seconds", str(seconds), "--device", args.producer_device, "--max-outstanding", str(args.max_outstanding)],
                 run_dir, f"producer-{p}",
@@ -111,7 +113,7 @@ def run_ring(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
         for c in range(args.consumers):
             slow = args.slow_ms if args.slow_consumer == c else 0.0
             procs[("consumer", c)] = _spawn(
-                "procs.bench_consumer",
+                "dflash_ipc.procs.bench_consumer",
                 common + ["--rank", str(c), "--slow-ms", str(slow), "--device", args.consumer_device, "--prefetch", str(args.prefetch)],
                 run_dir, f"consumer-{c}",
             )
@@ -295,7 +297,7 @@ def run_transport_bench(args: BenchArgs, progress=print) -> dict:
         "verified": bool(ring["verified"] and base["verified"] and hand["verified"]),
     }
     if args.backend in ("cuda-ipc", "host-pinned") and torch.cuda.is_available():
-        from dflash_ipc import bench_gpu
+        from dflash_ipc.bench import gpu_harness as bench_gpu
 
         ref = bench_gpu.measure_reference_gbps(args.producer_device, args.consumer_device, layout.planes_bytes)
         result["reference_gbps"] = round(ref, 3)

@@ -1,6 +1,6 @@
 """Pack one batch's captured hidden states into a ring slot, off the critical path.
 
-What goes into the slot (see :mod:`dflash_ipc.slots`): the per-layer planes ``[k, n, H]`` of the
+What goes into the slot (see :mod:`dflash_ipc.transport.slots`): the per-layer planes ``[k, n, H]`` of the
 *real* tokens only (right padding stripped; ``n = sum(seq_lens)``, documents back to back),
 their token ids, loss mask and the per-document lengths. Layers are not concatenated and no
 noise is added: the drafter does that.
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .slots import SlotLayout, SlotViews
+from dflash_ipc.transport.slots import SlotLayout, SlotViews
 
 __all__ = ["BatchMeta", "PackHandle", "AsyncPacker", "OverlapMeter", "flat_batch_meta", "real_token_index", "pack_into_slot"]
 

@@ -14,7 +14,7 @@ Its merges are trained once with ``tokenizers`` on the built-in ``builtin:stdlib
 corpus and shipped as ``dflash_ipc/assets/builtin_tokenizer.json`` (about 20 KB), so
 loading it needs no network, no training and gives the same ids on every machine
 (training at run time would tie the vocabulary to the local Python version's docstrings).
-Regenerate the asset with ``python -m dflash_ipc.tokenizer --write-asset``.
+Regenerate the asset with ``python -m dflash_ipc.data.tokenizer --write-asset``.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def build_builtin_tokenizer() -> PreTrainedTokenizerFast:
     if not path.is_file():
         raise TokenizerError(
             f"built-in tokenizer asset {path} is missing; reinstall dflash-ipc or run "
-            "`python -m dflash_ipc.tokenizer --write-asset`"
+            "`python -m dflash_ipc.data.tokenizer --write-asset`"
         )
     tok = PreTrainedTokenizerFast(
         tokenizer_file=str(path),
@@ -172,7 +172,7 @@ def train_builtin_tokenizer(texts: Iterable[str]):
 
 
 def _write_asset(out: Path) -> None:
-    from dflash_ipc.data import stdlib_doc_entries
+    from dflash_ipc.data.corpus import stdlib_doc_entries
 
     entries = stdlib_doc_entries()
     texts = [e.doc for e in entries] + [f"What does `{e.name}` do?" for e in entries]
@@ -185,5 +185,5 @@ if __name__ == "__main__":  # pragma: no cover
     if sys.argv[1:] == ["--write-asset"]:
         _write_asset(_asset_path())
     else:
-        print("usage: python -m dflash_ipc.tokenizer --write-asset")
+        print("usage: python -m dflash_ipc.data.tokenizer --write-asset")
         sys.exit(2)

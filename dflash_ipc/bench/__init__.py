@@ -1,0 +1,1 @@
+"""Benchmarks: transport and pipeline, and the GPU ring harness they share."""

@@ -1,0 +1,1 @@
+"""Control plane: every wire message (protocol), ZeroMQ channels, the READY handshake, least-busy routing."""

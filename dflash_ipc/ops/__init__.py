@@ -1,0 +1,1 @@
+"""Operations: status snapshot views, metrics exposition, systemd integration."""

@@ -1,0 +1,1 @@
+"""Runtime: the supervisor, the run directory, and the scaffold every child process starts from."""
