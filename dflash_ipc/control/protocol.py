@@ -159,33 +159,142 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 _NON_NEGATIVE = {"rank", "slot", "producer", "consumer", "n_tokens", "n_seqs", "seq", "outstanding", "received", "bucket", "batches_sent"}
 
 
-def _exact_types(tp: Any) -> tuple[type, ...]:
-    """The exact Python types msgpack yields for a field annotation (bool is never an int)."""
+@dataclass(frozen=True)
+class Struct:
+    """A typed payload nested inside a message (ring descriptors, heartbeat stats, status).
+
+    Fields are typed with ``int``, ``float``, ``str``, ``bool``, another ``Struct``, ``list[X]``,
+    ``dict[str, X]`` or ``X | None``; :func:`to_wire` turns one into plain msgpack values and
+    :func:`from_wire` validates every field recursively (the error names the dotted path), so a
+    renamed or mistyped key is a :class:`ProtocolError`, never a silent ``None``. Fields named in
+    ``NON_NEGATIVE`` are checked ``>= 0``. Subclasses are frozen dataclasses.
+    """
+
+    NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset()
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    spec: Any  # a _Spec tree, see _spec_of
+    required: bool
+    non_negative: bool
+
+
+def _spec_of(tp: Any) -> tuple:
+    """A field annotation as a small tree: ("prim", types) | ("struct", cls) | ("list", spec) |
+    ("dict", spec) | ("union", (spec, ...)). ``bool`` is never accepted for ``int``."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        return tuple(t for a in typing.get_args(tp) for t in _exact_types(a))
+        return ("union", tuple(_spec_of(a) for a in typing.get_args(tp)))
     if tp is type(None):
-        return (type(None),)
-    base = origin or tp
-    if base in (int, str, bool, dict, list):
-        return (base,)
+        return ("prim", (type(None),))
+    if tp is float:
+        return ("prim", (float, int))
+    if tp in (int, str, bool, bytes):
+        return ("prim", (tp,))
+    if tp in (dict, list):
+        return ("prim", (tp,))
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        return ("list", _spec_of(arg))
+    if origin is dict:
+        key, arg = typing.get_args(tp)
+        if key is not str:
+            raise TypeError(f"wire dicts have str keys, not {key!r}")
+        return ("dict", _spec_of(arg))
+    if isinstance(tp, type) and issubclass(tp, Struct):
+        return ("struct", tp)
     raise TypeError(f"unsupported wire type {tp!r}")
 
 
 @functools.cache
-def _schema(cls: type) -> tuple[tuple[str, tuple[type, ...], bool, bool], ...]:
-    """(name, exact types, required, non-negative) per field, computed once per message type."""
+def _fields(cls: type) -> tuple[_Field, ...]:
+    """Each field's wire spec, computed once per message or struct type."""
     hints = typing.get_type_hints(cls)
+    extra = cls.NON_NEGATIVE if issubclass(cls, Struct) else _NON_NEGATIVE
     return tuple(
-        (f.name, _exact_types(hints[f.name]), f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f.name in _NON_NEGATIVE)
+        _Field(f.name, _spec_of(hints[f.name]), f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f.name in extra)
         for f in dataclasses.fields(cls)
+        if f.init
     )
+
+
+def to_wire(value: Any) -> Any:
+    """A message field's value as plain msgpack values (structs become maps, recursively)."""
+    if isinstance(value, Struct):
+        return {f.name: to_wire(getattr(value, f.name)) for f in _fields(type(value))}
+    if isinstance(value, (list, tuple)):
+        return [to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_wire(v) for k, v in value.items()}
+    return value
+
+
+def _check(spec: tuple, value: Any, path: str) -> Any:
+    kind, arg = spec
+    if kind == "prim":
+        if type(value) not in arg:
+            raise ProtocolError("bad_field_type", f"{path} = {value!r:.80}")
+        return float(value) if float in arg and type(value) is int else value
+    if kind == "union":
+        for option in arg:
+            try:
+                return _check(option, value, path)
+            except ProtocolError:
+                continue
+        raise ProtocolError("bad_field_type", f"{path} = {value!r:.80}")
+    if kind == "list":
+        if type(value) is not list:
+            raise ProtocolError("bad_field_type", f"{path} is {type(value).__name__}, not a list")
+        return [_check(arg, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if kind == "dict":
+        if type(value) is not dict:
+            raise ProtocolError("bad_field_type", f"{path} is {type(value).__name__}, not a map")
+        return {k: _check(arg, v, f"{path}.{k}") for k, v in value.items() if type(k) is str or _bad_key(path, k)}
+    if type(value) is not dict:  # struct
+        raise ProtocolError("bad_field_type", f"{path} is {type(value).__name__}, not a {arg.__name__} map")
+    return _build(arg, dict(value), path)
+
+
+def _bad_key(path: str, key: Any) -> bool:
+    raise ProtocolError("bad_field_type", f"{path} has a non-string key {key!r:.40}")
+
+
+def _build(cls: type, d: dict, path: str) -> Any:
+    kwargs = {}
+    for f in _fields(cls):
+        if f.name in d:
+            value = d.pop(f.name)
+        elif f.required:
+            raise ProtocolError("missing_field", f"{path}.{f.name} missing")
+        else:
+            continue
+        kind, arg = f.spec
+        if kind == "prim" and type(value) in arg and float not in arg:  # the common case, inline
+            pass
+        else:
+            value = _check(f.spec, value, f"{path}.{f.name}")
+        if f.non_negative and type(value) in (int, float) and value < 0:
+            raise ProtocolError("out_of_range", f"{path}.{f.name} = {value} < 0")
+        kwargs[f.name] = value
+    if d:
+        raise ProtocolError("unknown_field", f"{path} has unknown fields {sorted(map(str, d))[:3]}")
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a struct's __post_init__ refusing a value it cannot hold
+        raise ProtocolError("out_of_range", f"{path}: {e}") from None
+
+
+def from_wire(cls: type, value: Any, path: str | None = None) -> Any:
+    """Validate plain msgpack values as a ``Struct`` (or message) type; ProtocolError otherwise."""
+    return _check(("struct", cls), value, path or cls.__name__)
 
 
 def encode(msg: Message) -> bytes:
     d = {"v": PROTOCOL_VERSION, "t": msg.TAG}
-    for name, *_ in _schema(type(msg)):
-        d[name] = getattr(msg, name)
+    for f in _fields(type(msg)):
+        d[f.name] = to_wire(getattr(msg, f.name))
     return msgpack.packb(d, use_bin_type=True)
 
 
@@ -207,26 +316,12 @@ def decode(frame: bytes) -> Message:
     cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError("unknown_type", f"message type {tag!r}")
-    kwargs = {}
-    for name, allowed, required, non_negative in _schema(cls):
-        if name in d:
-            value = d.pop(name)
-        elif required:
-            raise ProtocolError("missing_field", f"{tag}.{name} missing")
-        else:
-            continue
-        if type(value) not in allowed:
-            raise ProtocolError("bad_field_type", f"{tag}.{name} = {value!r}")
-        if non_negative and type(value) is int and value < 0:
-            raise ProtocolError("out_of_range", f"{tag}.{name} = {value} < 0")
-        kwargs[name] = value
-    if d:
-        raise ProtocolError("unknown_field", f"{tag} has unknown fields {sorted(d)[:3]}")
+    msg = _build(cls, d, tag)
     if cls is SlotReady:
-        bid = kwargs["batch_id"]
+        bid = msg.batch_id
         if len(bid) != 3 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in bid):
             raise ProtocolError("bad_field_type", f"slot_ready.batch_id = {bid!r}")
-    return cls(**kwargs)
+    return msg
 
 
 class RejectCounter:
