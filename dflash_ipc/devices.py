@@ -1,0 +1,47 @@
+"""Devices and dtypes by name: the one table and the one normaliser every role uses."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "uint8": torch.uint8,
+}
+
+DeviceLike = torch.device | str | int | None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for k, v in DTYPES.items():
+        if v == dtype:
+            return k
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+def as_device(device: DeviceLike) -> torch.device:
+    """A torch device; an int means that CUDA device, None means the CPU."""
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def cuda_device(device: DeviceLike) -> torch.device:
+    """A CUDA device with an explicit index (``"cuda"`` or None means the current device)."""
+    device = as_device("cuda" if device is None else device)
+    if device.type != "cuda":
+        raise ValueError(f"{device} is not a CUDA device")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
