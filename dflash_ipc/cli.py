@@ -185,7 +185,7 @@ def plan(config_path: str, as_json: bool) -> None:
 
 
 def _add_systemd() -> None:
-    from dflash_ipc.ops.systemd import systemd_group
+    from dflash_ipc.ops.systemd_cli import systemd_group
 
     main.add_command(systemd_group, "systemd")
 

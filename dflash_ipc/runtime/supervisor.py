@@ -39,7 +39,7 @@ import zmq
 from dflash_ipc.control import channels
 from dflash_ipc.control import handshake
 from dflash_ipc.control import protocol
-from dflash_ipc.ops import systemd
+from dflash_ipc.ops import sdnotify
 from dflash_ipc.config import DFlashConfig, write_resolved_config
 from dflash_ipc.control.handshake import HandshakeError
 from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown
@@ -196,7 +196,7 @@ class Supervisor:
     def _spawn(self, resume: bool) -> None:
         cfg = self.cfg
         port = _free_port()
-        base_env = systemd.scrub_notify_env(dict(os.environ))
+        base_env = sdnotify.scrub_notify_env(dict(os.environ))
         base_env.setdefault("NCCL_NVLS_ENABLE", "0")
         base_env["PYTHONUNBUFFERED"] = "1"
         self.children = [Child("target", r, d) for r, d in enumerate(cfg.topology.targets)]
@@ -253,7 +253,7 @@ class Supervisor:
             for c in self.children:
                 c.last_beat = now
             self.echo(f"[up] all {len(self.children)} processes ready after {time.perf_counter() - t0:.1f} s; training")
-            systemd.notify_ready(f"running {len(self.children)} processes")
+            sdnotify.notify_ready(f"running {len(self.children)} processes")
             return self._watch(router, status_sock)
         finally:
             self._teardown(router)
@@ -290,7 +290,7 @@ class Supervisor:
         stop_sent = False
         targets_stopped = False
         next_status = 0.0
-        watchdog = systemd.watchdog_interval_s()
+        watchdog = sdnotify.watchdog_interval_s()
         next_watchdog = 0.0
         while True:
             events = dict(poller.poll(100))
@@ -302,7 +302,7 @@ class Supervisor:
             if self.stop_requested and not stop_sent:
                 stop_sent = True
                 self.state = "stopping"
-                systemd.notify_stopping("checkpointing")
+                sdnotify.notify_stopping("checkpointing")
                 self.echo(f"[up] {self.stop_requested}: asking drafters to checkpoint and stop")
                 for ch in drafters:
                     self._send(router, ch, Shutdown(reason=self.stop_requested, checkpoint=True))
@@ -352,7 +352,7 @@ class Supervisor:
                 self._progress()
             if watchdog and now >= next_watchdog and self._beats_fresh(now):
                 next_watchdog = now + watchdog / 2
-                systemd.notify_watchdog()
+                sdnotify.notify_watchdog()
 
     def _drain_router(self, router: zmq.Socket, wait_ms: int = 0) -> None:
         if wait_ms and not router.poll(wait_ms):
