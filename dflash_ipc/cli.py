@@ -126,7 +126,8 @@ def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: boo
         sys.exit(2)
     for w in cfg.ignored_value_warnings():
         click.echo(f"warning: {config_path}: {w}", err=True)
-    sup = Supervisor(cfg, cfg.run_dir(run_dir).absolute(), resume=resume, max_restarts=max_restarts, echo=click.echo)
+    sup = Supervisor(cfg, cfg.run_dir(run_dir).absolute(), resume=resume, max_restarts=max_restarts, echo=click.echo,
+                     live_progress=sys.stdout.isatty())
     try:
         sup.prepare()
     except (GroupFailed, ValueError, OSError) as e:
