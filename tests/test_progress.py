@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import re
 import subprocess
 import sys
@@ -11,15 +12,21 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dflash_ipc.runtime.progress import PlainProgress, ProgressLines, ProgressSnapshot, RichProgress, eta_seconds
+from dflash_ipc.runtime.progress import (
+    PlainProgress,
+    ProgressLines,
+    ProgressSnapshot,
+    RichProgress,
+    eta_seconds,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PROGRESS_LINE = re.compile(r"^\[up\] step ")
 
 
 def snap(**kw) -> ProgressSnapshot:
-    base = dict(step=3, max_steps=40, loss=2.5, acc=0.125, tokens_per_s=1000.0, eta_s=74.0,
-                busy_pct={"target-0": 80.0, "drafter-0": 60.0})
+    base = {"step": 3, "max_steps": 40, "loss": 2.5, "acc": 0.125, "tokens_per_s": 1000.0, "eta_s": 74.0,
+                "busy_pct": {"target-0": 80.0, "drafter-0": 60.0}}
     return ProgressSnapshot(**(base | kw))
 
 
@@ -79,11 +86,11 @@ def test_up_without_a_tty_never_repeats_a_progress_line(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(REPO / "configs" / "tiny-cpu.toml"),
                            "--max-steps", "6", "--run-dir", str(run_dir)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=tmp_path)
+                          check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:]
     progress = [ln for ln in proc.stdout.splitlines() if PROGRESS_LINE.match(ln)]
     assert progress, proc.stdout[-4000:]
-    repeats = [(a, b) for a, b in zip(progress, progress[1:], strict=False) if a == b]
+    repeats = [(a, b) for a, b in itertools.pairwise(progress) if a == b]
     assert not repeats, proc.stdout
     steps = [int(re.match(r"\[up\] step (\d+)", ln).group(1)) for ln in progress]
     assert steps == sorted(steps) and all(s <= 6 for s in steps)

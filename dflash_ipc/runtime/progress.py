@@ -7,7 +7,7 @@ The supervisor builds a :class:`ProgressSnapshot` about once a second and hands 
   prints nothing instead of the same line every second. :class:`ProgressLines` is that decision,
   free of any I/O, so it is tested by feeding it snapshots.
 * :class:`RichProgress` (stdout is a TTY) keeps one live bar: step/max, loss, acc, tokens/s,
-  ETA and every process's busy %. Other output of the supervisor scrolls above it.
+  ETA, and every process's busy % below it. Other output of the supervisor scrolls above it.
 
 A value that is not known yet (no step finished, no max_steps) is shown as ``-``, never ``None``.
 """
@@ -110,32 +110,37 @@ class PlainProgress:
 
 
 class RichProgress:
-    """A TTY: one live progress bar (rich), refreshed with every snapshot; closed explicitly."""
+    """A TTY: a live bar (rich) over two lines, redrawn with every snapshot; closed explicitly.
+
+    Line 1: step/max, the bar, loss, acc, tokens/s, ETA. Line 2: every process's busy %. Text
+    wraps on a narrow terminal instead of being cut."""
 
     def __init__(self, console=None) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn
+        from rich.live import Live
 
-        self._progress = Progress(
-            TextColumn("[bold]step {task.fields[step]}"),
-            BarColumn(),
-            TextColumn("loss {task.fields[loss]}  acc {task.fields[acc]}  tok/s {task.fields[tps]}  ETA {task.fields[eta]}"),
-            TextColumn("[dim]{task.fields[busy]}"),
-            console=console or Console(),
-            auto_refresh=False,
-        )
-        self._task = self._progress.add_task("train", total=None, step="0", loss=MISSING, acc=MISSING, tps=MISSING, eta=MISSING, busy="")
-        self._progress.start()
+        self._live = Live(console=console or Console(), auto_refresh=False, redirect_stdout=True, redirect_stderr=True)
+        self._live.start()
+
+    @staticmethod
+    def renderable(snap: ProgressSnapshot):
+        from rich.console import Group
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+        from rich.text import Text
+
+        top = Table.grid(padding=(0, 1))
+        top.add_row(Text(f"step {step_text(snap)}", style="bold"), ProgressBar(total=snap.max_steps, completed=snap.step, width=24),
+                    Text(f"loss {fmt(snap.loss, '.4f')}  acc {fmt(snap.acc, '.4f')}  tok/s {fmt(snap.tokens_per_s, '.0f')}  "
+                         f"ETA {fmt_duration(snap.eta_s)}"))
+        busy = busy_text(snap)
+        return Group(top, Text(f"busy {busy}", style="dim")) if busy else top
 
     def update(self, snap: ProgressSnapshot) -> None:
-        busy = busy_text(snap)
-        self._progress.update(self._task, total=snap.max_steps, completed=snap.step, step=step_text(snap), loss=fmt(snap.loss, ".4f"),
-                              acc=fmt(snap.acc, ".4f"), tps=fmt(snap.tokens_per_s, ".0f"), eta=fmt_duration(snap.eta_s),
-                              busy=f"busy {busy}" if busy else "")
-        self._progress.refresh()
+        self._live.update(self.renderable(snap), refresh=True)
 
     def close(self) -> None:
-        self._progress.stop()
+        self._live.stop()
 
 
 def progress_display(live: bool, echo: Callable[[str], None]) -> PlainProgress | RichProgress:
