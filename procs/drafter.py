@@ -54,6 +54,7 @@ def drafter_main(child: ChildContext) -> int:
     plan = json.loads((run_dir / "plan.json").read_text())
     total_steps = cfg.training.max_steps or max(1, -(-plan["n_batches_total"] // world.world_size))
     core = DrafterCore(cfg, run_dir, world, device, total_steps, child.args.resume)
+    child.closing.callback(core.close)
     log.info("drafter %d/%d on %s: %.2fM trainable params, step %d", rank, world.world_size, device, core.n_params / 1e6, core.step)
     hello = Hello(role="drafter", rank=rank, pid=os.getpid(), device=str(device), endpoint=socks.pull_endpoint,
                   info={"resume": core.resumed_from})
