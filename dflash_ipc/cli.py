@@ -126,7 +126,8 @@ def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: boo
         sys.exit(2)
     for w in cfg.ignored_value_warnings():
         click.echo(f"warning: {config_path}: {w}", err=True)
-    sup = Supervisor(cfg, cfg.run_dir(run_dir).absolute(), resume=resume, max_restarts=max_restarts, echo=click.echo)
+    sup = Supervisor(cfg, cfg.run_dir(run_dir).absolute(), resume=resume, max_restarts=max_restarts, echo=click.echo,
+                     live_progress=sys.stdout.isatty())
     try:
         sup.prepare()
     except (GroupFailed, ValueError, OSError) as e:
@@ -185,7 +186,7 @@ def plan(config_path: str, as_json: bool) -> None:
 
 
 def _add_systemd() -> None:
-    from dflash_ipc.ops.systemd import systemd_group
+    from dflash_ipc.ops.systemd_cli import systemd_group
 
     main.add_command(systemd_group, "systemd")
 

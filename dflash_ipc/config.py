@@ -61,9 +61,17 @@ class RunConfig:
     # "auto": on GPU hosts give each process its own share of the CPU cores, so one process's
     # compile workers or data loading cannot starve another's kernel launches. "off": inherit.
     cpu_affinity: Literal["auto", "off"] = "auto"
+    # TensorBoard event files beside metrics.jsonl (drafter rank 0): loss, acc, tau, tokens/s, lr
+    # per step. Needs the optional extra: pip install "dflash-ipc[tensorboard]".
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.name) and "/" not in self.name, "name", "must be a non-empty name without '/'")
+        _require(
+            not self.tensorboard or _tensorboard_installed(),
+            "tensorboard",
+            'is true but the tensorboard package is not installed; pip install "dflash-ipc[tensorboard]" or set it to false',
+        )
         _require(self.handshake_timeout_s > 0, "handshake_timeout_s", "must be > 0 seconds")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0 seconds")
         _require(
@@ -72,6 +80,15 @@ class RunConfig:
             f"must be at least 3x run.heartbeat_interval_s ({3 * self.heartbeat_interval_s:g} s); raise it",
         )
         _require(self.teardown_grace_s >= 0, "teardown_grace_s", "must be >= 0 seconds")
+
+
+def _tensorboard_installed() -> bool:
+    # Imported, not just found: torch.utils.tensorboard needs a tensorboard that imports.
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass

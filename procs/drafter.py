@@ -11,7 +11,6 @@ Main loop::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -20,130 +19,124 @@ from pathlib import Path
 import psutil
 import torch
 
-from dflash_ipc.control import channels
-from dflash_ipc.control import handshake
 from dflash_ipc.config import load_resolved_config
-from dflash_ipc.transport.dataplane import ConsumerDataPlane
+from dflash_ipc.control import channels, handshake
+from dflash_ipc.control.protocol import Done, Heartbeat, Hello
 from dflash_ipc.drafter.core import DrafterCore
-from dflash_ipc.control.protocol import Done, Heartbeat, Hello, RejectCounter
-from dflash_ipc.transport.ring import open_consumer_ring
 from dflash_ipc.drafter.trainer import destroy_distributed, init_distributed
-from dflash_ipc.runtime.child import ChildSockets, place_process, setup_child_process
+from dflash_ipc.runtime.child import ChildContext, Placement, run_child
+from dflash_ipc.transport.dataplane import ConsumerDataPlane
+from dflash_ipc.transport.ring import open_consumer_ring
 
 
-def run_drafter_process(run_dir: Path, rank: int, resume: bool, cpus: str | None = None) -> int:
-    cfg = load_resolved_config(run_dir)
-    log, stop = setup_child_process("drafter", rank, run_dir, cfg.run.log_level)
-    parent = os.getppid()
-    device = place_process(cfg.topology.drafters[rank], cpus, len(cfg.topology.targets) + len(cfg.topology.drafters))
-    socks = ChildSockets(run_dir, "drafter", rank, channels.drafter_endpoint(run_dir, rank))
-    rejects = RejectCounter(f"drafter-{rank}", log)
-    rings = []
-    proc = psutil.Process()
-    world = None
-    try:
-        world = init_distributed(cfg.topology.resolved_dist_backend(), timeout_s=max(600.0, cfg.run.handshake_timeout_s), device=device)
-        plan = json.loads((run_dir / "plan.json").read_text())
-        total_steps = cfg.training.max_steps or max(1, -(-plan["n_batches_total"] // world.world_size))
-        core = DrafterCore(cfg, run_dir, world, device, total_steps, resume)
-        log.info("drafter %d/%d on %s: %.2fM trainable params, step %d", rank, world.world_size, device, core.n_params / 1e6, core.step)
-        hello = Hello(role="drafter", rank=rank, pid=os.getpid(), device=str(device), endpoint=socks.pull_endpoint,
-                      info={"resume": core.resumed_from})
-        start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
-        rings = [open_consumer_ring(d, device) for d in start.rings]
-        socks.connect_peers(start.target_endpoints)
-        slot_bytes = max(r.layout.slot_bytes for r in rings)
-        buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(cfg.transport.drafter_prefetch + 1)]
-        plane = ConsumerDataPlane(rank, rings, buffers, socks.send_to_peer, rejects)
-        handshake.send_ready(socks.dealer, "drafter", rank)
-        poller = socks.poller()
-        max_steps = cfg.training.max_steps
-        every = cfg.training.checkpoint_every
-        next_beat = 0.0
-        wait_s = 0.0
-        wait_total = 0.0
-        t0 = time.perf_counter()
-        finish_reason = "data exhausted"
-        stopped_on_request = False
-        # A resumed run that already reached max_steps trains nothing more (systemd restarts it).
-        while not (max_steps and core.step >= max_steps):
-            for msg in channels.drain(socks.pull, rejects):
-                plane.handle(msg)
-            socks.read_control(rejects, stop, parent)
-            plane.pump()
-            batch = plane.take()
-            if batch is None and not plane.all_ended() and not stop.requested:
-                w0 = time.perf_counter()
-                if plane.copying:
-                    plane.wait_for_copy()
-                else:
-                    poller.poll(20)
-                dt = time.perf_counter() - w0
-                wait_s += dt
-                wait_total += dt
-            else:
-                any_batch, any_stop = core.trainer.agree(batch is not None, stop.requested)
-                if any_stop or not any_batch:
-                    if batch is not None:
-                        plane.release(batch)  # not trained on: stays out of the ledger
-                    stopped_on_request = any_stop  # agreed: the same on every rank
-                    if any_stop and not stop.requested:
-                        # A peer saw the supervisor's Shutdown first; ours is a moment behind.
-                        deadline = time.monotonic() + 2.0
-                        while not stop.requested and time.monotonic() < deadline:
-                            socks.read_control(rejects, stop, parent, wait_ms=50)
-                    finish_reason = (stop.reason or "stop requested (seen by another drafter)") if any_stop else "data exhausted"
-                    break
-                copy_s = batch.copy_s if batch is not None else 0.0
-                core.train_step(batch.views if batch else None, batch.msg.batch_id if batch else None, wait_s, copy_s)
-                wait_s = 0.0
-                if batch is not None:
-                    plane.release(batch)
-                if every and core.step % every == 0:
-                    core.checkpoint(f"every {every} steps")
-                if max_steps and core.step >= max_steps:
-                    break
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + cfg.run.heartbeat_interval_s
-                elapsed = time.perf_counter() - t0
-                stats = {**core.stats(), "queue_depth": len(plane.ready) + len(plane.held), "outstanding": plane.outstanding,
-                         "copying": len(plane.copying), "wait_pct": 100.0 * wait_total / max(1e-9, elapsed),
-                         "rss_bytes": proc.memory_info().rss, "rejected_messages": rejects.total,
-                         "rejected_by_kind": dict(rejects.by_kind), "slots_per_target": list(plane.slots_done),
-                         "uptime_s": elapsed, "state": "running", "last": core.last}
-                socks.send_to_supervisor(Heartbeat(role="drafter", rank=rank, stats=stats))
-        if max_steps and core.step >= max_steps:
-            finish_reason = f"max_steps {max_steps}"
-        log.info("finishing at step %d: %s; batches received per target: %s", core.step, finish_reason, plane.slots_done)
-        # Collective: every rank takes the same branch (stopped_on_request was agreed).
-        ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopped_on_request) else None
-        export = core.export() if cfg.training.export_on_finish else None
-        summary = {**core.stats(), "reason": finish_reason, "checkpoint": str(ckpt) if ckpt else None,
-                   "export": str(export) if export else None, "slots_per_target": list(plane.slots_done),
-                   "rejected_messages": rejects.total}
-        socks.send_to_supervisor(Done(role="drafter", rank=rank, summary=summary))
-        return 0
-    except Exception as e:
-        socks.report_dead(e, log)
-        return 1
-    finally:
-        for r in rings:
-            r.close()
-        socks.close(linger_ms=2000)
-        if world is not None:
-            destroy_distributed()
+def run_drafter_process(argv: list[str] | None = None) -> int:
+    """One drafter process (started by `dflash-ipc up`): one data-parallel rank of the drafter."""
+    # Done is the last thing a drafter sends; give it up to 2 s to leave before the sockets go.
+    return run_child("drafter", drafter_main, place=_placement, pull_endpoint=channels.drafter_endpoint, add_arguments=_add_arguments,
+                     argv=argv, description="dflash-ipc drafter process (started by `dflash-ipc up`)", socket_linger_ms=2000)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description="dflash-ipc drafter process (started by `dflash-ipc up`)")
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--cpus", default=None, help="comma-separated CPU cores of this process (set by the supervisor)")
+def _add_arguments(ap) -> None:
     ap.add_argument("--resume", action="store_true")
-    a = ap.parse_args()
-    return run_drafter_process(Path(a.run_dir), a.rank, a.resume, a.cpus)
+
+
+def _placement(args) -> Placement:
+    cfg = load_resolved_config(Path(args.run_dir))
+    return Placement(cfg.topology.drafters[args.rank], len(cfg.topology.targets) + len(cfg.topology.drafters), cfg.run.log_level, cfg)
+
+
+def drafter_main(child: ChildContext) -> int:
+    cfg, rank, run_dir, device = child.config, child.rank, child.run_dir, child.device
+    log, stop, socks, rejects = child.log, child.stop, child.socks, child.rejects
+    proc = psutil.Process()
+    world = init_distributed(cfg.topology.resolved_dist_backend(), timeout_s=max(600.0, cfg.run.handshake_timeout_s), device=device)
+    child.closing.callback(destroy_distributed)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    total_steps = cfg.training.max_steps or max(1, -(-plan["n_batches_total"] // world.world_size))
+    core = DrafterCore(cfg, run_dir, world, device, total_steps, child.args.resume)
+    child.closing.callback(core.close)
+    log.info("drafter %d/%d on %s: %.2fM trainable params, step %d", rank, world.world_size, device, core.n_params / 1e6, core.step)
+    hello = Hello(role="drafter", rank=rank, pid=os.getpid(), device=str(device), endpoint=socks.pull_endpoint,
+                  info={"resume": core.resumed_from})
+    start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
+    rings = []
+    for d in start.rings:
+        rings.append(open_consumer_ring(d, device))
+        child.closing.callback(rings[-1].close)
+    socks.connect_peers(start.target_endpoints)
+    slot_bytes = max(r.layout.slot_bytes for r in rings)
+    buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(cfg.transport.drafter_prefetch + 1)]
+    plane = ConsumerDataPlane(rank, rings, buffers, socks.send_to_peer, rejects)
+    handshake.send_ready(socks.dealer, "drafter", rank)
+    poller = socks.poller()
+    max_steps = cfg.training.max_steps
+    every = cfg.training.checkpoint_every
+    next_beat = 0.0
+    wait_s = 0.0
+    wait_total = 0.0
+    t0 = time.perf_counter()
+    finish_reason = "data exhausted"
+    stopped_on_request = False
+    # A resumed run that already reached max_steps trains nothing more (systemd restarts it).
+    while not (max_steps and core.step >= max_steps):
+        for msg in channels.drain(socks.pull, rejects):
+            plane.handle(msg)
+        child.read_control()
+        plane.pump()
+        batch = plane.take()
+        if batch is None and not plane.all_ended() and not stop.requested:
+            w0 = time.perf_counter()
+            if plane.copying:
+                plane.wait_for_copy()
+            else:
+                poller.poll(20)
+            dt = time.perf_counter() - w0
+            wait_s += dt
+            wait_total += dt
+        else:
+            any_batch, any_stop = core.trainer.agree(batch is not None, stop.requested)
+            if any_stop or not any_batch:
+                if batch is not None:
+                    plane.release(batch)  # not trained on: stays out of the ledger
+                stopped_on_request = any_stop  # agreed: the same on every rank
+                if any_stop and not stop.requested:
+                    # A peer saw the supervisor's Shutdown first; ours is a moment behind.
+                    deadline = time.monotonic() + 2.0
+                    while not stop.requested and time.monotonic() < deadline:
+                        child.read_control(wait_ms=50)
+                finish_reason = (stop.reason or "stop requested (seen by another drafter)") if any_stop else "data exhausted"
+                break
+            copy_s = batch.copy_s if batch is not None else 0.0
+            core.train_step(batch.views if batch else None, batch.msg.batch_id if batch else None, wait_s, copy_s)
+            wait_s = 0.0
+            if batch is not None:
+                plane.release(batch)
+            if every and core.step % every == 0:
+                core.checkpoint(f"every {every} steps")
+            if max_steps and core.step >= max_steps:
+                break
+        now = time.monotonic()
+        if now >= next_beat:
+            next_beat = now + cfg.run.heartbeat_interval_s
+            elapsed = time.perf_counter() - t0
+            stats = {**core.stats(), "queue_depth": len(plane.ready) + len(plane.held), "outstanding": plane.outstanding,
+                     "copying": len(plane.copying), "wait_pct": 100.0 * wait_total / max(1e-9, elapsed),
+                     "rss_bytes": proc.memory_info().rss, "rejected_messages": rejects.total,
+                     "rejected_by_kind": dict(rejects.by_kind), "slots_per_target": list(plane.slots_done),
+                     "uptime_s": elapsed, "state": "running", "last": core.last}
+            socks.send_to_supervisor(Heartbeat(role="drafter", rank=rank, stats=stats))
+    if max_steps and core.step >= max_steps:
+        finish_reason = f"max_steps {max_steps}"
+    log.info("finishing at step %d: %s; batches received per target: %s", core.step, finish_reason, plane.slots_done)
+    # Collective: every rank takes the same branch (stopped_on_request was agreed).
+    ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopped_on_request) else None
+    export = core.export() if cfg.training.export_on_finish else None
+    summary = {**core.stats(), "reason": finish_reason, "checkpoint": str(ckpt) if ckpt else None,
+               "export": str(export) if export else None, "slots_per_target": list(plane.slots_done),
+               "rejected_messages": rejects.total}
+    socks.send_to_supervisor(Done(role="drafter", rank=rank, summary=summary))
+    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_drafter_process())

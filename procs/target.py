@@ -12,7 +12,6 @@ Main loop (one iteration)::
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -20,114 +19,118 @@ from pathlib import Path
 import psutil
 import torch
 
-from dflash_ipc.control import channels
-from dflash_ipc.control import handshake
 from dflash_ipc.config import load_resolved_config
-from dflash_ipc.transport.dataplane import ProducerDataPlane
-from dflash_ipc.control.protocol import Done, Heartbeat, Hello, RejectCounter
-from dflash_ipc.transport.ring import create_producer_ring
+from dflash_ipc.control import channels, handshake
+from dflash_ipc.control.protocol import Done, Heartbeat, Hello
+from dflash_ipc.runtime.child import ChildContext, Placement, run_child
 from dflash_ipc.target.core import TargetCore, read_ledger
-from dflash_ipc.runtime.child import ChildSockets, place_process, setup_child_process
+from dflash_ipc.transport.dataplane import ProducerDataPlane
+from dflash_ipc.transport.ring import create_producer_ring
 
 
-def run_target_process(run_dir: Path, rank: int, forward_only: int = 0, cpus: str | None = None) -> int:
-    """``forward_only`` > 0: the benchmark ceiling. No drafters; each slot is released the moment
+def run_target_process(argv: list[str] | None = None) -> int:
+    """One target process (started by `dflash-ipc up`): the run's config, its device, its ring."""
+    return run_child("target", target_main, place=_placement, pull_endpoint=channels.target_endpoint, add_arguments=_add_arguments,
+                     argv=argv, description="dflash-ipc target process (started by `dflash-ipc up`)")
+
+
+def _add_arguments(ap) -> None:
+    ap.add_argument("--forward-only", type=int, default=0, help="benchmark: run N batches with no drafters")
+
+
+def _placement(args) -> Placement:
+    cfg = load_resolved_config(Path(args.run_dir))
+    return Placement(cfg.topology.targets[args.rank], len(cfg.topology.targets) + len(cfg.topology.drafters), cfg.run.log_level, cfg)
+
+
+def target_main(child: ChildContext) -> int:
+    """``--forward-only N`` > 0: the benchmark ceiling. No drafters; each slot is released the moment
     its pack completed, and every batch also runs once through the bare transformers stack."""
-    cfg = load_resolved_config(run_dir)
-    log, stop = setup_child_process("target", rank, run_dir, cfg.run.log_level)
-    parent = os.getppid()
-    device = place_process(cfg.topology.targets[rank], cpus, len(cfg.topology.targets) + len(cfg.topology.drafters))
-    socks = ChildSockets(run_dir, "target", rank, channels.target_endpoint(run_dir, rank))
-    rejects = RejectCounter(f"target-{rank}", log)
-    core = ring = None
+    cfg, rank, run_dir, device = child.config, child.rank, child.run_dir, child.device
+    log, stop, socks, rejects = child.log, child.stop, child.socks, child.rejects
+    forward_only = child.args.forward_only
     proc = psutil.Process()
-    try:
-        core = TargetCore(cfg, rank, run_dir, device)
-        fp = core.fast_path
-        log.info("target %d: %s, layers %s; GatedDeltaNet kernels: flash-linear-attention %s, causal-conv1d %s (%s)",
-                 rank, device, core.model.layer_ids, "active" if fp.get("fla") else "NOT active (slow torch fallback)",
-                 "active" if fp.get("causal_conv1d") else "not active (torch conv fallback)", fp.get("implementations"))
-        log.info("data: %s", core.corpus.report.summary())
-        backend = resolve_backend(cfg, rank, log)
-        ring = create_producer_ring(
-            backend, core.layout, cfg.transport.ring_slots,
-            run_id=cfg_run_id(run_dir), producer_rank=rank, device=device,
-        )
-        log.info("ring: %s, %d slots x %.1f MiB", ring.backend, ring.num_slots, core.layout.slot_bytes / 2**20)
-        hello = Hello(role="target", rank=rank, pid=os.getpid(), device=str(device), ring=ring.descriptor(),
-                      endpoint=socks.pull_endpoint, info={"fla": bool(core.fast_path.get("fla")), "causal_conv1d": bool(core.fast_path.get("causal_conv1d"))})
-        start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
-        ledger = read_ledger(start.resume.get("checkpoint"))
-        core.start(ledger)
-        log.info("schedule: %d batches planned, %d already consumed (ledger), %d to run", core.planned, core.skipped_ledgered, core.batches_left)
-        socks.connect_peers(start.drafter_endpoints)
-        plane = ProducerDataPlane(rank, ring, max(1, len(socks.pushes)), cfg.transport.max_outstanding_per_drafter,
-                                  socks.send_to_peer, rejects)
-        handshake.send_ready(socks.dealer, "target", rank)
-        poller = socks.poller()
-        # The pack already completed (observed on the host): record slot events on an idle
-        # stream, never on the compute stream, or the drafter's copy would wait for the next forward.
-        commit_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        captured = None
-        end_sent = False
-        next_beat = 0.0
-        t0 = time.perf_counter()
-        while not stop.requested:
-            for msg in channels.drain(socks.pull, rejects):
-                plane.handle(msg)
-            socks.read_control(rejects, stop, parent)
-            for done in core.finished_packs():
-                b = done.batch
-                ring.commit(done.slot, b.n_tokens, b.batch_size, commit_stream)
-                if forward_only:
-                    plane.table.abort_filling(done.slot)
-                    continue
-                plane.enqueue(done.slot, b.id.to_wire(), b.bucket, b.n_tokens, b.batch_size, {"padded_len": b.padded_len})
-            if forward_only and captured is None and (core.forwards >= forward_only or core.batches_left == 0) and core.packs_in_flight == 0:
-                stats = {**core.stats(final=True), "rss_bytes": proc.memory_info().rss}
-                socks.send_to_supervisor(Done(role="target", rank=rank, summary=stats))
-                log.info("forward-only done: %s", stats)
-                break
-            plane.dispatch()
-            waited = False
-            if captured is None and not end_sent and not (forward_only and core.forwards >= forward_only):
-                captured = core.forward_next(bare_baseline=bool(forward_only))
-            if captured is not None:
-                slot = plane.acquire()
-                if slot is not None:
-                    core.submit_pack(captured, slot, ring.pack_target(slot))
-                    captured = None
-                else:
-                    w0 = time.perf_counter()
-                    poller.poll(5)
-                    core.slot_wait_s += time.perf_counter() - w0
-                    waited = True
-            if not forward_only and captured is None and core.batches_left == 0 and core.packs_in_flight == 0 and plane.waiting == 0 and not end_sent:
-                plane.end_of_data()
-                end_sent = True
-                log.info("end of data: %d batches sent", plane.batches_sent)
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + cfg.run.heartbeat_interval_s
-                stats = {**core.stats(), **plane.stats(), "rss_bytes": proc.memory_info().rss, "rejected_messages": rejects.total,
-                         "rejected_by_kind": dict(rejects.by_kind), "state": "done" if end_sent else "running",
-                         "uptime_s": time.perf_counter() - t0}
-                socks.send_to_supervisor(Heartbeat(role="target", rank=rank, stats=stats))
-            if captured is None and not waited:
-                # Nothing to forward: waiting for packs, for credit to route, or for Shutdown.
-                poller.poll(100 if end_sent else 2)
-        log.info("stopping: %s; slots routed per drafter: %s", stop.reason, plane.router.routed_total)
-        _log_pack_overlap(log, core.stats(final=True))
-        return 0
-    except Exception as e:
-        socks.report_dead(e, log)
-        return 1
-    finally:
-        if core is not None:
-            core.close()
-        if ring is not None:
-            ring.close()
-        socks.close()
+    core = TargetCore(cfg, rank, run_dir, device)
+    child.closing.callback(core.close)
+    fp = core.fast_path
+    log.info("target %d: %s, layers %s; GatedDeltaNet kernels: flash-linear-attention %s, causal-conv1d %s (%s)",
+             rank, device, core.model.layer_ids, "active" if fp.get("fla") else "NOT active (slow torch fallback)",
+             "active" if fp.get("causal_conv1d") else "not active (torch conv fallback)", fp.get("implementations"))
+    log.info("data: %s", core.corpus.report.summary())
+    backend = resolve_backend(cfg, rank, log)
+    ring = create_producer_ring(
+        backend, core.layout, cfg.transport.ring_slots,
+        run_id=cfg_run_id(run_dir), producer_rank=rank, device=device,
+    )
+    child.closing.callback(ring.close)
+    # Closed again (it is idempotent), now before the ring: the packer thread writes into ring slots.
+    child.closing.callback(core.close)
+    log.info("ring: %s, %d slots x %.1f MiB", ring.backend, ring.num_slots, core.layout.slot_bytes / 2**20)
+    hello = Hello(role="target", rank=rank, pid=os.getpid(), device=str(device), ring=ring.descriptor(),
+                  endpoint=socks.pull_endpoint, info={"fla": bool(core.fast_path.get("fla")), "causal_conv1d": bool(core.fast_path.get("causal_conv1d"))})
+    start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
+    ledger = read_ledger(start.resume.get("checkpoint"))
+    core.start(ledger)
+    log.info("schedule: %d batches planned, %d already consumed (ledger), %d to run", core.planned, core.skipped_ledgered, core.batches_left)
+    socks.connect_peers(start.drafter_endpoints)
+    plane = ProducerDataPlane(rank, ring, max(1, len(socks.pushes)), cfg.transport.max_outstanding_per_drafter,
+                              socks.send_to_peer, rejects)
+    handshake.send_ready(socks.dealer, "target", rank)
+    poller = socks.poller()
+    # The pack already completed (observed on the host): record slot events on an idle
+    # stream, never on the compute stream, or the drafter's copy would wait for the next forward.
+    commit_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    captured = None
+    end_sent = False
+    next_beat = 0.0
+    t0 = time.perf_counter()
+    while not stop.requested:
+        for msg in channels.drain(socks.pull, rejects):
+            plane.handle(msg)
+        child.read_control()
+        for done in core.finished_packs():
+            b = done.batch
+            ring.commit(done.slot, b.n_tokens, b.batch_size, commit_stream)
+            if forward_only:
+                plane.table.abort_filling(done.slot)
+                continue
+            plane.enqueue(done.slot, b.id.to_wire(), b.bucket, b.n_tokens, b.batch_size, {"padded_len": b.padded_len})
+        if forward_only and captured is None and (core.forwards >= forward_only or core.batches_left == 0) and core.packs_in_flight == 0:
+            stats = {**core.stats(final=True), "rss_bytes": proc.memory_info().rss}
+            socks.send_to_supervisor(Done(role="target", rank=rank, summary=stats))
+            log.info("forward-only done: %s", stats)
+            break
+        plane.dispatch()
+        waited = False
+        if captured is None and not end_sent and not (forward_only and core.forwards >= forward_only):
+            captured = core.forward_next(bare_baseline=bool(forward_only))
+        if captured is not None:
+            slot = plane.acquire()
+            if slot is not None:
+                core.submit_pack(captured, slot, ring.pack_target(slot))
+                captured = None
+            else:
+                w0 = time.perf_counter()
+                poller.poll(5)
+                core.slot_wait_s += time.perf_counter() - w0
+                waited = True
+        if not forward_only and captured is None and core.batches_left == 0 and core.packs_in_flight == 0 and plane.waiting == 0 and not end_sent:
+            plane.end_of_data()
+            end_sent = True
+            log.info("end of data: %d batches sent", plane.batches_sent)
+        now = time.monotonic()
+        if now >= next_beat:
+            next_beat = now + cfg.run.heartbeat_interval_s
+            stats = {**core.stats(), **plane.stats(), "rss_bytes": proc.memory_info().rss, "rejected_messages": rejects.total,
+                     "rejected_by_kind": dict(rejects.by_kind), "state": "done" if end_sent else "running",
+                     "uptime_s": time.perf_counter() - t0}
+            socks.send_to_supervisor(Heartbeat(role="target", rank=rank, stats=stats))
+        if captured is None and not waited:
+            # Nothing to forward: waiting for packs, for credit to route, or for Shutdown.
+            poller.poll(100 if end_sent else 2)
+    log.info("stopping: %s; slots routed per drafter: %s", stop.reason, plane.router.routed_total)
+    _log_pack_overlap(log, core.stats(final=True))
+    return 0
 
 
 def resolve_backend(cfg, rank: int, log) -> str:
@@ -154,15 +157,5 @@ def _log_pack_overlap(log, stats: dict) -> None:
              stats.get("packs_measured", 0), stats["pack_submit_ms"])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description="dflash-ipc target process (started by `dflash-ipc up`)")
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--cpus", default=None, help="comma-separated CPU cores of this process (set by the supervisor)")
-    ap.add_argument("--forward-only", type=int, default=0, help="benchmark: run N batches with no drafters")
-    a = ap.parse_args()
-    return run_target_process(Path(a.run_dir), a.rank, a.forward_only, a.cpus)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_target_process())

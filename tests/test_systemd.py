@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash_ipc.ops import systemd as sd
+from dflash_ipc.ops import sdnotify
+from dflash_ipc.ops import systemd_units as sd
+from dflash_ipc.ops.systemd_cli import systemd_group
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_ANALYZE = shutil.which("systemd-analyze") is not None
@@ -132,14 +134,14 @@ def test_render_command_prints_install_steps(tmp_path):
 def test_click_render_command(tmp_path):
     exe = _fake_exec(tmp_path)
     res = CliRunner().invoke(
-        sd.systemd_group,
+        systemd_group,
         ["render", "--out", str(tmp_path / "o"), "--runs-dir", str(tmp_path / "r"), "--exec", str(exe),
          "--timeout-stop", "900", "--service-user", "train"],
     )
     assert res.exit_code == 0, res.output
     v = _values((tmp_path / "o" / sd.UNIT_NAME).read_text())
     assert v["TimeoutStopSec"] == ["900s"] and v["User"] == ["train"]
-    res = CliRunner().invoke(sd.systemd_group, ["render", "--out", str(tmp_path / "p"), "--user", "--service-user", "x"])
+    res = CliRunner().invoke(systemd_group, ["render", "--out", str(tmp_path / "p"), "--user", "--service-user", "x"])
     assert res.exit_code == 2 and "service_user" in res.output
 
 
@@ -196,7 +198,7 @@ def test_verify_catches_problems(tmp_path):
 def test_click_verify_command(tmp_path):
     exe = _fake_exec(tmp_path)
     (unit, _) = sd.render_units(tmp_path / "out", exec_path=exe, user_mode=True)
-    res = CliRunner().invoke(sd.systemd_group, ["verify", "--user", str(unit)])
+    res = CliRunner().invoke(systemd_group, ["verify", "--user", str(unit)])
     assert res.exit_code == 0, res.output
 
 
@@ -231,50 +233,50 @@ def receiver():
 def test_sd_notify_delivers_ready(receiver, monkeypatch, form):
     addr, sock = receiver(form)
     monkeypatch.setenv("NOTIFY_SOCKET", addr)
-    assert sd.notify_ready() is True
+    assert sdnotify.notify_ready() is True
     assert sock.recv(4096) == b"READY=1"
-    assert sd.notify_ready("all 4 processes up") is True
+    assert sdnotify.notify_ready("all 4 processes up") is True
     assert sock.recv(4096) == b"READY=1\nSTATUS=all 4 processes up"
-    assert sd.notify_watchdog() is True
+    assert sdnotify.notify_watchdog() is True
     assert sock.recv(4096) == b"WATCHDOG=1"
-    assert sd.notify_status("step 10\nloss 2.0") is True
+    assert sdnotify.notify_status("step 10\nloss 2.0") is True
     assert sock.recv(4096) == b"STATUS=step 10 loss 2.0"  # one line
-    assert sd.notify_stopping() is True
+    assert sdnotify.notify_stopping() is True
     assert sock.recv(4096) == b"STOPPING=1"
-    assert sd.notify_extend_timeout(2.5) is True
+    assert sdnotify.notify_extend_timeout(2.5) is True
     assert sock.recv(4096) == b"EXTEND_TIMEOUT_USEC=2500000"
 
 
 def test_sd_notify_noop_when_unset(monkeypatch):
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    assert sd.sd_notify("READY=1") is False
-    assert sd.notify_ready() is False
-    assert sd.notify_watchdog() is False
+    assert sdnotify.sd_notify("READY=1") is False
+    assert sdnotify.notify_ready() is False
+    assert sdnotify.notify_watchdog() is False
 
 
 def test_sd_notify_failures_do_not_raise(monkeypatch, tmp_path):
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens"))
-    assert sd.sd_notify("READY=1") is False
+    assert sdnotify.sd_notify("READY=1") is False
     monkeypatch.setenv("NOTIFY_SOCKET", "vsock:2:1234")
-    assert sd.sd_notify("READY=1") is False
+    assert sdnotify.sd_notify("READY=1") is False
 
 
 def test_watchdog_interval(monkeypatch):
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
-    assert sd.watchdog_interval_s() is None
+    assert sdnotify.watchdog_interval_s() is None
     monkeypatch.setenv("WATCHDOG_USEC", "120000000")
-    assert sd.watchdog_interval_s() == 120.0
+    assert sdnotify.watchdog_interval_s() == 120.0
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
-    assert sd.watchdog_interval_s() == 120.0
+    assert sdnotify.watchdog_interval_s() == 120.0
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))  # meant for another process
-    assert sd.watchdog_interval_s() is None
+    assert sdnotify.watchdog_interval_s() is None
     monkeypatch.delenv("WATCHDOG_PID")
     for bad in ("0", "-5", "abc", ""):
         monkeypatch.setenv("WATCHDOG_USEC", bad)
-        assert sd.watchdog_interval_s() is None
+        assert sdnotify.watchdog_interval_s() is None
 
 
 def test_scrub_notify_env():
     env = {"NOTIFY_SOCKET": "@x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "2", "PATH": "/bin"}
-    assert sd.scrub_notify_env(env) == {"PATH": "/bin"}
+    assert sdnotify.scrub_notify_env(env) == {"PATH": "/bin"}

@@ -8,7 +8,7 @@ One training step, identical on every drafter rank (data parallel, lockstep)::
         │                   ── stop requested ──▶ checkpoint at this boundary ──▶ finish
     compute_loss (concat planes + noise on this GPU) ─▶ trainer.step (token-weighted all-reduce)
         │   (a rank without a batch steps with zero weight, so collectives never hang)
-    ledger += batch id ─▶ metrics.jsonl (rank 0) ─▶ checkpoint every N steps
+    ledger += batch id ─▶ metrics.jsonl (+ TensorBoard events if run.tensorboard; rank 0) ─▶ checkpoint every N steps
 
 The ledger holds the id of every batch whose gradient is inside the checkpointed weights;
 on resume targets skip exactly those, so no consumed batch repeats and none is skipped.
@@ -43,6 +43,11 @@ from dflash_ipc.drafter.trainer import DistInfo, DrafterTrainer
 
 log = logging.getLogger(__name__)
 
+#: (metrics.jsonl key, TensorBoard tag) of the scalars written per step when run.tensorboard is on
+TENSORBOARD_SCALARS = (("loss", "train/loss"), ("acc", "train/acc"), ("tau", "train/tau"),
+                       ("tokens_per_s", "train/tokens_per_s"), ("lr", "train/lr"))
+
+
 class DrafterCore:
     def __init__(self, cfg: DFlashConfig, run_dir: Path, world: DistInfo, device: torch.device, total_steps: int, resume: bool):
         self.cfg = cfg
@@ -75,6 +80,21 @@ class DrafterCore:
         self.n_params = num_parameters(self.model)
         if resume:
             self._resume()
+        self._tensorboard = self._open_tensorboard() if (cfg.run.tensorboard and world.is_main) else None
+
+    def _open_tensorboard(self):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: a resumed run hides the events of steps after its checkpoint (trained
+        # again now), as _truncate_metrics does for metrics.jsonl.
+        purge = self.step + 1 if self.resumed_from else None
+        return SummaryWriter(log_dir=str(self.run_dir), purge_step=purge, flush_secs=10)
+
+    def close(self) -> None:
+        """Close the TensorBoard writer (flushes its last events); metrics.jsonl is closed per line."""
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
     def _resume(self) -> None:
         ckpt = load_latest_checkpoint(self.ckpt_root, map_location=self.device)
@@ -161,9 +181,17 @@ class DrafterCore:
         }
         self.last = rec
         if self.world.is_main:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            self._write_metrics(rec)
         return rec
+
+    def _write_metrics(self, rec: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._tensorboard is not None:
+            for key, tag in TENSORBOARD_SCALARS:
+                value = rec.get(key)
+                if value is not None and math.isfinite(value):
+                    self._tensorboard.add_scalar(tag, value, rec["step"])
 
     # -- checkpoints
     def checkpoint(self, reason: str) -> Path | None:

@@ -1,25 +1,50 @@
-"""What every child process of a run does first: title, logging, faulthandler, parent watch.
+"""The child-process scaffold: what every process role of a run does around its own work.
 
-Shutdown of a child (drawn once here, used by every role)::
+:func:`run_child` parses ``--run-dir/--rank/--cpus`` (plus the role's own options), sets the
+process title, logging to ``RUN_DIR/logs/<role>-<rank>.log``, faulthandler, the parent-death
+signal and SIGTERM/SIGINT, places the process on its device and CPU share, opens the
+:class:`ChildSockets`, runs the role's ``main_fn(child)``, and always tears down in one order.
+A role module in ``procs/`` is then a thin shell: ``run_<role>_process`` wires its core to this
+scaffold, and ``if __name__ == "__main__"`` calls it.
 
-    RUNNING ──Shutdown msg / SIGTERM / parent died──▶ STOPPING ──close rings, sockets──▶ exit 0
-       │
-       └── exception ──▶ send Dead(error) to the supervisor ──▶ close what is open ──▶ exit 1
+Life of a child (drawn once here, used by every role)::
+
+    parse argv ─▶ role's place(args): config, device ─▶ title, log file, faulthandler,
+    PDEATHSIG=SIGTERM, SIGTERM/SIGINT handlers ─▶ device + CPU share ─▶ ChildSockets
+        │
+        ▼
+    RUNNING: main_fn(child) ── polls child.stop (child.read_control drains the DEALER)
+        │
+        ├── Shutdown msg / SIGTERM / SIGINT / parent died ──▶ STOPPING: stop.requested is set;
+        │       main_fn finishes its step, checkpoints if it must, sends Done, returns ──▶ exit 0
+        ├── main_fn returns on its own (work done)                                    ──▶ exit 0
+        └── exception ──▶ log traceback, Dead(error) to the supervisor (best effort)  ──▶ exit 1
+                 │
+                 ▼  (every path)
+    CLOSING: the role's resources, last opened first (child.closing: rings, core, process
+             group) ─▶ ChildSockets (linger, so Done/Dead still leave) ─▶ log file ─▶ exit code
 
 The supervisor spawns children with ``PR_SET_PDEATHSIG = SIGTERM`` so a child never
 outlives a supervisor killed with SIGKILL; SIGTERM only sets a flag that the role's main loop
-checks, so it always leaves through its own cleanup.
+checks, so it always leaves through CLOSING. A failure before RUNNING (bad resolved config,
+device missing) is printed to stderr (the child's ``.stdout`` log) and exits 1; the supervisor
+then reports the exit code and the log tail.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import ctypes
 import faulthandler
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TextIO
 
 import setproctitle
 
@@ -48,34 +73,49 @@ def _set_parent_death_signal(sig: int) -> None:
         pass
 
 
-def setup_child_process(role: str, rank: int, run_dir: Path, log_level: str = "info") -> tuple[logging.Logger, StopFlag]:
-    """Title, logging to RUN_DIR/logs/<role>-<rank>.log (+stderr), faulthandler, signals."""
+def _setup_process(role: str, rank: int, run_dir: Path, log_level: str) -> tuple[logging.Logger, StopFlag, TextIO]:
+    """Title, logging to RUN_DIR/logs/<role>-<rank>.log, faulthandler, signals; returns the open
+    log file too, for the caller to close."""
     setproctitle.setproctitle(f"dflash-ipc:{role}:{rank}")
     _set_parent_death_signal(signal.SIGTERM)
     parent = os.getppid()
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{role}-{rank}.log"
-    fault_file = open(log_path, "a", buffering=1)
-    faulthandler.enable(file=fault_file, all_threads=True)
+    log_file = open(log_dir / f"{role}-{rank}.log", "a", buffering=1)  # noqa: SIM115 (open for the process's life; closed in _close_process_logging)
+    faulthandler.enable(file=log_file, all_threads=True)
     if os.environ.get("DFLASH_IPC_DEBUG_FAULTHANDLER_SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, file=fault_file, all_threads=True)
+        faulthandler.register(signal.SIGUSR1, file=log_file, all_threads=True)
     logger = logging.getLogger(f"dflash_ipc.{role}{rank}")
     root = logging.getLogger()
     root.handlers.clear()
-    handler = logging.StreamHandler(fault_file)
+    handler = logging.StreamHandler(log_file)
     handler.setFormatter(logging.Formatter(f"%(asctime)s {role}-{rank} %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     root.setLevel(getattr(logging, log_level.upper()))
     stop = StopFlag()
 
-    def on_signal(signum, frame):  # noqa: ARG001
+    def on_signal(signum, frame):
         stop.set(f"signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if os.getppid() != parent:  # parent died before the death signal was armed
         stop.set("parent died")
+    return logger, stop, log_file
+
+
+def _close_process_logging(log_file: TextIO) -> None:
+    faulthandler.disable()
+    if os.environ.get("DFLASH_IPC_DEBUG_FAULTHANDLER_SIGUSR1"):
+        faulthandler.unregister(signal.SIGUSR1)
+    logging.getLogger().handlers.clear()
+    log_file.close()
+
+
+def setup_child_process(role: str, rank: int, run_dir: Path, log_level: str = "info") -> tuple[logging.Logger, StopFlag]:
+    """The set-up half of :func:`run_child`, for shells not yet on the scaffold (the bench
+    producer/consumer); the log file stays open until the process exits."""
+    logger, stop, _ = _setup_process(role, rank, run_dir, log_level)
     return logger, stop
 
 
@@ -112,8 +152,7 @@ class ChildSockets:
     def __init__(self, run_dir: Path, role: str, rank: int, pull_endpoint: str):
         import zmq
 
-        from dflash_ipc.control import channels
-        from dflash_ipc.control import handshake
+        from dflash_ipc.control import channels, handshake
 
         self.role, self.rank = role, rank
         self.ctx = zmq.Context()
@@ -182,3 +221,103 @@ class ChildSockets:
         self.pull.close()
         self.dealer.close(linger=linger_ms)
         self.ctx.term()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a child runs, decided by its role from its arguments (usually from its config)."""
+
+    device: str  # "cpu" or "cuda:N"
+    processes_on_host: int  # CPU runs split the host's cores among this many processes
+    log_level: str = "info"
+    config: Any = None  # what the role loaded to decide this (its DFlashConfig); handed to main_fn
+
+
+@dataclass
+class ChildContext:
+    """What :func:`run_child` hands the role's ``main_fn``: everything already set up."""
+
+    role: str
+    rank: int
+    run_dir: Path
+    args: argparse.Namespace
+    config: Any
+    log: logging.Logger
+    stop: StopFlag
+    parent_pid: int
+    device: Any  # torch.device
+    socks: ChildSockets
+    rejects: Any  # protocol.RejectCounter
+    # The role's resources, closed last-registered first after main_fn returns or raises.
+    closing: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def read_control(self, wait_ms: int = 0) -> None:
+        """Apply the supervisor's Shutdown and notice a dead supervisor (sets ``stop``)."""
+        self.socks.read_control(self.rejects, self.stop, self.parent_pid, wait_ms)
+
+
+def child_arg_parser(role: str, description: str = "") -> argparse.ArgumentParser:
+    """The options every child takes; a role adds its own through ``add_arguments``."""
+    ap = argparse.ArgumentParser(prog=f"dflash_ipc.procs.{role}", description=description or f"dflash-ipc {role} process")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--cpus", default=None, help="comma-separated CPU cores of this process (set by the supervisor)")
+    return ap
+
+
+def run_child(
+    role: str,
+    main_fn: Callable[[ChildContext], int | None],
+    *,
+    place: Callable[[argparse.Namespace], Placement],
+    pull_endpoint: Callable[[Path, int], str],
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    argv: Sequence[str] | None = None,
+    description: str = "",
+    socket_linger_ms: int = 1000,
+) -> int:
+    """Run one child process of role ``role`` around ``main_fn``; returns the exit code.
+
+    ``place(args)`` loads what the role needs to know where it runs (before logging exists, so
+    a bad run directory fails loudly on stderr); ``pull_endpoint(run_dir, rank)`` is the address
+    of the child's own PULL socket. ``main_fn`` returns 0/None for a clean exit; an exception is
+    logged and reported to the supervisor as Dead, and the exit code is 1."""
+    from dflash_ipc.control.protocol import RejectCounter
+
+    parser = child_arg_parser(role, description)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    placement = place(args)
+    log, stop, log_file = _setup_process(role, args.rank, run_dir, placement.log_level)
+    parent_pid = os.getppid()
+    socks: ChildSockets | None = None
+    failed_in_main = False
+    try:
+        device = place_process(placement.device, args.cpus, placement.processes_on_host)
+        socks = ChildSockets(run_dir, role, args.rank, pull_endpoint(run_dir, args.rank))
+        child = ChildContext(role=role, rank=args.rank, run_dir=run_dir, args=args, config=placement.config, log=log, stop=stop,
+                             parent_pid=parent_pid, device=device, socks=socks, rejects=RejectCounter(f"{role}-{args.rank}", log))
+        with child.closing:
+            try:
+                code = main_fn(child)
+            except Exception as e:  # noqa: BLE001 (whatever the role raises, the supervisor must hear of it)
+                # Dead leaves before the resources close: closing a ring can take long, and the
+                # supervisor should start its teardown from the first cause.
+                failed_in_main = True
+                socks.report_dead(e, log)
+                return 1
+        return 0 if code is None else int(code)
+    except Exception as e:
+        if failed_in_main:
+            log.exception("%s-%d: closing after the failure failed too", role, args.rank)
+        elif socks is not None:
+            socks.report_dead(e, log)
+        else:
+            log.exception("%s-%d could not start", role, args.rank)
+        return 1
+    finally:
+        if socks is not None:
+            socks.close(linger_ms=socket_linger_ms)
+        _close_process_logging(log_file)

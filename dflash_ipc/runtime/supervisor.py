@@ -39,12 +39,13 @@ import zmq
 from dflash_ipc.control import channels
 from dflash_ipc.control import handshake
 from dflash_ipc.control import protocol
-from dflash_ipc.ops import systemd
+from dflash_ipc.ops import sdnotify
 from dflash_ipc.config import DFlashConfig, write_resolved_config
 from dflash_ipc.control.handshake import HandshakeError
 from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown
 from dflash_ipc.transport.ring import new_run_id, sweep_run_shm
 from dflash_ipc.ops.status_view import write_text_atomic
+from dflash_ipc.runtime.progress import MISSING, PlainProgress, ProgressSnapshot, RichProgress, eta_seconds, fmt, progress_display
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +114,15 @@ def log_tail(path: Path, lines: int = 15) -> str:
 
 class Supervisor:
     def __init__(self, cfg: DFlashConfig, run_dir: Path, *, resume: bool = False, max_restarts: int = 0, echo=print,
-                 forward_only: int = 0):
+                 forward_only: int = 0, live_progress: bool = False):
         self.cfg = cfg
         self.run_dir = run_dir
         self.resume = resume
         self.max_restarts = max_restarts
         self.echo = echo
-        self.is_tty = sys.stdout.isatty()
+        # True: a live progress bar on this process's stdout (a TTY); False: plain lines through echo.
+        self.live_progress = live_progress
+        self._progress_display: PlainProgress | RichProgress | None = None
         self.state = "starting"
         self.children: list[Child] = []
         self.stop_requested = ""
@@ -127,8 +130,6 @@ class Supervisor:
         self.rejects = RejectCounter("supervisor", log)
         self.run_id = ""
         self.plan: dict = {}
-        self._last_progress = 0.0
-        self._first_loss: float | None = None
         self._summary: dict = {}
         # Benchmark ceiling: only targets, N batches each, slots released as soon as packed.
         self.forward_only = forward_only
@@ -196,7 +197,7 @@ class Supervisor:
     def _spawn(self, resume: bool) -> None:
         cfg = self.cfg
         port = _free_port()
-        base_env = systemd.scrub_notify_env(dict(os.environ))
+        base_env = sdnotify.scrub_notify_env(dict(os.environ))
         base_env.setdefault("NCCL_NVLS_ENABLE", "0")
         base_env["PYTHONUNBUFFERED"] = "1"
         self.children = [Child("target", r, d) for r, d in enumerate(cfg.topology.targets)]
@@ -253,9 +254,11 @@ class Supervisor:
             for c in self.children:
                 c.last_beat = now
             self.echo(f"[up] all {len(self.children)} processes ready after {time.perf_counter() - t0:.1f} s; training")
-            systemd.notify_ready(f"running {len(self.children)} processes")
+            sdnotify.notify_ready(f"running {len(self.children)} processes")
+            self._progress_display = progress_display(self.live_progress, self.echo)
             return self._watch(router, status_sock)
         finally:
+            self._close_progress()
             self._teardown(router)
             self._write_status()
             router.close()
@@ -290,7 +293,7 @@ class Supervisor:
         stop_sent = False
         targets_stopped = False
         next_status = 0.0
-        watchdog = systemd.watchdog_interval_s()
+        watchdog = sdnotify.watchdog_interval_s()
         next_watchdog = 0.0
         while True:
             events = dict(poller.poll(100))
@@ -302,7 +305,7 @@ class Supervisor:
             if self.stop_requested and not stop_sent:
                 stop_sent = True
                 self.state = "stopping"
-                systemd.notify_stopping("checkpointing")
+                sdnotify.notify_stopping("checkpointing")
                 self.echo(f"[up] {self.stop_requested}: asking drafters to checkpoint and stop")
                 for ch in drafters:
                     self._send(router, ch, Shutdown(reason=self.stop_requested, checkpoint=True))
@@ -344,6 +347,7 @@ class Supervisor:
                         c.popen.wait(timeout=max(5.0, cfg.run.teardown_grace_s))
                     self.state = "finished"
                     self._write_status()
+                    self._close_progress()
                     self._final_summary()
                     return EXIT_OK
             if now >= next_status:
@@ -352,7 +356,7 @@ class Supervisor:
                 self._progress()
             if watchdog and now >= next_watchdog and self._beats_fresh(now):
                 next_watchdog = now + watchdog / 2
-                systemd.notify_watchdog()
+                sdnotify.notify_watchdog()
 
     def _drain_router(self, router: zmq.Socket, wait_ms: int = 0) -> None:
         if wait_ms and not router.poll(wait_ms):
@@ -497,32 +501,33 @@ class Supervisor:
         except OSError as e:
             log.warning("could not write status.json: %s", e)
 
-    def _progress(self) -> None:
+    def _progress_snapshot(self) -> ProgressSnapshot | None:
         d0 = next((c for c in self.children if c.role == "drafter" and c.rank == 0), None)
         if d0 is None or not d0.stats:
-            return
+            return None
         s = d0.stats
-        step = s.get("step") or 0
-        loss = s.get("loss")
-        if loss is not None and self._first_loss is None and step:
-            self._first_loss = loss
-        max_steps = self.cfg.training.max_steps
-        last = s.get("last") or {}
-        eta = ""
-        if max_steps and step and last.get("elapsed_s"):
-            eta = f" ETA {max(0.0, (max_steps - step) * last['elapsed_s'] / step):.0f}s"
-        total = f"/{max_steps}" if max_steps else ""
-        waits = " ".join(f"{c.name}:{(c.stats.get('busy_pct') or 0):.0f}%busy" for c in self.children if c.role == "target")
-        line = f"[up] step {step}{total} loss {loss if loss is None else f'{loss:.4f}'} acc {s.get('acc')} tok/s {s.get('tokens_per_s', 0):.0f}{eta} | {waits}"
-        if self.is_tty:
-            sys.stdout.write("\r" + line[:160].ljust(160))
-            sys.stdout.flush()
-        else:
-            self.echo(line)
+        step = int(s.get("step") or 0)
+        max_steps = self.cfg.training.max_steps or None
+        busy = {}
+        for c in self.children:
+            if c.role == "target":
+                busy[c.name] = c.stats.get("busy_pct")
+            else:  # a drafter that is not waiting for data is training
+                busy[c.name] = 100.0 - min(100.0, c.stats["wait_pct"]) if c.stats.get("wait_pct") is not None else None
+        return ProgressSnapshot(step=step, max_steps=max_steps, loss=s.get("loss"), acc=s.get("acc"), tokens_per_s=s.get("tokens_per_s"),
+                                eta_s=eta_seconds(step, max_steps, (s.get("last") or {}).get("elapsed_s")), busy_pct=busy)
+
+    def _progress(self) -> None:
+        snap = self._progress_snapshot()
+        if snap is not None and self._progress_display is not None:
+            self._progress_display.update(snap)
+
+    def _close_progress(self) -> None:
+        if self._progress_display is not None:
+            self._progress_display.close()
+            self._progress_display = None
 
     def _final_summary(self) -> None:
-        if self.is_tty:
-            sys.stdout.write("\n")
         lines = []
         with_metrics = self.run_dir / "metrics.jsonl"
         recs = []
@@ -535,10 +540,11 @@ class Supervisor:
             lastl = [r["loss"] for r in recs[-10:] if r.get("loss") is not None]
             toks = sum(r["tokens"] for r in recs)
             train_s = recs[-1]["elapsed_s"] if recs[-1].get("elapsed_s") else wall
-            lines.append(f"steps {recs[-1]['step']}, loss {first[0] if first else float('nan'):.4f} -> {lastl[-1] if lastl else float('nan'):.4f}"
-                         f" (mean of first 10 {sum(first) / max(1, len(first)):.4f}, last 10 {sum(lastl) / max(1, len(lastl)):.4f})")
+            lines.append(f"steps {recs[-1]['step']}, loss {fmt(first[0] if first else None, '.4f')} -> {fmt(lastl[-1] if lastl else None, '.4f')}"
+                         f" (mean of first 10 {fmt(sum(first) / len(first) if first else None, '.4f')},"
+                         f" last 10 {fmt(sum(lastl) / len(lastl) if lastl else None, '.4f')})")
             lines.append(f"trained on {toks} target tokens in {train_s:.1f} s: {toks / max(1e-9, train_s):.0f} tokens/s; wall {wall:.1f} s")
-        lines.append(f"checkpoint: {s.get('checkpoint')}")
-        lines.append(f"exported drafter: {s.get('export')}")
+        lines.append(f"checkpoint: {s.get('checkpoint') or MISSING}")
+        lines.append(f"exported drafter: {s.get('export') or MISSING}")
         lines.append(f"metrics: {with_metrics}; status: dflash-ipc status --run-dir {self.run_dir}")
         self.echo("[up] finished (" + s.get("reason", "?") + ")\n  " + "\n  ".join(lines))

@@ -1,33 +1,15 @@
-"""Running a training run as a systemd service, and the sd_notify protocol.
+"""Running a training run as a systemd service: the unit files, rendered and verified.
 
-Two halves:
-
-* **Unit files.** :func:`render_units` renders the template unit ``dflash-ipc@.service``
-  (one instance per run; the instance name is the config name) and an example environment
-  file for a concrete install: absolute paths to the ``dflash-ipc`` executable, the config
-  directory (``<config_dir>/<instance>.toml``), the runs directory (``<runs_dir>/<instance>``)
-  and the directory of the optional per-instance environment files. ``dflash-ipc systemd
-  render --out DIR [--user]`` (:data:`systemd_group`) is the command line for it. The
-  template shipped as ``systemd/dflash-ipc@.service`` in the source tree is
-  :data:`UNIT_TEMPLATE`, verbatim, with its ``@NAME@`` placeholders.
-
-* **Notifications.** :func:`sd_notify` sends one datagram to ``$NOTIFY_SOCKET`` (a path, or
-  an abstract socket when it starts with ``@``) and is a no-op returning ``False`` when the
-  variable is unset, so the supervisor calls the helpers unconditionally:
-
-  - :func:`notify_ready` once every target and drafter has completed its handshake
-    (the unit is ``Type=notify``, ``NotifyAccess=main``: only the supervisor process itself
-    may send, so it must not be forwarded from a child);
-  - :func:`notify_watchdog` from the supervisor's heartbeat loop, at least every
-    ``watchdog_interval_s() / 2`` seconds (systemd kills and restarts a supervisor that
-    stays silent for ``WatchdogSec``);
-  - :func:`notify_status` for the one-line status ``systemctl status`` shows;
-  - :func:`notify_extend_timeout` while a slow start (model loading) or stop (checkpoint)
-    needs more than ``TimeoutStartSec`` / ``TimeoutStopSec``;
-  - :func:`notify_stopping` when the shutdown (checkpoint, drain) begins.
-
-  Children must not inherit the notification variables: spawn them with
-  :func:`scrub_notify_env`.
+:func:`render_units` renders the template unit ``dflash-ipc@.service`` (one instance per run;
+the instance name is the config name) and an example environment file for a concrete install:
+absolute paths to the ``dflash-ipc`` executable, the config directory
+(``<config_dir>/<instance>.toml``), the runs directory (``<runs_dir>/<instance>``) and the
+directory of the optional per-instance environment files. ``dflash-ipc systemd render --out DIR
+[--user]`` (:mod:`dflash_ipc.ops.systemd_cli`) is the command line for it. The template shipped
+as ``systemd/dflash-ipc@.service`` in the source tree is :data:`UNIT_TEMPLATE`, verbatim, with
+its ``@NAME@`` placeholders. :func:`verify_unit` checks a rendered unit with
+``systemd-analyze verify``. The notifications the running service sends are
+:mod:`dflash_ipc.ops.sdnotify`.
 
 The supervisor should exit with status 2 on configuration or usage errors: the unit sets
 ``RestartPreventExitStatus=2`` so such a failure is not restarted in a loop.
@@ -35,21 +17,16 @@ The supervisor should exit with status 2 on configuration or usage errors: the u
 
 from __future__ import annotations
 
-import logging
+import itertools
 import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-
-import click
-
-log = logging.getLogger(__name__)
 
 UNIT_NAME = "dflash-ipc@.service"
 ENV_EXAMPLE_NAME = "dflash-ipc.env.example"
@@ -143,114 +120,6 @@ ENV_EXAMPLE = """\
 #OMP_NUM_THREADS=4
 """
 
-
-# --------------------------------------------------------------------------- sd_notify
-
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, msg: str, *args: object) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg, *args)
-
-
-def _notify_address(value: str) -> bytes | None:
-    if value.startswith("@"):
-        return b"\0" + os.fsencode(value[1:])
-    if value.startswith("/"):
-        return os.fsencode(value)
-    return None
-
-
-def sd_notify(message: str) -> bool:
-    """Send ``message`` (``KEY=VALUE`` lines) to the service manager.
-
-    Returns ``True`` when the datagram was sent; ``False`` when ``$NOTIFY_SOCKET`` is unset
-    (not running under systemd: a no-op) or the send failed (logged once, never raised:
-    a notification must not take training down).
-    """
-    target = os.environ.get("NOTIFY_SOCKET")
-    if not target:
-        return False
-    if not message:
-        raise ValueError("sd_notify: empty message")
-    addr = _notify_address(target)
-    if addr is None:
-        _warn_once("addr:" + target, "sd_notify: unsupported NOTIFY_SOCKET %r (need a path or @abstract)", target)
-        return False
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.sendto(message.encode("utf-8"), addr)
-        return True
-    except OSError as e:
-        _warn_once("send:" + target, "sd_notify: cannot send to %s: %s", target, e)
-        return False
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def notify_ready(status: str | None = None) -> bool:
-    """``READY=1``: startup finished (all handshakes done); the unit becomes active."""
-    return sd_notify("READY=1" + (f"\nSTATUS={_one_line(status)}" if status else ""))
-
-
-def notify_watchdog() -> bool:
-    """``WATCHDOG=1``: keep-alive, sent from the supervisor's heartbeat."""
-    return sd_notify("WATCHDOG=1")
-
-
-def notify_stopping(status: str | None = None) -> bool:
-    """``STOPPING=1``: shutdown (checkpoint, drain) has begun."""
-    return sd_notify("STOPPING=1" + (f"\nSTATUS={_one_line(status)}" if status else ""))
-
-
-def notify_status(text: str) -> bool:
-    """``STATUS=...``: the free-form line ``systemctl status`` shows (newlines are folded)."""
-    return sd_notify(f"STATUS={_one_line(text)}")
-
-
-def notify_extend_timeout(seconds: float) -> bool:
-    """``EXTEND_TIMEOUT_USEC``: ask for ``seconds`` more before the start/stop timeout fires."""
-    return sd_notify(f"EXTEND_TIMEOUT_USEC={max(1, int(seconds * 1_000_000))}")
-
-
-def watchdog_interval_s() -> float | None:
-    """The watchdog timeout (``WatchdogSec``) in seconds, or ``None`` when not enabled for
-    this process (``WATCHDOG_USEC`` unset or invalid, or ``WATCHDOG_PID`` is another process).
-
-    Send :func:`notify_watchdog` at least every half of this.
-    """
-    usec = os.environ.get("WATCHDOG_USEC", "")
-    try:
-        value = int(usec)
-    except ValueError:
-        return None
-    if value <= 0:
-        return None
-    pid = os.environ.get("WATCHDOG_PID", "")
-    if pid:
-        try:
-            if int(pid) != os.getpid():
-                return None
-        except ValueError:
-            return None
-    return value / 1_000_000
-
-
-NOTIFY_ENV_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
-
-
-def scrub_notify_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A copy of ``env`` (default ``os.environ``) without the notification variables, for
-    child processes: only the supervisor talks to systemd."""
-    src = os.environ if env is None else env
-    return {k: v for k, v in src.items() if k not in NOTIFY_ENV_VARS}
-
-
-# --------------------------------------------------------------------------- unit files
 
 
 def default_paths(user_mode: bool) -> dict[str, Path]:
@@ -459,7 +328,7 @@ def install_instructions(unit_path: Path, *, user_mode: bool, instance: str = "m
     work = vals.get("WorkingDirectory", "").lstrip("-").replace("%%", "%")
     words = shlex.split(vals.get("ExecStart", "").replace("$$", "\0"))
     cfg = run_dir = ""
-    for flag, nxt in zip(words, words[1:]):
+    for flag, nxt in itertools.pairwise(words):
         if flag == "--config":
             cfg = nxt.replace("%i", instance).replace("%%", "%").replace("\0", "$")
         elif flag == "--run-dir":
@@ -555,7 +424,7 @@ def verify_unit(
             env["XDG_RUNTIME_DIR"] = str(rt)
             cmd.append("--user")
         cmd += ["verify", "--man=no", str(d / inst_name)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=timeout_s)
         output = proc.stdout + proc.stderr
         ours = [
             line for line in output.splitlines()
@@ -565,72 +434,3 @@ def verify_unit(
         if proc.returncode != 0 and not problems:
             problems = output.strip()
         return proc.returncode, problems
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-@click.group("systemd")
-def systemd_group() -> None:
-    """Run training as a systemd service: dflash-ipc@NAME for configs/NAME.toml."""
-
-
-def _path_opt(name: str, help_text: str):  # noqa: ANN202
-    return click.option(name, type=click.Path(path_type=Path), default=None, help=help_text)
-
-
-@systemd_group.command("render")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Directory to write dflash-ipc@.service and dflash-ipc.env.example into.")
-@click.option("--user", "user_mode", is_flag=True, help="Render a user unit (systemctl --user) instead of a system unit.")
-@_path_opt("--config-dir", "Directory of NAME.toml configs [/etc/dflash-ipc; --user: ~/.config/dflash-ipc].")
-@_path_opt("--runs-dir", "Parent of the run directories [/var/lib/dflash-ipc/runs; --user: ~/.local/share/dflash-ipc/runs].")
-@_path_opt("--env-dir", "Directory of the optional NAME.env files [the config dir].")
-@_path_opt("--working-dir", "Working directory of the service [parent of the runs dir].")
-@click.option("--exec", "exec_cmd", default=None,
-              help="Command that runs dflash-ipc [the dflash-ipc script next to this Python].")
-@click.option("--service-user", default=None, help="System units only: run as this user (User=).")
-@click.option("--timeout-start", type=click.IntRange(min=1), default=DEFAULT_TIMEOUT_START_S, show_default=True,
-              help="Seconds allowed from start to READY (model loading, handshakes).")
-@click.option("--timeout-stop", type=click.IntRange(min=1), default=DEFAULT_TIMEOUT_STOP_S, show_default=True,
-              help="Seconds allowed for the shutdown checkpoint before SIGKILL.")
-@click.option("--watchdog", type=click.IntRange(min=0), default=DEFAULT_WATCHDOG_S, show_default=True,
-              help="WatchdogSec in seconds; 0 disables it.")
-def render_cmd(out: Path, user_mode: bool, config_dir: Path | None, runs_dir: Path | None, env_dir: Path | None,
-               working_dir: Path | None, exec_cmd: str | None, service_user: str | None, timeout_start: int,
-               timeout_stop: int, watchdog: int) -> None:
-    """Render the dflash-ipc@.service template unit for this install."""
-    try:
-        render_command_impl(
-            out,
-            user_mode=user_mode,
-            config_dir=config_dir,
-            runs_dir=runs_dir,
-            env_dir=env_dir,
-            working_dir=working_dir,
-            exec_path=shlex.split(exec_cmd) if exec_cmd else None,
-            service_user=service_user,
-            timeout_start_s=timeout_start,
-            timeout_stop_s=timeout_stop,
-            watchdog_s=watchdog,
-            echo=click.echo,
-        )
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-
-
-@systemd_group.command("verify")
-@click.argument("unit", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--user", "user_mode", is_flag=True, help="Verify as a user unit.")
-@click.option("--instance", default="example", show_default=True, help="Instance name to verify with.")
-def verify_cmd(unit: Path, user_mode: bool, instance: str) -> None:
-    """Check a rendered unit with systemd-analyze verify."""
-    try:
-        rc, problems = verify_unit(unit, instance, user_mode=user_mode)
-    except FileNotFoundError as e:
-        raise click.ClickException(str(e)) from None
-    if problems:
-        click.echo(problems, err=True)
-    if rc != 0 or problems:
-        raise SystemExit(1)
-    click.echo(f"{unit}: ok")

@@ -1,0 +1,147 @@
+"""What `dflash-ipc up` shows of a running training: one pure decider, two renderers.
+
+The supervisor builds a :class:`ProgressSnapshot` about once a second and hands it to a display:
+
+* :class:`PlainProgress` (stdout is not a TTY: journald, pipes, files) prints a line only when
+  the training moved, i.e. when the step, loss or accuracy *as printed* changed; a run that waits
+  prints nothing instead of the same line every second. :class:`ProgressLines` is that decision,
+  free of any I/O, so it is tested by feeding it snapshots.
+* :class:`RichProgress` (stdout is a TTY) keeps one live bar: step/max, loss, acc, tokens/s,
+  ETA, and every process's busy % below it. Other output of the supervisor scrolls above it.
+
+A value that is not known yet (no step finished, no max_steps) is shown as ``-``, never ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+MISSING = "-"
+
+
+@dataclass(frozen=True)
+class ProgressSnapshot:
+    step: int = 0
+    max_steps: int | None = None  # None: until the data is exhausted
+    loss: float | None = None
+    acc: float | None = None
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
+    # process name -> % of its time spent working (targets: forwards/packs; drafters: not waiting for data)
+    busy_pct: dict[str, float | None] = field(default_factory=dict)
+
+
+def eta_seconds(step: int, max_steps: int | None, elapsed_s: float | None) -> float | None:
+    """Time left at the mean step time so far; None when it cannot be known yet."""
+    if not max_steps or not step or not elapsed_s:
+        return None
+    return max(0.0, (max_steps - step) * elapsed_s / step)
+
+
+def fmt(value: float | None, spec: str = "") -> str:
+    """``value`` formatted with ``spec``; ``-`` for None or NaN."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return MISSING
+    return format(value, spec)
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return MISSING
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def step_text(snap: ProgressSnapshot) -> str:
+    return f"{snap.step}/{snap.max_steps}" if snap.max_steps else str(snap.step)
+
+
+def busy_text(snap: ProgressSnapshot) -> str:
+    return " ".join(f"{name} {fmt(pct, '.0f')}%" for name, pct in snap.busy_pct.items())
+
+
+class ProgressLines:
+    """Turns a stream of snapshots into the plain lines worth printing (pure: no I/O)."""
+
+    def __init__(self, prefix: str = "[up] ") -> None:
+        self.prefix = prefix
+        self._last_key: tuple[str, ...] | None = None
+
+    @staticmethod
+    def key(snap: ProgressSnapshot) -> tuple[str, ...]:
+        """What must change for a new line: the training's progress as printed. Rates, ETA and
+        busy % move every second without the training moving, so they ride along."""
+        return (step_text(snap), fmt(snap.loss, ".4f"), fmt(snap.acc, ".4f"))
+
+    def line(self, snap: ProgressSnapshot) -> str:
+        busy = busy_text(snap)
+        return (f"{self.prefix}step {step_text(snap)} loss {fmt(snap.loss, '.4f')} acc {fmt(snap.acc, '.4f')} "
+                f"tok/s {fmt(snap.tokens_per_s, '.0f')} ETA {fmt_duration(snap.eta_s)}" + (f" | busy {busy}" if busy else ""))
+
+    def update(self, snap: ProgressSnapshot) -> str | None:
+        """The line to print for ``snap``, or None when it would repeat the last one's progress."""
+        key = self.key(snap)
+        if key == self._last_key:
+            return None
+        self._last_key = key
+        return self.line(snap)
+
+
+class PlainProgress:
+    """Not a TTY: a line through ``echo`` whenever the training moved."""
+
+    def __init__(self, echo: Callable[[str], None]) -> None:
+        self.echo = echo
+        self.lines = ProgressLines()
+
+    def update(self, snap: ProgressSnapshot) -> None:
+        line = self.lines.update(snap)
+        if line is not None:
+            self.echo(line)
+
+    def close(self) -> None:
+        pass
+
+
+class RichProgress:
+    """A TTY: a live bar (rich) over two lines, redrawn with every snapshot; closed explicitly.
+
+    Line 1: step/max, the bar, loss, acc, tokens/s, ETA. Line 2: every process's busy %. Text
+    wraps on a narrow terminal instead of being cut."""
+
+    def __init__(self, console=None) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self._live = Live(console=console or Console(), auto_refresh=False, redirect_stdout=True, redirect_stderr=True)
+        self._live.start()
+
+    @staticmethod
+    def renderable(snap: ProgressSnapshot):
+        from rich.console import Group
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+        from rich.text import Text
+
+        top = Table.grid(padding=(0, 1))
+        top.add_row(Text(f"step {step_text(snap)}", style="bold"), ProgressBar(total=snap.max_steps, completed=snap.step, width=24),
+                    Text(f"loss {fmt(snap.loss, '.4f')}  acc {fmt(snap.acc, '.4f')}  tok/s {fmt(snap.tokens_per_s, '.0f')}  "
+                         f"ETA {fmt_duration(snap.eta_s)}"))
+        busy = busy_text(snap)
+        return Group(top, Text(f"busy {busy}", style="dim")) if busy else top
+
+    def update(self, snap: ProgressSnapshot) -> None:
+        self._live.update(self.renderable(snap), refresh=True)
+
+    def close(self) -> None:
+        self._live.stop()
+
+
+def progress_display(live: bool, echo: Callable[[str], None]) -> PlainProgress | RichProgress:
+    return RichProgress() if live else PlainProgress(echo)

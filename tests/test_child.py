@@ -1,0 +1,141 @@
+"""The child scaffold (run_child): real child processes, a real supervisor ROUTER socket.
+
+A small role defined in a script here runs under :func:`dflash_ipc.runtime.child.run_child` the
+way procs/target.py and procs/drafter.py do; the test plays the supervisor. Timeouts are safety
+nets only.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from dflash_ipc.control import channels, handshake, protocol
+from dflash_ipc.control.protocol import Dead, Done, Shutdown
+
+ROLE_SCRIPT = '''
+import sys
+from pathlib import Path
+from dflash_ipc.control import channels
+from dflash_ipc.control.protocol import Done
+from dflash_ipc.runtime.child import Placement, run_child
+
+def add_arguments(ap):
+    ap.add_argument("--mode", choices=["raise", "loop"], required=True)
+
+def place(args):
+    return Placement("cpu", 1, "info", {"from": "place"})
+
+def main_fn(child):
+    out = child.run_dir / "out"
+    child.closing.callback(lambda: (out / "closed").open("a").write("first-registered\\n"))
+    child.closing.callback(lambda: (out / "closed").open("a").write("last-registered\\n"))
+    (out / "config").write_text(repr(child.config))
+    if child.args.mode == "raise":
+        raise RuntimeError("role failed on purpose")
+    (out / "running").write_text("1")
+    while not child.stop.requested:
+        child.read_control(wait_ms=50)
+    (out / "reason").write_text(child.stop.reason)
+    child.socks.send_to_supervisor(Done(role=child.role, rank=child.rank, summary={"reason": child.stop.reason}))
+    return 0
+
+sys.exit(run_child("demo", main_fn, place=place, pull_endpoint=channels.target_endpoint, add_arguments=add_arguments))
+'''
+
+
+class FakeSupervisor:
+    def __init__(self, run_dir: Path):
+        channels.make_private_dir(run_dir)
+        channels.prepare_socket_dir(run_dir)
+        (run_dir / "out").mkdir()
+        self.ctx = zmq.Context()
+        self.router = channels.bind(self.ctx, zmq.ROUTER, channels.supervisor_endpoint(run_dir))
+
+    def recv(self, timeout_s: float = 60.0) -> protocol.Message:
+        assert self.router.poll(int(timeout_s * 1000)), "no message from the child"
+        _, frame = self.router.recv_multipart()
+        return protocol.decode(frame)
+
+    def send(self, msg: protocol.Message) -> None:
+        self.router.send_multipart([handshake.identity("demo", 0), protocol.encode(msg)])
+
+    def close(self) -> None:
+        self.router.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def role(tmp_path):
+    script = tmp_path / "demo_role.py"
+    script.write_text(ROLE_SCRIPT)
+    run_dir = tmp_path / "run"
+    sup = FakeSupervisor(run_dir)
+    procs = []
+
+    def start(mode: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, str(script), "--run-dir", str(run_dir), "--rank", "0", "--mode", mode],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(p)
+        return p
+
+    yield start, sup, run_dir
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        p.stdout.close()
+    sup.close()
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, f"child exited early: {proc.stdout.read()}"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_exception_sends_dead_closes_resources_in_reverse_and_exits_1(role):
+    start, sup, run_dir = role
+    proc = start("raise")
+    msg = sup.recv()
+    assert isinstance(msg, Dead)
+    assert (msg.role, msg.rank) == ("demo", 0)
+    assert msg.error == "RuntimeError: role failed on purpose"
+    assert proc.wait(timeout=60) == 1
+    assert (run_dir / "out" / "closed").read_text().splitlines() == ["last-registered", "first-registered"]
+    assert (run_dir / "out" / "config").read_text() == "{'from': 'place'}"
+    log = (run_dir / "logs" / "demo-0.log").read_text()
+    assert "Traceback" in log and "role failed on purpose" in log
+
+
+@pytest.mark.parametrize("how", ["sigterm", "shutdown"])
+def test_stop_request_leaves_through_main_and_closing_with_exit_0(role, how):
+    start, sup, run_dir = role
+    proc = start("loop")
+    _wait_for(run_dir / "out" / "running", proc)
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)
+        expected = "signal SIGTERM"
+    else:
+        sup.send(Shutdown(reason="training finished"))
+        expected = "shutdown: training finished"
+    msg = sup.recv()
+    assert isinstance(msg, Done) and msg.summary == {"reason": expected}
+    assert proc.wait(timeout=60) == 0
+    assert (run_dir / "out" / "reason").read_text() == expected
+    assert (run_dir / "out" / "closed").read_text().splitlines() == ["last-registered", "first-registered"]
+
+
+def test_bad_arguments_exit_with_usage(role):
+    start, _, _ = role
+    proc = start("nonsense")
+    assert proc.wait(timeout=60) == 2
+    assert "--mode" in proc.stdout.read()

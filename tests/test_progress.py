@@ -1,0 +1,98 @@
+"""Progress output of `dflash-ipc up`: the pure line decider, the rich bar, and a real run's output."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from dflash_ipc.runtime.progress import (
+    PlainProgress,
+    ProgressLines,
+    ProgressSnapshot,
+    RichProgress,
+    eta_seconds,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+PROGRESS_LINE = re.compile(r"^\[up\] step ")
+
+
+def snap(**kw) -> ProgressSnapshot:
+    base = {"step": 3, "max_steps": 40, "loss": 2.5, "acc": 0.125, "tokens_per_s": 1000.0, "eta_s": 74.0,
+                "busy_pct": {"target-0": 80.0, "drafter-0": 60.0}}
+    return ProgressSnapshot(**(base | kw))
+
+
+def test_identical_snapshots_print_one_line():
+    lines = ProgressLines()
+    out = [lines.update(snap()) for _ in range(5)]
+    assert out[0] == "[up] step 3/40 loss 2.5000 acc 0.1250 tok/s 1000 ETA 1m14s | busy target-0 80% drafter-0 60%"
+    assert out[1:] == [None] * 4
+
+
+def test_a_new_step_prints_a_new_line_and_rates_alone_do_not():
+    lines = ProgressLines()
+    assert lines.update(snap()) is not None
+    # tokens/s, ETA and busy % move every second while the training waits: no new line
+    assert lines.update(snap(tokens_per_s=900.0, eta_s=80.0, busy_pct={"target-0": 10.0, "drafter-0": 0.0})) is None
+    assert lines.update(snap(step=4)).startswith("[up] step 4/40 ")
+    assert lines.update(snap(step=4, loss=2.25)).startswith("[up] step 4/40 loss 2.2500 ")
+    assert lines.update(snap(step=4, loss=2.25)) is None
+
+
+def test_unknown_values_show_a_dash_never_none():
+    lines = ProgressLines()
+    line = lines.update(ProgressSnapshot(busy_pct={"target-0": None}))
+    assert line == "[up] step 0 loss - acc - tok/s - ETA - | busy target-0 -%"
+    assert "None" not in line and "nan" not in line.lower()
+    assert lines.update(snap(loss=float("nan"), max_steps=None)).startswith("[up] step 3 loss - acc 0.1250 ")
+
+
+def test_eta_needs_a_step_a_limit_and_a_time():
+    assert eta_seconds(0, 40, 10.0) is None
+    assert eta_seconds(5, None, 10.0) is None
+    assert eta_seconds(5, 40, 10.0) == pytest.approx(70.0)
+    assert eta_seconds(50, 40, 10.0) == 0.0
+
+
+def test_plain_progress_echoes_only_changes():
+    printed: list[str] = []
+    display = PlainProgress(printed.append)
+    for s in (snap(), snap(), snap(step=4), snap(step=4), snap(step=5)):
+        display.update(s)
+    display.close()
+    assert [p.split(" loss")[0] for p in printed] == ["[up] step 3/40", "[up] step 4/40", "[up] step 5/40"]
+
+
+def test_rich_progress_renders_the_bar_fields():
+    buf = io.StringIO()
+    display = RichProgress(Console(file=buf, force_terminal=True, width=200, color_system=None))
+    display.update(snap(step=7, acc=None))
+    display.close()
+    text = buf.getvalue()
+    assert "step 7/40" in text and "loss 2.5000" in text and "acc -" in text and "tok/s 1000" in text and "ETA 1m14s" in text
+    assert "busy target-0 80% drafter-0 60%" in text and "None" not in text
+
+
+@pytest.mark.slow
+def test_up_without_a_tty_never_repeats_a_progress_line(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(REPO / "configs" / "tiny-cpu.toml"),
+                           "--max-steps", "6", "--run-dir", str(run_dir)],
+                          check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    progress = [ln for ln in proc.stdout.splitlines() if PROGRESS_LINE.match(ln)]
+    assert progress, proc.stdout[-4000:]
+    repeats = [(a, b) for a, b in itertools.pairwise(progress) if a == b]
+    assert not repeats, proc.stdout
+    steps = [int(re.match(r"\[up\] step (\d+)", ln).group(1)) for ln in progress]
+    assert steps == sorted(steps) and all(s <= 6 for s in steps)
+    assert "None" not in proc.stdout and "\r" not in proc.stdout
+    assert "[up] finished (max_steps 6)" in proc.stdout
