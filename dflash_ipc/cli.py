@@ -184,6 +184,35 @@ def plan(config_path: str, as_json: bool) -> None:
             click.echo(f"{k:>32}: {v}")
 
 
+@main.command("eval")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False, exists=True),
+              help="An exported drafter (export/drafter: config.json + model.safetensors).")
+@click.option("--prompts", "prompts_path", default=None, help="Chat records (JSONL, Parquet, saved dataset); default: data.paths.")
+@click.option("--n", type=click.IntRange(1), default=16, show_default=True, help="Prompts to decode.")
+@click.option("--max-new", type=click.IntRange(1), default=128, show_default=True, help="New tokens per prompt.")
+@click.option("--block-size", type=click.IntRange(0), default=0, help="Block size (1..the drafter's; default: the drafter's).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Target and drafter dtype. float32 keeps the lossless check exact: bf16 flips near-ties between "
+                   "a block verification and one-token steps.")
+@click.option("--target-device", default=None, help="Default: topology.targets[0].")
+@click.option("--drafter-device", default=None, help="Default: topology.drafters[0].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+def eval_cmd(config_path, drafter_dir, prompts_path, n, max_new, block_size, dtype, target_device, drafter_device, as_json) -> None:
+    """Greedy DFlash speculative decoding with an exported drafter: tau, acceptance, speed, lossless."""
+    from dflash_ipc.eval.run import run_eval
+
+    cfg = _load_or_exit(config_path)
+    try:
+        report = run_eval(cfg, drafter_dir, prompts_path=prompts_path, n=n, max_new=max_new, block_size=block_size, dtype=dtype,
+                          target_device=target_device, drafter_device=drafter_device, echo=lambda s: click.echo(s, err=True))
+    except (ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report) if as_json else json.dumps(report, indent=2))
+    sys.exit(0 if report["lossless"] else 1)
+
+
 def _add_systemd() -> None:
     from dflash_ipc.ops.systemd import systemd_group
 
