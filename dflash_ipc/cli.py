@@ -213,6 +213,37 @@ def eval_cmd(config_path, drafter_dir, prompts_path, n, max_new, block_size, dty
     sys.exit(0 if report["lossless"] else 1)
 
 
+@main.command("gen-data")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output JSONL (appended to; held-out split beside it).")
+@click.option("--prompts", "prompts_path", default=None, help="Chat records (JSONL, Parquet, saved dataset); default: data.paths.")
+@click.option("--holdout-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="Share of ids (by hash) written to OUT.holdout.jsonl instead, for eval.")
+@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--max-new", type=click.IntRange(1), default=512, show_default=True, help="New tokens per answer.")
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--limit", type=click.IntRange(0), default=0, show_default=True, help="Use only the first N prompts (0: all).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default=None, help="Default: topology.targets[0].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+def gen_data_cmd(config_path, out_path, prompts_path, holdout_fraction, batch_size, max_new, temperature, top_p, limit, seed, device, as_json):
+    """The target answers the first user turn of every chat record (resumable self-distillation data)."""
+    from pathlib import Path
+
+    from dflash_ipc.data.gen import GenOptions, run_gen_data
+
+    cfg = _load_or_exit(config_path)
+    opts = GenOptions(batch_size=batch_size, max_new=max_new, temperature=temperature, top_p=top_p,
+                      holdout_fraction=holdout_fraction, limit=limit, seed=seed)
+    try:
+        result = run_gen_data(cfg, Path(out_path), opts, prompts_path=prompts_path, device=device, echo=lambda s: click.echo(s, err=True))
+    except (ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
+
+
 def _add_systemd() -> None:
     from dflash_ipc.ops.systemd import systemd_group
 
