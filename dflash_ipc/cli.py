@@ -101,8 +101,15 @@ def _load_or_exit(path: str):
 @main.command("check-config")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def check_config(config_path: str) -> None:
-    """Validate a config file and print it resolved."""
+    """Validate a config file (and the tokenizer against a checkpoint's vocabulary) and print it resolved."""
+    from dflash_ipc.data.tokenizer import TokenizerError, check_target_tokenizer, load_tokenizer
+
     cfg = _load_or_exit(config_path)
+    try:
+        check_target_tokenizer(cfg.target, load_tokenizer(cfg.target.tokenizer))
+    except (TokenizerError, OSError) as e:
+        click.echo(f"error: {config_path}: {e}", err=True)
+        sys.exit(2)
     click.echo(json.dumps(cfg.to_dict(), indent=2))
 
 

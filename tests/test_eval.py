@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 from dflash_ipc.cli import main
 from dflash_ipc.config import load_config
-from dflash_ipc.data.tokenizer import load_tokenizer, mask_token_id
+from dflash_ipc.data.tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, export_drafter
-from dflash_ipc.eval.run import load_prompts, stop_token_ids
+from dflash_ipc.eval.run import load_prompts
 from dflash_ipc.eval.spec import greedy_generate, speculative_generate, summarize
 from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
 from dflash_ipc.eval.verify import verify_block

@@ -133,8 +133,8 @@ class _Progress:
 def run_gen_data(cfg: DFlashConfig, out: Path, opts: GenOptions, *, prompts_path: str | None = None, device: str | None = None,
                  echo: Callable[[str], None] = lambda s: None) -> dict:
     """Answer the prompts with the target; returns counts (written, skipped as done, held out)."""
-    from dflash_ipc.data.tokenizer import load_tokenizer
-    from dflash_ipc.eval.run import stop_token_ids
+    from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
+    from dflash_ipc.data.tokenizer import stop_token_ids
     from dflash_ipc.eval.target_lm import build_target_lm
 
     out = Path(out)
@@ -144,6 +144,7 @@ def run_gen_data(cfg: DFlashConfig, out: Path, opts: GenOptions, *, prompts_path
         _truncate_torn_tail(p)
     done = done_ids(out, hold)
     tokenizer = load_tokenizer(cfg.target.tokenizer)
+    check_target_tokenizer(cfg.target, tokenizer)
     paths = [prompts_path] if prompts_path else list(cfg.data.paths)
     pending: list[tuple[str, list[dict], list[int]]] = []
     seen: set[str] = set()

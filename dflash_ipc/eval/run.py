@@ -15,10 +15,11 @@ import torch
 
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.data.readers import iter_records, prompt_messages
+from dflash_ipc.data.tokenizer import stop_token_ids
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_prompts", "stop_token_ids", "run_eval"]
+__all__ = ["load_prompts", "run_eval"]
 
 
 def load_prompts(cfg: DFlashConfig, tokenizer, prompts_path: str | None, n: int) -> list[list[int]]:
@@ -39,19 +40,6 @@ def load_prompts(cfg: DFlashConfig, tokenizer, prompts_path: str | None, n: int)
     return out
 
 
-def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    im_end = tokenizer.get_vocab().get("<|im_end|>")
-    if im_end is not None:
-        ids.add(int(im_end))
-    eos = getattr(generation_config, "eos_token_id", None)
-    if eos is not None:
-        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    return ids
-
-
 def run_eval(
     cfg: DFlashConfig,
     drafter_dir: str,
@@ -66,7 +54,7 @@ def run_eval(
     echo=lambda s: None,
 ) -> dict:
     """Decode ``n`` prompts greedily and speculatively; the :func:`~dflash_ipc.eval.spec.summarize` report."""
-    from dflash_ipc.data.tokenizer import load_tokenizer
+    from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
     from dflash_ipc.drafter.model import load_exported_drafter
     from dflash_ipc.eval.spec import DrafterProposer, greedy_generate, speculative_generate, summarize
     from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
@@ -76,6 +64,7 @@ def run_eval(
     tdev = torch.device(target_device or cfg.topology.targets[0])
     ddev = torch.device(drafter_device or cfg.topology.drafters[0])
     tokenizer = load_tokenizer(cfg.target.tokenizer)
+    check_target_tokenizer(cfg.target, tokenizer)
     prompts = load_prompts(cfg, tokenizer, prompts_path, n)
     lm = build_target_lm(cfg.target, tdev, vocab_size=len(tokenizer), dtype=dtype)
     hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))
@@ -88,6 +77,9 @@ def run_eval(
         raise ValueError(f"--block-size must be in [1, {dcfg.block_size}] (the drafter's block size); got {bs}")
     target = TargetLM(lm, dcfg.target_layer_ids)
     stops = stop_token_ids(tokenizer, getattr(lm, "generation_config", None))
+    if dcfg.mask_token_id in stops:
+        echo(f"warning: the drafter's mask token {dcfg.mask_token_id} is a stop token; a serving engine that scans "
+             "drafts for stop tokens stops early with it (retrain: the default mask token is never a stop token)")
     echo(f"eval: {len(prompts)} prompts, block {bs}, max_new {max_new}, {dtype}, target {tdev} (cache rollback: "
          f"{target.rollback}), drafter {ddev}, mask token {dcfg.mask_token_id}, stop ids {sorted(stops)}")
     try:
