@@ -19,7 +19,12 @@ from dflash_ipc.eval.run import load_prompts
 from dflash_ipc.eval.spec import greedy_generate, speculative_generate, summarize
 from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
 from dflash_ipc.eval.verify import verify_block
-from dflash_ipc.target.model import load_hf_config, resolve_layer_ids, target_head_weights, text_config
+from dflash_ipc.target.model import (
+    load_hf_config,
+    resolve_layer_ids,
+    target_head_weights,
+    text_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.toml"

@@ -70,7 +70,7 @@ def test_batched_greedy_answers_equal_one_at_a_time(tmp_path):
     r = CliRunner().invoke(main, ["gen-data", "--config", str(TINY), "--out", str(b), "--max-new", "6", "--batch-size", "1",
                                   "--prompts", str(prompts)])
     assert r.exit_code == 0, r.output
-    key = lambda rows: sorted((x["id"], x["conversations"][-1]["content"]) for x in rows)  # noqa: E731
+    key = lambda rows: sorted((x["id"], x["conversations"][-1]["content"]) for x in rows)
     assert key(_lines(a)) == key(_lines(b))
 
 

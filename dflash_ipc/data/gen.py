@@ -37,7 +37,7 @@ from dflash_ipc.data.readers import iter_records, prompt_messages, record_id
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenOptions", "holdout_path", "is_holdout", "done_ids", "run_gen_data"]
+__all__ = ["GenOptions", "done_ids", "holdout_path", "is_holdout", "run_gen_data"]
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,11 @@ class _Progress:
 def run_gen_data(cfg: DFlashConfig, out: Path, opts: GenOptions, *, prompts_path: str | None = None, device: str | None = None,
                  echo: Callable[[str], None] = lambda s: None) -> dict:
     """Answer the prompts with the target; returns counts (written, skipped as done, held out)."""
-    from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
-    from dflash_ipc.data.tokenizer import stop_token_ids
+    from dflash_ipc.data.tokenizer import (
+        check_target_tokenizer,
+        load_tokenizer,
+        stop_token_ids,
+    )
     from dflash_ipc.eval.target_lm import build_target_lm
 
     out = Path(out)
@@ -146,6 +149,9 @@ def run_gen_data(cfg: DFlashConfig, out: Path, opts: GenOptions, *, prompts_path
     tokenizer = load_tokenizer(cfg.target.tokenizer)
     check_target_tokenizer(cfg.target, tokenizer)
     paths = [prompts_path] if prompts_path else list(cfg.data.paths)
+    clash = [p for p in paths if not p.startswith("builtin:") and Path(p).resolve() in (out.resolve(), hold.resolve())]
+    if clash:
+        raise ValueError(f"the prompts ({clash[0]}) are the output file; pass --prompts (e.g. builtin:stdlib-docs) or another --out")
     pending: list[tuple[str, list[dict], list[int]]] = []
     seen: set[str] = set()
     skipped_done = no_prompt = duplicates = 0

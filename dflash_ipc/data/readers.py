@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_table_source", "iter_table_records", "iter_records", "prompt_messages", "record_id"]
+__all__ = ["is_table_source", "iter_records", "iter_table_records", "prompt_messages", "record_id"]
 
 
 def _data_error(msg: str) -> Exception:
@@ -89,7 +89,7 @@ def iter_table_records(path: str) -> Iterator[tuple[str, Any]]:
 
 def _jsonl_records(path: str) -> Iterator[tuple[str, Any]]:
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, encoding="utf-8")  # noqa: SIM115 - opened apart from the with, so an OSError names the path
     except OSError as e:
         raise _data_error(f"{path}: cannot read: {e}") from None
     with f:

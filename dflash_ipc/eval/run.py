@@ -55,11 +55,16 @@ def run_eval(
 ) -> dict:
     """Decode ``n`` prompts greedily and speculatively; the :func:`~dflash_ipc.eval.spec.summarize` report."""
     from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
+    from dflash_ipc.devices import dtype_from_name
     from dflash_ipc.drafter.model import load_exported_drafter
-    from dflash_ipc.eval.spec import DrafterProposer, greedy_generate, speculative_generate, summarize
+    from dflash_ipc.eval.spec import (
+        DrafterProposer,
+        greedy_generate,
+        speculative_generate,
+        summarize,
+    )
     from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
     from dflash_ipc.target.model import load_hf_config, target_head_weights
-    from dflash_ipc.devices import dtype_from_name
 
     tdev = torch.device(target_device or cfg.topology.targets[0])
     ddev = torch.device(drafter_device or cfg.topology.drafters[0])

@@ -31,7 +31,7 @@ from dflash_ipc.drafter.model import DFlashDrafter
 from dflash_ipc.eval.target_lm import TargetLM
 from dflash_ipc.eval.verify import StepResult, verify_block
 
-__all__ = ["DrafterProposer", "GenResult", "speculative_generate", "greedy_generate", "summarize"]
+__all__ = ["DrafterProposer", "GenResult", "greedy_generate", "speculative_generate", "summarize"]
 
 # (context features [n, k*H], anchor token, number of drafts) -> draft tokens
 Proposer = Callable[[torch.Tensor, int, int], list[int]]
