@@ -101,8 +101,15 @@ def _load_or_exit(path: str):
 @main.command("check-config")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def check_config(config_path: str) -> None:
-    """Validate a config file and print it resolved."""
+    """Validate a config file (and the tokenizer against a checkpoint's vocabulary) and print it resolved."""
+    from dflash_ipc.data.tokenizer import TokenizerError, check_target_tokenizer, load_tokenizer
+
     cfg = _load_or_exit(config_path)
+    try:
+        check_target_tokenizer(cfg.target, load_tokenizer(cfg.target.tokenizer))
+    except (TokenizerError, OSError) as e:
+        click.echo(f"error: {config_path}: {e}", err=True)
+        sys.exit(2)
     click.echo(json.dumps(cfg.to_dict(), indent=2))
 
 
@@ -183,6 +190,66 @@ def plan(config_path: str, as_json: bool) -> None:
     else:
         for k, v in stats.items():
             click.echo(f"{k:>32}: {v}")
+
+
+@main.command("eval")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False, exists=True),
+              help="An exported drafter (export/drafter: config.json + model.safetensors).")
+@click.option("--prompts", "prompts_path", default=None, help="Chat records (JSONL, Parquet, saved dataset); default: data.paths.")
+@click.option("--n", type=click.IntRange(1), default=16, show_default=True, help="Prompts to decode.")
+@click.option("--max-new", type=click.IntRange(1), default=128, show_default=True, help="New tokens per prompt.")
+@click.option("--block-size", type=click.IntRange(0), default=0, help="Block size (1..the drafter's; default: the drafter's).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Target and drafter dtype. float32 keeps the lossless check exact: bf16 flips near-ties between "
+                   "a block verification and one-token steps.")
+@click.option("--target-device", default=None, help="Default: topology.targets[0].")
+@click.option("--drafter-device", default=None, help="Default: topology.drafters[0].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+def eval_cmd(config_path, drafter_dir, prompts_path, n, max_new, block_size, dtype, target_device, drafter_device, as_json) -> None:
+    """Greedy DFlash speculative decoding with an exported drafter: tau, acceptance, speed, lossless."""
+    from dflash_ipc.eval.run import run_eval
+
+    cfg = _load_or_exit(config_path)
+    try:
+        report = run_eval(cfg, drafter_dir, prompts_path=prompts_path, n=n, max_new=max_new, block_size=block_size, dtype=dtype,
+                          target_device=target_device, drafter_device=drafter_device, echo=lambda s: click.echo(s, err=True))
+    except (ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report) if as_json else json.dumps(report, indent=2))
+    sys.exit(0 if report["lossless"] else 1)
+
+
+@main.command("gen-data")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output JSONL (appended to; held-out split beside it).")
+@click.option("--prompts", "prompts_path", default=None, help="Chat records (JSONL, Parquet, saved dataset); default: data.paths.")
+@click.option("--holdout-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="Share of ids (by hash) written to OUT.holdout.jsonl instead, for eval.")
+@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--max-new", type=click.IntRange(1), default=512, show_default=True, help="New tokens per answer.")
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--limit", type=click.IntRange(0), default=0, show_default=True, help="Use only the first N prompts (0: all).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default=None, help="Default: topology.targets[0].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+def gen_data_cmd(config_path, out_path, prompts_path, holdout_fraction, batch_size, max_new, temperature, top_p, limit, seed, device, as_json):
+    """The target answers the first user turn of every chat record (resumable self-distillation data)."""
+    from pathlib import Path
+
+    from dflash_ipc.data.gen import GenOptions, run_gen_data
+
+    cfg = _load_or_exit(config_path)
+    opts = GenOptions(batch_size=batch_size, max_new=max_new, temperature=temperature, top_p=top_p,
+                      holdout_fraction=holdout_fraction, limit=limit, seed=seed)
+    try:
+        result = run_gen_data(cfg, Path(out_path), opts, prompts_path=prompts_path, device=device, echo=lambda s: click.echo(s, err=True))
+    except (ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 
 
 def _add_systemd() -> None:

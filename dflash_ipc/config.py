@@ -199,8 +199,9 @@ class TargetConfig:
     model_path: str = ""
     # Qwen3_5TextConfig fields for a random-weight target (used when model_path is empty).
     spec: dict[str, Any] = field(default_factory=dict)
-    # Tokenizer directory; "builtin" = the offline byte-level tokenizer with a chat template.
-    tokenizer: str = "builtin"
+    # Tokenizer directory; "builtin" = the offline byte-level tokenizer with a chat template;
+    # empty: the model's own tokenizer (model_path) when a checkpoint is set, else "builtin".
+    tokenizer: str = ""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Decoder-layer outputs to capture; empty: DFlash default spread (5 layers from 1 to L-3).
     layer_ids: list[int] = field(default_factory=list)
@@ -212,9 +213,14 @@ class TargetConfig:
     random_init_seed: int = 1234
 
     def __post_init__(self) -> None:
+        if not self.tokenizer:
+            self.tokenizer = self.model_path or "builtin"
         _require(all(i >= 0 for i in self.layer_ids), "layer_ids", "layer ids must be >= 0")
         _require(
-            len(set(self.layer_ids)) == len(self.layer_ids), "layer_ids", "layer ids must be distinct"
+            all(b > a for a, b in zip(self.layer_ids, self.layer_ids[1:])),
+            "layer_ids",
+            f"must be strictly ascending (got {self.layer_ids}): serving engines collect hidden states in layer order, "
+            f"so a drafter trained on another order reads the wrong planes; use {sorted(set(self.layer_ids))}",
         )
         _require(self.num_capture_layers >= 1, "num_capture_layers", "must be >= 1")
 
@@ -237,7 +243,7 @@ class DrafterConfig:
     noise_std: float = 0.0
     dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "flex", "sdpa"] = "auto"
-    mask_token_id: int = -1  # -1: the tokenizer's pad token, else the last vocab id
+    mask_token_id: int = -1  # -1: a reserved/unused id, never a stop token (data.tokenizer.choose_mask_token)
 
     def __post_init__(self) -> None:
         _require(self.num_layers >= 1, "num_layers", "must be >= 1")

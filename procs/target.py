@@ -53,9 +53,13 @@ def target_main(child: ChildContext) -> int:
     core = TargetCore(cfg, rank, run_dir, device)
     child.closing.callback(core.close)
     fp = core.fast_path
-    log.info("target %d: %s, layers %s; GatedDeltaNet kernels: flash-linear-attention %s, causal-conv1d %s (%s)",
-             rank, device, core.model.layer_ids, "active" if fp.get("fla") else "NOT active (slow torch fallback)",
-             "active" if fp.get("causal_conv1d") else "not active (torch conv fallback)", fp.get("implementations"))
+    if fp.get("gated_delta_net_layers"):
+        log.info("target %d: %s, layers %s; GatedDeltaNet kernels: flash-linear-attention %s, causal-conv1d %s (%s)",
+                 rank, device, core.model.layer_ids, "active" if fp.get("fla") else "NOT active (slow torch fallback)",
+                 "active" if fp.get("causal_conv1d") else "not active (torch conv fallback)", fp.get("implementations"))
+    else:  # e.g. a Llama target: no linear-attention layers, so no kernels to report
+        log.info("target %d: %s, layers %s; %s, attention %s", rank, device, core.model.layer_ids,
+                 type(core.model.stack).__name__, cfg.target.attn_implementation)
     log.info("data: %s", core.corpus.report.summary())
     backend = resolve_backend(cfg, rank, log)
     ring = create_producer_ring(

@@ -8,6 +8,8 @@ Input lines (one JSON object per line)::
     {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}  # ShareGPT
     {"text": "..."}                          # plain text: every token supervised
 
+Parquet files and ``datasets`` saved folders hold the same records as rows (:mod:`dflash_ipc.data.readers`).
+
 Chats are rendered with the tokenizer's chat template. The loss mask is 1 exactly on the
 tokens of assistant contents and the token that closes each assistant turn (``<|im_end|>``
 for ChatML templates, else the eos token) and 0 elsewhere. To make that exact, the rendered
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 
 from dflash_ipc.config import DataConfig
+from dflash_ipc.data.readers import is_table_source, iter_table_records
 from dflash_ipc.data.tokenizer import IM_END, tokenizer_identity
 
 log = logging.getLogger("dflash_ipc.data.corpus")
@@ -482,6 +485,10 @@ def load_corpus(cfg: DataConfig, tokenizer, cache_dir: Path | None) -> Corpus:
             for j, conv in enumerate(builtin_conversations(cfg.builtin_samples, cfg.max_seq_len)):
                 report.lines_read += 1
                 builder.add(f"{p}:{j + 1}", conv)
+        elif is_table_source(p):
+            for where, rec in iter_table_records(p):
+                report.lines_read += 1
+                builder.add(where, rec)
         else:
             _read_jsonl(builder, Path(p), p)
     corpus = builder.finish()

@@ -20,10 +20,12 @@ Regenerate the asset with ``python -m dflash_ipc.data.tokenizer --write-asset``.
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -113,16 +115,83 @@ def load_tokenizer(spec: str, cache_dir: Path | None = None) -> PreTrainedTokeni
     return tok
 
 
-def mask_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The id DFlash fills masked block positions with.
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: Any = None) -> set[int]:
+    """Ids that end a generated turn: eos, ``<|im_end|>`` / ``<|endoftext|>`` where the vocabulary
+    has them, and the model's generation-config eos ids."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    for name in (IM_END, PAD_TOKEN, "<|eot_id|>", "<end_of_turn>"):
+        if name in vocab:
+            ids.add(int(vocab[name]))
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is not None:
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return ids
 
-    The tokenizer's mask token if it has one (the built-in one: ``<|mask|>``), else its pad
-    token, else the last id of the vocabulary.
+
+# Special tokens that a chat model never emits: free to stand for "masked" in a draft block.
+_UNUSED_TOKEN = re.compile(r"reserved|unused|empty_output|<\|mask\|>|<mask>", re.IGNORECASE)
+
+
+def choose_mask_token(tokenizer: PreTrainedTokenizerBase, model_vocab_size: int | None = None) -> tuple[int, str]:
+    """The id DFlash fills masked block positions with, and why it was chosen.
+
+    Never a stop / end-of-turn token (a decoder that scans drafts for stop tokens would stop
+    on it). In order: the tokenizer's own mask token; a special token that is reserved or
+    unused (``<|reserved_special_token_0|>``, SmolLM2's ``<empty_output>``, ...); the first
+    embedding row past the tokenizer when the model's vocabulary is larger (Qwen-style padded
+    vocabularies, z-lab's choice); the pad token; the last vocabulary id that is no stop token.
     """
-    for tid in (getattr(tokenizer, "mask_token_id", None), getattr(tokenizer, "pad_token_id", None)):
-        if tid is not None and tid >= 0:
-            return int(tid)
-    return len(tokenizer) - 1
+    stops = stop_token_ids(tokenizer)
+    tid = getattr(tokenizer, "mask_token_id", None)
+    if tid is not None and tid >= 0 and tid not in stops:
+        return int(tid), f"the tokenizer's mask token {tokenizer.convert_ids_to_tokens(int(tid))!r}"
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    for i in sorted(added):
+        content = str(getattr(added[i], "content", added[i]))
+        if i not in stops and _UNUSED_TOKEN.search(content):
+            return int(i), f"the unused special token {content!r}"
+    n = len(tokenizer)
+    if model_vocab_size is not None and model_vocab_size > n:
+        return n, f"id {n}, the first embedding row past the tokenizer's {n} ids (model vocabulary {model_vocab_size})"
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is not None and pad >= 0 and pad not in stops:
+        return int(pad), f"the pad token {tokenizer.convert_ids_to_tokens(int(pad))!r}"
+    last = next(i for i in range(n - 1, -1, -1) if i not in stops)
+    return last, f"the last vocabulary id that is no stop token ({tokenizer.convert_ids_to_tokens(last)!r})"
+
+
+def mask_token_id(tokenizer: PreTrainedTokenizerBase, model_vocab_size: int | None = None) -> int:
+    """:func:`choose_mask_token`'s id."""
+    return choose_mask_token(tokenizer, model_vocab_size)[0]
+
+
+def check_vocab(tokenizer: PreTrainedTokenizerBase, model_vocab_size: int, tokenizer_spec: str) -> None:
+    """Refuse a tokenizer that does not belong to the model: ids past the embedding table, or
+    a table much larger than the tokenizer (the built-in 1,024 ids fed to a 49,152-id model).
+    A model vocabulary a little larger than the tokenizer is padding (Qwen: +267) and is fine."""
+    n = len(tokenizer)
+    if n > model_vocab_size or model_vocab_size - n > VOCAB_PADDING_SLACK:
+        raise TokenizerError(
+            f"target.tokenizer: {tokenizer_spec!r} has {n} ids but the target model's vocabulary has {model_vocab_size}: "
+            "they do not belong together; leave target.tokenizer unset (the model's own tokenizer) or point it at the "
+            "model's tokenizer directory"
+        )
+
+
+VOCAB_PADDING_SLACK = 1024
+
+
+def check_target_tokenizer(target_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> None:
+    """:func:`check_vocab` against a checkpoint target's config (a random spec takes the
+    tokenizer's size, so it always fits)."""
+    if not target_cfg.model_path:
+        return
+    from dflash_ipc.target.model import load_hf_config, text_config
+
+    check_vocab(tokenizer, int(text_config(load_hf_config(target_cfg)).vocab_size), target_cfg.tokenizer)
 
 
 def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -38,7 +38,7 @@ from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acc
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, export_drafter, num_parameters
 from dflash_ipc.transport.slots import SlotViews, dtype_from_name
 from dflash_ipc.target.model import load_hf_config, resolve_layer_ids, target_head_weights, text_config
-from dflash_ipc.data.tokenizer import load_tokenizer, mask_token_id
+from dflash_ipc.data.tokenizer import choose_mask_token, load_tokenizer
 from dflash_ipc.drafter.trainer import DistInfo, DrafterTrainer
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,12 @@ class DrafterCore:
         tokenizer = load_tokenizer(cfg.target.tokenizer)
         hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))
         layer_ids = resolve_layer_ids(cfg.target, int(text_config(hf_config).num_hidden_layers))
-        mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else mask_token_id(tokenizer)
+        if cfg.drafter.mask_token_id >= 0:
+            mask_id, why = cfg.drafter.mask_token_id, "drafter.mask_token_id"
+        else:
+            mask_id, why = choose_mask_token(tokenizer, int(text_config(hf_config).vocab_size))
+        if world.is_main:
+            log.info("mask token: id %d (%s)", mask_id, why)
         dtype = dtype_from_name(cfg.drafter.dtype)
         embed, lm_head = target_head_weights(cfg.target, hf_config, device, dtype)
         mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)

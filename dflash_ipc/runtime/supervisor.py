@@ -161,11 +161,12 @@ class Supervisor:
     def _tokenize_and_plan(self) -> dict:
         from dflash_ipc.data.corpus import load_corpus
         from dflash_ipc.data.plan import plan_epoch
-        from dflash_ipc.data.tokenizer import load_tokenizer
+        from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
 
         t0 = time.perf_counter()
         cfg = self.cfg
         tok = load_tokenizer(cfg.target.tokenizer)
+        check_target_tokenizer(cfg.target, tok)
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
         corpus = load_corpus(cfg.data, tok, data_dir)
         n_shards = len(cfg.topology.targets)

@@ -1,0 +1,234 @@
+"""``dflash-ipc gen-data``: self-distilled training data, the target answering the configured prompts.
+
+Each chat record's prompt is its *first* user turn (with a leading system message, if any);
+later turns are dropped, because the target's own answer to turn one would no longer match
+the conversation's later turns. Text records have no prompt and are skipped.
+
+Output, one JSON object per line (the corpus's chat format, so it trains as is)::
+
+    {"id": "...", "conversations": [..prompt.., {"role": "assistant", "content": "<target's answer>"}],
+     "finish": "stop" | "length"}
+
+Records whose id hashes below ``holdout_fraction`` (sha256 of the id, so the split is the same
+on every run and every machine) go to ``OUT.holdout.jsonl`` beside ``OUT``: prompts for
+``dflash-ipc eval --prompts``, never trained on. Resuming appends to both files and skips the
+ids already in either (a torn last line of an interrupted run is ignored and redone).
+
+Generation is batched (left-padded, sorted by prompt length) with transformers' ``generate``
+on the target's device: greedy, or sampled with temperature / top-p, up to ``max_new``
+tokens, stopping at the chat template's end-of-turn token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_ipc.config import DFlashConfig
+from dflash_ipc.data.readers import iter_records, prompt_messages, record_id
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GenOptions", "done_ids", "holdout_path", "is_holdout", "run_gen_data"]
+
+
+@dataclass(frozen=True)
+class GenOptions:
+    batch_size: int = 16
+    max_new: int = 512
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    holdout_fraction: float = 0.0
+    limit: int = 0  # 0: every prompt
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 (got {self.batch_size})")
+        if self.max_new < 1:
+            raise ValueError(f"max_new must be >= 1 (got {self.max_new})")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy; got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not 0 <= self.holdout_fraction < 1:
+            raise ValueError(f"holdout_fraction must be in [0, 1) (got {self.holdout_fraction})")
+        if self.limit < 0:
+            raise ValueError(f"limit must be >= 0 (got {self.limit})")
+
+
+def holdout_path(out: Path) -> Path:
+    return out.with_name(out.stem + ".holdout" + (out.suffix or ".jsonl"))
+
+
+def is_holdout(record_id: str, fraction: float) -> bool:
+    """Deterministic split: the first 8 bytes of sha256(id) as a fraction of 2**64."""
+    if fraction <= 0:
+        return False
+    h = int.from_bytes(hashlib.sha256(record_id.encode()).digest()[:8], "big")
+    return h / 2**64 < fraction
+
+
+def done_ids(*paths: Path) -> set[str]:
+    """Ids of complete lines already written (a torn or foreign line is ignored)."""
+    ids: set[str] = set()
+    for p in paths:
+        if not p.exists():
+            continue
+        with open(p, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    ids.add(str(json.loads(line)["id"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    return ids
+
+
+def _truncate_torn_tail(path: Path) -> None:
+    """An interrupted write can leave a last line without its newline: cut it, so appends start clean."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    keep = data.rfind(b"\n") + 1
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+
+
+class _Progress:
+    """A rich progress bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, total: int, echo: Callable[[str], None]):
+        self.total, self.done, self.echo, self.t0 = total, 0, echo, time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task("gen-data", total=total)
+
+    def advance(self, n: int, tokens: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(self.task, advance=n)
+        else:
+            rate = self.done / max(time.perf_counter() - self.t0, 1e-9)
+            self.echo(f"gen-data: {self.done}/{self.total} prompts ({rate:.2f}/s, last batch {tokens} new tokens)")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run_gen_data(cfg: DFlashConfig, out: Path, opts: GenOptions, *, prompts_path: str | None = None, device: str | None = None,
+                 echo: Callable[[str], None] = lambda s: None) -> dict:
+    """Answer the prompts with the target; returns counts (written, skipped as done, held out)."""
+    from dflash_ipc.data.tokenizer import (
+        check_target_tokenizer,
+        load_tokenizer,
+        stop_token_ids,
+    )
+    from dflash_ipc.eval.target_lm import build_target_lm
+
+    out = Path(out)
+    hold = holdout_path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for p in (out, hold):
+        _truncate_torn_tail(p)
+    done = done_ids(out, hold)
+    tokenizer = load_tokenizer(cfg.target.tokenizer)
+    check_target_tokenizer(cfg.target, tokenizer)
+    paths = [prompts_path] if prompts_path else list(cfg.data.paths)
+    clash = [p for p in paths if not p.startswith("builtin:") and Path(p).resolve() in (out.resolve(), hold.resolve())]
+    if clash:
+        raise ValueError(f"the prompts ({clash[0]}) are the output file; pass --prompts (e.g. builtin:stdlib-docs) or another --out")
+    pending: list[tuple[str, list[dict], list[int]]] = []
+    seen: set[str] = set()
+    skipped_done = no_prompt = duplicates = 0
+    for where, rec in iter_records(paths, cfg.data.builtin_samples, cfg.data.max_seq_len):
+        rid = record_id(where, rec)
+        if rid in seen:
+            duplicates += 1
+            continue
+        seen.add(rid)
+        if rid in done:
+            skipped_done += 1
+            continue
+        msgs = prompt_messages(rec)
+        if msgs is None:
+            no_prompt += 1
+            continue
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        pending.append((rid, msgs, tokenizer(text, add_special_tokens=False)["input_ids"][: cfg.data.max_seq_len]))
+        if opts.limit and len(pending) + skipped_done >= opts.limit:
+            break
+    result = {"out": str(out), "holdout": str(hold), "to_generate": len(pending), "skipped_done": skipped_done,
+              "no_prompt": no_prompt, "duplicate_ids": duplicates, "written": 0, "held_out": 0, "new_tokens": 0}
+    echo(f"gen-data: {len(pending)} prompts to answer ({skipped_done} already done, {no_prompt} records without a user turn)")
+    if not pending:
+        return result
+    dev = torch.device(device or cfg.topology.targets[0])
+    lm = build_target_lm(cfg.target, dev, vocab_size=len(tokenizer))
+    stops = stop_token_ids(tokenizer, getattr(lm, "generation_config", None))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ValueError(f"{cfg.target.tokenizer}: the tokenizer has neither a pad nor an eos token to pad batches with")
+    pending.sort(key=lambda r: len(r[2]))
+    progress = _Progress(len(pending), echo)
+    try:
+        with open(out, "a", encoding="utf-8") as f_out, open(hold, "a", encoding="utf-8") as f_hold:
+            for b in range(0, len(pending), opts.batch_size):
+                batch = pending[b : b + opts.batch_size]
+                answers = _generate(lm, [r[2] for r in batch], pad_id, stops, opts, seed=opts.seed * 1_000_003 + b)
+                new_tokens = 0
+                for (rid, msgs, _), (ids, finish) in zip(batch, answers):
+                    new_tokens += len(ids)
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                    line = json.dumps({"id": rid, "conversations": msgs + [{"role": "assistant", "content": text}], "finish": finish},
+                                      ensure_ascii=False)
+                    held = is_holdout(rid, opts.holdout_fraction)
+                    (f_hold if held else f_out).write(line + "\n")
+                    result["held_out" if held else "written"] += 1
+                f_out.flush()
+                f_hold.flush()
+                result["new_tokens"] += new_tokens
+                progress.advance(len(batch), new_tokens)
+    finally:
+        progress.close()
+    return result
+
+
+@torch.no_grad()
+def _generate(lm, prompts: list[list[int]], pad_id: int, stops: set[int], opts: GenOptions, seed: int) -> list[tuple[list[int], str]]:
+    """Left-padded batched generation; per prompt (new ids without the stop token, "stop"|"length")."""
+    dev = next(lm.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    sample = opts.temperature > 0
+    kwargs = {"do_sample": sample}
+    if sample:
+        torch.manual_seed(seed)
+        kwargs.update(temperature=opts.temperature, top_p=opts.top_p, top_k=0)
+    else:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    gen = lm.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=opts.max_new, eos_token_id=sorted(stops),
+                      pad_token_id=pad_id, **kwargs)
+    out = []
+    for row in gen[:, width:].tolist():
+        cut = next((k for k, t in enumerate(row) if t in stops), None)
+        out.append((row[:cut], "stop") if cut is not None else (row, "length"))
+    return out

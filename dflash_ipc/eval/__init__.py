@@ -1,0 +1,1 @@
+"""Speculative-decoding evaluation of exported drafters: τ, acceptance per position, speed, losslessness."""

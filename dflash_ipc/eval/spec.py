@@ -1,0 +1,157 @@
+"""Greedy DFlash speculative decoding and the ``dflash-ipc eval`` report.
+
+One prompt (:func:`speculative_generate`)::
+
+    prefill: target(prompt) -> first token (the anchor), features of the prompt = drafter context
+    loop until a stop token or max_new tokens:
+        drafts   = drafter(context features, [anchor, MASK x (B-1)])      one drafter forward
+        greedy   = target([anchor, drafts...]) on its KV cache             one verification step
+        accepted = longest prefix with draft == greedy, + bonus token      (verify.verify_block)
+        cache    : keep anchor + accepted drafts (crop, or snapshot + re-run for recurrent caches)
+        context += the kept positions' features from the verification forward
+        anchor   = last emitted token
+
+τ = tokens emitted by verification steps / verification steps (the prefill's first token is
+not a step). Plain greedy decoding (:func:`greedy_generate`) runs the same target on the same
+cache type one token per forward; ``lossless`` means every prompt's speculative output equals
+it token for token.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_ipc.drafter.loss import build_attention_masks, build_block_layout
+from dflash_ipc.drafter.model import DFlashDrafter
+from dflash_ipc.eval.target_lm import TargetLM
+from dflash_ipc.eval.verify import StepResult, verify_block
+
+__all__ = ["DrafterProposer", "GenResult", "greedy_generate", "speculative_generate", "summarize"]
+
+# (context features [n, k*H], anchor token, number of drafts) -> draft tokens
+Proposer = Callable[[torch.Tensor, int, int], list[int]]
+
+
+class DrafterProposer:
+    """Drafts from an exported DFlash drafter: one forward over [anchor, MASK...] on the context."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        self.drafter = drafter
+        self.device = drafter.device
+
+    @torch.no_grad()
+    def __call__(self, context: torch.Tensor, anchor: int, num_drafts: int) -> list[int]:
+        d = self.drafter
+        n, bs = context.shape[0], num_drafts + 1
+        dev = self.device
+        layout = build_block_layout(
+            torch.tensor([n], device=dev), torch.tensor([n], device=dev), torch.tensor([0], device=dev), bs, n=n
+        )
+        masks = build_attention_masks(layout, d.config.layer_types, d.config.sliding_window, "sdpa")
+        ids = torch.full((1, bs), d.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = anchor
+        hidden = d(context.to(dev), layout.context_position_ids, ids, layout.block_position_ids, masks)
+        return d.compute_logits(hidden[1:]).float().argmax(-1).tolist()
+
+
+@dataclass
+class GenResult:
+    tokens: list[int]
+    steps: list[StepResult] = field(default_factory=list)
+    seconds: float = 0.0
+    target_forwards: int = 0
+
+    @property
+    def tau(self) -> float:
+        return sum(len(s.tokens) for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def greedy_generate(target: TargetLM, prompt: Sequence[int], max_new: int, stop_ids: set[int]) -> GenResult:
+    """Plain greedy decoding: one target forward per token on the KV cache."""
+    _sync(target.device)
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    greedy, _ = target.forward(list(prompt), cache, capture=False)
+    out = [greedy[-1]]
+    forwards = 1
+    while len(out) < max_new and out[-1] not in stop_ids:
+        greedy, _ = target.forward([out[-1]], cache, capture=False)
+        out.append(greedy[-1])
+        forwards += 1
+    _sync(target.device)
+    return GenResult(tokens=out, seconds=time.perf_counter() - t0, target_forwards=forwards)
+
+
+def speculative_generate(
+    target: TargetLM, propose: Proposer, prompt: Sequence[int], max_new: int, stop_ids: set[int], block_size: int, context_device=None
+) -> GenResult:
+    """Greedy speculative decoding of one prompt (see the module docstring)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1 (got {block_size})")
+    _sync(target.device)
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    greedy, feats = target.forward(list(prompt), cache)
+    context = feats.to(context_device) if context_device is not None else feats
+    out = [greedy[-1]]
+    steps: list[StepResult] = []
+    forwards = 1
+    while len(out) < max_new and out[-1] not in stop_ids:
+        anchor = out[-1]
+        drafts = propose(context, anchor, block_size - 1) if block_size > 1 else []
+        block = [anchor] + [int(t) for t in drafts]
+        snapshot = copy.deepcopy(cache) if target.rollback == "recompute" else None
+        greedy, feats = target.forward(block, cache)
+        forwards += 1
+        res = verify_block(drafts, greedy, stop_ids, remaining=max_new - len(out))
+        steps.append(res)
+        out.extend(res.tokens)
+        if res.stopped or len(out) >= max_new:
+            break
+        keep = res.kept_positions
+        if keep < len(block):
+            cache = target.roll_back(cache, snapshot, block[:keep], len(block) - keep)
+            forwards += int(target.rollback == "recompute")
+        context = torch.cat([context, feats[:keep].to(context.device)], dim=0)
+    _sync(target.device)
+    return GenResult(tokens=out, steps=steps, seconds=time.perf_counter() - t0, target_forwards=forwards)
+
+
+def summarize(spec: list[GenResult], plain: list[GenResult], block_size: int) -> dict:
+    """Pooled and per-prompt τ, acceptance per block position, speeds, losslessness."""
+    steps = [s for r in spec for s in r.steps]
+    produced = sum(len(s.tokens) for s in steps)
+    accept = []
+    for pos in range(1, block_size):
+        accept.append(round(sum(s.accepted >= pos for s in steps) / len(steps), 4) if steps else 0.0)
+    spec_tokens, plain_tokens = sum(len(r.tokens) for r in spec), sum(len(r.tokens) for r in plain)
+    spec_s, plain_s = sum(r.seconds for r in spec), sum(r.seconds for r in plain)
+    mismatches = [i for i, (a, b) in enumerate(zip(spec, plain)) if a.tokens != b.tokens]
+    spec_tps = spec_tokens / spec_s if spec_s > 0 else 0.0
+    plain_tps = plain_tokens / plain_s if plain_s > 0 else 0.0
+    return {
+        "prompts": len(spec),
+        "block_size": block_size,
+        "tau": round(produced / len(steps), 4) if steps else 0.0,
+        "tau_per_prompt": [round(r.tau, 4) for r in spec],
+        "verify_steps": len(steps),
+        "acceptance_per_position": accept,
+        "tokens": spec_tokens,
+        "target_forwards_spec": sum(r.target_forwards for r in spec),
+        "target_forwards_greedy": sum(r.target_forwards for r in plain),
+        "tokens_per_s_spec": round(spec_tps, 2),
+        "tokens_per_s_greedy": round(plain_tps, 2),
+        "speedup": round(spec_tps / plain_tps, 4) if plain_tps > 0 else 0.0,
+        "lossless": not mismatches and len(spec) == len(plain),
+        "mismatched_prompts": mismatches,
+    }

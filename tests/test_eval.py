@@ -1,0 +1,185 @@
+"""Speculative-decoding eval: the verification rule on hand-made drafts, and real decoding with
+the tiny random Qwen3.5 target (GatedDeltaNet: recompute rollback) and a tiny Llama checkpoint
+(attention only: crop rollback)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash_ipc.cli import main
+from dflash_ipc.config import load_config
+from dflash_ipc.data.tokenizer import load_tokenizer, mask_token_id, stop_token_ids
+from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, export_drafter
+from dflash_ipc.eval.run import load_prompts
+from dflash_ipc.eval.spec import greedy_generate, speculative_generate, summarize
+from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
+from dflash_ipc.eval.verify import verify_block
+from dflash_ipc.target.model import (
+    load_hf_config,
+    resolve_layer_ids,
+    target_head_weights,
+    text_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny-cpu.toml"
+
+
+# --------------------------------------------------------------------------- the pure rule
+
+
+def test_verify_all_accepted_gives_block_plus_bonus():
+    r = verify_block([5, 6, 7], [5, 6, 7, 8])
+    assert (r.accepted, r.tokens, r.stopped, r.kept_positions) == (3, (5, 6, 7, 8), False, 4)
+
+
+def test_verify_none_accepted_gives_the_targets_token():
+    r = verify_block([9, 6, 7], [5, 6, 7, 8])
+    assert (r.accepted, r.tokens, r.kept_positions) == (0, (5,), 1)
+
+
+def test_verify_partial_stops_at_first_mismatch_even_if_later_drafts_match():
+    r = verify_block([5, 1, 7], [5, 6, 7, 8])
+    assert (r.accepted, r.tokens, r.kept_positions) == (1, (5, 6), 2)
+
+
+def test_verify_stop_token_inside_block_ends_the_output():
+    r = verify_block([5, 2, 7], [5, 2, 7, 8], stop_ids={2})
+    assert (r.accepted, r.tokens, r.stopped) == (3, (5, 2), True)
+    r = verify_block([5, 6], [5, 6, 2], stop_ids={2})  # the bonus token is the stop
+    assert (r.tokens, r.stopped) == ((5, 6, 2), True)
+
+
+def test_verify_budget_cut_and_block_size_one():
+    assert verify_block([5, 6, 7], [5, 6, 7, 8], remaining=2).tokens == (5, 6)
+    r = verify_block([], [4])
+    assert (r.accepted, r.tokens, r.kept_positions) == (0, (4,), 1)
+    with pytest.raises(ValueError, match="one target token per block position"):
+        verify_block([1, 2], [1, 2])
+
+
+# --------------------------------------------------------------------------- real decoding
+
+
+def _drafter(cfg, tokenizer, out: Path, seed: int = 0) -> Path:
+    hf = load_hf_config(cfg.target, vocab_size=len(tokenizer))
+    ids = resolve_layer_ids(cfg.target, int(text_config(hf).num_hidden_layers))
+    mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf, ids, mask_token_id(tokenizer))
+    embed, head = target_head_weights(cfg.target, hf, "cpu", torch.float32)
+    torch.manual_seed(seed)
+    return export_drafter(DFlashDrafter(mcfg, embed, head, attention="sdpa"), out)
+
+
+class _Oracle:
+    """Drafts the greedy continuation; ``corrupt_every`` > 0 spoils one draft per block
+    (at a position that cycles), so blocks are partly accepted and caches roll back."""
+
+    def __init__(self, prompt_len: int, greedy: list[int], corrupt_every: int = 0, vocab: int = 2):
+        self.prompt_len, self.greedy, self.corrupt, self.vocab, self.calls = prompt_len, greedy, corrupt_every, vocab, 0
+
+    def __call__(self, context, anchor, k):
+        start = context.shape[0] - self.prompt_len + 1  # index in greedy of the first draft
+        drafts = [self.greedy[start + i] if start + i < len(self.greedy) else 0 for i in range(k)]
+        if self.corrupt:
+            pos = self.calls % (k + 1)
+            if pos < k:
+                drafts[pos] = (drafts[pos] + 1) % self.vocab
+        self.calls += 1
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = load_config(TINY, {"data.builtin_samples": 40})
+    tok = load_tokenizer(cfg.target.tokenizer)
+    lm = build_target_lm(cfg.target, "cpu", vocab_size=len(tok), dtype="float32")
+    ids = resolve_layer_ids(cfg.target, int(text_config(lm.config).num_hidden_layers))
+    target = TargetLM(lm, ids)
+    prompts = load_prompts(cfg, tok, None, 3)
+    yield cfg, tok, target, prompts, stop_token_ids(tok)
+    target.close()
+
+
+def test_block_size_one_gives_tau_one(tiny):
+    _, _, target, prompts, stops = tiny
+    res = speculative_generate(target, lambda *a: pytest.fail("no drafts at block size 1"), prompts[0], 12, stops, 1)
+    assert res.steps and all(len(s.tokens) == 1 for s in res.steps)
+    assert res.tau == 1.0
+    assert res.tokens == greedy_generate(target, prompts[0], 12, stops).tokens
+
+
+def test_oracle_drafter_gives_tau_block_size_except_last_step(tiny):
+    _, _, target, prompts, _ = tiny
+    assert target.rollback == "recompute"  # Qwen3.5: GatedDeltaNet state cannot be cropped
+    bs, max_new = 4, 1 + 4 * 5 + 2
+    for p in prompts:
+        plain = greedy_generate(target, p, max_new, set())
+        res = speculative_generate(target, _Oracle(len(p), plain.tokens), p, max_new, set(), bs)
+        assert res.tokens == plain.tokens
+        assert [len(s.tokens) for s in res.steps] == [bs] * 5 + [2]
+
+
+def test_partly_accepted_blocks_roll_back_and_stay_lossless(tiny):
+    _, tok, target, prompts, stops = tiny
+    for p in prompts:
+        plain = greedy_generate(target, p, 30, stops)
+        oracle = _Oracle(len(p), plain.tokens, corrupt_every=1, vocab=len(tok))
+        res = speculative_generate(target, oracle, p, 30, stops, 5)
+        assert res.tokens == plain.tokens
+        assert any(0 < s.accepted < 4 for s in res.steps)
+
+
+def test_eval_cli_untrained_drafter_is_lossless(tiny, tmp_path):
+    cfg, tok, *_ = tiny
+    d = _drafter(cfg, tok, tmp_path / "drafter")
+    r = CliRunner().invoke(main, ["eval", "--config", str(TINY), "--drafter", str(d), "--n", "3", "--max-new", "16", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output.strip().splitlines()[-1])
+    assert rep["lossless"] is True and rep["mismatched_prompts"] == []
+    assert rep["prompts"] == 3 and len(rep["tau_per_prompt"]) == 3
+    assert 1.0 <= rep["tau"] <= cfg.drafter.block_size
+    assert len(rep["acceptance_per_position"]) == cfg.drafter.block_size - 1
+    assert rep["dtype"] == "float32" and rep["cache_rollback"] == "recompute"
+
+
+def test_summary_counts_acceptance_per_position():
+    from dflash_ipc.eval.spec import GenResult
+
+    a = GenResult(tokens=[1, 2, 3, 4], steps=[verify_block([2, 3], [2, 3, 4]), verify_block([9, 9], [5, 6, 7])])
+    rep = summarize([a], [GenResult(tokens=[1, 2, 3, 4])], 3)
+    assert rep["tau"] == 2.0 and rep["acceptance_per_position"] == [0.5, 0.5] and rep["lossless"] is True
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A random 4-layer Llama checkpoint over the built-in tokenizer's 1,024 ids."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("llama")
+    conf = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(conf).save_pretrained(d)
+    return d
+
+
+def test_llama_checkpoint_crops_its_cache_and_stays_lossless(tiny_llama):
+    cfg = load_config(TINY, {"target.model_path": str(tiny_llama), "target.tokenizer": "builtin", "target.spec": {},
+                             "data.builtin_samples": 20})
+    tok = load_tokenizer(cfg.target.tokenizer)
+    lm = build_target_lm(cfg.target, "cpu", dtype="float32")
+    target = TargetLM(lm, resolve_layer_ids(cfg.target, 4))
+    try:
+        assert target.rollback == "crop"
+        for p in load_prompts(cfg, tok, None, 2):
+            plain = greedy_generate(target, p, 25, set())
+            res = speculative_generate(target, _Oracle(len(p), plain.tokens, corrupt_every=1, vocab=1024), p, 25, set(), 4)
+            assert res.tokens == plain.tokens
+            assert any(0 < s.accepted < 3 for s in res.steps)
+    finally:
+        target.close()

@@ -1,0 +1,115 @@
+"""gen-data with the tiny random Qwen3.5 target: resume, held-out split, batching; Parquet and
+saved-dataset sources."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_ipc.cli import main
+from dflash_ipc.config import load_config
+from dflash_ipc.data.corpus import DataError, load_corpus
+from dflash_ipc.data.gen import holdout_path, is_holdout
+from dflash_ipc.data.readers import iter_records
+from dflash_ipc.data.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny-cpu.toml"
+
+CHATS = [
+    {"id": f"q{i}", "conversations": [{"role": "user", "content": f"What does function number {i} do?"},
+                                      {"role": "assistant", "content": f"It returns {i}."},
+                                      {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "Nothing."}]}
+    for i in range(10)
+]
+
+
+def _gen(out: Path, *extra: str) -> dict:
+    r = CliRunner().invoke(main, ["gen-data", "--config", str(TINY), "--out", str(out), "--max-new", "6", "--batch-size", "3",
+                                  "--json", *extra])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output.strip().splitlines()[-1])
+
+
+def _lines(p: Path) -> list[dict]:
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def test_gen_data_resumes_without_repeating_and_splits_by_id_hash(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in CHATS) + "{\"text\": \"no prompt here\"}\n")
+    out = tmp_path / "gen.jsonl"
+    first = _gen(out, "--prompts", str(prompts), "--limit", "4", "--holdout-fraction", "0.3")
+    assert first["written"] + first["held_out"] == 4 and first["skipped_done"] == 0
+    # an interrupted run leaves half a line: it is cut and that record redone
+    with open(out, "a") as f:
+        f.write('{"id": "q9", "conversa')
+    second = _gen(out, "--prompts", str(prompts), "--holdout-fraction", "0.3")
+    assert second["skipped_done"] == 4 and second["written"] + second["held_out"] == 6 and second["no_prompt"] == 1
+    train, held = _lines(out), _lines(holdout_path(out))
+    ids = [r["id"] for r in train + held]
+    assert sorted(ids) == sorted(c["id"] for c in CHATS)  # every prompt exactly once
+    assert {r["id"] for r in held} == {c["id"] for c in CHATS if is_holdout(c["id"], 0.3)}
+    for r in train + held:
+        conv = r["conversations"]
+        assert [m["role"] for m in conv] == ["user", "assistant"]  # the first user turn only
+        assert conv[0]["content"] == next(c for c in CHATS if c["id"] == r["id"])["conversations"][0]["content"]
+        assert r["finish"] in ("stop", "length")
+    # a third run has nothing left to do
+    assert _gen(out, "--prompts", str(prompts), "--holdout-fraction", "0.3")["to_generate"] == 0
+
+
+def test_batched_greedy_answers_equal_one_at_a_time(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in CHATS[:4]))
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _gen(a, "--prompts", str(prompts))
+    r = CliRunner().invoke(main, ["gen-data", "--config", str(TINY), "--out", str(b), "--max-new", "6", "--batch-size", "1",
+                                  "--prompts", str(prompts)])
+    assert r.exit_code == 0, r.output
+    key = lambda rows: sorted((x["id"], x["conversations"][-1]["content"]) for x in rows)
+    assert key(_lines(a)) == key(_lines(b))
+
+
+def test_holdout_split_is_deterministic_and_near_the_fraction():
+    ids = [f"doc-{i}" for i in range(4000)]
+    share = sum(is_holdout(i, 0.1) for i in ids) / len(ids)
+    assert 0.085 < share < 0.115
+    assert [is_holdout(i, 0.1) for i in ids[:50]] == [is_holdout(i, 0.1) for i in ids[:50]]
+    assert not any(is_holdout(i, 0.0) for i in ids)
+
+
+def test_parquet_and_saved_dataset_sources_load_like_jsonl(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = CHATS[:5]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chats.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    jsonl = tmp_path / "chats.jsonl"
+    jsonl.write_text("".join(json.dumps(c) + "\n" for c in rows))
+    tok = load_tokenizer("builtin")
+    cfg = load_config(TINY).data
+    corpora = []
+    for path in (jsonl, tmp_path / "chats.parquet", tmp_path / "ds"):
+        cfg.paths = [str(path)]
+        corpora.append(load_corpus(cfg, tok, None))
+    for c in corpora[1:]:
+        assert c.num_samples == 5 and c.tokens.tolist() == corpora[0].tokens.tolist()
+        assert c.loss_mask.tolist() == corpora[0].loss_mask.tolist()
+    where = [w for w, _ in iter_records([str(tmp_path / "chats.parquet")])]
+    assert where[0].endswith("chats.parquet:row 1")
+
+
+def test_unreadable_parquet_is_a_clear_data_error(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet")
+    tok = load_tokenizer("builtin")
+    cfg = load_config(TINY).data
+    cfg.paths = [str(bad)]
+    with pytest.raises(DataError, match="bad.parquet: not a readable Parquet file"):
+        load_corpus(cfg, tok, None)
