@@ -15,7 +15,8 @@ import torch
 from dflash_ipc.control import protocol
 from dflash_ipc.transport.dataplane import ConsumerDataPlane, ProducerDataPlane
 from dflash_ipc.control.protocol import EndOfData, Hello, Load, RejectCounter, SlotFree, SlotReady
-from dflash_ipc.transport.ring import create_producer_ring, new_run_id, open_consumer_ring, sweep_run_shm
+from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
+from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
 LAYOUT = SlotLayout(num_planes=2, hidden_size=8, max_tokens=24, max_seqs=4, plane_dtype="float32")

@@ -14,20 +14,10 @@ import msgpack
 import pytest
 import torch
 
-from dflash_ipc.transport.ring import (
-    SHM_DIR,
-    CpuShmConsumerRing,
-    CpuShmProducerRing,
-    SlotState,
-    SlotStateError,
-    SlotTable,
-    create_producer_ring,
-    list_run_shm,
-    new_run_id,
-    open_consumer_ring,
-    shm_name,
-    sweep_run_shm,
-)
+from dflash_ipc.transport.cpu_shm import CpuShmConsumerRing, CpuShmProducerRing
+from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
+from dflash_ipc.transport.ring import SlotState, SlotStateError, SlotTable
+from dflash_ipc.transport.shm import SHM_DIR, list_run_shm, new_run_id, shm_name, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
 LAYOUT = SlotLayout(num_planes=2, hidden_size=16, max_tokens=32, max_seqs=4, plane_dtype="float32")
@@ -167,7 +157,7 @@ CONSUMER_CHILD = textwrap.dedent(
     r"""
     import json, sys
     import msgpack, torch
-    from dflash_ipc.transport.ring import open_consumer_ring
+    from dflash_ipc.transport.factory import open_consumer_ring
     desc = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
     ring = open_consumer_ring(desc)
     out = {"num_slots": ring.num_slots, "ok": []}
@@ -217,7 +207,7 @@ def test_cpu_shm_cross_process(run_id):
 PRODUCER_CHILD = textwrap.dedent(
     r"""
     import sys, time
-    from dflash_ipc.transport.ring import create_producer_ring
+    from dflash_ipc.transport.factory import create_producer_ring
     from dflash_ipc.transport.slots import SlotLayout
     ring = create_producer_ring("cpu-shm", SlotLayout(1, 8, 8, 1), 2, run_id=sys.argv[1], producer_rank=0)
     ring.slot(1)[0] = 7

@@ -18,7 +18,8 @@ pytestmark = [
 ]
 
 from dflash_ipc.bench import gpu_harness as bg  # noqa: E402
-from dflash_ipc.transport.ring import create_producer_ring, new_run_id, open_consumer_ring  # noqa: E402
+from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring  # noqa: E402
+from dflash_ipc.transport.shm import new_run_id  # noqa: E402
 from dflash_ipc.transport.slots import SlotLayout  # noqa: E402
 
 MIB = 1 << 20
@@ -143,7 +144,7 @@ def test_descriptor_is_plain_msgpack_and_device_uuid_is_checked():
 
 
 def test_choose_backend():
-    from dflash_ipc.transport.ring_cuda import choose_backend
+    from dflash_ipc.transport.factory import choose_backend
 
     backend, reason = choose_backend("cuda:0", ["cuda:0"])
     assert backend == "cuda-ipc" and reason

@@ -34,7 +34,9 @@ from collections import deque
 import msgpack
 import torch
 
-from dflash_ipc.transport.ring import SlotStateError, SlotTable, create_producer_ring, new_run_id, open_consumer_ring, sweep_run_shm
+from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
+from dflash_ipc.transport.ring import SlotStateError, SlotTable
+from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
 GIB = 1 << 30
@@ -682,7 +684,7 @@ def run_bench(quick: bool = False, progress=print) -> dict:
                  "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     if n > 1:
         out["peer_access"] = torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0)
-        from dflash_ipc.transport.ring_cuda import choose_backend
+        from dflash_ipc.transport.factory import choose_backend
 
         out["auto"] = list(choose_backend(0, [1]))
     ref = {}

@@ -34,7 +34,7 @@ from dflash_ipc.control import channels
 from dflash_ipc.control import handshake
 from dflash_ipc.control import protocol
 from dflash_ipc.control.protocol import Done, RejectCounter
-from dflash_ipc.transport.ring import new_run_id, sweep_run_shm
+from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
 BENCH_HIDDEN = 1024
