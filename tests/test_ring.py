@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -14,10 +15,22 @@ import msgpack
 import pytest
 import torch
 
+from dflash_ipc.control import protocol
+from dflash_ipc.control.ring_descriptor import (
+    DESCRIPTOR_VERSION,
+    RingDescriptor,
+    ShmSegment,
+)
 from dflash_ipc.transport.cpu_shm import CpuShmConsumerRing, CpuShmProducerRing
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
 from dflash_ipc.transport.ring import SlotState, SlotStateError, SlotTable
-from dflash_ipc.transport.shm import SHM_DIR, list_run_shm, new_run_id, shm_name, sweep_run_shm
+from dflash_ipc.transport.shm import (
+    SHM_DIR,
+    list_run_shm,
+    new_run_id,
+    shm_name,
+    sweep_run_shm,
+)
 from dflash_ipc.transport.slots import SlotLayout
 
 LAYOUT = SlotLayout(num_planes=2, hidden_size=16, max_tokens=32, max_seqs=4, plane_dtype="float32")
@@ -142,11 +155,34 @@ def test_consumer_ring_refuses_wrong_size(run_id):
     ring = create_producer_ring("cpu-shm", LAYOUT, 2, run_id=run_id, producer_rank=0)
     try:
         d = ring.descriptor()
-        bad = dict(d, num_slots=3)
         with pytest.raises(ValueError, match="bytes"):
-            CpuShmConsumerRing(bad)
+            CpuShmConsumerRing(dataclasses.replace(d, num_slots=3))
         with pytest.raises(ValueError, match="unknown transport backend"):
-            open_consumer_ring(dict(d, backend="carrier-pigeon"))
+            open_consumer_ring(dataclasses.replace(d, backend="carrier-pigeon"))
+        with pytest.raises(ValueError, match="version 1, this build reads"):
+            open_consumer_ring(dataclasses.replace(d, version=1))
+    finally:
+        ring.close()
+
+
+def test_descriptor_is_typed_on_the_wire(run_id):
+    ring = create_producer_ring("cpu-shm", LAYOUT, 2, run_id=run_id, producer_rank=3)
+    try:
+        d = ring.descriptor()
+        assert isinstance(d, RingDescriptor) and d.backend == "cpu-shm" and d.version == DESCRIPTOR_VERSION
+        assert d.shm == ShmSegment(name=ring.name) and d.gpu is None and d.cuda_ipc is None
+        assert (d.run_id, d.producer_rank, d.producer_pid, d.num_slots) == (run_id, 3, os.getpid(), 2)
+        raw = msgpack.unpackb(msgpack.packb(protocol.to_wire(d), use_bin_type=True), raw=False)
+        assert protocol.from_wire(RingDescriptor, raw) == d
+        # a renamed key, a mistyped field, or a part the backend does not have is refused on decode
+        with pytest.raises(protocol.ProtocolError, match="unknown fields"):
+            protocol.from_wire(RingDescriptor, {**raw, "name": ring.name})
+        with pytest.raises(protocol.ProtocolError, match=r"RingDescriptor\.layout\.max_tokens"):
+            protocol.from_wire(RingDescriptor, {**raw, "layout": {**raw["layout"], "max_tokens": "32"}})
+        with pytest.raises(protocol.ProtocolError, match="carries no `gpu` part"):
+            protocol.from_wire(RingDescriptor, {**raw, "gpu": {"index": 0, "uuid": "GPU-0"}})
+        with pytest.raises(protocol.ProtocolError, match="needs `shm` part"):
+            protocol.from_wire(RingDescriptor, {**raw, "shm": None})
     finally:
         ring.close()
 
@@ -157,8 +193,10 @@ CONSUMER_CHILD = textwrap.dedent(
     r"""
     import json, sys
     import msgpack, torch
+    from dflash_ipc.control.protocol import from_wire
+    from dflash_ipc.control.ring_descriptor import RingDescriptor
     from dflash_ipc.transport.factory import open_consumer_ring
-    desc = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
+    desc = from_wire(RingDescriptor, msgpack.unpackb(sys.stdin.buffer.read(), raw=False))
     ring = open_consumer_ring(desc)
     out = {"num_slots": ring.num_slots, "ok": []}
     buf = torch.zeros(ring.layout.slot_bytes, dtype=torch.uint8)
@@ -191,7 +229,7 @@ def test_cpu_shm_cross_process(run_id):
             v.loss_mask.copy_(torch.tensor([1, 0] * (n // 2) + [1] * (n % 2), dtype=torch.uint8))
             v.seq_lens.copy_(torch.tensor([n - 2, 2], dtype=torch.int32))
             ring.commit(i, n, 2)
-        wire = msgpack.packb(ring.descriptor(), use_bin_type=True)  # plain fields only
+        wire = msgpack.packb(protocol.to_wire(ring.descriptor()), use_bin_type=True)
         proc = subprocess.run([sys.executable, "-c", CONSUMER_CHILD], input=wire, capture_output=True, timeout=120)
         assert proc.returncode == 0, proc.stderr.decode()
         out = json.loads(proc.stdout.decode().strip().splitlines()[-1])
@@ -232,8 +270,9 @@ def test_killed_producer_leaves_segment_and_sweep_removes_it(run_id):
     # nobody unlinked it: the segment outlives its creator...
     assert path.exists() and list_run_shm(run_id) == [str(path)]
     # ...and its data is still there for anyone who maps it
-    desc = {"backend": "cpu-shm", "name": name, "num_slots": 2, "slot_bytes": SlotLayout(1, 8, 8, 1).slot_bytes,
-            "layout": SlotLayout(1, 8, 8, 1).to_wire(), "device": "cpu"}
+    layout = SlotLayout(1, 8, 8, 1)
+    desc = RingDescriptor(backend="cpu-shm", version=DESCRIPTOR_VERSION, run_id=run_id, producer_rank=0, producer_pid=proc.pid,
+                          num_slots=2, slot_bytes=layout.slot_bytes, layout=layout.to_wire(), shm=ShmSegment(name=name))
     cons = open_consumer_ring(desc)
     assert int(cons.slot(1)[0]) == 7
     cons.close()

@@ -164,13 +164,20 @@ HELLO_CHILD = textwrap.dedent(
     from dflash_ipc.control import handshake
     from dflash_ipc.control import protocol
     from dflash_ipc.control.protocol import Hello, RejectCounter
+    from dflash_ipc.control.ring_descriptor import DESCRIPTOR_VERSION, RingDescriptor, ShmSegment, SlotLayoutWire
     endpoint, role, rank, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     ctx = zmq.Context()
     dealer = channels.connect(ctx, zmq.DEALER, endpoint, handshake.identity(role, rank))
+    ring = None
+    if role == "producer":  # a producer's Hello carries its ring's descriptor (these children never map it)
+        layout = SlotLayoutWire(num_planes=1, hidden_size=8, max_tokens=8, max_seqs=1, plane_dtype="float32")
+        ring = RingDescriptor(backend="cpu-shm", version=DESCRIPTOR_VERSION, run_id="0", producer_rank=rank, producer_pid=os.getpid(),
+                              num_slots=2, slot_bytes=4096, layout=layout, shm=ShmSegment(name=f"dflash-ipc-0-target{rank}"))
     if mode == "dead":
         dealer.send(protocol.encode(protocol.Dead(role=role, rank=rank, error="RuntimeError: out of memory loading the model")))
     else:
-        dealer.send(protocol.encode(Hello(role=role, rank=rank, pid=os.getpid(), device="cpu", endpoint=f"ipc://nowhere/{role}{rank}")))
+        dealer.send(protocol.encode(Hello(role=role, rank=rank, pid=os.getpid(), device="cpu", endpoint=f"ipc://nowhere/{role}{rank}",
+                                          ring=ring)))
     print("sent", flush=True)
     if mode == "die_after_start":
         start = handshake.child_handshake(dealer, Hello(role=role, rank=rank, pid=os.getpid(), device="cpu"), 60, RejectCounter("c"))

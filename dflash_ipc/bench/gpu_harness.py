@@ -34,6 +34,8 @@ from collections import deque
 import msgpack
 import torch
 
+from dflash_ipc.control.protocol import from_wire, to_wire
+from dflash_ipc.control.ring_descriptor import RingDescriptor, SlotLayoutWire
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
 from dflash_ipc.transport.ring import SlotStateError, SlotTable
 from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
@@ -47,7 +49,7 @@ MIB = 1 << 20
 
 
 def _send(conn, msg: dict) -> None:
-    conn.send_bytes(msgpack.packb(msg, use_bin_type=True))
+    conn.send_bytes(msgpack.packb(to_wire(msg), use_bin_type=True))
 
 
 def _recv(conn, timeout: float | None = None) -> dict:
@@ -217,7 +219,7 @@ def scenario(
         "backend": backend,
         "producer_device": int(producer_device),
         "consumer_device": int(consumer_device),
-        "layout": layout.to_wire(),
+        "layout": to_wire(layout.to_wire()),
         "num_slots": int(num_slots),
         "iters": int(iters),
         "warmup": int(warmup),
@@ -240,7 +242,7 @@ def _produce(sc: dict, conn, rank: int) -> dict:
     dev = _device(sc["producer_device"])
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    layout = SlotLayout.from_wire(sc["layout"])
+    layout = SlotLayout.from_wire(from_wire(SlotLayoutWire, sc["layout"]))
     run_id = new_run_id()
     t0 = time.perf_counter()
     ring = create_producer_ring(sc["backend"], layout, sc["num_slots"], run_id=run_id, producer_rank=rank, device=dev)
@@ -329,7 +331,7 @@ def _consume(sc: dict, conn) -> dict:
     if cuda:
         torch.cuda.set_device(dev)
     t0 = time.perf_counter()
-    ring = open_consumer_ring(m["desc"], dev)
+    ring = open_consumer_ring(from_wire(RingDescriptor, m["desc"]), dev)
     open_s = time.perf_counter() - t0
     layout = ring.layout
     depth = 1 if sc["mode"] == "lockstep" else max(1, sc["depth"])
@@ -529,7 +531,7 @@ def run_scenarios(scenarios: list[dict], *, env: dict | None = None, timeout: fl
     out = []
     for sc, r in zip(scenarios, got["producer"]["results"]):
         out.append({"name": sc["name"], "backend": sc["backend"], "producer_device": sc["producer_device"],
-                    "consumer_device": sc["consumer_device"], "slot_bytes": SlotLayout.from_wire(sc["layout"]).slot_bytes,
+                    "consumer_device": sc["consumer_device"], "slot_bytes": SlotLayout.from_wire(from_wire(SlotLayoutWire, sc["layout"])).slot_bytes,
                     "num_slots": sc["num_slots"], "iters": sc["iters"], "depth": sc["depth"], "mode": sc["mode"], **r})
     return out
 
@@ -606,7 +608,7 @@ def _kill_consumer_main(peer, parent, device: int) -> None:
         dev = torch.device("cuda", device)
         torch.cuda.set_device(dev)
         m = _recv(peer, 120)
-        ring = open_consumer_ring(m["desc"], dev)
+        ring = open_consumer_ring(from_wire(RingDescriptor, m["desc"]), dev)
         layout = ring.layout
         err = torch.zeros((), dtype=torch.int64, device=dev)
         base = torch.arange(layout.max_tokens, dtype=torch.int64, device=dev)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from dflash_ipc.control.ring_descriptor import RingDescriptor, ShmSegment
 from dflash_ipc.transport.ring import (
     CopyTicket,
     DoneTicket,
     SlotRingBase,
+    describe,
     layout_from_descriptor,
 )
 from dflash_ipc.transport.shm import (
@@ -30,6 +32,8 @@ class CpuShmProducerRing(SlotRingBase):
         super().__init__(layout, num_slots)
         self.device = torch.device("cpu")
         self.name = shm_name(run_id, producer_rank)
+        self._run_id = run_id
+        self._rank = producer_rank
         self._buffer = create_shm_tensor(self.name, self.num_slots * self.slot_bytes)
 
     # The packer writes straight into the shared slot on CPU.
@@ -43,15 +47,8 @@ class CpuShmProducerRing(SlotRingBase):
     def commit(self, index: int, n_tokens: int, n_seqs: int, stream=None) -> None:
         return None
 
-    def descriptor(self) -> dict:
-        return {
-            "backend": self.backend,
-            "name": self.name,
-            "num_slots": self.num_slots,
-            "slot_bytes": self.slot_bytes,
-            "layout": self.layout.to_wire(),
-            "device": "cpu",
-        }
+    def descriptor(self) -> RingDescriptor:
+        return describe(self, self._run_id, self._rank, shm=ShmSegment(name=self.name))
 
     def close(self) -> None:
         """Drop the mapping and unlink the segment (idempotent)."""
@@ -62,11 +59,13 @@ class CpuShmProducerRing(SlotRingBase):
 class CpuShmConsumerRing(SlotRingBase):
     backend = "cpu-shm"
 
-    def __init__(self, descriptor: dict):
+    def __init__(self, descriptor: RingDescriptor):
         layout, num_slots = layout_from_descriptor(descriptor)
         super().__init__(layout, num_slots)
+        if descriptor.shm is None:
+            raise ValueError("a cpu-shm ring descriptor needs its shm part")
         self.device = torch.device("cpu")
-        self.name = descriptor["name"]
+        self.name = descriptor.shm.name
         self._buffer = open_shm_tensor(self.name, self.num_slots * self.slot_bytes)
 
     def copy_out(self, index: int, n_tokens: int, n_seqs: int, dst: torch.Tensor) -> CopyTicket:

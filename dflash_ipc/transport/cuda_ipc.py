@@ -2,10 +2,11 @@
 
 cuda-ipc
     The producer allocates its whole ring once, as one ``torch.empty(num_slots * slot_bytes,
-    uint8)`` on its GPU, plus one interprocess CUDA event per slot. The ring's descriptor is a
-    plain dict of msgpack-able fields (bytes / ints / strs): the IPC memory handle of the
-    allocation (from the storage's ``_share_cuda_``), the offset of the ring inside it, its
-    size, the device index and UUID, and one event IPC handle per slot. A consumer imports the
+    uint8)`` on its GPU, plus one interprocess CUDA event per slot. The ring's descriptor
+    (:class:`~dflash_ipc.control.ring_descriptor.RingDescriptor`) carries the GPU's index and
+    UUID and a ``CudaIpcMemory`` part: the IPC memory handle of the allocation (from the
+    storage's ``_share_cuda_``), the offset of the ring inside it, its size, and one event IPC
+    handle per slot. A consumer imports the
     memory handle and the event handles exactly once (``_new_shared_cuda`` /
     ``Event.from_ipc_handle``) and keeps them for its life.
 
@@ -37,6 +38,11 @@ import time
 
 import torch
 
+from dflash_ipc.control.ring_descriptor import (
+    CudaIpcMemory,
+    GpuIdentity,
+    RingDescriptor,
+)
 from dflash_ipc.devices import cuda_device
 from dflash_ipc.transport.cuda_common import (
     AFTER_CURRENT,
@@ -48,8 +54,8 @@ from dflash_ipc.transport.cuda_common import (
     wait_after,
 )
 from dflash_ipc.transport.ring import (
-    DESCRIPTOR_VERSION,
     SlotRingBase,
+    describe,
     layout_from_descriptor,
 )
 from dflash_ipc.transport.slots import SlotLayout, SlotViews
@@ -85,22 +91,11 @@ class CudaIpcProducerRing(SlotRingBase):
             self._events = [torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True) for _ in range(self.num_slots)]
             event_handles = [bytes(ev.ipc_handle()) for ev in self._events]
             torch.cuda.synchronize(self.device)
-        self._descriptor = {
-            "backend": self.backend,
-            "version": DESCRIPTOR_VERSION,
-            "run_id": str(run_id),
-            "producer_rank": int(producer_rank),
-            "producer_pid": os.getpid(),
-            "num_slots": self.num_slots,
-            "slot_bytes": self.slot_bytes,
-            "layout": layout.to_wire(),
-            "device": int(self.device.index),
-            "device_uuid": device_uuid(self.device.index),
-            "mem_handle": bytes(mem_handle),
-            "mem_offset": int(mem_offset),
-            "mem_nbytes": int(mem_nbytes),
-            "event_handles": event_handles,
-        }
+        self._descriptor = describe(
+            self, run_id, producer_rank,
+            gpu=GpuIdentity(index=int(self.device.index), uuid=device_uuid(self.device.index)),
+            cuda_ipc=CudaIpcMemory(mem_handle=bytes(mem_handle), offset=int(mem_offset), nbytes=int(mem_nbytes), event_handles=event_handles),
+        )
 
     # The packer writes straight into the GPU slot on its side stream.
     def staging_views(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews:
@@ -122,11 +117,8 @@ class CudaIpcProducerRing(SlotRingBase):
             raise ValueError(f"commit on a stream of {stream.device}; the ring is on {self.device}")
         self._events[index].record(stream)
 
-    def descriptor(self) -> dict:
-        d = dict(self._descriptor)
-        d["event_handles"] = list(d["event_handles"])
-        d["layout"] = dict(d["layout"])
-        return d
+    def descriptor(self) -> RingDescriptor:
+        return self._descriptor
 
     def close(self, release_memory: bool = True) -> None:
         """Free the ring (after the consumers closed theirs; a dead consumer does not matter).
@@ -159,26 +151,29 @@ def _import_ring(device: torch.device, args: tuple, nbytes: int) -> torch.Tensor
 class CudaIpcConsumerRing(SlotRingBase):
     backend = "cuda-ipc"
 
-    def __init__(self, descriptor: dict, local_device: torch.device):
+    def __init__(self, descriptor: RingDescriptor, local_device: torch.device):
         layout, num_slots = layout_from_descriptor(descriptor)
         super().__init__(layout, num_slots)
-        ring_index = int(descriptor["device"])
-        check_uuid(ring_index, str(descriptor["device_uuid"]))
+        if descriptor.gpu is None or descriptor.cuda_ipc is None:
+            raise ValueError("a cuda-ipc ring descriptor needs its gpu and cuda_ipc parts")
+        ring_index = descriptor.gpu.index
+        check_uuid(ring_index, descriptor.gpu.uuid)
+        shared = descriptor.cuda_ipc
         self.ring_device = torch.device("cuda", ring_index)
         self.local_device = cuda_device(local_device)
         self.device = self.local_device
-        handles = list(descriptor["event_handles"])
+        handles = shared.event_handles
         if len(handles) != self.num_slots:
             raise ValueError(f"descriptor has {len(handles)} event handles for {self.num_slots} slots")
         nbytes = self.num_slots * self.slot_bytes
-        mem_nbytes = int(descriptor["mem_nbytes"])
+        mem_nbytes = shared.nbytes
         if mem_nbytes < nbytes:
             raise ValueError(f"descriptor shares {mem_nbytes} bytes, the ring needs {nbytes}")
         t0 = time.perf_counter()
         mode = os.environ.get(COPY_MODE_ENV, "auto").strip().lower() or "auto"
         if mode not in ("auto", "pull", "push"):
             raise ValueError(f"{COPY_MODE_ENV}={mode!r}: use auto, pull or push")
-        args = (bytes(descriptor["mem_handle"]), mem_nbytes, int(descriptor["mem_offset"]))
+        args = (shared.mem_handle, mem_nbytes, shared.offset)
         self._buffer = None
         if self.local_device == self.ring_device:
             self.copy_mode = "same-device"
@@ -200,7 +195,7 @@ class CudaIpcConsumerRing(SlotRingBase):
                 self._buffer = _import_ring(self.ring_device, args, nbytes)
                 self.copy_mode = "push"
         with torch.cuda.device(self.ring_device):
-            self._events = [torch.cuda.Event.from_ipc_handle(self.ring_device, bytes(h)) for h in handles]
+            self._events = [torch.cuda.Event.from_ipc_handle(self.ring_device, h) for h in handles]
             # Waits on the producer's interprocess events run on a stream of the ring's device.
             self._ring_stream = torch.cuda.Stream(self.ring_device)
         if self.local_device == self.ring_device:
@@ -208,7 +203,7 @@ class CudaIpcConsumerRing(SlotRingBase):
         else:
             self._local_stream = torch.cuda.Stream(self.local_device)
         self.open_seconds = time.perf_counter() - t0
-        self.producer_pid = descriptor.get("producer_pid")
+        self.producer_pid = descriptor.producer_pid
 
     @property
     def copy_stream(self) -> torch.cuda.Stream:

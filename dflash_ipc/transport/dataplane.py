@@ -26,9 +26,22 @@ from typing import Callable
 
 import torch
 
-from dflash_ipc.control.protocol import EndOfData, Load, Message, RejectCounter, SlotFree, SlotReady
-from dflash_ipc.transport.ring import ConsumerRing, CopyTicket, ProducerRing, SlotStateError, SlotTable
+from dflash_ipc.control.protocol import (
+    EndOfData,
+    Load,
+    Message,
+    RejectCounter,
+    SlotFree,
+    SlotReady,
+)
 from dflash_ipc.control.router import LeastBusyRouter
+from dflash_ipc.transport.ring import (
+    ConsumerRing,
+    CopyTicket,
+    ProducerRing,
+    SlotStateError,
+    SlotTable,
+)
 from dflash_ipc.transport.slots import SlotViews
 
 Send = Callable[[int, Message], None]

@@ -10,6 +10,11 @@ from collections.abc import Sequence
 
 import torch
 
+from dflash_ipc.control.ring_descriptor import (
+    BACKENDS,
+    DESCRIPTOR_VERSION,
+    RingDescriptor,
+)
 from dflash_ipc.devices import DeviceLike, as_device, cuda_device
 from dflash_ipc.transport.cpu_shm import CpuShmConsumerRing, CpuShmProducerRing
 from dflash_ipc.transport.cuda_ipc import CudaIpcConsumerRing, CudaIpcProducerRing
@@ -17,10 +22,8 @@ from dflash_ipc.transport.host_pinned import (
     HostPinnedConsumerRing,
     HostPinnedProducerRing,
 )
-from dflash_ipc.transport.ring import DESCRIPTOR_VERSION, ConsumerRing, ProducerRing
+from dflash_ipc.transport.ring import ConsumerRing, ProducerRing
 from dflash_ipc.transport.slots import SlotLayout
-
-BACKENDS = ("cpu-shm", "cuda-ipc", "host-pinned")
 
 
 def create_producer_ring(
@@ -41,14 +44,14 @@ def create_producer_ring(
     raise ValueError(f"unknown transport backend {backend!r}; use one of {', '.join(BACKENDS)}")
 
 
-def open_consumer_ring(descriptor: dict, local_device: DeviceLike = "cpu") -> ConsumerRing:
+def open_consumer_ring(descriptor: RingDescriptor, local_device: DeviceLike = "cpu") -> ConsumerRing:
     """Import a producer's ring once; keep the returned object for the consumer's life."""
-    backend = descriptor.get("backend")
+    if descriptor.version != DESCRIPTOR_VERSION:
+        raise ValueError(f"ring descriptor version {descriptor.version}, this build reads {DESCRIPTOR_VERSION}: "
+                         "run every process of a run from the same install")
+    backend = descriptor.backend
     if backend == "cpu-shm":
         return CpuShmConsumerRing(descriptor)
-    version = int(descriptor.get("version", DESCRIPTOR_VERSION))
-    if version != DESCRIPTOR_VERSION:
-        raise ValueError(f"ring descriptor version {version}, this build reads {DESCRIPTOR_VERSION}")
     if backend == "cuda-ipc":
         return CudaIpcConsumerRing(descriptor, cuda_device(local_device))
     if backend == "host-pinned":

@@ -11,11 +11,11 @@ host-pinned
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 
+from dflash_ipc.control.ring_descriptor import GpuIdentity, RingDescriptor, ShmSegment
 from dflash_ipc.devices import cuda_device
 from dflash_ipc.transport.cuda_common import (
     AFTER_CURRENT,
@@ -28,8 +28,8 @@ from dflash_ipc.transport.cuda_common import (
     wait_after,
 )
 from dflash_ipc.transport.ring import (
-    DESCRIPTOR_VERSION,
     SlotRingBase,
+    describe,
     layout_from_descriptor,
 )
 from dflash_ipc.transport.shm import (
@@ -131,20 +131,9 @@ class HostPinnedProducerRing(SlotRingBase):
         stream.synchronize()
         self._staging_owner[k] = None
 
-    def descriptor(self) -> dict:
-        return {
-            "backend": self.backend,
-            "version": DESCRIPTOR_VERSION,
-            "run_id": self._run_id,
-            "producer_rank": self._rank,
-            "producer_pid": os.getpid(),
-            "name": self.name,
-            "num_slots": self.num_slots,
-            "slot_bytes": self.slot_bytes,
-            "layout": self.layout.to_wire(),
-            "device": int(self.device.index),
-            "device_uuid": device_uuid(self.device.index),
-        }
+    def descriptor(self) -> RingDescriptor:
+        return describe(self, self._run_id, self._rank, shm=ShmSegment(name=self.name),
+                        gpu=GpuIdentity(index=int(self.device.index), uuid=device_uuid(self.device.index)))
 
     def _unmap(self) -> None:
         if self._buffer is not None and self._registered:
@@ -172,12 +161,14 @@ class HostPinnedProducerRing(SlotRingBase):
 class HostPinnedConsumerRing(SlotRingBase):
     backend = "host-pinned"
 
-    def __init__(self, descriptor: dict, local_device: torch.device):
+    def __init__(self, descriptor: RingDescriptor, local_device: torch.device):
         layout, num_slots = layout_from_descriptor(descriptor)
         super().__init__(layout, num_slots)
         self.local_device = cuda_device(local_device)
         self.device = self.local_device
-        self.name = str(descriptor["name"])
+        if descriptor.shm is None:
+            raise ValueError("a host-pinned ring descriptor needs its shm part")
+        self.name = descriptor.shm.name
         t0 = time.perf_counter()
         self._buffer = open_shm_tensor(self.name, self.num_slots * self.slot_bytes)
         self._registered = False
@@ -190,7 +181,7 @@ class HostPinnedConsumerRing(SlotRingBase):
             self.close()
             raise
         self.open_seconds = time.perf_counter() - t0
-        self.producer_pid = descriptor.get("producer_pid")
+        self.producer_pid = descriptor.producer_pid
 
     @property
     def copy_stream(self) -> torch.cuda.Stream:

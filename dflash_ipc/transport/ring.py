@@ -37,14 +37,13 @@ consumer returns a slot only after its copy completed (``CopyTicket.wait``).
 from __future__ import annotations
 
 import enum
+import os
 from typing import Protocol
 
 import torch
 
+from dflash_ipc.control.ring_descriptor import DESCRIPTOR_VERSION, RingDescriptor
 from dflash_ipc.transport.slots import SlotLayout, SlotViews
-
-# Bumped whenever a descriptor field changes meaning; consumers refuse any other version.
-DESCRIPTOR_VERSION = 1
 
 
 class SlotState(enum.Enum):
@@ -139,9 +138,9 @@ class ProducerRing(Protocol):
 
     def pack_target(self, index: int) -> torch.Tensor: ...
 
-    def commit(self, index: int, n_tokens: int, n_seqs: int, stream: "torch.cuda.Stream | None" = None) -> None: ...
+    def commit(self, index: int, n_tokens: int, n_seqs: int, stream: torch.cuda.Stream | None = None) -> None: ...
 
-    def descriptor(self) -> dict: ...
+    def descriptor(self) -> RingDescriptor: ...
 
     def close(self) -> None: ...
 
@@ -189,8 +188,15 @@ class SlotRingBase:
         return self._buffer is None
 
 
-def layout_from_descriptor(d: dict) -> tuple[SlotLayout, int]:
-    layout = SlotLayout.from_wire(d["layout"])
-    if layout.slot_bytes != int(d["slot_bytes"]):
-        raise ValueError("ring descriptor slot_bytes disagrees with its layout")
-    return layout, int(d["num_slots"])
+def layout_from_descriptor(d: RingDescriptor) -> tuple[SlotLayout, int]:
+    layout = SlotLayout.from_wire(d.layout)
+    if layout.slot_bytes != d.slot_bytes:
+        raise ValueError(f"ring descriptor slot_bytes {d.slot_bytes} disagrees with its layout ({layout.slot_bytes})")
+    return layout, d.num_slots
+
+
+def describe(ring: SlotRingBase, run_id: str, producer_rank: int, **parts) -> RingDescriptor:
+    """The descriptor of a producer's ring: the common fields plus its backend's parts."""
+    return RingDescriptor(backend=ring.backend, version=DESCRIPTOR_VERSION, run_id=str(run_id), producer_rank=int(producer_rank),
+                          producer_pid=os.getpid(), num_slots=ring.num_slots, slot_bytes=ring.slot_bytes,
+                          layout=ring.layout.to_wire(), **parts)

@@ -12,15 +12,18 @@ message, so the consumer copies exactly the used prefix of each region: planes f
 batch are ``flat[: k*n*H].view(k, n, H)``, one contiguous range, so a cross-device copy is a
 single copy-engine transfer. There is never padding in a slot: the target strips it.
 
-The layout is a pure function of (k, H, T_cap, S_cap, dtype), sent as plain msgpack fields
-in the ring descriptor (:meth:`SlotLayout.to_wire`).
+The layout is a pure function of (k, H, T_cap, S_cap, dtype); it travels in the ring
+descriptor as a :class:`~dflash_ipc.control.ring_descriptor.SlotLayoutWire` (:meth:`SlotLayout.to_wire`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from dflash_ipc.control.ring_descriptor import SlotLayoutWire
 
 ALIGN = 256
 
@@ -91,7 +94,7 @@ class SlotLayout:
     def slot_bytes(self) -> int:
         return self.offsets["end"]
 
-    def views(self, slot: torch.Tensor, n_tokens: int, n_seqs: int) -> "SlotViews":
+    def views(self, slot: torch.Tensor, n_tokens: int, n_seqs: int) -> SlotViews:
         """Typed views of the used prefix of one slot (a 1-D uint8 tensor of slot_bytes)."""
         if not (0 <= n_tokens <= self.max_tokens):
             raise ValueError(f"n_tokens {n_tokens} outside slot capacity {self.max_tokens}")
@@ -116,24 +119,12 @@ class SlotLayout:
             (off["seq_lens"], 4 * n_seqs),
         ]
 
-    def to_wire(self) -> dict:
-        return {
-            "num_planes": self.num_planes,
-            "hidden_size": self.hidden_size,
-            "max_tokens": self.max_tokens,
-            "max_seqs": self.max_seqs,
-            "plane_dtype": self.plane_dtype,
-        }
+    def to_wire(self) -> SlotLayoutWire:
+        return SlotLayoutWire(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SlotLayoutWire)})
 
     @classmethod
-    def from_wire(cls, d: dict) -> "SlotLayout":
-        return cls(
-            num_planes=int(d["num_planes"]),
-            hidden_size=int(d["hidden_size"]),
-            max_tokens=int(d["max_tokens"]),
-            max_seqs=int(d["max_seqs"]),
-            plane_dtype=str(d["plane_dtype"]),
-        )
+    def from_wire(cls, wire: SlotLayoutWire) -> SlotLayout:
+        return cls(**{f.name: getattr(wire, f.name) for f in dataclasses.fields(SlotLayoutWire)})
 
 
 @dataclass
