@@ -36,6 +36,7 @@ import torch
 
 from dflash_ipc.control.protocol import from_wire, to_wire
 from dflash_ipc.control.ring_descriptor import RingDescriptor, SlotLayoutWire
+from dflash_ipc.devices import as_device, cuda_device
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
 from dflash_ipc.transport.ring import SlotStateError, SlotTable
 from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
@@ -69,21 +70,12 @@ def _pct(vals: list[float], q: float) -> float | None:
 # --------------------------------------------------------------------------- references
 
 
-def _dev(d) -> torch.device:
-    if isinstance(d, int):
-        return torch.device("cuda", d)
-    d = torch.device(d)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return d
-
-
 def measure_reference_gbps(src_dev, dst_dev, nbytes: int, *, repeats: int = 10, warmup: int = 3) -> float:
     """GB/s (1e9 bytes/s) of ``dst.copy_(src)`` of ``nbytes`` between two devices in one process.
 
     Timed with CUDA events on the copy's stream (the source device's current stream; host
     memory is pinned when one side is the CPU); median of ``repeats``."""
-    src_dev, dst_dev = _dev(src_dev), _dev(dst_dev)
+    src_dev, dst_dev = (cuda_device(d) if as_device(d).type == "cuda" else as_device(d) for d in (src_dev, dst_dev))
     nbytes = int(nbytes)
     src = torch.empty(nbytes, dtype=torch.uint8, device=src_dev, pin_memory=src_dev.type == "cpu")
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev, pin_memory=dst_dev.type == "cpu")

@@ -69,9 +69,7 @@ class CpuShmConsumerRing(SlotRingBase):
         self._buffer = open_shm_tensor(self.name, self.num_slots * self.slot_bytes)
 
     def copy_out(self, index: int, n_tokens: int, n_seqs: int, dst: torch.Tensor) -> CopyTicket:
-        src = self.slot(index)
-        for off, nbytes in self.layout.used_ranges(n_tokens, n_seqs):
-            dst[off : off + nbytes].copy_(src[off : off + nbytes])
+        self.layout.copy_used(dst, self.slot(index), n_tokens, n_seqs)
         return DoneTicket()
 
     def close(self) -> None:

@@ -4,16 +4,10 @@ identity checks, page-locking, and stream ordering of copies."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 import torch
 
-from dflash_ipc.transport.slots import SlotLayout
-
 AFTER_CURRENT = "current"
-# Ranges closer than this are copied as one range (the gap's bytes are copied too; they are
-# unused on both sides). One copy costs more than copying a megabyte over NVLink.
-COALESCE_GAP = 1 << 20
 
 
 def device_uuid(index: int) -> str:
@@ -44,25 +38,14 @@ def check_uuid(index: int, expected: str) -> None:
         )
 
 
-def coalesce(ranges: Iterable[tuple[int, int]], max_gap: int = COALESCE_GAP) -> list[tuple[int, int]]:
-    """Drop empty ranges and merge ranges (sorted by offset) separated by at most max_gap bytes."""
-    out: list[tuple[int, int]] = []
-    for off, nbytes in ranges:
-        if nbytes <= 0:
-            continue
-        if out and off - (out[-1][0] + out[-1][1]) <= max_gap:
-            start = out[-1][0]
-            out[-1] = (start, max(out[-1][0] + out[-1][1], off + nbytes) - start)
-        else:
-            out.append((off, nbytes))
-    return out
-
-
-def check_counts(layout: SlotLayout, n_tokens: int, n_seqs: int) -> None:
-    if not 0 <= n_tokens <= layout.max_tokens:
-        raise ValueError(f"n_tokens {n_tokens} outside slot capacity {layout.max_tokens}")
-    if not 0 <= n_seqs <= layout.max_seqs:
-        raise ValueError(f"n_seqs {n_seqs} outside slot capacity {layout.max_seqs}")
+def check_dst(dst: torch.Tensor, device: torch.device, slot_bytes: int) -> None:
+    """A copy_out destination: a contiguous 1-D uint8 tensor on the consumer's device, a slot long."""
+    if dst.dtype != torch.uint8 or dst.dim() != 1 or not dst.is_contiguous():
+        raise ValueError("dst must be a contiguous 1-D uint8 tensor")
+    if dst.device != device:
+        raise ValueError(f"dst is on {dst.device}; this ring copies to {device}")
+    if dst.numel() < slot_bytes:
+        raise ValueError(f"dst has {dst.numel()} bytes, a slot has {slot_bytes}")
 
 
 def host_register(t: torch.Tensor) -> None:
@@ -113,6 +96,13 @@ class CudaCopyTicket:
         self.event = event
         self.slot = slot
         self._done = False
+
+    @classmethod
+    def recorded_on(cls, stream: torch.cuda.Stream, slot: int) -> CudaCopyTicket:
+        """A ticket for everything enqueued on ``stream`` so far (the copy just issued there)."""
+        done = torch.cuda.Event()
+        done.record(stream)
+        return cls(done, slot)
 
     def done(self) -> bool:
         if not self._done and self.event.query():

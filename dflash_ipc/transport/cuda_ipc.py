@@ -47,9 +47,8 @@ from dflash_ipc.devices import cuda_device
 from dflash_ipc.transport.cuda_common import (
     AFTER_CURRENT,
     CudaCopyTicket,
-    check_counts,
+    check_dst,
     check_uuid,
-    coalesce,
     device_uuid,
     wait_after,
 )
@@ -110,7 +109,7 @@ class CudaIpcProducerRing(SlotRingBase):
         self._check_index(index)
         if self._buffer is None:
             raise RuntimeError("cuda-ipc ring is closed")
-        check_counts(self.layout, n_tokens, n_seqs)
+        self.layout.check_counts(n_tokens, n_seqs)
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
         if stream.device.index != self.device.index:
@@ -210,14 +209,6 @@ class CudaIpcConsumerRing(SlotRingBase):
         """The stream of the consumer's device on which copies complete."""
         return self._local_stream
 
-    def _check_dst(self, dst: torch.Tensor) -> None:
-        if dst.dtype != torch.uint8 or dst.dim() != 1 or not dst.is_contiguous():
-            raise ValueError("dst must be a contiguous 1-D uint8 tensor")
-        if dst.device != self.local_device:
-            raise ValueError(f"dst is on {dst.device}; this ring copies to {self.local_device}")
-        if dst.numel() < self.slot_bytes:
-            raise ValueError(f"dst has {dst.numel()} bytes, a slot has {self.slot_bytes}")
-
     def copy_out(self, index: int, n_tokens: int, n_seqs: int, dst: torch.Tensor, *, after=AFTER_CURRENT) -> CudaCopyTicket:
         """Copy the used ranges of slot ``index`` into ``dst`` (same offsets); returns a ticket.
 
@@ -228,14 +219,13 @@ class CudaIpcConsumerRing(SlotRingBase):
         if self._buffer is None:
             raise RuntimeError("cuda-ipc ring is closed")
         self._check_index(index)
-        check_counts(self.layout, n_tokens, n_seqs)
-        self._check_dst(dst)
+        self.layout.check_counts(n_tokens, n_seqs)
+        check_dst(dst, self.local_device, self.slot_bytes)
         b = self.slot_bytes
         src = self._buffer[index * b : (index + 1) * b]
         rs, ls = self._ring_stream, self._local_stream
         ev = self._events[index]
         wait_after(ls, after)
-        ranges = coalesce(self.layout.used_ranges(n_tokens, n_seqs))
         if self.copy_mode == "pull":
             if not ev.query():
                 # The producer's writes may still run: order the copy after them on the GPU.
@@ -246,8 +236,7 @@ class CudaIpcConsumerRing(SlotRingBase):
                 hop.record(rs)
                 ls.wait_event(hop)
             with torch.cuda.stream(ls):
-                for off, nbytes in ranges:
-                    dst[off : off + nbytes].copy_(src[off : off + nbytes], non_blocking=True)
+                self.layout.copy_used(dst, src, n_tokens, n_seqs, non_blocking=True)
         else:
             rs.wait_event(ev)
             with contextlib.ExitStack() as stack:
@@ -256,11 +245,8 @@ class CudaIpcConsumerRing(SlotRingBase):
                     # push: torch's peer copy runs on the source device's current stream (rs) and
                     # fences with the destination's current stream: make that ours, not the caller's.
                     stack.enter_context(torch.cuda.stream(ls))
-                for off, nbytes in ranges:
-                    dst[off : off + nbytes].copy_(src[off : off + nbytes], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(ls)
-        return CudaCopyTicket(done, index)
+                self.layout.copy_used(dst, src, n_tokens, n_seqs, non_blocking=True)
+        return CudaCopyTicket.recorded_on(ls, index)
 
     def close(self) -> None:
         """Drop this process's mappings (idempotent); call before the producer closes."""

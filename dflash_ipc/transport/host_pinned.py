@@ -20,8 +20,7 @@ from dflash_ipc.devices import cuda_device
 from dflash_ipc.transport.cuda_common import (
     AFTER_CURRENT,
     CudaCopyTicket,
-    check_counts,
-    coalesce,
+    check_dst,
     device_uuid,
     host_register,
     host_unregister,
@@ -115,7 +114,7 @@ class HostPinnedProducerRing(SlotRingBase):
         self._check_index(index)
         if self._buffer is None:
             raise RuntimeError("host-pinned ring is closed")
-        check_counts(self.layout, n_tokens, n_seqs)
+        self.layout.check_counts(n_tokens, n_seqs)
         k = self._staging_for(index)
         if k is None:
             return
@@ -123,11 +122,8 @@ class HostPinnedProducerRing(SlotRingBase):
             stream = torch.cuda.current_stream(self.device)
         if stream.device.index != self.device.index:
             raise ValueError(f"commit on a stream of {stream.device}; the staging slot is on {self.device}")
-        src = self._staging[k]
-        dst = self.slot(index)
         with torch.cuda.stream(stream):
-            for off, nbytes in coalesce(self.layout.used_ranges(n_tokens, n_seqs)):
-                dst[off : off + nbytes].copy_(src[off : off + nbytes], non_blocking=True)
+            self.layout.copy_used(self.slot(index), self._staging[k], n_tokens, n_seqs, non_blocking=True)
         stream.synchronize()
         self._staging_owner[k] = None
 
@@ -192,20 +188,12 @@ class HostPinnedConsumerRing(SlotRingBase):
         if self._buffer is None:
             raise RuntimeError("host-pinned ring is closed")
         self._check_index(index)
-        check_counts(self.layout, n_tokens, n_seqs)
-        if dst.dtype != torch.uint8 or dst.dim() != 1 or not dst.is_contiguous() or dst.device != self.local_device:
-            raise ValueError(f"dst must be a contiguous 1-D uint8 tensor on {self.local_device}")
-        if dst.numel() < self.slot_bytes:
-            raise ValueError(f"dst has {dst.numel()} bytes, a slot has {self.slot_bytes}")
-        src = self.slot(index)
-        s = self._stream
-        wait_after(s, after)
-        with torch.cuda.stream(s):
-            for off, nbytes in coalesce(self.layout.used_ranges(n_tokens, n_seqs)):
-                dst[off : off + nbytes].copy_(src[off : off + nbytes], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(s)
-        return CudaCopyTicket(done, index)
+        self.layout.check_counts(n_tokens, n_seqs)
+        check_dst(dst, self.local_device, self.slot_bytes)
+        wait_after(self._stream, after)
+        with torch.cuda.stream(self._stream):
+            self.layout.copy_used(dst, self.slot(index), n_tokens, n_seqs, non_blocking=True)
+        return CudaCopyTicket.recorded_on(self._stream, index)
 
     def close(self) -> None:
         if self._buffer is None:
