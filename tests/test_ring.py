@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
 import sys
 import textwrap
+import types
 
 import msgpack
 import pytest
@@ -21,6 +23,7 @@ from dflash_ipc.control.ring_descriptor import (
     RingDescriptor,
     ShmSegment,
 )
+from dflash_ipc.transport import shm
 from dflash_ipc.transport.cpu_shm import CpuShmConsumerRing, CpuShmProducerRing
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
 from dflash_ipc.transport.ring import SlotState, SlotStateError, SlotTable
@@ -127,6 +130,30 @@ def test_cpu_shm_file_is_private_and_close_unlinks(run_id):
     ring.close()  # idempotent
     with pytest.raises(RuntimeError):
         ring.slot(0)
+
+
+def test_full_dev_shm_is_refused_before_anything_is_created(run_id, monkeypatch):
+    need = 3 * LAYOUT.slot_bytes
+    real_statvfs = os.statvfs
+
+    def statvfs(path):  # /dev/shm with exactly `free` bytes left; any other path as it is
+        st = real_statvfs(path)
+        if os.fspath(path) != os.fspath(SHM_DIR):
+            return st
+        return types.SimpleNamespace(f_bavail=free // st.f_frsize, f_frsize=st.f_frsize)
+
+    monkeypatch.setattr(shm.os, "statvfs", statvfs)
+    frsize = real_statvfs(SHM_DIR).f_frsize
+    free = (need // frsize - 1) * frsize  # at least one block short
+    for backend in ("cpu-shm", "host-pinned"):
+        if backend == "host-pinned" and not torch.cuda.is_available():
+            continue
+        with pytest.raises(shm.SharedMemoryFullError, match=re.escape(f"shared memory full ({SHM_DIR}, need {need} bytes, {free} free)")):
+            create_producer_ring(backend, LAYOUT, 3, run_id=run_id, producer_rank=0, device="cuda:0" if backend != "cpu-shm" else "cpu")
+        assert list_run_shm(run_id) == []  # refused before the segment existed: nothing to SIGBUS on, nothing to sweep
+    free = -(-need // frsize) * frsize  # just enough
+    ring = create_producer_ring("cpu-shm", LAYOUT, 3, run_id=run_id, producer_rank=0)
+    ring.close()
 
 
 def test_names_unique_per_run_id():

@@ -42,8 +42,29 @@ def list_run_shm(run_id: str) -> list[str]:
     return sorted(glob.glob(str(SHM_DIR / f"{SHM_PREFIX}-{run_id}-*")))
 
 
+class SharedMemoryFullError(RuntimeError):
+    pass
+
+
+def shm_free_bytes() -> int:
+    """Bytes an unprivileged process can still write to /dev/shm (its tmpfs's free space)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
 def create_shm_tensor(name: str, nbytes: int) -> torch.Tensor:
-    """Create a private (0600) shared-memory file and map it MAP_SHARED as a uint8 tensor."""
+    """Create a private (0600) shared-memory file and map it MAP_SHARED as a uint8 tensor.
+
+    A tmpfs file is sparse: it takes memory only as it is written, and a write that finds
+    /dev/shm full kills the writer with SIGBUS. So the whole size is checked up front and
+    refused with :class:`SharedMemoryFullError` while nothing has been created yet."""
+    free = shm_free_bytes()
+    if nbytes > free:
+        raise SharedMemoryFullError(
+            f"shared memory full ({SHM_DIR}, need {nbytes} bytes, {free} free): remove leftovers of killed runs "
+            f"({SHM_DIR}/{SHM_PREFIX}-*), use fewer or smaller ring slots (transport.ring_slots, smaller batches), "
+            "or enlarge /dev/shm (docker: --shm-size)"
+        )
     path = SHM_DIR / name
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
