@@ -64,7 +64,7 @@ def run_ids(monkeypatch):
 # --------------------------------------------------------------------------- bench: run_ring
 
 
-def test_run_ring_two_by_two_verified_and_balanced(short_tmp, run_ids):
+def test_run_ring_two_by_two_verified_and_routed_least_busy(short_tmp, run_ids):
     args = bench_transport.BenchArgs(backend="cpu-shm", producers=2, consumers=2, slots=4, slot_mib=1, seconds=1.5)
     res = bench_transport.run_ring(args, 1 << 20, args.seconds)
     assert len(run_ids) == 1
@@ -74,9 +74,7 @@ def test_run_ring_two_by_two_verified_and_balanced(short_tmp, run_ids):
     ring = bench_transport._ring_result(res, args)
     assert ring["verified"] is True
     per = ring["per_consumer_slots"]
-    total = sum(per)
-    assert total > 0 and all(n > 0 for n in per), per
-    assert all(n >= 0.25 * total for n in per), per  # equal consumers share the load
+    assert all(n > 0 for n in per), per  # ties go round-robin, so both consumers get work
     assert ring["rejected"] == 0
     for p in range(2):
         ps = summ[("producer", p)]
@@ -85,6 +83,15 @@ def test_run_ring_two_by_two_verified_and_balanced(short_tmp, run_ids):
         assert ps["slots"]["ready"] == 0 and ps["slots"]["queued"] == 0 and ps["slots"]["free"] == args.slots
         # every batch a producer sent was received and verified by exactly one consumer
         assert ps["batches"] == sum(summ[("consumer", c)]["per_producer"][p] for c in range(2)) > 0
+        # Least-busy with credits, judged on the producer's own view when it decided (how much each
+        # consumer gets depends on how the OS schedules them, so shares are not compared): every
+        # slot went to a consumer with credit left and no more outstanding work than any other.
+        routing = ps["routing"]
+        decisions, credit = routing["decisions"], routing["max_outstanding"]
+        assert len(decisions) == min(ps["batches"], 4096) and credit == args.max_outstanding
+        for chosen, loads in decisions:
+            assert len(loads) == 2 and loads[chosen] < credit, (chosen, loads)
+            assert loads[chosen] == min(loads), (chosen, loads)
     assert sum(summ[("consumer", c)]["slots"] for c in range(2)) == sum(summ[("producer", p)]["batches"] for p in range(2))
 
 
