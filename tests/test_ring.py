@@ -17,6 +17,7 @@ import msgpack
 import pytest
 import torch
 
+from dflash_ipc.bench import gpu_ring, gpu_wire
 from dflash_ipc.control import protocol
 from dflash_ipc.control.ring_descriptor import (
     DESCRIPTOR_VERSION,
@@ -307,3 +308,33 @@ def test_killed_producer_leaves_segment_and_sweep_removes_it(run_id):
     assert sweep_run_shm(run_id) == [str(path)]
     assert not path.exists() and list_run_shm(run_id) == []
     assert sweep_run_shm(run_id) == []
+
+
+# --------------------------------------------------------------------------- the ring harness on CPU
+
+
+def test_ring_harness_two_processes_typed_messages_on_cpu():
+    """The GPU harness (bench gpu-ring, tests/test_ring_cuda.py) on cpu-shm rings (device -1): two
+    spawned processes, the descriptor and every message typed msgpack over pipes, every byte verified."""
+    layout = SlotLayout(num_planes=2, hidden_size=32, max_tokens=64, max_seqs=4, plane_dtype="bfloat16")
+    scs = [gpu_ring.scenario("cpu random", "cpu-shm", -1, -1, layout, num_slots=3, iters=60, warmup=0, depth=2, sizes="random",
+                             verify="full", seed=7),
+           gpu_ring.handoff_scenario("cpu-shm", -1, -1, iters=20)]
+    results = gpu_ring.run_scenarios(scs, timeout=240)
+    assert [r["name"] for r in results] == ["cpu random", "handoff cpu-shm cuda:-1->cuda:-1"]
+    for r, sc in zip(results, scs, strict=True):
+        assert r["slots"] == sc.iters and r["errors"] == 0 and r["stray_frees"] == 0, r
+        assert r["copy_mode"] == "cpu-shm" and r["bytes"] > 0, r
+    # the harness's frames are validated like control-plane messages
+    frame = gpu_wire.pack(gpu_wire.SlotFilled(slot=1, seq=2, n_tokens=3, n_seqs=1))
+    assert gpu_wire.unpack(frame, gpu_wire.SlotFilled) == gpu_wire.SlotFilled(slot=1, seq=2, n_tokens=3, n_seqs=1)
+    with pytest.raises(gpu_wire.HarnessError, match="expected SlotReturned, got SlotFilled"):
+        gpu_wire.unpack(frame, gpu_wire.SlotReturned)
+    with pytest.raises(gpu_wire.HarnessError, match="the other side failed:\\nboom"):
+        gpu_wire.unpack(gpu_wire.pack(gpu_wire.ChildFailed("boom")), gpu_wire.SlotReturned)
+    with pytest.raises(protocol.ProtocolError, match="out_of_range"):
+        gpu_wire.unpack(msgpack.packb({"t": "SlotFilled", "m": {"slot": -1, "seq": 0, "n_tokens": 0, "n_seqs": 0}}), gpu_wire.SlotFilled)
+    with pytest.raises(protocol.ProtocolError, match="undecodable"):
+        gpu_wire.unpack(b"\xc1", gpu_wire.SlotFilled)
+    with pytest.raises(ValueError, match="verify='none'"):
+        gpu_wire.Scenario("x", "cpu-shm", -1, -1, layout.to_wire(), fill="none")

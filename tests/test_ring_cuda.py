@@ -2,7 +2,7 @@
 
 Every test here needs CUDA and is skipped without it. The producer and the consumer are
 separate spawned processes; the ring descriptor and every control message travel between them
-as msgpack bytes over a pipe (dflash_ipc.bench.gpu_harness), never pickled. Run on the lent H200
+as typed msgpack messages over a pipe (dflash_ipc.bench.gpu_ring, gpu_wire), never pickled. Run on the lent H200
 machine: ``python -m pytest tests/test_ring_cuda.py -q``.
 """
 
@@ -19,7 +19,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs"),
 ]
 
-from dflash_ipc.bench import gpu_harness as bg
+from dflash_ipc.bench import gpu_ring as bg
+from dflash_ipc.bench.gpu_sigkill import run_sigkill_check
 from dflash_ipc.control import protocol
 from dflash_ipc.control.ring_descriptor import RingDescriptor
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
@@ -115,7 +116,7 @@ def test_host_pinned_integrity_and_race(where):
 
 def test_consumer_killed_while_mapped_does_not_pin_producer_memory():
     cd = 1 if torch.cuda.device_count() > 1 else 0
-    r = bg.run_sigkill_check(0, cd, slot_bytes=256 * MIB, num_slots=4, timeout=90)
+    r = run_sigkill_check(0, cd, slot_bytes=256 * MIB, num_slots=4, timeout=90)
     assert r["consumer_copy_errors"] == 0, r
     assert r["consumer_exitcode"] == -9, r
     assert r["producer_exitcode"] == 0, r

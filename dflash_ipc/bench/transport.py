@@ -297,9 +297,9 @@ def run_transport_bench(args: BenchArgs, progress=print) -> dict:
         "verified": bool(ring["verified"] and base["verified"] and hand["verified"]),
     }
     if args.backend in ("cuda-ipc", "host-pinned") and torch.cuda.is_available():
-        from dflash_ipc.bench import gpu_harness as bench_gpu
+        from dflash_ipc.bench.gpu_suite import measure_reference_gbps
 
-        ref = bench_gpu.measure_reference_gbps(args.producer_device, args.consumer_device, layout.planes_bytes)
+        ref = measure_reference_gbps(args.producer_device, args.consumer_device, layout.planes_bytes)
         result["reference_gbps"] = round(ref, 3)
         result["ratio_to_reference"] = round(ring["gbps"] / ref, 4) if ref > 0 else None
     return result
