@@ -67,6 +67,22 @@ def bench_transport_cmd(backend, producers, consumers, slots, slot_mib, seconds,
     sys.exit(0 if result["verified"] else 1)
 
 
+@bench.command("gpu-ring")
+@click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False), help="Write the results as JSON here.")
+@click.option("--quick", is_flag=True, help="Fewer iterations.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+def bench_gpu_ring_cmd(out_path: str | None, quick: bool, as_json: bool) -> None:
+    """Reference copies, then cuda-ipc / host-pinned ring throughput and handoff between two processes (GPU 0 produces)."""
+    from dflash_ipc.bench.gpu_suite import run_bench
+
+    result = run_bench(quick=quick, progress=lambda s: click.echo(s, err=as_json))
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if as_json:
+        click.echo(json.dumps(result))
+
+
 @bench.command("pipeline")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--steps", type=click.IntRange(3), default=8, show_default=True, help="Optimizer steps per pipeline variant.")

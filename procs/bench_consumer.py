@@ -14,7 +14,7 @@ from dflash_ipc.control import channels
 from dflash_ipc.control import handshake
 from dflash_ipc.transport.dataplane import ConsumerDataPlane
 from dflash_ipc.control.protocol import Done, Hello, RejectCounter
-from dflash_ipc.transport.ring import open_consumer_ring
+from dflash_ipc.transport.factory import open_consumer_ring
 from dflash_ipc.runtime.child import ChildSockets, place_process, setup_child_process
 
 

@@ -26,7 +26,7 @@ from dflash_ipc.drafter.core import DrafterCore
 from dflash_ipc.drafter.trainer import destroy_distributed, init_distributed
 from dflash_ipc.runtime.child import ChildContext, Placement, run_child
 from dflash_ipc.transport.dataplane import ConsumerDataPlane
-from dflash_ipc.transport.ring import open_consumer_ring
+from dflash_ipc.transport.factory import open_consumer_ring
 
 
 def run_drafter_process(argv: list[str] | None = None) -> int:

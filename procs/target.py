@@ -25,7 +25,7 @@ from dflash_ipc.control.protocol import Done, Heartbeat, Hello
 from dflash_ipc.runtime.child import ChildContext, Placement, run_child
 from dflash_ipc.target.core import TargetCore, read_ledger
 from dflash_ipc.transport.dataplane import ProducerDataPlane
-from dflash_ipc.transport.ring import create_producer_ring
+from dflash_ipc.transport.factory import create_producer_ring
 
 
 def run_target_process(argv: list[str] | None = None) -> int:
@@ -143,7 +143,7 @@ def resolve_backend(cfg, rank: int, log) -> str:
         return backend
     if not cfg.topology.on_cuda:
         return "cpu-shm"
-    from dflash_ipc.transport.ring_cuda import choose_backend
+    from dflash_ipc.transport.factory import choose_backend
 
     backend, reason = choose_backend(cfg.topology.targets[rank], cfg.topology.drafters)
     log.info("transport.backend = auto -> %s (%s)", backend, reason)

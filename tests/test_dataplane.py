@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import collections
 
-import msgpack
 import pytest
 import torch
 
 from dflash_ipc.control import protocol
+from dflash_ipc.control.protocol import (
+    EndOfData,
+    Hello,
+    Load,
+    RejectCounter,
+    SlotFree,
+    SlotReady,
+)
+from dflash_ipc.control.ring_descriptor import RingDescriptor
 from dflash_ipc.transport.dataplane import ConsumerDataPlane, ProducerDataPlane
-from dflash_ipc.control.protocol import EndOfData, Hello, Load, RejectCounter, SlotFree, SlotReady
-from dflash_ipc.transport.ring import create_producer_ring, new_run_id, open_consumer_ring, sweep_run_shm
+from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
+from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
 LAYOUT = SlotLayout(num_planes=2, hidden_size=8, max_tokens=24, max_seqs=4, plane_dtype="float32")
@@ -55,8 +63,10 @@ class Wiring:
         self.stream_log: list[list[str]] = [[] for _ in range(num_consumers)]  # what each consumer received, in order
         self.prod_rejects = RejectCounter("producer-0")
         self.producer = ProducerDataPlane(0, self.ring, num_consumers, max_outstanding, self._to_consumer, self.prod_rejects)
-        # the descriptor crosses the wire as msgpack, as in the handshake
-        desc = msgpack.unpackb(msgpack.packb(self.ring.descriptor(), use_bin_type=True), raw=False)
+        # the descriptor crosses the wire in a Hello and comes back decoded, as in the handshake
+        hello = wire(Hello(role="target", rank=0, pid=1, device="cpu", ring=self.ring.descriptor()))
+        desc = hello.ring
+        assert isinstance(desc, RingDescriptor) and desc == self.ring.descriptor()
         self.cons_rejects = [RejectCounter(f"consumer-{c}") for c in range(num_consumers)]
         self.consumers = [
             ConsumerDataPlane(

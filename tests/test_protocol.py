@@ -30,15 +30,13 @@ from dflash_ipc.control.protocol import (
     decode,
     encode,
 )
+from dflash_ipc.control.ring_descriptor import DESCRIPTOR_VERSION, RingDescriptor, ShmSegment, SlotLayoutWire
 
-DESCRIPTOR = {
-    "backend": "cpu-shm",
-    "name": "dflash-ipc-abcd1234-target0",
-    "num_slots": 4,
-    "slot_bytes": 4096,
-    "layout": {"num_planes": 1, "hidden_size": 8, "max_tokens": 16, "max_seqs": 2, "plane_dtype": "float32"},
-    "device": "cpu",
-}
+DESCRIPTOR = RingDescriptor(
+    backend="cpu-shm", version=DESCRIPTOR_VERSION, run_id="abcd1234", producer_rank=0, producer_pid=4242, num_slots=4,
+    slot_bytes=4096, layout=SlotLayoutWire(num_planes=1, hidden_size=8, max_tokens=16, max_seqs=2, plane_dtype="float32"),
+    shm=ShmSegment(name="dflash-ipc-abcd1234-target0"),
+)
 
 SAMPLES: dict[type, list[protocol.Message]] = {
     Hello: [

@@ -2,29 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
 import sys
 import textwrap
+import types
 
 import msgpack
 import pytest
 import torch
 
-from dflash_ipc.transport.ring import (
+from dflash_ipc.bench import gpu_ring, gpu_wire
+from dflash_ipc.control import protocol
+from dflash_ipc.control.ring_descriptor import (
+    DESCRIPTOR_VERSION,
+    RingDescriptor,
+    ShmSegment,
+)
+from dflash_ipc.transport import shm
+from dflash_ipc.transport.cpu_shm import CpuShmConsumerRing, CpuShmProducerRing
+from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
+from dflash_ipc.transport.ring import SlotState, SlotStateError, SlotTable
+from dflash_ipc.transport.shm import (
     SHM_DIR,
-    CpuShmConsumerRing,
-    CpuShmProducerRing,
-    SlotState,
-    SlotStateError,
-    SlotTable,
-    create_producer_ring,
     list_run_shm,
     new_run_id,
-    open_consumer_ring,
     shm_name,
     sweep_run_shm,
 )
@@ -126,6 +133,30 @@ def test_cpu_shm_file_is_private_and_close_unlinks(run_id):
         ring.slot(0)
 
 
+def test_full_dev_shm_is_refused_before_anything_is_created(run_id, monkeypatch):
+    need = 3 * LAYOUT.slot_bytes
+    real_statvfs = os.statvfs
+
+    def statvfs(path):  # /dev/shm with exactly `free` bytes left; any other path as it is
+        st = real_statvfs(path)
+        if os.fspath(path) != os.fspath(SHM_DIR):
+            return st
+        return types.SimpleNamespace(f_bavail=free // st.f_frsize, f_frsize=st.f_frsize)
+
+    monkeypatch.setattr(shm.os, "statvfs", statvfs)
+    frsize = real_statvfs(SHM_DIR).f_frsize
+    free = (need // frsize - 1) * frsize  # at least one block short
+    for backend in ("cpu-shm", "host-pinned"):
+        if backend == "host-pinned" and not torch.cuda.is_available():
+            continue
+        with pytest.raises(shm.SharedMemoryFullError, match=re.escape(f"shared memory full ({SHM_DIR}, need {need} bytes, {free} free)")):
+            create_producer_ring(backend, LAYOUT, 3, run_id=run_id, producer_rank=0, device="cuda:0" if backend != "cpu-shm" else "cpu")
+        assert list_run_shm(run_id) == []  # refused before the segment existed: nothing to SIGBUS on, nothing to sweep
+    free = -(-need // frsize) * frsize  # just enough
+    ring = create_producer_ring("cpu-shm", LAYOUT, 3, run_id=run_id, producer_rank=0)
+    ring.close()
+
+
 def test_names_unique_per_run_id():
     a, b = new_run_id(), new_run_id()
     assert a != b
@@ -152,11 +183,34 @@ def test_consumer_ring_refuses_wrong_size(run_id):
     ring = create_producer_ring("cpu-shm", LAYOUT, 2, run_id=run_id, producer_rank=0)
     try:
         d = ring.descriptor()
-        bad = dict(d, num_slots=3)
         with pytest.raises(ValueError, match="bytes"):
-            CpuShmConsumerRing(bad)
+            CpuShmConsumerRing(dataclasses.replace(d, num_slots=3))
         with pytest.raises(ValueError, match="unknown transport backend"):
-            open_consumer_ring(dict(d, backend="carrier-pigeon"))
+            open_consumer_ring(dataclasses.replace(d, backend="carrier-pigeon"))
+        with pytest.raises(ValueError, match="version 1, this build reads"):
+            open_consumer_ring(dataclasses.replace(d, version=1))
+    finally:
+        ring.close()
+
+
+def test_descriptor_is_typed_on_the_wire(run_id):
+    ring = create_producer_ring("cpu-shm", LAYOUT, 2, run_id=run_id, producer_rank=3)
+    try:
+        d = ring.descriptor()
+        assert isinstance(d, RingDescriptor) and d.backend == "cpu-shm" and d.version == DESCRIPTOR_VERSION
+        assert d.shm == ShmSegment(name=ring.name) and d.gpu is None and d.cuda_ipc is None
+        assert (d.run_id, d.producer_rank, d.producer_pid, d.num_slots) == (run_id, 3, os.getpid(), 2)
+        raw = msgpack.unpackb(msgpack.packb(protocol.to_wire(d), use_bin_type=True), raw=False)
+        assert protocol.from_wire(RingDescriptor, raw) == d
+        # a renamed key, a mistyped field, or a part the backend does not have is refused on decode
+        with pytest.raises(protocol.ProtocolError, match="unknown fields"):
+            protocol.from_wire(RingDescriptor, {**raw, "name": ring.name})
+        with pytest.raises(protocol.ProtocolError, match=r"RingDescriptor\.layout\.max_tokens"):
+            protocol.from_wire(RingDescriptor, {**raw, "layout": {**raw["layout"], "max_tokens": "32"}})
+        with pytest.raises(protocol.ProtocolError, match="carries no `gpu` part"):
+            protocol.from_wire(RingDescriptor, {**raw, "gpu": {"index": 0, "uuid": "GPU-0"}})
+        with pytest.raises(protocol.ProtocolError, match="needs `shm` part"):
+            protocol.from_wire(RingDescriptor, {**raw, "shm": None})
     finally:
         ring.close()
 
@@ -167,8 +221,10 @@ CONSUMER_CHILD = textwrap.dedent(
     r"""
     import json, sys
     import msgpack, torch
-    from dflash_ipc.transport.ring import open_consumer_ring
-    desc = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
+    from dflash_ipc.control.protocol import from_wire
+    from dflash_ipc.control.ring_descriptor import RingDescriptor
+    from dflash_ipc.transport.factory import open_consumer_ring
+    desc = from_wire(RingDescriptor, msgpack.unpackb(sys.stdin.buffer.read(), raw=False))
     ring = open_consumer_ring(desc)
     out = {"num_slots": ring.num_slots, "ok": []}
     buf = torch.zeros(ring.layout.slot_bytes, dtype=torch.uint8)
@@ -201,7 +257,7 @@ def test_cpu_shm_cross_process(run_id):
             v.loss_mask.copy_(torch.tensor([1, 0] * (n // 2) + [1] * (n % 2), dtype=torch.uint8))
             v.seq_lens.copy_(torch.tensor([n - 2, 2], dtype=torch.int32))
             ring.commit(i, n, 2)
-        wire = msgpack.packb(ring.descriptor(), use_bin_type=True)  # plain fields only
+        wire = msgpack.packb(protocol.to_wire(ring.descriptor()), use_bin_type=True)
         proc = subprocess.run([sys.executable, "-c", CONSUMER_CHILD], input=wire, capture_output=True, timeout=120)
         assert proc.returncode == 0, proc.stderr.decode()
         out = json.loads(proc.stdout.decode().strip().splitlines()[-1])
@@ -217,7 +273,7 @@ def test_cpu_shm_cross_process(run_id):
 PRODUCER_CHILD = textwrap.dedent(
     r"""
     import sys, time
-    from dflash_ipc.transport.ring import create_producer_ring
+    from dflash_ipc.transport.factory import create_producer_ring
     from dflash_ipc.transport.slots import SlotLayout
     ring = create_producer_ring("cpu-shm", SlotLayout(1, 8, 8, 1), 2, run_id=sys.argv[1], producer_rank=0)
     ring.slot(1)[0] = 7
@@ -242,8 +298,9 @@ def test_killed_producer_leaves_segment_and_sweep_removes_it(run_id):
     # nobody unlinked it: the segment outlives its creator...
     assert path.exists() and list_run_shm(run_id) == [str(path)]
     # ...and its data is still there for anyone who maps it
-    desc = {"backend": "cpu-shm", "name": name, "num_slots": 2, "slot_bytes": SlotLayout(1, 8, 8, 1).slot_bytes,
-            "layout": SlotLayout(1, 8, 8, 1).to_wire(), "device": "cpu"}
+    layout = SlotLayout(1, 8, 8, 1)
+    desc = RingDescriptor(backend="cpu-shm", version=DESCRIPTOR_VERSION, run_id=run_id, producer_rank=0, producer_pid=proc.pid,
+                          num_slots=2, slot_bytes=layout.slot_bytes, layout=layout.to_wire(), shm=ShmSegment(name=name))
     cons = open_consumer_ring(desc)
     assert int(cons.slot(1)[0]) == 7
     cons.close()
@@ -251,3 +308,33 @@ def test_killed_producer_leaves_segment_and_sweep_removes_it(run_id):
     assert sweep_run_shm(run_id) == [str(path)]
     assert not path.exists() and list_run_shm(run_id) == []
     assert sweep_run_shm(run_id) == []
+
+
+# --------------------------------------------------------------------------- the ring harness on CPU
+
+
+def test_ring_harness_two_processes_typed_messages_on_cpu():
+    """The GPU harness (bench gpu-ring, tests/test_ring_cuda.py) on cpu-shm rings (device -1): two
+    spawned processes, the descriptor and every message typed msgpack over pipes, every byte verified."""
+    layout = SlotLayout(num_planes=2, hidden_size=32, max_tokens=64, max_seqs=4, plane_dtype="bfloat16")
+    scs = [gpu_ring.scenario("cpu random", "cpu-shm", -1, -1, layout, num_slots=3, iters=60, warmup=0, depth=2, sizes="random",
+                             verify="full", seed=7),
+           gpu_ring.handoff_scenario("cpu-shm", -1, -1, iters=20)]
+    results = gpu_ring.run_scenarios(scs, timeout=240)
+    assert [r["name"] for r in results] == ["cpu random", "handoff cpu-shm cuda:-1->cuda:-1"]
+    for r, sc in zip(results, scs, strict=True):
+        assert r["slots"] == sc.iters and r["errors"] == 0 and r["stray_frees"] == 0, r
+        assert r["copy_mode"] == "cpu-shm" and r["bytes"] > 0, r
+    # the harness's frames are validated like control-plane messages
+    frame = gpu_wire.pack(gpu_wire.SlotFilled(slot=1, seq=2, n_tokens=3, n_seqs=1))
+    assert gpu_wire.unpack(frame, gpu_wire.SlotFilled) == gpu_wire.SlotFilled(slot=1, seq=2, n_tokens=3, n_seqs=1)
+    with pytest.raises(gpu_wire.HarnessError, match="expected SlotReturned, got SlotFilled"):
+        gpu_wire.unpack(frame, gpu_wire.SlotReturned)
+    with pytest.raises(gpu_wire.HarnessError, match="the other side failed:\\nboom"):
+        gpu_wire.unpack(gpu_wire.pack(gpu_wire.ChildFailed("boom")), gpu_wire.SlotReturned)
+    with pytest.raises(protocol.ProtocolError, match="out_of_range"):
+        gpu_wire.unpack(msgpack.packb({"t": "SlotFilled", "m": {"slot": -1, "seq": 0, "n_tokens": 0, "n_seqs": 0}}), gpu_wire.SlotFilled)
+    with pytest.raises(protocol.ProtocolError, match="undecodable"):
+        gpu_wire.unpack(b"\xc1", gpu_wire.SlotFilled)
+    with pytest.raises(ValueError, match="verify='none'"):
+        gpu_wire.Scenario("x", "cpu-shm", -1, -1, layout.to_wire(), fill="none")

@@ -2,11 +2,13 @@
 
 Every test here needs CUDA and is skipped without it. The producer and the consumer are
 separate spawned processes; the ring descriptor and every control message travel between them
-as msgpack bytes over a pipe (dflash_ipc.bench.gpu_harness), never pickled. Run on the lent H200
+as typed msgpack messages over a pipe (dflash_ipc.bench.gpu_ring, gpu_wire), never pickled. Run on the lent H200
 machine: ``python -m pytest tests/test_ring_cuda.py -q``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import msgpack
 import pytest
@@ -17,9 +19,13 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs"),
 ]
 
-from dflash_ipc.bench import gpu_harness as bg  # noqa: E402
-from dflash_ipc.transport.ring import create_producer_ring, new_run_id, open_consumer_ring  # noqa: E402
-from dflash_ipc.transport.slots import SlotLayout  # noqa: E402
+from dflash_ipc.bench import gpu_ring as bg
+from dflash_ipc.bench.gpu_sigkill import run_sigkill_check
+from dflash_ipc.control import protocol
+from dflash_ipc.control.ring_descriptor import RingDescriptor
+from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
+from dflash_ipc.transport.shm import new_run_id
+from dflash_ipc.transport.slots import SlotLayout
 
 MIB = 1 << 20
 
@@ -110,7 +116,7 @@ def test_host_pinned_integrity_and_race(where):
 
 def test_consumer_killed_while_mapped_does_not_pin_producer_memory():
     cd = 1 if torch.cuda.device_count() > 1 else 0
-    r = bg.run_sigkill_check(0, cd, slot_bytes=256 * MIB, num_slots=4, timeout=90)
+    r = run_sigkill_check(0, cd, slot_bytes=256 * MIB, num_slots=4, timeout=90)
     assert r["consumer_copy_errors"] == 0, r
     assert r["consumer_exitcode"] == -9, r
     assert r["producer_exitcode"] == 0, r
@@ -119,20 +125,23 @@ def test_consumer_killed_while_mapped_does_not_pin_producer_memory():
     assert r["close_s"] < 10, r
 
 
-def test_descriptor_is_plain_msgpack_and_device_uuid_is_checked():
+def test_descriptor_is_typed_and_device_uuid_is_checked():
     layout = SlotLayout(num_planes=1, hidden_size=256, max_tokens=64, max_seqs=4, plane_dtype="bfloat16")
     for backend in ("cuda-ipc", "host-pinned"):
         ring = create_producer_ring(backend, layout, 3, run_id=new_run_id(), producer_rank=0, device="cuda:0")
         try:
             d = ring.descriptor()
-            wire = msgpack.packb(d, use_bin_type=True)
-            assert msgpack.unpackb(wire, raw=False) == d
-            assert d["slot_bytes"] == layout.slot_bytes and d["num_slots"] == 3
+            wire = msgpack.packb(protocol.to_wire(d), use_bin_type=True)
+            assert protocol.from_wire(RingDescriptor, msgpack.unpackb(wire, raw=False)) == d
+            assert d.slot_bytes == layout.slot_bytes and d.num_slots == 3
+            assert d.gpu is not None and d.gpu.index == 0 and d.gpu.uuid.startswith("GPU-")
             if backend == "cuda-ipc":
-                assert len(d["event_handles"]) == 3 and isinstance(d["mem_handle"], bytes)
-                bad = dict(msgpack.unpackb(wire, raw=False), device_uuid="GPU-00000000-0000-0000-0000-000000000000")
+                assert d.shm is None and len(d.cuda_ipc.event_handles) == 3 and isinstance(d.cuda_ipc.mem_handle, bytes)
+                bad = dataclasses.replace(d, gpu=dataclasses.replace(d.gpu, uuid="GPU-00000000-0000-0000-0000-000000000000"))
                 with pytest.raises(RuntimeError, match="UUID"):
                     open_consumer_ring(bad, "cuda:0")
+            else:
+                assert d.shm is not None and d.cuda_ipc is None
             with pytest.raises(IndexError):
                 ring.slot(3)
             with pytest.raises(ValueError):
@@ -143,7 +152,7 @@ def test_descriptor_is_plain_msgpack_and_device_uuid_is_checked():
 
 
 def test_choose_backend():
-    from dflash_ipc.transport.ring_cuda import choose_backend
+    from dflash_ipc.transport.factory import choose_backend
 
     backend, reason = choose_backend("cuda:0", ["cuda:0"])
     assert backend == "cuda-ipc" and reason

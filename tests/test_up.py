@@ -24,7 +24,7 @@ import pytest
 
 from dflash_ipc.control import channels
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, META_FILE, read_latest_pointer, step_dir_name
-from dflash_ipc.transport.ring import list_run_shm
+from dflash_ipc.transport.shm import list_run_shm
 from dflash_ipc.ops.status_view import validate_status
 
 pytestmark = pytest.mark.slow

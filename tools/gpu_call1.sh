@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU call 1 (nvidia-h200-x2, ~9.5 min): every GPU test, then the transport benchmarks of issue 3.
+# GPU call 1 (nvidia-h200-x2, ~9.5 min): every GPU test, the transport benchmarks of issue 3, then
+# `dflash-ipc bench gpu-ring --quick` (reference copies and two-process ring scenarios) if time is left.
 #   run(command="bash tools/gpu_call1.sh", kind="nvidia-h200-x2", carry=[".whl"], timeout_s=600)
 # Each stage gets what is left of the call's budget; logs and JSON lines go to $OUT.
 set -u
@@ -18,5 +19,13 @@ for a in "cuda-ipc --slot-mib 1024" "cuda-ipc --slot-mib 256" "host-pinned --slo
   timeout $L python3 -m dflash_ipc.cli bench transport --backend $a --producers 1 --consumers 1 --slots 4 --seconds 2 --json 2>>$OUT/transport.err | tail -1 | tee -a $OUT/transport.jsonl
   echo "transport [$a] took $(( $(date +%s) - T1 )) s"
 done
+L=$(left)
+if [ "$L" -ge 120 ]; then
+  T1=$(date +%s)
+  timeout $L python3 -m dflash_ipc.cli bench gpu-ring --quick --out $OUT/gpu_ring.json 2>&1 | tail -30 | tee $OUT/gpu_ring.log
+  echo "gpu-ring took $(( $(date +%s) - T1 )) s"
+else
+  echo "skipped [bench gpu-ring --quick]: $L s left"
+fi
 tar czf $OUT/logs.tgz /tmp/dflash-bench-*/logs /tmp/pytest-of-*/pytest-*/*/run*/logs 2>/dev/null
 ls -la $OUT

@@ -34,7 +34,7 @@ from dflash_ipc.control import channels
 from dflash_ipc.control import handshake
 from dflash_ipc.control import protocol
 from dflash_ipc.control.protocol import Done, RejectCounter
-from dflash_ipc.transport.ring import new_run_id, sweep_run_shm
+from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
 BENCH_HIDDEN = 1024
@@ -297,9 +297,9 @@ def run_transport_bench(args: BenchArgs, progress=print) -> dict:
         "verified": bool(ring["verified"] and base["verified"] and hand["verified"]),
     }
     if args.backend in ("cuda-ipc", "host-pinned") and torch.cuda.is_available():
-        from dflash_ipc.bench import gpu_harness as bench_gpu
+        from dflash_ipc.bench.gpu_suite import measure_reference_gbps
 
-        ref = bench_gpu.measure_reference_gbps(args.producer_device, args.consumer_device, layout.planes_bytes)
+        ref = measure_reference_gbps(args.producer_device, args.consumer_device, layout.planes_bytes)
         result["reference_gbps"] = round(ref, 3)
         result["ratio_to_reference"] = round(ring["gbps"] / ref, 4) if ref > 0 else None
     return result

@@ -60,7 +60,7 @@ class Hello(Message):
     pid: int
     device: str
     protocol: int = PROTOCOL_VERSION
-    ring: dict | None = None  # target only: the ring descriptor (plain fields)
+    ring: ring_descriptor.RingDescriptor | None = None  # target only: its ring
     endpoint: str = ""  # the address this child binds for data-plane messages
     info: dict = field(default_factory=dict)  # e.g. drafters: the checkpoint they resume from
 
@@ -68,7 +68,7 @@ class Hello(Message):
 @dataclass(frozen=True)
 class Start(Message):
     TAG: ClassVar[str] = "start"
-    rings: list  # [descriptor dict per target rank]
+    rings: list[ring_descriptor.RingDescriptor]  # one per target rank
     target_endpoints: list
     drafter_endpoints: list
     resume: dict = field(default_factory=dict)  # {"checkpoint": path, "step": n} when resuming
@@ -341,3 +341,7 @@ class RejectCounter:
     @property
     def total(self) -> int:
         return sum(self.by_kind.values())
+
+
+# Last: ring_descriptor builds on Struct above; field annotations resolve on first use.
+from dflash_ipc.control import ring_descriptor  # noqa: E402

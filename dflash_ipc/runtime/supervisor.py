@@ -43,7 +43,7 @@ from dflash_ipc.ops import sdnotify
 from dflash_ipc.config import DFlashConfig, write_resolved_config
 from dflash_ipc.control.handshake import HandshakeError
 from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown
-from dflash_ipc.transport.ring import new_run_id, sweep_run_shm
+from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 from dflash_ipc.ops.status_view import write_text_atomic
 from dflash_ipc.runtime.progress import MISSING, PlainProgress, ProgressSnapshot, RichProgress, eta_seconds, fmt, progress_display
 

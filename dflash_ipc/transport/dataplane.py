@@ -22,16 +22,40 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from dflash_ipc.control.protocol import EndOfData, Load, Message, RejectCounter, SlotFree, SlotReady
-from dflash_ipc.transport.ring import ConsumerRing, CopyTicket, ProducerRing, SlotStateError, SlotTable
+from dflash_ipc.control.protocol import (
+    EndOfData,
+    Load,
+    Message,
+    RejectCounter,
+    SlotFree,
+    SlotReady,
+)
 from dflash_ipc.control.router import LeastBusyRouter
+from dflash_ipc.transport.ring import (
+    ConsumerRing,
+    CopyTicket,
+    ProducerRing,
+    SlotStateError,
+    SlotTable,
+)
 from dflash_ipc.transport.slots import SlotViews
 
 Send = Callable[[int, Message], None]
+# Routing decisions kept for inspection (the last ones; a decision is a few bytes).
+ROUTING_LOG_LEN = 4096
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """One dispatch: the consumer chosen and the router's load estimate of every consumer just
+    before choosing (what least-busy routing promises is judged against this view)."""
+
+    consumer: int
+    loads: tuple[int, ...]
 
 
 @dataclass
@@ -60,6 +84,7 @@ class ProducerDataPlane:
         self.slot_free_received = 0
         self._end_requested = False
         self._end_sent = False
+        self.routing_log: collections.deque[RoutingDecision] = collections.deque(maxlen=ROUTING_LOG_LEN)
 
     # -- slots
     def acquire(self) -> int | None:
@@ -72,9 +97,11 @@ class ProducerDataPlane:
     def dispatch(self) -> int:
         sent = 0
         while self._waiting:
+            loads = tuple(self.router.inflight())
             consumer = self.router.choose()
             if consumer is None:
                 break
+            self.routing_log.append(RoutingDecision(consumer, loads))
             f = self._waiting.popleft()
             self.table.publish(f.slot, consumer)
             msg = SlotReady(

@@ -1,16 +1,20 @@
 """Fixed rings of reusable slots, shared once between a producer (target) and consumers (drafters).
 
 A producer allocates its ring **once**, in one large allocation, and never reallocates it.
-The ring is described by a plain dict (:meth:`ProducerRing.descriptor`) that travels as
-msgpack fields in the handshake; each consumer imports it **once** (:func:`open_consumer_ring`)
-and keeps the mapping for its life. Backends:
+The ring is described by a descriptor (:meth:`ProducerRing.descriptor`) that travels in the
+handshake; each consumer imports it **once** (``dflash_ipc.transport.factory.open_consumer_ring``)
+and keeps the mapping for its life. This module holds what every backend shares: the slot
+lifecycle, the producer's slot table and the ring interfaces. Backends:
 
 * ``cpu-shm``     POSIX shared memory: a 0600 file in /dev/shm mapped MAP_SHARED into a
-                  torch uint8 tensor in every process (this module).
+                  torch uint8 tensor in every process (``transport.cpu_shm``, ``transport.shm``).
 * ``host-pinned`` the same shared memory, page-locked with cudaHostRegister in both processes:
-                  D2H by the producer, H2D by the consumer (``dflash_ipc.transport.ring_cuda``).
+                  D2H by the producer, H2D by the consumer (``transport.host_pinned``).
 * ``cuda-ipc``    one GPU allocation plus one interprocess CUDA event per slot, shared through
-                  CUDA IPC handles (``dflash_ipc.transport.ring_cuda``).
+                  CUDA IPC handles (``transport.cuda_ipc``).
+
+Module graph (no cycles): ``shm``, ``slots`` <- ``ring`` <- ``cpu_shm``, ``cuda_common`` <-
+``cuda_ipc``, ``host_pinned`` <- ``factory`` (the one place that dispatches on the backend).
 
 Slot lifecycle and who owns each transition::
 
@@ -33,22 +37,13 @@ consumer returns a slot only after its copy completed (``CopyTicket.wait``).
 from __future__ import annotations
 
 import enum
-import glob
-import logging
 import os
-import secrets
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from dflash_ipc.control.ring_descriptor import DESCRIPTOR_VERSION, RingDescriptor
 from dflash_ipc.transport.slots import SlotLayout, SlotViews
-
-log = logging.getLogger(__name__)
-
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "dflash-ipc"
 
 
 class SlotState(enum.Enum):
@@ -119,7 +114,9 @@ class CopyTicket(Protocol):
     def wait(self) -> None: ...
 
 
-class _DoneTicket:
+class DoneTicket:
+    """A copy that completed before copy_out returned (host copies)."""
+
     def done(self) -> bool:
         return True
 
@@ -141,9 +138,9 @@ class ProducerRing(Protocol):
 
     def pack_target(self, index: int) -> torch.Tensor: ...
 
-    def commit(self, index: int, n_tokens: int, n_seqs: int, stream: "torch.cuda.Stream | None" = None) -> None: ...
+    def commit(self, index: int, n_tokens: int, n_seqs: int, stream: torch.cuda.Stream | None = None) -> None: ...
 
-    def descriptor(self) -> dict: ...
+    def descriptor(self) -> RingDescriptor: ...
 
     def close(self) -> None: ...
 
@@ -158,164 +155,48 @@ class ConsumerRing(Protocol):
     def close(self) -> None: ...
 
 
-def new_run_id() -> str:
-    return secrets.token_hex(4)
+class SlotRingBase:
+    """What every backend's ring shares: a layout, ``num_slots`` slots of ``slot_bytes`` in one
+    flat uint8 buffer (``None`` once closed), and typed views of a slot."""
 
+    backend = ""
 
-def shm_name(run_id: str, producer_rank: int) -> str:
-    return f"{SHM_PREFIX}-{run_id}-target{producer_rank}"
+    def __init__(self, layout: SlotLayout, num_slots: int):
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        self.layout = layout
+        self.num_slots = int(num_slots)
+        self.slot_bytes = layout.slot_bytes
+        self._buffer: torch.Tensor | None = None
 
-
-def sweep_run_shm(run_id: str) -> list[str]:
-    """Unlink every shared-memory segment of one run (leftovers of a killed producer)."""
-    removed = []
-    for path in glob.glob(str(SHM_DIR / f"{SHM_PREFIX}-{run_id}-*")):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def list_run_shm(run_id: str) -> list[str]:
-    return sorted(glob.glob(str(SHM_DIR / f"{SHM_PREFIX}-{run_id}-*")))
-
-
-def create_shm_tensor(name: str, nbytes: int) -> torch.Tensor:
-    """Create a private (0600) shared-memory file and map it MAP_SHARED as a uint8 tensor."""
-    path = SHM_DIR / name
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-
-
-def open_shm_tensor(name: str, nbytes: int) -> torch.Tensor:
-    path = SHM_DIR / name
-    actual = path.stat().st_size
-    if actual != nbytes:
-        raise ValueError(f"shared memory {path} has {actual} bytes, descriptor says {nbytes}")
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-
-
-# --------------------------------------------------------------------------- cpu-shm
-
-
-@dataclass
-class _Base:
-    layout: SlotLayout
-    num_slots: int
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.layout.slot_bytes
-
-
-class CpuShmProducerRing(_Base):
-    backend = "cpu-shm"
-
-    def __init__(self, layout: SlotLayout, num_slots: int, run_id: str, producer_rank: int):
-        super().__init__(layout, num_slots)
-        self.device = torch.device("cpu")
-        self.name = shm_name(run_id, producer_rank)
-        self._buffer: torch.Tensor | None = create_shm_tensor(self.name, num_slots * layout.slot_bytes)
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.num_slots:
+            raise IndexError(f"slot {index} outside ring of {self.num_slots}")
 
     def slot(self, index: int) -> torch.Tensor:
         if self._buffer is None:
-            raise RuntimeError("ring is closed")
+            raise RuntimeError(f"{self.backend} ring is closed")
+        self._check_index(index)
         b = self.slot_bytes
         return self._buffer[index * b : (index + 1) * b]
 
     def views(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews:
         return self.layout.views(self.slot(index), n_tokens, n_seqs)
 
-    # The packer writes straight into the shared slot on CPU.
-    staging_views = views
-
-    def pack_target(self, index: int) -> torch.Tensor:
-        """The flat buffer the packer writes for this slot (the slot itself here)."""
-        return self.slot(index)
-
-    def commit(self, index: int, n_tokens: int, n_seqs: int, stream=None) -> None:
-        return None
-
-    def descriptor(self) -> dict:
-        return {
-            "backend": self.backend,
-            "name": self.name,
-            "num_slots": self.num_slots,
-            "slot_bytes": self.slot_bytes,
-            "layout": self.layout.to_wire(),
-            "device": "cpu",
-        }
-
-    def close(self) -> None:
-        """Drop the mapping and unlink the segment (idempotent)."""
-        self._buffer = None
-        try:
-            os.unlink(SHM_DIR / self.name)
-        except FileNotFoundError:
-            pass
+    @property
+    def closed(self) -> bool:
+        return self._buffer is None
 
 
-class CpuShmConsumerRing(_Base):
-    backend = "cpu-shm"
-
-    def __init__(self, descriptor: dict):
-        layout = SlotLayout.from_wire(descriptor["layout"])
-        super().__init__(layout, int(descriptor["num_slots"]))
-        if layout.slot_bytes != int(descriptor["slot_bytes"]):
-            raise ValueError("ring descriptor slot_bytes disagrees with its layout")
-        self.name = descriptor["name"]
-        self._buffer: torch.Tensor | None = open_shm_tensor(self.name, self.num_slots * self.slot_bytes)
-
-    def slot(self, index: int) -> torch.Tensor:
-        if self._buffer is None:
-            raise RuntimeError("ring is closed")
-        b = self.slot_bytes
-        return self._buffer[index * b : (index + 1) * b]
-
-    def copy_out(self, index: int, n_tokens: int, n_seqs: int, dst: torch.Tensor) -> CopyTicket:
-        src = self.slot(index)
-        for off, nbytes in self.layout.used_ranges(n_tokens, n_seqs):
-            dst[off : off + nbytes].copy_(src[off : off + nbytes])
-        return _DoneTicket()
-
-    def close(self) -> None:
-        self._buffer = None
+def layout_from_descriptor(d: RingDescriptor) -> tuple[SlotLayout, int]:
+    layout = SlotLayout.from_wire(d.layout)
+    if layout.slot_bytes != d.slot_bytes:
+        raise ValueError(f"ring descriptor slot_bytes {d.slot_bytes} disagrees with its layout ({layout.slot_bytes})")
+    return layout, d.num_slots
 
 
-# --------------------------------------------------------------------------- factories
-
-
-def create_producer_ring(
-    backend: str,
-    layout: SlotLayout,
-    num_slots: int,
-    *,
-    run_id: str,
-    producer_rank: int,
-    device: torch.device | str = "cpu",
-) -> ProducerRing:
-    if backend == "cpu-shm":
-        return CpuShmProducerRing(layout, num_slots, run_id, producer_rank)
-    if backend in ("cuda-ipc", "host-pinned"):
-        from dflash_ipc.transport import ring_cuda
-
-        return ring_cuda.create_producer_ring(backend, layout, num_slots, run_id=run_id, producer_rank=producer_rank, device=torch.device(device))
-    raise ValueError(f"unknown transport backend {backend!r}")
-
-
-def open_consumer_ring(descriptor: dict, local_device: torch.device | str = "cpu") -> ConsumerRing:
-    """Import a producer's ring once; keep the returned object for the consumer's life."""
-    backend = descriptor.get("backend")
-    if backend == "cpu-shm":
-        return CpuShmConsumerRing(descriptor)
-    if backend in ("cuda-ipc", "host-pinned"):
-        from dflash_ipc.transport import ring_cuda
-
-        return ring_cuda.open_consumer_ring(descriptor, torch.device(local_device))
-    raise ValueError(f"unknown transport backend {backend!r}")
+def describe(ring: SlotRingBase, run_id: str, producer_rank: int, **parts) -> RingDescriptor:
+    """The descriptor of a producer's ring: the common fields plus its backend's parts."""
+    return RingDescriptor(backend=ring.backend, version=DESCRIPTOR_VERSION, run_id=str(run_id), producer_rank=int(producer_rank),
+                          producer_pid=os.getpid(), num_slots=ring.num_slots, slot_bytes=ring.slot_bytes,
+                          layout=ring.layout.to_wire(), **parts)

@@ -12,38 +12,25 @@ message, so the consumer copies exactly the used prefix of each region: planes f
 batch are ``flat[: k*n*H].view(k, n, H)``, one contiguous range, so a cross-device copy is a
 single copy-engine transfer. There is never padding in a slot: the target strips it.
 
-The layout is a pure function of (k, H, T_cap, S_cap, dtype), sent as plain msgpack fields
-in the ring descriptor (:meth:`SlotLayout.to_wire`).
+The layout is a pure function of (k, H, T_cap, S_cap, dtype); it travels in the ring
+descriptor as a :class:`~dflash_ipc.control.ring_descriptor.SlotLayoutWire` (:meth:`SlotLayout.to_wire`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from dflash_ipc.control.ring_descriptor import SlotLayoutWire
+from dflash_ipc.devices import dtype_from_name
+
 ALIGN = 256
-
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "uint8": torch.uint8,
-}
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for k, v in _DTYPES.items():
-        if v == dtype:
-            return k
-    raise ValueError(f"unsupported dtype {dtype}")
+# Used ranges closer than this are copied as one range (the gap's bytes are copied too; they are
+# unused on both sides). One more copy costs more than copying a megabyte over NVLink.
+COALESCE_GAP = 1 << 20
 
 
 def _align(n: int) -> int:
@@ -91,12 +78,15 @@ class SlotLayout:
     def slot_bytes(self) -> int:
         return self.offsets["end"]
 
-    def views(self, slot: torch.Tensor, n_tokens: int, n_seqs: int) -> "SlotViews":
-        """Typed views of the used prefix of one slot (a 1-D uint8 tensor of slot_bytes)."""
+    def check_counts(self, n_tokens: int, n_seqs: int) -> None:
         if not (0 <= n_tokens <= self.max_tokens):
             raise ValueError(f"n_tokens {n_tokens} outside slot capacity {self.max_tokens}")
         if not (0 <= n_seqs <= self.max_seqs):
             raise ValueError(f"n_seqs {n_seqs} outside slot capacity {self.max_seqs}")
+
+    def views(self, slot: torch.Tensor, n_tokens: int, n_seqs: int) -> SlotViews:
+        """Typed views of the used prefix of one slot (a 1-D uint8 tensor of slot_bytes)."""
+        self.check_counts(n_tokens, n_seqs)
         off = self.offsets
         k, h = self.num_planes, self.hidden_size
         pb = k * n_tokens * h * self.dtype.itemsize
@@ -116,24 +106,19 @@ class SlotLayout:
             (off["seq_lens"], 4 * n_seqs),
         ]
 
-    def to_wire(self) -> dict:
-        return {
-            "num_planes": self.num_planes,
-            "hidden_size": self.hidden_size,
-            "max_tokens": self.max_tokens,
-            "max_seqs": self.max_seqs,
-            "plane_dtype": self.plane_dtype,
-        }
+    def copy_used(self, dst: torch.Tensor, src: torch.Tensor, n_tokens: int, n_seqs: int, *, non_blocking: bool = False) -> None:
+        """Copy the used ranges of one slot from ``src`` to ``dst`` (flat uint8, same offsets), nearby
+        ranges coalesced. The one copy loop of every ring: the caller picks the stream."""
+        self.check_counts(n_tokens, n_seqs)
+        for off, nbytes in coalesce(self.used_ranges(n_tokens, n_seqs)):
+            dst[off : off + nbytes].copy_(src[off : off + nbytes], non_blocking=non_blocking)
+
+    def to_wire(self) -> SlotLayoutWire:
+        return SlotLayoutWire(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SlotLayoutWire)})
 
     @classmethod
-    def from_wire(cls, d: dict) -> "SlotLayout":
-        return cls(
-            num_planes=int(d["num_planes"]),
-            hidden_size=int(d["hidden_size"]),
-            max_tokens=int(d["max_tokens"]),
-            max_seqs=int(d["max_seqs"]),
-            plane_dtype=str(d["plane_dtype"]),
-        )
+    def from_wire(cls, wire: SlotLayoutWire) -> SlotLayout:
+        return cls(**{f.name: getattr(wire, f.name) for f in dataclasses.fields(SlotLayoutWire)})
 
 
 @dataclass
@@ -144,3 +129,17 @@ class SlotViews:
     token_ids: torch.Tensor  # [n] int64
     loss_mask: torch.Tensor  # [n] uint8 (1 = supervised)
     seq_lens: torch.Tensor  # [b] int32, sum == n
+
+
+def coalesce(ranges: Iterable[tuple[int, int]], max_gap: int = COALESCE_GAP) -> list[tuple[int, int]]:
+    """Drop empty ranges and merge ranges (sorted by offset) separated by at most max_gap bytes."""
+    out: list[tuple[int, int]] = []
+    for off, nbytes in ranges:
+        if nbytes <= 0:
+            continue
+        if out and off - (out[-1][0] + out[-1][1]) <= max_gap:
+            start = out[-1][0]
+            out[-1] = (start, max(out[-1][0] + out[-1][1], off + nbytes) - start)
+        else:
+            out.append((off, nbytes))
+    return out

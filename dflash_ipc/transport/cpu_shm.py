@@ -1,0 +1,76 @@
+"""``cpu-shm`` rings: the ring is one POSIX shared-memory segment (:mod:`dflash_ipc.transport.shm`).
+
+The producer's packer writes straight into the shared slot; a consumer's ``copy_out`` is a
+host copy of the used ranges, complete when it returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_ipc.control.ring_descriptor import RingDescriptor, ShmSegment
+from dflash_ipc.transport.ring import (
+    CopyTicket,
+    DoneTicket,
+    SlotRingBase,
+    describe,
+    layout_from_descriptor,
+)
+from dflash_ipc.transport.shm import (
+    create_shm_tensor,
+    open_shm_tensor,
+    shm_name,
+    unlink_shm,
+)
+from dflash_ipc.transport.slots import SlotLayout, SlotViews
+
+
+class CpuShmProducerRing(SlotRingBase):
+    backend = "cpu-shm"
+
+    def __init__(self, layout: SlotLayout, num_slots: int, run_id: str, producer_rank: int):
+        super().__init__(layout, num_slots)
+        self.device = torch.device("cpu")
+        self.name = shm_name(run_id, producer_rank)
+        self._run_id = run_id
+        self._rank = producer_rank
+        self._buffer = create_shm_tensor(self.name, self.num_slots * self.slot_bytes)
+
+    # The packer writes straight into the shared slot on CPU.
+    def staging_views(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews:
+        return self.views(index, n_tokens, n_seqs)
+
+    def pack_target(self, index: int) -> torch.Tensor:
+        """The flat buffer the packer writes for this slot (the slot itself here)."""
+        return self.slot(index)
+
+    def commit(self, index: int, n_tokens: int, n_seqs: int, stream=None) -> None:
+        return None
+
+    def descriptor(self) -> RingDescriptor:
+        return describe(self, self._run_id, self._rank, shm=ShmSegment(name=self.name))
+
+    def close(self) -> None:
+        """Drop the mapping and unlink the segment (idempotent)."""
+        self._buffer = None
+        unlink_shm(self.name)
+
+
+class CpuShmConsumerRing(SlotRingBase):
+    backend = "cpu-shm"
+
+    def __init__(self, descriptor: RingDescriptor):
+        layout, num_slots = layout_from_descriptor(descriptor)
+        super().__init__(layout, num_slots)
+        if descriptor.shm is None:
+            raise ValueError("a cpu-shm ring descriptor needs its shm part")
+        self.device = torch.device("cpu")
+        self.name = descriptor.shm.name
+        self._buffer = open_shm_tensor(self.name, self.num_slots * self.slot_bytes)
+
+    def copy_out(self, index: int, n_tokens: int, n_seqs: int, dst: torch.Tensor) -> CopyTicket:
+        self.layout.copy_used(dst, self.slot(index), n_tokens, n_seqs)
+        return DoneTicket()
+
+    def close(self) -> None:
+        self._buffer = None
