@@ -11,7 +11,8 @@ import torch
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.target.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta, pack_into_slot, real_token_index
 from dflash_ipc.transport.slots import SlotLayout
-from dflash_ipc.target.model import build_target, tiny_spec
+from dflash_ipc.target.hf_config import tiny_spec
+from dflash_ipc.target.model import build_target
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")])]
