@@ -123,6 +123,7 @@ def _gather_worker(rank: int, port: int, out_dir: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # two gloo ranks
 def test_gather_ledger_two_gloo_ranks(tmp_path):
     mp.spawn(_gather_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     expected = [[0, 0, 0], [0, 5, 5], [1, 1, 1]]

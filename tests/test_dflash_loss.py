@@ -456,7 +456,7 @@ def test_expected_acceptance_length():
 # --------------------------------------------------------------------------- CUDA (flex compiled)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled flex_attention)")
+@pytest.mark.gpu  # compiled flex_attention
 def test_cuda_flex_matches_sdpa_loss_and_gradients():
     """On GPU the compiled flex kernel honours the analytic tile lists: same loss and gradients as SDPA."""
     dev = torch.device("cuda")

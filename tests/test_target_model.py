@@ -296,7 +296,6 @@ def test_forward_flops():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_build_capture_and_report():
     cfg = _cfg(layer_ids=[1, 3], dtype="bfloat16")
     t = build_target(cfg, "cuda")
