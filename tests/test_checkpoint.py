@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from dflash_ipc.config import TrainingConfig
 from dflash_ipc.drafter import checkpoint as ck
 from dflash_ipc.drafter.checkpoint import (
     BatchLedger,
@@ -29,7 +30,6 @@ from dflash_ipc.drafter.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash_ipc.config import TrainingConfig
 from dflash_ipc.drafter.trainer import DrafterTrainer, init_distributed
 
 CFG = TrainingConfig(lr=1e-2, warmup_steps=2, max_steps=50, grad_clip=0.5)

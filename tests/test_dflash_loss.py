@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3_5TextConfig
 
+from dflash_ipc.config import DrafterConfig, TrainingConfig
 from dflash_ipc.drafter import blocks as B
 from dflash_ipc.drafter import loss as L
 from dflash_ipc.drafter import masks as M
-from dflash_ipc.config import DrafterConfig, TrainingConfig
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.transport.slots import SlotViews
 

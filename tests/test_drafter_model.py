@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3_5TextConfig
 
+from dflash_ipc.config import DrafterConfig
 from dflash_ipc.drafter import blocks as B
 from dflash_ipc.drafter import loss as L
 from dflash_ipc.drafter import masks as M
-from dflash_ipc.config import DrafterConfig
 from dflash_ipc.drafter.export import export_drafter, load_exported_drafter
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, resolve_attention_backend
 

@@ -93,7 +93,7 @@ def test_single_process_matches_plain_adamw():
         assert st.grad_norm == pytest.approx(float(norm), rel=1e-5)
         assert st.global_weight == pytest.approx(float(ws))
         assert st.global_loss == pytest.approx(float(ls.detach() / ws), rel=1e-5)
-    for a, b, (name, p) in zip(tr.master_params, ps, [(n, p) for n, p in model.named_parameters() if p.requires_grad]):
+    for a, b, p in zip(tr.master_params, ps, [p for p in model.parameters() if p.requires_grad]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         assert p.data_ptr() == a.data_ptr()  # one copy on CPU/fp32
     assert not model.embed.weight.requires_grad and len(tr.master_params) == 6

@@ -24,8 +24,8 @@ from conftest import tiny_cpu_config, write_toml
 
 from dflash_ipc.control import channels
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, META_FILE, read_latest_pointer, step_dir_name
-from dflash_ipc.transport.ring import list_run_shm
 from dflash_ipc.ops.status_view import validate_status
+from dflash_ipc.transport.ring import list_run_shm
 
 pytestmark = pytest.mark.slow
 

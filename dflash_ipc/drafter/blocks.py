@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 import torch
 
-
 # --------------------------------------------------------------------------- documents & anchors
 
 

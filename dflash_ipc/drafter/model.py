@@ -116,7 +116,7 @@ class DrafterModelConfig:
         target_hf_config: Any,
         target_layer_ids: list[int],
         mask_token_id: int,
-    ) -> "DrafterModelConfig":
+    ) -> DrafterModelConfig:
         """Resolve a :class:`DrafterConfig` against the target's transformers config.
 
         Zeros in ``drafter_cfg`` mean "same as the target". The hidden size must equal the

@@ -10,7 +10,6 @@ from torch import nn
 
 from dflash_ipc.target.model import TargetModel
 
-
 _ROLE_NAMES = {
     "chunk_gated_delta_rule": ("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
     "recurrent_gated_delta_rule": ("fused_recurrent_gated_delta_rule", "recurrent_gated_delta_rule", "torch_recurrent_gated_delta_rule"),

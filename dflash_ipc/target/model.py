@@ -82,7 +82,7 @@ def _deterministic_init(stack: nn.Module, seed: int, std: float) -> None:
         # 1-D parameters (norm weights, dt_bias, biases) keep their constant HF init
 
 
-def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> "TargetModel":
+def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> TargetModel:
     """Build the frozen target on ``device`` (checkpoint or random spec); see the module docstring."""
     device = as_device(device)
     dtype = dtype_from_name(cfg.dtype)
@@ -108,7 +108,7 @@ def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> "T
     return TargetModel(stack, hf_config, layer_ids, device, dtype, capture_last_hidden=cfg.capture_last_hidden)
 
 
-def _build_from_checkpoint(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> "TargetModel":
+def _build_from_checkpoint(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> TargetModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(cfg.model_path)
