@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from dflash_ipc.config import TrainingConfig
 from dflash_ipc.drafter import checkpoint as ck
 from dflash_ipc.drafter.checkpoint import (
     BatchLedger,
@@ -29,7 +30,6 @@ from dflash_ipc.drafter.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash_ipc.config import TrainingConfig
 from dflash_ipc.drafter.trainer import DrafterTrainer, init_distributed
 
 CFG = TrainingConfig(lr=1e-2, warmup_steps=2, max_steps=50, grad_clip=0.5)
@@ -123,6 +123,7 @@ def _gather_worker(rank: int, port: int, out_dir: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # two gloo ranks
 def test_gather_ledger_two_gloo_ranks(tmp_path):
     mp.spawn(_gather_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     expected = [[0, 0, 0], [0, 5, 5], [1, 1, 1]]

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import toml_text
 
 from dflash_ipc.config import (
     ConfigError,
@@ -23,9 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted((REPO / "configs").glob("*.toml"))
 
 
-def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+def write(tmp_path: Path, content: str | dict, name: str = "run.toml") -> Path:
+    """A config file from a dict (tests/conftest.py's writer) or, for syntax cases, raw TOML text."""
     p = tmp_path / name
-    p.write_text(text)
+    p.write_text(content if isinstance(content, str) else toml_text(content))
     return p
 
 
@@ -40,31 +42,14 @@ def load_error(path: Path, **kw) -> str:
 # --------------------------------------------------------------------------- valid files
 
 
-VALID = """
-[run]
-name = "t"
-handshake_timeout_s = 30        # an int where a float is expected is fine
-
-[topology]
-targets = ["cpu", "cpu"]
-drafters = ["cpu"]
-
-[transport]
-backend = "cpu-shm"
-ring_slots = 6
-max_outstanding_per_drafter = 2
-
-[data]
-max_seq_len = 512
-bucket_edges = [64, 128, 512]
-token_budget = 1024
-
-[training]
-kl_weight = 0.5
-
-[target]
-capture_last_hidden = true
-"""
+VALID = {
+    "run": {"name": "t", "handshake_timeout_s": 30},  # an int where a float is expected is fine
+    "topology": {"targets": ["cpu", "cpu"], "drafters": ["cpu"]},
+    "transport": {"backend": "cpu-shm", "ring_slots": 6, "max_outstanding_per_drafter": 2},
+    "data": {"max_seq_len": 512, "bucket_edges": [64, 128, 512], "token_budget": 1024},
+    "training": {"kl_weight": 0.5},
+    "target": {"capture_last_hidden": True},
+}
 
 
 def test_valid_file_loads_into_dataclasses(tmp_path):
@@ -102,7 +87,10 @@ def test_overrides_are_validated_with_their_key(tmp_path):
     assert "transport.ring_slots" in msg
 
 
-@pytest.mark.skipif(not CONFIG_FILES, reason="no configs/*.toml in the repository")
+def test_the_repository_ships_configs():
+    assert CONFIG_FILES, "no configs/*.toml in the repository"
+
+
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)
@@ -151,68 +139,68 @@ def test_unknown_key_without_close_match_lists_valid_keys(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "toml, key, fragment",
+    "data, key, fragment",
     [
-        ('[transport]\nring_slots = "4"\n', "transport.ring_slots", "must be an integer"),
-        ("[transport]\nring_slots = 4.0\n", "transport.ring_slots", "must be an integer"),
-        ("[transport]\nring_slots = true\n", "transport.ring_slots", "must be an integer"),
-        ('[run]\nhandshake_timeout_s = "slow"\n', "run.handshake_timeout_s", "must be a number"),
-        ("[run]\nhandshake_timeout_s = false\n", "run.handshake_timeout_s", "must be a number"),
-        ("[target]\ncapture_last_hidden = 1\n", "target.capture_last_hidden", "true or false"),
-        ('[topology]\ntargets = "cpu"\n', "topology.targets", "must be a list"),
-        ('[topology]\ntargets = ["cpu", 3]\n', "topology.targets[1]", "must be a string"),
-        ('[transport]\nbackend = "shm"\n', "transport.backend", "must be one of"),
-        ("[target]\nspec = 3\n", "target.spec", "must be a table"),
-        ('[drafter]\nnum_layers = 2\nlayer_types = ["sliding_attention", "global"]\n', "drafter.layer_types[1]", "must be one of"),
+        ({"transport": {"ring_slots": "4"}}, "transport.ring_slots", "must be an integer"),
+        ({"transport": {"ring_slots": 4.0}}, "transport.ring_slots", "must be an integer"),
+        ({"transport": {"ring_slots": True}}, "transport.ring_slots", "must be an integer"),
+        ({"run": {"handshake_timeout_s": "slow"}}, "run.handshake_timeout_s", "must be a number"),
+        ({"run": {"handshake_timeout_s": False}}, "run.handshake_timeout_s", "must be a number"),
+        ({"target": {"capture_last_hidden": 1}}, "target.capture_last_hidden", "true or false"),
+        ({"topology": {"targets": "cpu"}}, "topology.targets", "must be a list"),
+        ({"topology": {"targets": ["cpu", 3]}}, "topology.targets[1]", "must be a string"),
+        ({"transport": {"backend": "shm"}}, "transport.backend", "must be one of"),
+        ({"target": {"spec": 3}}, "target.spec", "must be a table"),
+        ({"drafter": {"num_layers": 2, "layer_types": ["sliding_attention", "global"]}}, "drafter.layer_types[1]", "must be one of"),
     ],
 )
-def test_wrong_type_names_dotted_key(tmp_path, toml, key, fragment):
-    msg = load_error(write(tmp_path, toml))
+def test_wrong_type_names_dotted_key(tmp_path, data, key, fragment):
+    msg = load_error(write(tmp_path, data))
     assert f": {key}: " in msg, msg
     assert fragment in msg, msg
 
 
 @pytest.mark.parametrize(
-    "toml, key, fragment",
+    "data, key, fragment",
     [
-        ("[transport]\nring_slots = 1\n", "transport.ring_slots", "must be >= 2 (got 1)"),
-        ("[transport]\nring_slots = 65\n", "transport.ring_slots", "<= 64"),
-        ("[transport]\nmax_outstanding_per_drafter = 0\n", "transport.max_outstanding_per_drafter", ">= 1"),
-        ("[run]\nhandshake_timeout_s = 0\n", "run.handshake_timeout_s", "> 0"),
-        ("[run]\nhandshake_timeout_s = nan\n", "run.handshake_timeout_s", "> 0"),
-        ("[run]\nheartbeat_interval_s = 1\nheartbeat_timeout_s = 2\n", "run.heartbeat_timeout_s", "3x"),
-        ('[run]\nname = "a/b"\n', "run.name", "without '/'"),
-        ('[topology]\ntargets = ["gpu0"]\n', "topology.targets[0]", "not a device"),
-        ("[topology]\ndrafters = []\n", "topology.drafters", "at least one"),
-        ("[training]\nlr = inf\n", "training.lr", "positive"),
-        ("[training]\nbetas = [0.9]\n", "training.betas", "two numbers"),
-        ("[drafter]\nblock_size = 1\n", "drafter.block_size", "between 2 and 64"),
-        ("[data]\nmax_seq_len = 512\nbucket_edges = [64, 128, 256]\ntoken_budget = 1024\n", "data.bucket_edges", "last edge must equal data.max_seq_len"),
-        ("[data]\nmax_seq_len = 512\nbucket_edges = [128, 64, 512]\ntoken_budget = 1024\n", "data.bucket_edges", "strictly increasing"),
-        ("[data]\nmax_seq_len = 512\nbucket_edges = [64, 512]\ntoken_budget = 256\n", "data.token_budget", "data.max_seq_len"),
+        ({"transport": {"ring_slots": 1}}, "transport.ring_slots", "must be >= 2 (got 1)"),
+        ({"transport": {"ring_slots": 65}}, "transport.ring_slots", "<= 64"),
+        ({"transport": {"max_outstanding_per_drafter": 0}}, "transport.max_outstanding_per_drafter", ">= 1"),
+        ({"run": {"handshake_timeout_s": 0}}, "run.handshake_timeout_s", "> 0"),
+        ({"run": {"handshake_timeout_s": float("nan")}}, "run.handshake_timeout_s", "> 0"),
+        ({"run": {"heartbeat_interval_s": 1, "heartbeat_timeout_s": 2}}, "run.heartbeat_timeout_s", "3x"),
+        ({"run": {"name": "a/b"}}, "run.name", "without '/'"),
+        ({"topology": {"targets": ["gpu0"]}}, "topology.targets[0]", "not a device"),
+        ({"topology": {"drafters": []}}, "topology.drafters", "at least one"),
+        ({"training": {"lr": float("inf")}}, "training.lr", "positive"),
+        ({"training": {"betas": [0.9]}}, "training.betas", "two numbers"),
+        ({"drafter": {"block_size": 1}}, "drafter.block_size", "between 2 and 64"),
+        ({"data": {"max_seq_len": 512, "bucket_edges": [64, 128, 256], "token_budget": 1024}}, "data.bucket_edges", "last edge must equal data.max_seq_len"),
+        ({"data": {"max_seq_len": 512, "bucket_edges": [128, 64, 512], "token_budget": 1024}}, "data.bucket_edges", "strictly increasing"),
+        ({"data": {"max_seq_len": 512, "bucket_edges": [64, 512], "token_budget": 256}}, "data.token_budget", "data.max_seq_len"),
     ],
 )
-def test_impossible_value_names_dotted_key(tmp_path, toml, key, fragment):
-    msg = load_error(write(tmp_path, toml))
+def test_impossible_value_names_dotted_key(tmp_path, data, key, fragment):
+    msg = load_error(write(tmp_path, data))
     assert f": {key}: " in msg, msg
     assert fragment in msg, msg
 
 
 @pytest.mark.parametrize(
-    "toml, key, fragment",
+    "data, key, fragment",
     [
         # cpu shared memory cannot serve processes on GPUs
-        ('[topology]\ntargets = ["cuda:0"]\ndrafters = ["cuda:1"]\n[transport]\nbackend = "cpu-shm"\n', "transport.backend", "cpu-shm needs cpu devices"),
-        ('[transport]\nbackend = "cuda-ipc"\n', "transport.backend", "needs cuda devices"),
-        ('[transport]\nbackend = "host-pinned"\n', "transport.backend", "needs cuda devices"),
-        ("[training]\nkl_weight = 0.1\n", "training.kl_weight", "target.capture_last_hidden"),
-        ('[topology]\ntargets = ["cuda:0"]\ndrafters = ["cpu"]\n', "topology.targets", "mixing cpu and cuda"),
-        ('[topology]\ndist_backend = "nccl"\n', "topology.dist_backend", "nccl needs every drafter on a cuda device"),
-        ('[drafter]\nnum_layers = 3\nlayer_types = ["full_attention"]\n', "drafter.layer_types", "exactly drafter.num_layers"),
+        ({"topology": {"targets": ["cuda:0"], "drafters": ["cuda:1"]}, "transport": {"backend": "cpu-shm"}}, "transport.backend", "cpu-shm needs cpu devices"),
+        ({"transport": {"backend": "cuda-ipc"}}, "transport.backend", "needs cuda devices"),
+        ({"transport": {"backend": "host-pinned"}}, "transport.backend", "needs cuda devices"),
+        ({"training": {"kl_weight": 0.1}}, "training.kl_weight", "target.capture_last_hidden"),
+        ({"topology": {"targets": ["cuda:0"], "drafters": ["cpu"]}}, "topology.targets", "mixing cpu and cuda"),
+        ({"topology": {"dist_backend": "nccl"}}, "topology.dist_backend", "nccl needs every drafter on a cuda device"),
+        ({"drafter": {"num_layers": 3, "layer_types": ["full_attention"]}}, "drafter.layer_types", "exactly drafter.num_layers"),
     ],
 )
-def test_impossible_combination_names_dotted_key(tmp_path, toml, key, fragment):
-    msg = load_error(write(tmp_path, toml))
+def test_impossible_combination_names_dotted_key(tmp_path, data, key, fragment):
+    msg = load_error(write(tmp_path, data))
     assert f": {key}: " in msg, msg
     assert fragment in msg, msg
 

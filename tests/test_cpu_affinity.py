@@ -25,7 +25,8 @@ def test_apply_cpu_share_pins_the_process_and_its_children():
         "import os, subprocess, sys\n"
         "from dflash_ipc.runtime.child import apply_cpu_share\n"
         f"assert apply_cpu_share('{core}') == 1\n"
-        "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'], capture_output=True, text=True)\n"
+        "probe = 'import os; print(sorted(os.sched_getaffinity(0)))'\n"
+        "child = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True)\n"
         "print(sorted(os.sched_getaffinity(0)), child.stdout.strip())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

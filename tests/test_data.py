@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_ipc.data import corpus as data_mod
 from dflash_ipc.config import DataConfig
-from dflash_ipc.data.corpus import DataError, builtin_conversations, load_corpus, stdlib_doc_entries
+from dflash_ipc.data import corpus as data_mod
+from dflash_ipc.data.builtin_corpus import builtin_conversations, stdlib_doc_entries
+from dflash_ipc.data.corpus import load_corpus
+from dflash_ipc.data.errors import DataError
 from dflash_ipc.data.tokenizer import (
     IM_END,
     TokenizerError,
@@ -320,3 +322,18 @@ def test_builtin_corpus_is_real_docs_and_deterministic(tok, tmp_path):
 def test_unknown_builtin_corpus(tok):
     with pytest.raises(DataError, match="unknown built-in corpus"):
         load_corpus(DataConfig(paths=["builtin:nope"]), tok, None)
+
+
+def test_tokenizer_asset_regenerates_a_loadable_1024_id_tokenizer(tmp_path):
+    from tokenizers import Tokenizer
+
+    from dflash_ipc.data.tokenizer import SPECIAL_TOKENS, VOCAB_SIZE
+    from dflash_ipc.data.tokenizer_asset import write_asset
+
+    out = tmp_path / "tok.json"
+    write_asset(out)
+    fresh = Tokenizer.from_file(str(out))
+    assert fresh.get_vocab_size() == VOCAB_SIZE
+    assert [fresh.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(VOCAB_SIZE - len(SPECIAL_TOKENS), VOCAB_SIZE))
+    text = "def f(x):\n    return {'ü': x}  # 😀"
+    assert fresh.decode(fresh.encode(text).ids) == text

@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3_5TextConfig
 
-from dflash_ipc.drafter import loss as L
 from dflash_ipc.config import DrafterConfig, TrainingConfig
+from dflash_ipc.drafter import blocks as B
+from dflash_ipc.drafter import loss as L
+from dflash_ipc.drafter import masks as M
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.transport.slots import SlotViews
 
@@ -80,12 +82,12 @@ def test_concat_context_noise():
 
 
 def test_document_index_positions_restart():
-    doc = L.document_index(torch.tensor([3, 0, 2], dtype=torch.int32), 5)
+    doc = B.document_index(torch.tensor([3, 0, 2], dtype=torch.int32), 5)
     assert doc.doc_of_token.tolist() == [0, 0, 0, 2, 2]
     assert doc.position_ids.tolist() == [0, 1, 2, 0, 1]
     assert doc.doc_start.tolist() == [0, 3, 3] and doc.doc_end.tolist() == [3, 3, 5]
     with pytest.raises(ValueError):
-        L.document_index(torch.tensor([3, 3]), 5)
+        B.document_index(torch.tensor([3, 3]), 5)
 
 
 # --------------------------------------------------------------------------- anchors
@@ -95,11 +97,11 @@ def test_anchor_candidates_hand_built():
     # docs [0..5] [6..9] [10..11]; loss_mask per token:
     lm = torch.tensor([0, 1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1], dtype=torch.uint8)
     seq = torch.tensor([6, 4, 2])
-    valid = L.valid_anchor_mask(lm, seq)
+    valid = B.valid_anchor_mask(lm, seq)
     # 1: lm[1]&lm[2]; 4: lm[4]&lm[5]; 5: next (6) is another document; 6: lm[6]&lm[7];
     # 7: lm[8]=0; 9: lm[9]&lm[10] but 10 is another document; 10: lm[10]&lm[11]; 11: end.
     assert valid.nonzero().squeeze(1).tolist() == [1, 4, 6, 10]
-    anchors, doc = L.sample_anchors(lm, seq, 100, 4, torch.Generator().manual_seed(0))
+    anchors, doc = B.sample_anchors(lm, seq, 100, 4, torch.Generator().manual_seed(0))
     assert anchors.tolist() == [1, 4, 6, 10] and doc.tolist() == [0, 0, 1, 2]
 
 
@@ -108,14 +110,14 @@ def test_anchor_budget_is_per_document_and_uniform():
     n = int(seq.sum())
     lm = torch.ones(n, dtype=torch.uint8)
     lm[50:60] = 0
-    valid = L.valid_anchor_mask(lm, seq)
-    doc = L.document_index(seq, n)
+    valid = B.valid_anchor_mask(lm, seq)
+    doc = B.document_index(seq, n)
     per_doc_valid = torch.zeros(4, dtype=torch.int64).index_add_(0, doc.doc_of_token, valid.long())
     assert per_doc_valid.tolist() == [39, 4, 18, 2]  # doc 2: 45..48 and 60..73
     g = torch.Generator().manual_seed(0)
     hits = torch.zeros(n)
     for _ in range(200):
-        anchors, adoc = L.sample_anchors(lm, seq, 6, 16, g)
+        anchors, adoc = B.sample_anchors(lm, seq, 6, 16, g)
         assert torch.all(anchors[1:] > anchors[:-1])  # sorted, distinct
         assert valid[anchors].all()
         assert torch.equal(adoc, doc.doc_of_token[anchors])
@@ -132,8 +134,8 @@ def test_anchor_budget_is_per_document_and_uniform():
 def test_sample_anchors_reproducible_with_generator():
     lm = torch.ones(64, dtype=torch.uint8)
     seq = torch.tensor([64])
-    a = L.sample_anchors(lm, seq, 5, 4, torch.Generator().manual_seed(9))[0]
-    b = L.sample_anchors(lm, seq, 5, 4, torch.Generator().manual_seed(9))[0]
+    a = B.sample_anchors(lm, seq, 5, 4, torch.Generator().manual_seed(9))[0]
+    b = B.sample_anchors(lm, seq, 5, 4, torch.Generator().manual_seed(9))[0]
     assert torch.equal(a, b)
 
 
@@ -166,17 +168,17 @@ def layout_for(seq_lens, anchors, bs, valid=None):
     seq = torch.tensor(seq_lens)
     n = sum(seq_lens)
     a = torch.tensor(anchors)
-    doc = L.document_index(seq, n)
+    doc = B.document_index(seq, n)
     bv = None if valid is None else torch.tensor(valid)
-    return L.build_block_layout(seq, a, doc.doc_of_token[a], bs, bv, n=n)
+    return B.build_block_layout(seq, a, doc.doc_of_token[a], bs, bv, n=n)
 
 
 def test_mask_semantics_hand_built():
     # Two documents [0..5] [6..9]; block size 3; anchors 2 and 4 (doc 0) and 7 (doc 1).
     lay = layout_for([6, 4], [2, 4, 7], 3)
     n = 10
-    full = L.dense_attention_mask(lay, "full_attention", 2048)
-    slide = L.dense_attention_mask(lay, "sliding_attention", 3)
+    full = M.dense_attention_mask(lay, "full_attention", 2048)
+    slide = M.dense_attention_mask(lay, "sliding_attention", 3)
     # Block 0 (anchor 2): context 0,1 only -- not 2 itself (strict), not later, not doc 1.
     assert full[0, :n].nonzero().squeeze(1).tolist() == [0, 1]
     # Full layers: the whole own block, every slot, nothing of the other blocks.
@@ -198,7 +200,7 @@ def test_mask_semantics_hand_built():
 def test_mask_window_inside_block_and_invalid_blocks():
     lay = layout_for([20, 12], [3, 9, 10, 21, 25], 5, valid=[True, False, True, True, True])
     for lt, w in (("full_attention", 2048), ("sliding_attention", 2), ("sliding_attention", 7)):
-        m = L.dense_attention_mask(lay, lt, w)
+        m = M.dense_attention_mask(lay, lt, w)
         assert torch.equal(m, reference_mask([20, 12], [3, 9, 10, 21, 25], 5, lt, w, [1, 0, 1, 1, 1]))
         assert not m[5:10].any()  # the invalid block sees nothing
         assert not m[:, 32 + 5 : 32 + 10].any()  # ... and nobody sees it
@@ -223,13 +225,13 @@ def test_flex_block_mask_tiles_cover_mask_exactly(tile):
     g = torch.Generator().manual_seed(1)
     seq = [37, 9, 50]
     lm = torch.ones(96, dtype=torch.uint8)
-    anchors, _ = L.sample_anchors(lm, torch.tensor(seq), 12, 4, g)
+    anchors, _ = B.sample_anchors(lm, torch.tensor(seq), 12, 4, g)
     lay = layout_for(seq, anchors.tolist(), 4, valid=(torch.rand(anchors.numel(), generator=g) > 0.2).tolist())
     qb, kb = (tile, tile) if isinstance(tile, int) else tile
     saw_full = False
     for lt, w in (("full_attention", 2048), ("sliding_attention", 9)):
-        dense = L.dense_attention_mask(lay, lt, w)
-        bm = L.flex_block_mask(lay, lt, w, tile)
+        dense = M.dense_attention_mask(lay, lt, w)
+        bm = M.flex_block_mask(lay, lt, w, tile)
         partial, full = block_mask_tiles(bm)
         assert not (partial & full).any()
         tq, tkv = partial.shape
@@ -255,7 +257,7 @@ def test_block_labels_worked_example():
     tokens = torch.arange(100, 108)
     lm = torch.tensor([1, 1, 1, 1, 1, 0, 1, 1], dtype=torch.uint8)
     anchors = torch.tensor([1, 5])
-    lab = L.block_labels(tokens, lm, anchors, torch.tensor([8, 8]), 4, gamma=2.0)
+    lab = B.block_labels(tokens, lm, anchors, torch.tensor([8, 8]), 4, gamma=2.0)
     # block 0: slots predict positions 2,3,4 (all supervised): weights 1, e^-1/2, e^-1
     # block 1: slots predict 6, 7 (supervised) and 8 (outside the document)
     e = math.exp
@@ -264,7 +266,7 @@ def test_block_labels_worked_example():
     assert lab.valid.tolist() == [[False, True, True, True], [False, True, True, False]]
     assert lab.labels[0, 1:].tolist() == [102, 103, 104] and lab.labels[1, 1:3].tolist() == [106, 107]
     # Unsupervised label inside the block: anchor 3 predicts 4 (ok), 5 (loss_mask 0), 6 (ok).
-    lab2 = L.block_labels(tokens, lm, torch.tensor([3]), torch.tensor([8]), 4, gamma=2.0)
+    lab2 = B.block_labels(tokens, lm, torch.tensor([3]), torch.tensor([8]), 4, gamma=2.0)
     torch.testing.assert_close(lab2.weights, torch.tensor([[0, 1, 0, e(-1.0)]]))
 
 
@@ -325,11 +327,11 @@ def manual_loss(model, views, anchors, gamma, kl_weight=0.0):
     bs = model.config.block_size
     k = model.config.num_context_planes
     n = views.token_ids.numel()
-    doc = L.document_index(views.seq_lens, n)
+    doc = B.document_index(views.seq_lens, n)
     adoc = doc.doc_of_token[anchors]
-    lab = L.block_labels(views.token_ids, views.loss_mask, anchors, doc.doc_end[adoc], bs, gamma)
-    lay = L.build_block_layout(views.seq_lens, anchors, adoc, bs, lab.valid.any(1), n=n)
-    masks = L.build_attention_masks(lay, model.config.layer_types, model.config.sliding_window, "sdpa")
+    lab = B.block_labels(views.token_ids, views.loss_mask, anchors, doc.doc_end[adoc], bs, gamma)
+    lay = B.build_block_layout(views.seq_lens, anchors, adoc, bs, lab.valid.any(1), n=n)
+    masks = M.build_attention_masks(lay, model.config.layer_types, model.config.sliding_window, "sdpa")
     hidden = model(
         L.concat_context(views.planes[:k]),
         lay.context_position_ids,
@@ -355,7 +357,7 @@ def test_compute_loss_worked_example():
     views = packed_views([12, 8, 6], loss_mask=lm)
     tc = TrainingConfig(loss_gamma=7.0, ce_chunk_tokens=16)
     out = L.compute_loss(model, views, dc, tc, torch.Generator().manual_seed(5))
-    anchors, adoc = L.sample_anchors(views.loss_mask, views.seq_lens, 3, 4, torch.Generator().manual_seed(5))
+    anchors, adoc = B.sample_anchors(views.loss_mask, views.seq_lens, 3, 4, torch.Generator().manual_seed(5))
     assert torch.bincount(adoc).tolist() == [3, 3, 3]
     assert out.num_blocks == 9 and out.num_query_tokens == 36
     total, wsum, correct, count = manual_loss(model, views, anchors, 7.0)
@@ -368,7 +370,7 @@ def test_compute_loss_worked_example():
     assert set(anchors[adoc == 2].tolist()) <= {21, 22, 23, 24}
     a = anchors[adoc == 2]
     exp_w = sum(math.exp(-(s - 1) / 7.0) for ai in a.tolist() for s in range(1, 4) if ai + s <= 25)
-    lab = L.block_labels(views.token_ids, views.loss_mask, a, torch.full_like(a, 26), 4, 7.0)
+    lab = B.block_labels(views.token_ids, views.loss_mask, a, torch.full_like(a, 26), 4, 7.0)
     assert abs(lab.weights.sum().item() - exp_w) < 1e-5
     out.loss_sum.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.trainable_parameters())
@@ -392,7 +394,7 @@ def test_compute_loss_kl_term_alignment():
     views = packed_views([14, 10], planes=4)  # 3 context planes + the target's last hidden state
     tc = TrainingConfig(kl_weight=0.5)
     out = L.compute_loss(model, views, dc, tc, torch.Generator().manual_seed(0))
-    anchors, _ = L.sample_anchors(views.loss_mask, views.seq_lens, 4, 4, torch.Generator().manual_seed(0))
+    anchors, _ = B.sample_anchors(views.loss_mask, views.seq_lens, 4, 4, torch.Generator().manual_seed(0))
     total, _, _, _ = manual_loss(model, views, anchors, tc.loss_gamma, kl_weight=0.5)
     torch.testing.assert_close(out.loss_sum, total, rtol=1e-5, atol=1e-4)
     assert out.kl_sum > 0
@@ -454,7 +456,7 @@ def test_expected_acceptance_length():
 # --------------------------------------------------------------------------- CUDA (flex compiled)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled flex_attention)")
+@pytest.mark.gpu  # compiled flex_attention
 def test_cuda_flex_matches_sdpa_loss_and_gradients():
     """On GPU the compiled flex kernel honours the analytic tile lists: same loss and gradients as SDPA."""
     dev = torch.device("cuda")
@@ -493,7 +495,7 @@ def test_cuda_flex_matches_sdpa_loss_and_gradients():
 
 
 def test_max_anchors_per_batch_caps_a_batch_of_many_short_documents():
-    from dflash_ipc.drafter.loss import sample_anchors
+    from dflash_ipc.drafter.blocks import sample_anchors
 
     seq_lens = torch.tensor([20] * 30, dtype=torch.int32)
     loss_mask = torch.ones(600, dtype=torch.uint8)

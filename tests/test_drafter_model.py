@@ -9,15 +9,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3_5TextConfig
 
-from dflash_ipc.drafter import loss as L
 from dflash_ipc.config import DrafterConfig
-from dflash_ipc.drafter.model import (
-    DFlashDrafter,
-    DrafterModelConfig,
-    export_drafter,
-    load_exported_drafter,
-    resolve_attention_backend,
-)
+from dflash_ipc.drafter import blocks as B
+from dflash_ipc.drafter import loss as L
+from dflash_ipc.drafter import masks as M
+from dflash_ipc.drafter.export import export_drafter, load_exported_drafter
+from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, resolve_attention_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -63,15 +60,31 @@ def batch(seq_lens, k=3, seed=0):
 
 def run(model, seq, planes, tokens, anchors, *, backend="sdpa", block_valid=None, tile=128, block_ids=None):
     n = planes.shape[1]
-    doc = L.document_index(seq, n)
+    doc = B.document_index(seq, n)
     anchors = torch.as_tensor(anchors, dtype=torch.int64)
-    layout = L.build_block_layout(seq, anchors, doc.doc_of_token[anchors], model.config.block_size, block_valid, n=n)
-    masks = L.build_attention_masks(layout, model.config.layer_types, model.config.sliding_window, backend, tile)
+    layout = B.build_block_layout(seq, anchors, doc.doc_of_token[anchors], model.config.block_size, block_valid, n=n)
+    masks = M.build_attention_masks(layout, model.config.layer_types, model.config.sliding_window, backend, tile)
     ids = block_ids if block_ids is not None else model.block_input_ids(tokens[anchors])
     return model(L.concat_context(planes), layout.context_position_ids, ids, layout.block_position_ids, masks)
 
 
 # --------------------------------------------------------------------------- config
+
+
+def test_from_configs_reads_the_decoder_of_a_composite_target_config():
+    # A multimodal target (Qwen3.5 with a vision tower) nests its decoder under text_config; a
+    # config that also names a text encoder is ambiguous to get_text_config() and must still
+    # resolve to the decoder (the one the target runs and whose heads the drafter shares).
+    from transformers import PretrainedConfig, Qwen3_5Config
+
+    multimodal = Qwen3_5Config(text_config=target_config().to_dict())
+    with_encoder = PretrainedConfig()
+    with_encoder.text_config = target_config()
+    with_encoder.text_encoder = target_config(hidden_size=32, intermediate_size=48)
+    flat = DrafterModelConfig.from_configs(DrafterConfig(), target_config(), [1, 2, 3, 4, 5], 7)
+    for composite in (multimodal, with_encoder):
+        cfg = DrafterModelConfig.from_configs(DrafterConfig(), composite, [1, 2, 3, 4, 5], 7)
+        assert cfg == flat
 
 
 def test_from_configs_resolves_zeros_from_target():

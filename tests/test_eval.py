@@ -14,17 +14,14 @@ from click.testing import CliRunner
 from dflash_ipc.cli import main
 from dflash_ipc.config import load_config
 from dflash_ipc.data.tokenizer import load_tokenizer, mask_token_id, stop_token_ids
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, export_drafter
+from dflash_ipc.drafter.export import export_drafter
+from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.eval.run import load_prompts
 from dflash_ipc.eval.spec import greedy_generate, speculative_generate, summarize
 from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
 from dflash_ipc.eval.verify import verify_block
-from dflash_ipc.target.model import (
-    load_hf_config,
-    resolve_layer_ids,
-    target_head_weights,
-    text_config,
-)
+from dflash_ipc.target.heads import target_head_weights
+from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, text_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.toml"

@@ -1,6 +1,7 @@
 """GPU end to end: the whole pipeline (`dflash-ipc up`) on one H200 and on two (run on the lent GPU).
 
-Declared as data: each case is (name, target device, drafter device, transport backend).
+Declared as data: each case is (target device, drafter device, transport backend); the two-GPU
+cases are marked ``gpu(2)`` (skipped by tests/conftest.py on a one-GPU machine).
 """
 
 from __future__ import annotations
@@ -12,35 +13,31 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import tiny_cpu_config, write_toml
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 
 CASES = [
-    ("one-gpu-shared", "cuda:0", "cuda:0", "auto", 1),
-    ("two-gpus-cuda-ipc", "cuda:0", "cuda:1", "cuda-ipc", 2),
-    ("two-gpus-host-pinned", "cuda:0", "cuda:1", "host-pinned", 2),
+    pytest.param("cuda:0", "cuda:0", "auto", id="one-gpu-shared"),
+    pytest.param("cuda:0", "cuda:1", "cuda-ipc", id="two-gpus-cuda-ipc", marks=pytest.mark.gpu(2)),
+    pytest.param("cuda:0", "cuda:1", "host-pinned", id="two-gpus-host-pinned", marks=pytest.mark.gpu(2)),
 ]
 
 
 def _gpu_config(tmp_path: Path, target: str, drafter: str, backend: str) -> Path:
-    text = (REPO / "configs" / "tiny-cpu.toml").read_text()
-    text = text.replace('targets = ["cpu", "cpu"]', f'targets = ["{target}"]')
-    text = text.replace('drafters = ["cpu", "cpu"]', f'drafters = ["{drafter}"]')
-    text = text.replace('backend = "cpu-shm"', f'backend = "{backend}"')
-    text = text.replace('dtype = "float32"', 'dtype = "bfloat16"')
-    text = text.replace('attention = "sdpa"', 'attention = "auto"')
-    path = tmp_path / "gpu.toml"
-    path.write_text(text)
-    return path
+    raw = tiny_cpu_config(
+        topology={"targets": [target], "drafters": [drafter]},
+        transport={"backend": backend},
+        target={"dtype": "bfloat16"},
+        drafter={"dtype": "bfloat16", "attention": "auto"},
+    )
+    return write_toml(tmp_path / "gpu.toml", raw)
 
 
-@pytest.mark.parametrize("name,target,drafter,backend,gpus", CASES, ids=[c[0] for c in CASES])
-def test_pipeline_end_to_end_on_gpu(tmp_path, name, target, drafter, backend, gpus):
-    if torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs")
+@pytest.mark.parametrize("target,drafter,backend", CASES)
+def test_pipeline_end_to_end_on_gpu(tmp_path, target, drafter, backend):
     cfg = _gpu_config(tmp_path, target, drafter, backend)
     run_dir = tmp_path / "run"
     proc = subprocess.run(

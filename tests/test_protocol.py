@@ -115,7 +115,7 @@ def test_every_type_round_trips_with_defaults_filled():
 def test_random_bytes_fuzz_only_protocol_errors():
     rng = random.Random(20240611)
     kinds = set()
-    for i in range(400):
+    for _ in range(400):
         n = rng.choice([0, 1, 2, 3, 5, 8, 16, 33, 64, 200])
         data = bytes(rng.getrandbits(8) for _ in range(n))
         try:

@@ -13,22 +13,19 @@ import torch
 from torch import nn
 
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.target.model import (
-    TargetModel,
-    _origin,
-    _resolve_impl,
-    build_target,
+from dflash_ipc.target.fast_path import fast_path_report, impl_origin, resolve_impl
+from dflash_ipc.target.flops import forward_flops, layer_matmul_params
+from dflash_ipc.target.heads import target_head_weights
+from dflash_ipc.target.hf_config import (
     default_layer_ids,
-    fast_path_report,
-    forward_flops,
-    layer_matmul_params,
     load_hf_config,
     make_hf_config,
     qwen36_27b_spec,
     resolve_layer_ids,
-    target_head_weights,
+    text_config,
     tiny_spec,
 )
+from dflash_ipc.target.model import TargetModel, build_target
 
 VOCAB = 300
 
@@ -274,9 +271,9 @@ def test_fast_path_resolves_through_fallback_wrapper(monkeypatch):
         return "torch"
 
     wrapped = deco("chunk_gated_delta_rule", "fla")(torch_chunk_gated_delta_rule)
-    impl = _resolve_impl(wrapped)
-    assert impl is chunk_gated_delta_rule and _origin(impl) == "fla"
-    assert _origin(_resolve_impl(deco("causal_conv1d_fn", "no_such_pkg_xyz")(torch_chunk_gated_delta_rule))) != "fla"
+    impl = resolve_impl(wrapped)
+    assert impl is chunk_gated_delta_rule and impl_origin(impl) == "fla"
+    assert impl_origin(resolve_impl(deco("causal_conv1d_fn", "no_such_pkg_xyz")(torch_chunk_gated_delta_rule))) != "fla"
 
 
 def test_layer_param_count_matches_modules(full_target):
@@ -299,7 +296,6 @@ def test_forward_flops():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_build_capture_and_report():
     cfg = _cfg(layer_ids=[1, 3], dtype="bfloat16")
     t = build_target(cfg, "cuda")
@@ -319,3 +315,22 @@ def test_cuda_bf16_build_capture_and_report():
     # Drawn on the GPU: deterministic across calls/processes of one GPU model, and what the target holds.
     assert torch.equal(e_gpu, e_gpu2) and torch.equal(h_gpu, h_gpu2)
     assert torch.equal(t.stack.embed_tokens.weight, e_gpu)
+
+
+def test_text_config_is_the_decoder_of_composite_configs():
+    from transformers import PretrainedConfig, Qwen3_5Config
+
+    flat = make_hf_config(tiny_spec(VOCAB))
+    assert text_config(flat) is flat
+    multimodal = Qwen3_5Config(text_config=flat.to_dict())
+    assert text_config(multimodal) is multimodal.text_config and text_config(multimodal).hidden_size == 64
+    both = PretrainedConfig()
+    both.text_config = flat
+    both.text_encoder = make_hf_config({**tiny_spec(VOCAB), "hidden_size": 32})
+    with pytest.raises(ValueError, match="ambiguous"):
+        both.get_text_config()  # what a caller without decoder=True would hit
+    assert text_config(both) is flat
+    # the head weights and FLOPs read the same decoder through it
+    embed, head = target_head_weights(_cfg(), both, "cpu", torch.float32)
+    assert embed.shape == head.shape == (VOCAB, 64)
+    assert forward_flops(both, 3, [16]) == forward_flops(flat, 3, [16])

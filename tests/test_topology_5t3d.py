@@ -13,18 +13,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from conftest import tiny_cpu_config, write_toml
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+pytestmark = pytest.mark.slow
+
+
 def test_five_targets_three_drafters_route_and_train_in_step(tmp_path):
-    text = (REPO / "configs" / "tiny-cpu.toml").read_text()
-    text = text.replace('targets = ["cpu", "cpu"]', 'targets = ["cpu", "cpu", "cpu", "cpu", "cpu"]')
-    text = text.replace('drafters = ["cpu", "cpu"]', 'drafters = ["cpu", "cpu", "cpu"]')
-    text = text.replace("builtin_samples = 800", "builtin_samples = 300").replace("max_seq_len = 512", "max_seq_len = 256")
-    text = text.replace("bucket_edges = [64, 128, 256, 512]", "bucket_edges = [64, 128, 256]").replace("token_budget = 2048", "token_budget = 1024")
-    text = text.replace("sliding_window = 256", "sliding_window = 128")
-    cfg = tmp_path / "5t3d.toml"
-    cfg.write_text(text)
+    raw = tiny_cpu_config(
+        topology={"targets": ["cpu"] * 5, "drafters": ["cpu"] * 3},
+        data={"builtin_samples": 300, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024},
+        drafter={"sliding_window": 128},
+    )
+    cfg = write_toml(tmp_path / "5t3d.toml", raw)
     run = tmp_path / "run"
     steps = 6
     proc = subprocess.run([sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(cfg), "--run-dir", str(run), "--max-steps", str(steps)],
@@ -32,13 +36,20 @@ def test_five_targets_three_drafters_route_and_train_in_step(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
+    # lockstep: every rank ends at the same step (the supervisor's final status.json holds each
+    # drafter's last step, from its Done summary)
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "finished"
+    drafters = sorted((p for p in status["processes"] if p["role"] == "drafter"), key=lambda p: p["rank"])
+    assert [(p["rank"], p["step"]) for p in drafters] == [(d, steps) for d in range(3)], drafters
+    # Per-drafter and per-target slot counts are only in the final log lines (status.json has
+    # no per-peer counts), so these two are read from the logs.
     received = []
     for d in range(3):
         log = (run / "logs" / f"drafter-{d}.log").read_text()
-        m = re.search(r"finishing at step (\d+): .*batches received per target: \[([\d, ]+)\]", log)
+        m = re.search(r"batches received per target: \[([\d, ]+)\]", log)
         assert m, log[-2000:]
-        assert int(m.group(1)) == steps  # lockstep: every rank ends at the same step
-        received.append([int(x) for x in m.group(2).split(",")])
+        received.append([int(x) for x in m.group(1).split(",")])
     # Every drafter got work, and the work came from several targets.
     assert all(sum(r) >= 1 for r in received), received
     assert sum(1 for t in range(5) if any(r[t] for r in received)) >= 3, received

@@ -93,7 +93,7 @@ def test_single_process_matches_plain_adamw():
         assert st.grad_norm == pytest.approx(float(norm), rel=1e-5)
         assert st.global_weight == pytest.approx(float(ws))
         assert st.global_loss == pytest.approx(float(ls.detach() / ws), rel=1e-5)
-    for a, b, (name, p) in zip(tr.master_params, ps, [(n, p) for n, p in model.named_parameters() if p.requires_grad]):
+    for a, b, p in zip(tr.master_params, ps, [p for p in model.parameters() if p.requires_grad]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         assert p.data_ptr() == a.data_ptr()  # one copy on CPU/fp32
     assert not model.embed.weight.requires_grad and len(tr.master_params) == 6
@@ -241,6 +241,7 @@ def _reference_full_batch():
     return master_snapshot(tr), stats
 
 
+@pytest.mark.slow  # two gloo ranks (module fixture)
 def test_two_ranks_token_weighted_equal_one_rank(dist_results):
     ref, ref_stats = _reference_full_batch()
     r0, r1 = dist_results
@@ -258,6 +259,7 @@ def test_two_ranks_token_weighted_equal_one_rank(dist_results):
         assert gl0 == pytest.approx(st.global_loss, rel=1e-5)
 
 
+@pytest.mark.slow  # two gloo ranks (module fixture)
 def test_empty_rank_participates_and_contributes_nothing(dist_results):
     ref, _ = _reference_full_batch()
     for res in dist_results:
@@ -265,6 +267,7 @@ def test_empty_rank_participates_and_contributes_nothing(dist_results):
             torch.testing.assert_close(a, r, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # two gloo ranks (module fixture)
 def test_agree_and_initial_sync(dist_results):
     expected = [(True, False), (False, True), (False, False), (True, True)]
     assert dist_results[0]["agree"] == expected == dist_results[1]["agree"]
@@ -304,8 +307,8 @@ def _nccl_worker(rank: int, port: int, out_dir: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.gpu(2)
+@pytest.mark.slow
 def test_two_gpus_nccl_token_weighted(tmp_path):
     mp.spawn(_nccl_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))

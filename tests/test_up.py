@@ -16,11 +16,11 @@ import stat
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import psutil
 import pytest
+from conftest import tiny_cpu_config, write_toml
 
 from dflash_ipc.control import channels
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, META_FILE, read_latest_pointer, step_dir_name
@@ -39,38 +39,20 @@ METRIC_KEYS = {"step", "loss", "tokens", "tokens_per_s", "lr", "acc",
 # --------------------------------------------------------------------------- helpers
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"cannot write {v!r} as TOML")
-
-
 def write_config(path: Path, raw_overrides: dict | None = None, **overrides) -> Path:
-    """configs/tiny-cpu.toml made smaller, plus ``section__key=value`` overrides."""
-    raw = tomllib.loads((REPO / "configs" / "tiny-cpu.toml").read_text())
-    raw["data"].update(builtin_samples=300, max_seq_len=256, bucket_edges=[64, 128, 256], token_budget=1024)
-    raw["run"].update(teardown_grace_s=3.0)
-    raw["training"].update(checkpoint_every=0, max_steps=0)
+    """configs/tiny-cpu.toml made smaller (the sizes in the module docstring), plus
+    ``section__key=value`` overrides and whole ``raw_overrides`` tables."""
+    raw = tiny_cpu_config(
+        data={"builtin_samples": 300, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024},
+        run={"teardown_grace_s": 3.0},
+        training={"checkpoint_every": 0, "max_steps": 0},
+    )
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         raw[section][key] = value
     for section, table in (raw_overrides or {}).items():
         raw.setdefault(section, {}).update(table)
-    lines = []
-    for section, table in raw.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
-        lines.append("")
-    path.write_text("\n".join(lines))
-    return path
+    return write_toml(path, raw)
 
 
 class Up:

@@ -1,5 +1,5 @@
-"""Training data: JSONL chat/text files and the offline ``builtin:stdlib-docs`` corpus,
-tokenized once into flat tensors and cached.
+"""Training data: JSONL chat/text files and the offline ``builtin:stdlib-docs`` corpus
+(:mod:`dflash_ipc.data.builtin_corpus`), tokenized once into flat tensors and cached.
 
 Input lines (one JSON object per line)::
 
@@ -28,14 +28,10 @@ mask, int64 offsets) keyed by the input files (path, size, mtime), the tokenizer
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
-import math
 import os
-import random
-import subprocess
 import sys
 from array import array
 from dataclasses import asdict, dataclass, field
@@ -46,21 +42,18 @@ import torch
 
 from dflash_ipc.config import DataConfig
 from dflash_ipc.data.readers import is_table_source, iter_table_records
+from dflash_ipc.data.builtin_corpus import BUILTIN_STDLIB_DOCS, builtin_conversations
+from dflash_ipc.data.errors import DataError
 from dflash_ipc.data.tokenizer import IM_END, tokenizer_identity
 
 log = logging.getLogger("dflash_ipc.data.corpus")
 
-BUILTIN_STDLIB_DOCS = "builtin:stdlib-docs"
 CACHE_FORMAT = 1
 MAX_REPORTED_BAD_LINES = 1000
 _CHUNK = 256  # records tokenized per batched tokenizer call
 
 _ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                  "bot": "assistant", "system": "system"}
-
-
-class DataError(ValueError):
-    """A data problem, phrased as ``FILE:LINE: reason`` (or ``FILE: reason``)."""
 
 
 # --------------------------------------------------------------------------- report / corpus
@@ -501,184 +494,3 @@ def load_corpus(cfg: DataConfig, tokenizer, cache_dir: Path | None) -> Corpus:
         report.cache_path = str(cache_path)
     log.info("data: %s", report.summary())
     return corpus
-
-
-# --------------------------------------------------------------------------- builtin:stdlib-docs
-
-
-@dataclass(frozen=True)
-class DocEntry:
-    module: str
-    name: str  # dotted, e.g. "json.JSONEncoder.encode"
-    kind: str  # module | class | function | method
-    doc: str
-
-
-# Runs in a fresh isolated interpreter (-I -S: no site-packages, no cwd on sys.path), so the
-# importing has no side effects on the caller and the result does not depend on what the
-# caller imported or patched. Prints one JSON document.
-_COLLECTOR = r'''
-import importlib, inspect, io, json, sys, warnings
-warnings.simplefilter("ignore")
-SKIP = {
-    "antigravity", "this", "idlelib", "idle", "tkinter", "turtle", "turtledemo", "test", "lib2to3", "distutils",
-    "ensurepip", "venv", "readline", "rlcompleter", "site", "sitecustomize", "usercustomize", "__main__",
-    "__hello__", "__phello__", "pydoc_data", "msilib", "winreg", "winsound", "msvcrt", "nt", "_winapi",
-    "xxsubtype", "xxlimited", "xxlimited_35", "ossaudiodev", "nis", "spwd", "crypt", "curses", "webbrowser",
-}
-EXTRA = [
-    "collections.abc", "concurrent.futures", "email.message", "email.utils", "http.client", "http.server",
-    "importlib.metadata", "importlib.resources", "json.decoder", "json.encoder", "logging.handlers", "os.path",
-    "unittest.mock", "urllib.parse", "urllib.request", "xml.etree.ElementTree",
-]
-names = sorted({n for n in sys.stdlib_module_names if not n.startswith("_") and n not in SKIP} | set(EXTRA))
-real_stdout = sys.stdout
-sys.stdout = io.StringIO()
-sys.stderr = io.StringIO()
-
-def clean(d):
-    if not isinstance(d, str):
-        return None
-    d = inspect.cleandoc(d).strip()
-    if len(d) < 24 or " at 0x" in d:
-        return None
-    return d
-
-out = []
-for name in names:
-    try:
-        mod = importlib.import_module(name)
-    except BaseException:
-        continue
-    owners = {name, "_" + name.rsplit(".", 1)[-1]}
-    if name == "os":
-        owners.add("posix")
-    d = clean(getattr(mod, "__doc__", None))
-    if d:
-        out.append([name, name, "module", d])
-    members = vars(mod)
-    for attr in sorted(members):
-        obj = members[attr]
-        if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
-            continue
-        if getattr(obj, "__module__", None) not in owners:
-            continue
-        d = clean(getattr(obj, "__doc__", None))
-        if d:
-            out.append([name, name + "." + attr, "class" if inspect.isclass(obj) else "function", d])
-        if inspect.isclass(obj):
-            cls_vars = vars(obj)
-            for m in sorted(cls_vars):
-                mo = cls_vars[m]
-                if m.startswith("_"):
-                    continue
-                if isinstance(mo, (staticmethod, classmethod)):
-                    mo = mo.__func__
-                if not (inspect.isroutine(mo) or isinstance(mo, property)):
-                    continue
-                d = clean(getattr(mo, "__doc__", None))
-                if d:
-                    out.append([name, name + "." + attr + "." + m, "method", d])
-sys.stdout = real_stdout
-json.dump({"python": sys.version, "entries": out}, real_stdout)
-'''
-
-
-@functools.lru_cache(maxsize=1)
-def stdlib_doc_entries() -> tuple[DocEntry, ...]:
-    """Docstrings of the standard library's modules, classes, functions and methods, sorted by
-    module and name. Collected in an isolated subprocess of this interpreter (about 1 s)."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "LC_ALL": "C.UTF-8"}
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-I", "-S", "-X", "utf8", "-c", _COLLECTOR],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            env=env,
-            timeout=300,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise DataError(f"{BUILTIN_STDLIB_DOCS}: could not collect the standard library docs: {e}") from None
-    if proc.returncode != 0:
-        raise DataError(
-            f"{BUILTIN_STDLIB_DOCS}: doc collector failed (exit {proc.returncode}): "
-            f"{proc.stderr.decode(errors='replace')[-2000:]}"
-        )
-    data = json.loads(proc.stdout.decode("utf-8"))
-    entries = tuple(DocEntry(*e) for e in data["entries"])
-    if not entries:
-        raise DataError(f"{BUILTIN_STDLIB_DOCS}: no docstrings found in the standard library")
-    return entries
-
-
-_SYSTEM_PROMPTS = [
-    "You are a helpful assistant that explains the Python standard library.",
-    "You are an expert Python developer. Answer with the official documentation.",
-    "Answer questions about Python modules precisely.",
-]
-_FIRST_PROMPTS = {
-    "module": ["Explain the `{n}` module.", "What is the `{n}` module for?", "Tell me about the `{n}` module."],
-    "class": ["What is the `{n}` class for?", "Describe the class `{n}`.", "Explain `{n}`."],
-    "function": ["What does `{n}` do?", "How do I use `{n}`?", "Explain `{n}`.", "Show me the docs of `{n}`."],
-    "method": ["What does `{n}` do?", "How does the method `{n}` work?", "Explain `{n}`."],
-}
-_FOLLOW_UPS = ["And `{n}`?", "What about `{n}`?", "How does `{n}` work?", "Now explain `{n}`, please."]
-_LONG_PROMPTS = [
-    "Give me a detailed overview of the `{n}` module and its API.",
-    "Document the `{n}` module in full: every class and function.",
-    "Write a reference guide for `{n}`.",
-]
-_CHARS_PER_TOKEN = 3.0  # rough, for sizing long answers
-
-
-def builtin_conversations(n: int, max_seq_len: int = 2048) -> list[dict]:
-    """``n`` chat records built from :func:`stdlib_doc_entries`, deterministic for a given
-    Python version: about half single Q&A pairs (one docstring), a quarter multi-turn
-    conversations about one module, a quarter long "reference guide" answers that
-    concatenate docstrings up to a log-uniform length target between 64 and
-    1.25 * ``max_seq_len`` tokens (so every length bucket gets samples; some are truncated)."""
-    entries = stdlib_doc_entries()
-    by_module: dict[str, list[DocEntry]] = {}
-    for e in entries:
-        by_module.setdefault(e.module, []).append(e)
-    modules = sorted(by_module)
-    rng = random.Random("dflash-ipc/builtin:stdlib-docs/v1")
-    order = list(range(len(entries)))
-    rng.shuffle(order)
-    lo, hi = 64.0, 1.25 * max_seq_len
-    out = []
-    for i in range(n):
-        e = entries[order[i % len(order)]]
-        r = rng.random()
-        msgs: list[dict[str, str]] = []
-        if rng.random() < 0.3:
-            msgs.append({"role": "system", "content": rng.choice(_SYSTEM_PROMPTS)})
-        if r < 0.5:
-            msgs.append({"role": "user", "content": rng.choice(_FIRST_PROMPTS[e.kind]).format(n=e.name)})
-            msgs.append({"role": "assistant", "content": e.doc})
-        elif r < 0.75:
-            pool = by_module[e.module]
-            turns = [e] + [pool[rng.randrange(len(pool))] for _ in range(rng.randint(1, 3))]
-            for t, x in enumerate(turns):
-                tmpl = rng.choice(_FIRST_PROMPTS[x.kind] if t == 0 else _FOLLOW_UPS)
-                msgs.append({"role": "user", "content": tmpl.format(n=x.name)})
-                msgs.append({"role": "assistant", "content": x.doc})
-        else:
-            target_chars = int(lo * math.exp(rng.random() * math.log(hi / lo)) * _CHARS_PER_TOKEN)
-            mi = modules.index(e.module)
-            parts: list[str] = []
-            size = 0
-            while size < target_chars:
-                mod = modules[mi % len(modules)]
-                for x in by_module[mod]:
-                    piece = f"# `{x.name}`\n\n{x.doc}" if x.kind == "module" else f"## `{x.name}`\n\n{x.doc}"
-                    parts.append(piece)
-                    size += len(piece) + 2
-                    if size >= target_chars:
-                        break
-                mi += 1
-            msgs.append({"role": "user", "content": rng.choice(_LONG_PROMPTS).format(n=e.module)})
-            msgs.append({"role": "assistant", "content": "\n\n".join(parts)})
-        out.append({"conversations": msgs})
-    return out

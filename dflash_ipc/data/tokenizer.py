@@ -14,15 +14,13 @@ Its merges are trained once with ``tokenizers`` on the built-in ``builtin:stdlib
 corpus and shipped as ``dflash_ipc/assets/builtin_tokenizer.json`` (about 20 KB), so
 loading it needs no network, no training and gives the same ids on every machine
 (training at run time would tie the vocabulary to the local Python version's docstrings).
-Regenerate the asset with ``python -m dflash_ipc.data.tokenizer --write-asset``.
+Regenerate the asset with ``python -m dflash_ipc.data.tokenizer_asset`` (:mod:`dflash_ipc.data.tokenizer_asset`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import sys
-from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -61,17 +59,17 @@ class TokenizerError(ValueError):
     """A tokenizer spec that cannot be loaded; the message says what to change."""
 
 
-def _asset_path() -> Path:
+def asset_path() -> Path:
     return Path(str(resources.files("dflash_ipc.assets").joinpath(ASSET_NAME)))
 
 
 def build_builtin_tokenizer() -> PreTrainedTokenizerFast:
     """The offline built-in tokenizer (a fresh instance on every call)."""
-    path = _asset_path()
+    path = asset_path()
     if not path.is_file():
         raise TokenizerError(
             f"built-in tokenizer asset {path} is missing; reinstall dflash-ipc or run "
-            "`python -m dflash_ipc.data.tokenizer --write-asset`"
+            "`python -m dflash_ipc.data.tokenizer_asset`"
         )
     tok = PreTrainedTokenizerFast(
         tokenizer_file=str(path),
@@ -189,7 +187,7 @@ def check_target_tokenizer(target_cfg: Any, tokenizer: PreTrainedTokenizerBase) 
     tokenizer's size, so it always fits)."""
     if not target_cfg.model_path:
         return
-    from dflash_ipc.target.model import load_hf_config, text_config
+    from dflash_ipc.target.hf_config import load_hf_config, text_config
 
     check_vocab(tokenizer, int(text_config(load_hf_config(target_cfg)).vocab_size), target_cfg.tokenizer)
 
@@ -208,51 +206,3 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     h.update(repr(template).encode())
     h.update(repr(sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())).encode())
     return h.hexdigest()
-
-
-# --------------------------------------------------------------------------- asset (re)generation
-
-
-def train_builtin_tokenizer(texts: Iterable[str]):
-    """Train the built-in BPE on ``texts`` (deterministic for the same texts); returns a
-    ``tokenizers.Tokenizer`` with the special tokens appended."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
-        min_frequency=2,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-    )
-    tok.train_from_iterator(list(texts), trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    if tok.get_vocab_size() != VOCAB_SIZE:
-        raise RuntimeError(f"trained vocabulary has {tok.get_vocab_size()} ids, expected {VOCAB_SIZE}")
-    return tok
-
-
-def _write_asset(out: Path) -> None:
-    from dflash_ipc.data.corpus import stdlib_doc_entries
-
-    entries = stdlib_doc_entries()
-    texts = [e.doc for e in entries] + [f"What does `{e.name}` do?" for e in entries]
-    tok = train_builtin_tokenizer(texts)
-    out.write_text(tok.to_str(pretty=False))
-    print(f"wrote {out} ({out.stat().st_size} bytes) from {len(entries)} docstrings, Python {sys.version.split()[0]}")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    if sys.argv[1:] == ["--write-asset"]:
-        _write_asset(_asset_path())
-    else:
-        print("usage: python -m dflash_ipc.data.tokenizer --write-asset")
-        sys.exit(2)

@@ -35,10 +35,12 @@ from dflash_ipc.drafter.checkpoint import (
 )
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, export_drafter, num_parameters
 from dflash_ipc.devices import dtype_from_name
+from dflash_ipc.drafter.export import export_drafter
+from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, num_parameters
 from dflash_ipc.transport.slots import SlotViews
-from dflash_ipc.target.model import load_hf_config, resolve_layer_ids, target_head_weights, text_config
+from dflash_ipc.target.heads import target_head_weights
+from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, text_config
 from dflash_ipc.data.tokenizer import choose_mask_token, load_tokenizer
 from dflash_ipc.drafter.trainer import DistInfo, DrafterTrainer
 

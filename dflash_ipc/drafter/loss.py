@@ -5,76 +5,36 @@ planes, plus the target's last hidden state as plane ``k`` when the KL loss is o
 ``token_ids [n]``, ``loss_mask [n]`` (uint8), ``seq_lens [b]`` (int32, sum ``n``). Several
 documents sit back to back; RoPE positions restart at 0 in each.
 
-One training step (:func:`compute_loss`):
-
-1. **Anchors** (:func:`sample_anchors`): per document, positions ``i`` with
-   ``loss_mask[i] & loss_mask[i+1]`` and ``i+1`` in the same document, at most
-   ``num_anchors`` per document, drawn uniformly without replacement, then sorted. This is
-   SpecForge's rule (``OnlineDFlashModel._sample_anchor_positions``: "anchors whose clean
-   token and first target are supervised", capped at ``num_anchors`` per *sample*); a packed
-   document here plays the role of one SpecForge sample, so the budget is per document.
-2. **Blocks**: block ``j`` holds ``[token(a_j), MASK x (block_size-1)]`` at positions
-   ``a_j + 0..block_size-1``.
-3. **Attention** (:func:`build_attention_masks`): keys/values are ``[context (n) | blocks (Q)]``,
-   queries the ``Q = N*block_size`` block tokens. A query of block ``j`` at position
-   ``p = a_j + s`` sees
-
-   * context tokens ``c`` of the same document with ``c < a_j`` (strict: at inference the
-     target's hidden state of the anchor is not yet known), and in sliding layers only
-     ``c > p - sliding_window`` (HF window semantics: the window counts the query itself);
-   * its own block: bidirectional in full-attention layers, causal (``s' <= s``) and
-     windowed in sliding layers (the SGLang/vLLM defaults for DFlash layer types);
-   * nothing else. Blocks without a single valid label see nothing at all (their rows
-     output 0, never NaN) and carry no loss.
-
-   The same element-wise rule (:func:`mask_values`) feeds a dense boolean SDPA mask and the
-   ``mask_mod`` of a flex ``BlockMask`` whose tile lists are computed analytically from the
-   anchors (no ``[Q, n+Q]`` mask is ever materialized on the flex path).
-4. **Labels** (:func:`block_labels`): slot ``s >= 1`` of block ``j`` predicts
-   ``token[a_j + s]`` with weight ``exp(-(s-1)/gamma) * loss_mask[a_j+s] * [a_j+s in the
-   same document]``; slot 0 (the anchor) has none.
-5. **Loss** (:func:`chunked_lm_loss`): full-vocabulary cross-entropy through the frozen LM
-   head, ``ce_chunk_tokens`` rows at a time, as a custom autograd function that recomputes
-   each chunk's logits in backward, so neither pass holds more than one chunk of logits.
-   Optional KL to the target: ``KL(p_target || q_draft)`` per supervised slot, with
-   ``p_target = softmax(lm_head(last_hidden[a_j + s - 1]))``: the target's own prediction of
-   token ``a_j + s`` comes from its last hidden state one position earlier (causal LM), the
-   alignment SpecForge's ``_aligned_target_hidden`` uses (``label_index - 1``). Total:
-   ``sum_w CE + kl_weight * sum_w KL`` (same weights ``w``), **not** divided; divide
-   ``loss_sum`` by ``weight_sum`` (summed over ranks) to get the mean.
+One training step (:func:`compute_loss`): anchors, blocks and labels
+(:mod:`dflash_ipc.drafter.blocks`), attention masks (:mod:`dflash_ipc.drafter.masks`), the drafter
+forward, then the loss (:func:`chunked_lm_loss`): full-vocabulary cross-entropy through the frozen
+LM head, ``ce_chunk_tokens`` rows at a time, as a custom autograd function that recomputes
+each chunk's logits in backward, so neither pass holds more than one chunk of logits.
+Optional KL to the target: ``KL(p_target || q_draft)`` per supervised slot, with
+``p_target = softmax(lm_head(last_hidden[a_j + s - 1]))``: the target's own prediction of
+token ``a_j + s`` comes from its last hidden state one position earlier (causal LM), the
+alignment SpecForge's ``_aligned_target_hidden`` uses (``label_index - 1``). Total:
+``sum_w CE + kl_weight * sum_w KL`` (same weights ``w``), **not** divided; divide
+``loss_sum`` by ``weight_sum`` (summed over ranks) to get the mean.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from dflash_ipc.config import DrafterConfig, TrainingConfig
-from dflash_ipc.drafter.model import FULL, SLIDING, DFlashDrafter
+from dflash_ipc.drafter.blocks import block_labels, build_block_layout, document_index, sample_anchors
+from dflash_ipc.drafter.masks import build_attention_masks
+from dflash_ipc.drafter.model import DFlashDrafter
 from dflash_ipc.transport.slots import SlotViews
-
-try:
-    from torch.nn.attention.flex_attention import BlockMask
-except ImportError:  # pragma: no cover
-    BlockMask = None  # type: ignore[assignment,misc]
 
 __all__ = [
     "concat_context",
-    "DocumentIndex",
-    "document_index",
-    "valid_anchor_mask",
-    "sample_anchors",
-    "BlockLayout",
-    "build_block_layout",
-    "block_labels",
-    "mask_values",
-    "dense_attention_mask",
-    "flex_block_mask",
-    "build_attention_masks",
     "ChunkedLossResult",
     "chunked_lm_loss",
     "LossOutput",
@@ -82,8 +42,6 @@ __all__ = [
     "accuracy_per_pos",
     "expected_acceptance_length",
 ]
-
-FLEX_TILE = 128  # flex_attention's default sparse block size
 
 
 # --------------------------------------------------------------------------- context
@@ -104,374 +62,6 @@ def concat_context(
         noise = torch.randn(ctx.shape, generator=generator, device=ctx.device, dtype=torch.float32)
         ctx = (ctx.float() + noise * noise_std).to(ctx.dtype)
     return ctx
-
-
-# --------------------------------------------------------------------------- documents & anchors
-
-
-class DocumentIndex(NamedTuple):
-    doc_of_token: torch.Tensor  # [n] int64
-    doc_start: torch.Tensor  # [b] int64
-    doc_end: torch.Tensor  # [b] int64 (exclusive)
-    position_ids: torch.Tensor  # [n] int64, restarts at 0 in every document
-
-
-def document_index(seq_lens: torch.Tensor, n: int | None = None) -> DocumentIndex:
-    seq = seq_lens.to(torch.int64)
-    total = int(seq.sum())
-    if n is not None and total != n:
-        raise ValueError(f"seq_lens sum to {total} but the batch has {n} tokens")
-    doc_end = torch.cumsum(seq, 0)
-    doc_start = doc_end - seq
-    doc_of_token = torch.repeat_interleave(torch.arange(seq.numel(), device=seq.device), seq, output_size=total)
-    position_ids = torch.arange(total, device=seq.device) - doc_start[doc_of_token]
-    return DocumentIndex(doc_of_token, doc_start, doc_end, position_ids)
-
-
-def valid_anchor_mask(
-    loss_mask: torch.Tensor, seq_lens: torch.Tensor, doc: DocumentIndex | None = None
-) -> torch.Tensor:
-    """``[n]`` bool: ``loss_mask[i] & loss_mask[i+1]`` with ``i+1`` in the same document."""
-    lm = loss_mask.bool()
-    n = lm.numel()
-    doc = doc if doc is not None else document_index(seq_lens, n)
-    nxt = torch.zeros_like(lm)
-    nxt[:-1] = lm[1:]
-    same_doc = torch.arange(1, n + 1, device=lm.device) < doc.doc_end[doc.doc_of_token]
-    return lm & nxt & same_doc
-
-
-def sample_anchors(
-    loss_mask: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_anchors: int,
-    block_size: int,
-    generator: torch.Generator | None = None,
-    *,
-    doc: DocumentIndex | None = None,
-    max_per_batch: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample draft-block anchors per document.
-
-    Candidates are positions ``i`` with ``loss_mask[i]`` and ``loss_mask[i+1]`` set and
-    ``i+1`` inside ``i``'s document. Each document contributes ``min(num_anchors, #candidates)``
-    anchors drawn uniformly without replacement (SpecForge's per-sample budget, a document
-    being one sample). ``block_size`` does not restrict the candidates (a block may run past
-    its document's end; those slots just carry no loss, as in SpecForge) and is only checked.
-
-    ``max_per_batch`` > 0 caps the whole packed batch: a batch of many short documents would
-    otherwise bring ``num_anchors`` blocks per document (and its drafter step would grow with the
-    document count, not the token budget); the cap keeps a uniform random subset.
-
-    Returns ``(anchors [N] int64 global positions, ascending; doc [N] int64 document index)``.
-    One vectorized pass: random keys, a single sort by ``(document, key)``, a rank cut.
-    """
-    if num_anchors < 1:
-        raise ValueError("num_anchors must be >= 1")
-    if block_size < 2:
-        raise ValueError("block_size must be >= 2")
-    n = loss_mask.numel()
-    dev = loss_mask.device
-    doc = doc if doc is not None else document_index(seq_lens, n)
-    valid = valid_anchor_mask(loss_mask, seq_lens, doc)
-    keys = torch.rand(n, generator=generator, device=dev, dtype=torch.float64)
-    keys = torch.where(valid, keys, torch.full_like(keys, 2.0))  # invalid ones sort last
-    order = torch.argsort(doc.doc_of_token.to(torch.float64) * 4.0 + keys)
-    # Documents are contiguous, so sorted slot i still belongs to document doc_of_token[i].
-    rank = torch.arange(n, device=dev) - doc.doc_start[doc.doc_of_token]
-    take = (rank < num_anchors) & valid[order]
-    anchors = order[take]
-    if max_per_batch > 0 and anchors.numel() > max_per_batch:
-        pick = torch.randperm(anchors.numel(), generator=generator, device="cpu" if generator is None else generator.device)
-        anchors = anchors[pick[:max_per_batch].to(dev)]
-    anchors = torch.sort(anchors).values
-    return anchors, doc.doc_of_token[anchors]
-
-
-# --------------------------------------------------------------------------- block layout
-
-
-class MaskIndex(NamedTuple):
-    """Per-query and per-key index arrays the mask rule reads (flex ``mask_mod`` closure)."""
-
-    q_doc: torch.Tensor  # [Q] document of the block
-    q_block: torch.Tensor  # [Q] block id
-    q_anchor: torch.Tensor  # [Q] global anchor position
-    q_pos: torch.Tensor  # [Q] global position a_j + s
-    q_valid: torch.Tensor  # [Q] bool: the block has >= 1 valid label
-    kv_doc: torch.Tensor  # [n+Q] document (context keys), -1 for block keys
-    kv_block: torch.Tensor  # [n+Q] -1 for context keys, block id for block keys
-    kv_pos: torch.Tensor  # [n+Q] global position (context index, or a_j + s)
-
-
-@dataclass
-class BlockLayout:
-    n_ctx: int
-    block_size: int
-    num_blocks: int
-    anchors: torch.Tensor  # [N] global anchor positions
-    anchor_doc: torch.Tensor  # [N]
-    block_valid: torch.Tensor  # [N] bool
-    doc_start: torch.Tensor  # [b]
-    doc_end: torch.Tensor  # [b]
-    context_position_ids: torch.Tensor  # [n]
-    block_position_ids: torch.Tensor  # [N, block_size] in-document positions
-    index: MaskIndex
-
-    @property
-    def num_queries(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def kv_len(self) -> int:
-        return self.n_ctx + self.num_queries
-
-
-def build_block_layout(
-    seq_lens: torch.Tensor,
-    anchors: torch.Tensor,
-    anchor_doc: torch.Tensor,
-    block_size: int,
-    block_valid: torch.Tensor | None = None,
-    n: int | None = None,
-    doc: DocumentIndex | None = None,
-) -> BlockLayout:
-    doc = doc if doc is not None else document_index(seq_lens, n)
-    n_ctx = doc.doc_of_token.numel()
-    dev = anchors.device
-    anchors = anchors.to(torch.int64)
-    anchor_doc = anchor_doc.to(torch.int64)
-    nb = anchors.numel()
-    if block_valid is None:
-        block_valid = torch.ones(nb, dtype=torch.bool, device=dev)
-    offs = torch.arange(block_size, device=dev)
-    q_pos = (anchors[:, None] + offs).reshape(-1)
-    q_block = torch.arange(nb, device=dev).repeat_interleave(block_size)
-    q_doc = anchor_doc.repeat_interleave(block_size)
-    q_anchor = anchors.repeat_interleave(block_size)
-    q_valid = block_valid.to(torch.bool).repeat_interleave(block_size)
-    neg = torch.full((nb * block_size,), -1, dtype=torch.int64, device=dev)
-    index = MaskIndex(
-        q_doc=q_doc,
-        q_block=q_block,
-        q_anchor=q_anchor,
-        q_pos=q_pos,
-        q_valid=q_valid,
-        kv_doc=torch.cat([doc.doc_of_token, neg]),
-        kv_block=torch.cat([torch.full((n_ctx,), -1, dtype=torch.int64, device=dev), q_block]),
-        kv_pos=torch.cat([torch.arange(n_ctx, device=dev), q_pos]),
-    )
-    block_pos = (anchors - doc.doc_start[anchor_doc])[:, None] + offs
-    return BlockLayout(
-        n_ctx=n_ctx,
-        block_size=block_size,
-        num_blocks=nb,
-        anchors=anchors,
-        anchor_doc=anchor_doc,
-        block_valid=block_valid.to(torch.bool),
-        doc_start=doc.doc_start,
-        doc_end=doc.doc_end,
-        context_position_ids=doc.position_ids,
-        block_position_ids=block_pos,
-        index=index,
-    )
-
-
-# --------------------------------------------------------------------------- labels
-
-
-class BlockLabels(NamedTuple):
-    label_pos: torch.Tensor  # [N, bs] global position each slot predicts (a_j + s), clamped
-    labels: torch.Tensor  # [N, bs] token ids (garbage where not valid)
-    valid: torch.Tensor  # [N, bs] bool
-    weights: torch.Tensor  # [N, bs] float32 (0 where not valid)
-
-
-def block_labels(
-    token_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    anchors: torch.Tensor,
-    anchor_doc_end: torch.Tensor,
-    block_size: int,
-    gamma: float,
-) -> BlockLabels:
-    """Slot ``s >= 1`` predicts ``token[a+s]``, weight ``exp(-(s-1)/gamma)`` if supervised and in-document."""
-    n = token_ids.numel()
-    offs = torch.arange(block_size, device=anchors.device)
-    pos = anchors[:, None] + offs
-    in_doc = pos < anchor_doc_end[:, None]
-    safe = pos.clamp(max=n - 1)
-    valid = in_doc & (offs > 0) & loss_mask.bool()[safe]
-    decay = torch.exp(-(offs - 1).clamp(min=0).to(torch.float32) / gamma)
-    weights = decay[None, :] * valid.to(torch.float32)
-    return BlockLabels(safe, token_ids[safe], valid, weights)
-
-
-# --------------------------------------------------------------------------- masks
-
-
-def mask_values(
-    idx: MaskIndex, q: torch.Tensor, kv: torch.Tensor, *, causal: bool, window: int | None
-) -> torch.Tensor:
-    """The DFlash visibility rule, element-wise on broadcastable query/key indices."""
-    kv_block = idx.kv_block[kv]
-    kv_pos = idx.kv_pos[kv]
-    ctx_ok = (kv_block < 0) & (idx.kv_doc[kv] == idx.q_doc[q]) & (kv_pos < idx.q_anchor[q])
-    vis = ctx_ok | (kv_block == idx.q_block[q])
-    if causal:
-        vis = vis & (kv_pos <= idx.q_pos[q])
-    if window is not None:
-        vis = vis & (kv_pos > idx.q_pos[q] - window)
-    return vis & idx.q_valid[q]
-
-
-def _layer_rule(layer_type: str, sliding_window: int) -> tuple[bool, int | None]:
-    if layer_type == SLIDING:
-        return True, sliding_window
-    if layer_type == FULL:
-        return False, None
-    raise ValueError(f"unknown layer type {layer_type!r}")
-
-
-def dense_attention_mask(layout: BlockLayout, layer_type: str, sliding_window: int) -> torch.Tensor:
-    """Boolean ``[Q, n+Q]`` mask (True = may attend) for ``F.scaled_dot_product_attention``."""
-    causal, window = _layer_rule(layer_type, sliding_window)
-    dev = layout.anchors.device
-    q = torch.arange(layout.num_queries, device=dev)[:, None]
-    kv = torch.arange(layout.kv_len, device=dev)[None, :]
-    return mask_values(layout.index, q, kv, causal=causal, window=window)
-
-
-def _pad(t: torch.Tensor, length: int, value: int | bool) -> torch.Tensor:
-    if t.numel() >= length:
-        return t
-    return torch.cat([t, t.new_full((length - t.numel(),), value)])
-
-
-def flex_block_mask(
-    layout: BlockLayout,
-    layer_type: str,
-    sliding_window: int,
-    tile: int | tuple[int, int] = FLEX_TILE,
-) -> Any:
-    """A flex ``BlockMask`` for one layer type, with tile lists computed from the anchors.
-
-    Per query row the visible keys are (at most) one context range ``[lo, a_j - 1]`` and one
-    range inside its own block; per ``tile``-row query tile the union of those ranges gives
-    the key tiles to visit (conservative, exact masking is done by ``mask_mod``). Context key
-    tiles that every row of a complete query tile sees entirely are listed as *full* tiles
-    (``mask_mod`` skipped). Cost: ``O(Q + tiles)``, no ``[Q, n+Q]`` tensor.
-    """
-    if BlockMask is None:  # pragma: no cover
-        raise RuntimeError("flex attention is not available in this torch build")
-    causal, window = _layer_rule(layer_type, sliding_window)
-    qb, kb = (tile, tile) if isinstance(tile, int) else tile
-    idx = layout.index
-    dev = layout.anchors.device
-    n, nq, kv_len, bs = layout.n_ctx, layout.num_queries, layout.kv_len, layout.block_size
-    tq, tkv = max(1, -(-nq // qb)), max(1, -(-kv_len // kb))
-    big = torch.iinfo(torch.int64).max // 4
-
-    # Per query row: context range [c_lo, c_hi] and own-block range [b_lo, b_hi] (inclusive).
-    q_rows = torch.arange(nq, device=dev)
-    c_lo = layout.doc_start[idx.q_doc] if nq else idx.q_doc
-    if window is not None:
-        c_lo = torch.maximum(c_lo, idx.q_pos - window + 1)
-    c_hi = idx.q_anchor - 1
-    b_lo = n + idx.q_block * bs
-    b_hi = b_lo + bs - 1
-    if causal:
-        b_hi = n + q_rows
-    if window is not None:
-        b_lo = torch.maximum(b_lo, n + q_rows - window + 1)
-    c_empty = (c_lo > c_hi) | ~idx.q_valid
-    b_empty = ~idx.q_valid
-    c_lo_e, c_hi_e = c_lo.masked_fill(c_empty, big), c_hi.masked_fill(c_empty, -1)
-    b_lo_e, b_hi_e = b_lo.masked_fill(b_empty, big), b_hi.masked_fill(b_empty, -1)
-
-    row_tile = q_rows // qb
-
-    def reduce(values: torch.Tensor, how: str, init: int) -> torch.Tensor:
-        out = torch.full((tq,), init, dtype=torch.int64, device=dev)
-        return out.scatter_reduce(0, row_tile, values, reduce=how, include_self=True)
-
-    # Union over the tile's rows (any row may see it) ...
-    u_c_lo, u_c_hi = reduce(c_lo_e, "amin", big), reduce(c_hi_e, "amax", -1)
-    u_b_lo, u_b_hi = reduce(b_lo_e, "amin", big), reduce(b_hi_e, "amax", -1)
-    # ... and intersection of context ranges (every row sees it; empty rows make it empty).
-    i_c_lo = reduce(c_lo.masked_fill(c_empty, big), "amax", -1)
-    i_c_hi = reduce(c_hi.masked_fill(c_empty, -1), "amin", big)
-
-    k_first = torch.arange(tkv, device=dev) * kb
-    k_last = torch.clamp(k_first + kb - 1, max=kv_len - 1)
-
-    def overlaps(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        return (k_first[None, :] <= hi[:, None]) & (k_last[None, :] >= lo[:, None])
-
-    visit = overlaps(u_c_lo, u_c_hi) | overlaps(u_b_lo, u_b_hi)
-    complete_q = (torch.arange(tq, device=dev) + 1) * qb <= nq
-    complete_kv = (k_first + kb) <= n  # whole tile inside the context
-    full = (
-        (k_first[None, :] >= i_c_lo[:, None])
-        & ((k_first + kb - 1)[None, :] <= i_c_hi[:, None])
-        & complete_q[:, None]
-        & complete_kv[None, :]
-    )
-    partial = visit & ~full
-
-    def lists(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num = m.sum(-1).to(torch.int32)
-        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return num[None, None], order[None, None]
-
-    kv_num, kv_idx = lists(partial)
-    full_num, full_idx = lists(full)
-
-    # Pad the index arrays so the kernel's reads past the ragged last tile stay in bounds;
-    # padded queries are invalid, padded keys belong to no document and no block.
-    q_pad, kv_pad = tq * qb, tkv * kb
-    pidx = MaskIndex(
-        q_doc=_pad(idx.q_doc, q_pad, -5),
-        q_block=_pad(idx.q_block, q_pad, -5),
-        q_anchor=_pad(idx.q_anchor, q_pad, 0),
-        q_pos=_pad(idx.q_pos, q_pad, 0),
-        q_valid=_pad(idx.q_valid, q_pad, False),
-        kv_doc=_pad(idx.kv_doc, kv_pad, -7),
-        kv_block=_pad(idx.kv_block, kv_pad, -7),
-        kv_pos=_pad(idx.kv_pos, kv_pad, 0),
-    )
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return mask_values(pidx, q_idx, kv_idx, causal=causal, window=window)
-
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=(qb, kb),
-        mask_mod=mask_mod,
-        seq_lengths=(nq, kv_len),
-    )
-
-
-def build_attention_masks(
-    layout: BlockLayout,
-    layer_types: Sequence[str],
-    sliding_window: int,
-    backend: str,
-    flex_tile: int | tuple[int, int] = FLEX_TILE,
-) -> dict[str, Any]:
-    """One mask per layer type present: flex ``BlockMask`` (``backend="flex"``) or dense bool."""
-    out: dict[str, Any] = {}
-    for lt in dict.fromkeys(layer_types):
-        if backend == "flex":
-            out[lt] = flex_block_mask(layout, lt, sliding_window, flex_tile)
-        elif backend == "sdpa":
-            out[lt] = dense_attention_mask(layout, lt, sliding_window)
-        else:
-            raise ValueError(f"backend must be 'flex' or 'sdpa' (got {backend!r})")
-    return out
 
 
 # --------------------------------------------------------------------------- chunked loss

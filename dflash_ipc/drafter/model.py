@@ -20,17 +20,15 @@ so checkpoints and exports hold only the drafter's own weights.
 
 Attention runs either through ``torch.nn.attention.flex_attention`` with a ``BlockMask``
 (compiled on CUDA) or through ``F.scaled_dot_product_attention`` with a dense boolean mask;
-the masks themselves are built by :mod:`dflash_ipc.drafter.loss` and passed per layer type.
+the masks themselves are built by :mod:`dflash_ipc.drafter.masks` and passed per layer type.
+Export for SGLang / vLLM: :mod:`dflash_ipc.drafter.export`.
 """
 
 from __future__ import annotations
 
 import functools
-
-import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ipc.config import DrafterConfig
+from dflash_ipc.devices import as_device
+from dflash_ipc.target.hf_config import rope_theta, text_config
 
 try:  # flex_attention exists in every supported torch (>= 2.11); keep the import soft anyway.
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -54,45 +54,11 @@ __all__ = [
     "DFlashDrafter",
     "RMSNorm",
     "resolve_attention_backend",
-    "export_drafter",
-    "load_exported_drafter",
-    "drafter_hf_config",
-    "EXPORT_WEIGHTS_FILE",
+    "num_parameters",
 ]
-
-EXPORT_WEIGHTS_FILE = "model.safetensors"
 
 
 # --------------------------------------------------------------------------- config
-
-
-def _rope_theta(cfg: Any) -> float:
-    """Rope theta of a transformers config (5.x keeps it in ``rope_parameters``)."""
-    rp = getattr(cfg, "rope_parameters", None)
-    if isinstance(rp, Mapping):
-        if "rope_theta" in rp:
-            return float(rp["rope_theta"])
-        # Per-layer-type rope parameters ({"full_attention": {...}, ...}).
-        for key in (FULL, *rp.keys()):
-            sub = rp.get(key)
-            if isinstance(sub, Mapping) and "rope_theta" in sub:
-                return float(sub["rope_theta"])
-    theta = getattr(cfg, "rope_theta", None)
-    if theta is not None:
-        return float(theta)
-    return 10000.0
-
-
-def _text_config(cfg: Any) -> Any:
-    get = getattr(cfg, "get_text_config", None)
-    if callable(get):
-        try:
-            out = get()
-            if out is not None:
-                return out
-        except TypeError:
-            pass
-    return getattr(cfg, "text_config", None) or cfg
 
 
 @dataclass
@@ -150,13 +116,13 @@ class DrafterModelConfig:
         target_hf_config: Any,
         target_layer_ids: list[int],
         mask_token_id: int,
-    ) -> "DrafterModelConfig":
+    ) -> DrafterModelConfig:
         """Resolve a :class:`DrafterConfig` against the target's transformers config.
 
         Zeros in ``drafter_cfg`` mean "same as the target". The hidden size must equal the
         target's: the drafter reads the target's embedding table and LM head directly.
         """
-        t = _text_config(target_hf_config)
+        t = text_config(target_hf_config)
         t_hidden = int(t.hidden_size)
         t_heads = int(t.num_attention_heads)
         t_head_dim = int(getattr(t, "head_dim", None) or t_hidden // t_heads)
@@ -182,7 +148,7 @@ class DrafterModelConfig:
             block_size=drafter_cfg.block_size,
             vocab_size=int(t.vocab_size),
             rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(t),
+            rope_theta=rope_theta(t),
             max_position_embeddings=int(getattr(t, "max_position_embeddings", 32768)),
             target_layer_ids=list(target_layer_ids),
             mask_token_id=int(mask_token_id),
@@ -237,7 +203,7 @@ def resolve_attention_backend(attention: str, device: torch.device | str) -> str
         if attention == "flex" and flex_attention is None:  # pragma: no cover
             raise RuntimeError("attention='flex' needs torch.nn.attention.flex_attention")
         return attention
-    return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    return "flex" if as_device(device).type == "cuda" else "sdpa"
 
 
 @functools.cache
@@ -457,145 +423,6 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, cos, sin, masks[layer.layer_type])
         return self.norm(x)
-
-
-# --------------------------------------------------------------------------- export
-
-
-def drafter_hf_config(config: DrafterModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """The ``config.json`` of an exported drafter (see :func:`export_drafter`)."""
-    any_sliding = SLIDING in config.layer_types
-    dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    dflash_config: dict[str, Any] = {
-        "block_size": config.block_size,
-        "mask_token_id": config.mask_token_id,
-        "target_layer_ids": list(config.target_layer_ids),
-    }
-    out: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "rms_norm_eps": config.rms_norm_eps,
-        "vocab_size": config.vocab_size,
-        "max_position_embeddings": config.max_position_embeddings,
-        "initializer_range": config.initializer_range,
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "layer_types": list(config.layer_types),
-        "use_sliding_window": any_sliding,
-        "sliding_window": config.sliding_window if any_sliding else None,
-        "max_window_layers": config.num_layers,
-        "tie_word_embeddings": False,
-        "block_size": config.block_size,
-        "dflash_config": dflash_config,
-        # vLLM's aux-hidden-state ids are "captured before layer i" = DFlash's "output of
-        # layer i-1", hence +1 (vLLM derives the same from dflash_config.target_layer_ids).
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
-        "dtype": dtype_name,
-        "torch_dtype": dtype_name,
-    }
-    if config.num_target_layers:
-        out["num_target_layers"] = config.num_target_layers
-    return out
-
-
-def export_drafter(model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` for the SGLang / vLLM DFlash loaders.
-
-    Layout, chosen after reading ``sglang: python/sglang/srt/models/dflash.py`` (``DFlashDraftModel``,
-    ``load_weights``), ``sglang: python/sglang/srt/speculative/dflash_utils.py``
-    (``parse_dflash_draft_config``, ``get_dflash_layer_types``,
-    ``get_dflash_attention_sliding_window_size``), ``vllm: vllm/model_executor/models/qwen3_dflash.py``
-    (``DFlashQwen3Model`` / ``DFlashQwen3ForCausalLM.load_weights``, ``_resolve_layer_attention``),
-    vLLM's ``eagle3_utils.get_eagle3_aux_layers_from_config`` and SpecForge
-    ``specforge/modeling/draft/dflash.py``:
-
-    * ``config.json``: a Qwen3 config (``model_type: "qwen3"``) with
-      ``architectures: ["DFlashDraftModel"]``, ``num_hidden_layers``, ``layer_types``,
-      ``use_sliding_window`` / ``sliding_window`` (HF semantics: the window counts the current
-      token), ``rope_parameters`` (+ legacy ``rope_theta``), top-level ``block_size`` and
-      ``num_target_layers``, ``dflash_config: {block_size, mask_token_id, target_layer_ids}``
-      and ``eagle_aux_hidden_state_layer_ids = target_layer_ids + 1``. No ``is_causal``: both
-      loaders then default to causal in-block attention for sliding layers and bidirectional
-      for full layers, which is what this drafter trains.
-    * ``model.safetensors``: unprefixed names ``layers.N.self_attn.{q,k,v,o}_proj.weight``,
-      ``layers.N.self_attn.{q,k}_norm.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
-      ``layers.N.{input,post_attention}_layernorm.weight``, ``fc.weight``,
-      ``hidden_norm.weight``, ``norm.weight``. SGLang stacks q/k/v and gate/up itself; vLLM
-      adds the ``model.`` prefix itself.
-    * No ``embed_tokens`` / ``lm_head``: SGLang's DFlash model has neither ("uses the target
-      model's embedding/lm_head"), and vLLM's ``load_weights`` treats both as optional and
-      shares the target's when they are absent.
-
-    Note: vLLM needs its V2 model runner for drafters that mix sliding and full layers.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
-    dtype = dtype or model.dtype
-    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(out / EXPORT_WEIGHTS_FILE), metadata={"format": "pt"})
-    cfg = drafter_hf_config(model.config, dtype)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return out
-
-
-def _config_from_hf_dict(d: Mapping[str, Any]) -> DrafterModelConfig:
-    dflash = d.get("dflash_config") or {}
-    layer_types = d.get("layer_types") or [FULL] * int(d["num_hidden_layers"])
-    rp = d.get("rope_parameters") or {}
-    theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
-    return DrafterModelConfig(
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        num_attention_heads=int(d["num_attention_heads"]),
-        num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
-        head_dim=int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]),
-        num_layers=int(d["num_hidden_layers"]),
-        layer_types=list(layer_types),
-        sliding_window=int(d.get("sliding_window") or 2048),
-        block_size=int(dflash.get("block_size", d.get("block_size", 16))),
-        vocab_size=int(d["vocab_size"]),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-        target_layer_ids=list(dflash["target_layer_ids"]),
-        mask_token_id=int(dflash["mask_token_id"]),
-        num_target_layers=int(d.get("num_target_layers", 0) or 0),
-        initializer_range=float(d.get("initializer_range", 0.02)),
-    )
-
-
-def load_exported_drafter(
-    path: str | Path,
-    embed_weight: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    *,
-    attention: str = "auto",
-    device: torch.device | str | None = None,
-) -> DFlashDrafter:
-    """Rebuild a :class:`DFlashDrafter` from an :func:`export_drafter` directory (strict load)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    cfg = _config_from_hf_dict(json.loads((path / "config.json").read_text()))
-    state = load_file(str(path / EXPORT_WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
-    dtype = next(iter(state.values())).dtype if state else torch.float32
-    model = DFlashDrafter(cfg, embed_weight, lm_head_weight, attention=attention)
-    if device is not None:
-        model = model.to(device)
-    model = model.to(dtype)
-    model.load_state_dict(state, strict=True)
-    return model
 
 
 def num_parameters(model: nn.Module, trainable_only: bool = True) -> int:

@@ -56,7 +56,7 @@ def run_eval(
     """Decode ``n`` prompts greedily and speculatively; the :func:`~dflash_ipc.eval.spec.summarize` report."""
     from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
     from dflash_ipc.devices import dtype_from_name
-    from dflash_ipc.drafter.model import load_exported_drafter
+    from dflash_ipc.drafter.export import load_exported_drafter
     from dflash_ipc.eval.spec import (
         DrafterProposer,
         greedy_generate,
@@ -64,7 +64,8 @@ def run_eval(
         summarize,
     )
     from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
-    from dflash_ipc.target.model import load_hf_config, target_head_weights
+    from dflash_ipc.target.heads import target_head_weights
+    from dflash_ipc.target.hf_config import load_hf_config
 
     tdev = torch.device(target_device or cfg.topology.targets[0])
     ddev = torch.device(drafter_device or cfg.topology.drafters[0])

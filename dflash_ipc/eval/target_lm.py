@@ -35,7 +35,8 @@ __all__ = ["TargetLM", "build_target_lm"]
 
 def build_target_lm(cfg: TargetConfig, device, vocab_size: int | None = None, dtype: str | None = None) -> nn.Module:
     """The full causal LM of the target on ``device`` in ``dtype`` (default: ``cfg.dtype``)."""
-    from dflash_ipc.target.model import build_target, target_head_weights
+    from dflash_ipc.target.heads import target_head_weights
+    from dflash_ipc.target.model import build_target
 
     device = torch.device(device)
     cfg = dataclasses.replace(cfg, dtype=dtype or cfg.dtype, capture_last_hidden=True)

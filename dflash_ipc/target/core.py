@@ -23,14 +23,15 @@ from pathlib import Path
 
 import torch
 
-from dflash_ipc.drafter.checkpoint import LEDGER_FILE, BatchLedger
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.data.corpus import load_corpus
-from dflash_ipc.target.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta
 from dflash_ipc.data.plan import PlannedBatch, plan_epoch
-from dflash_ipc.transport.slots import SlotLayout
-from dflash_ipc.target.model import TargetModel, build_target, fast_path_report
 from dflash_ipc.data.tokenizer import load_tokenizer
+from dflash_ipc.drafter.checkpoint import LEDGER_FILE, BatchLedger
+from dflash_ipc.target.fast_path import fast_path_report
+from dflash_ipc.target.model import TargetModel, build_target
+from dflash_ipc.target.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta
+from dflash_ipc.transport.slots import SlotLayout
 
 log = logging.getLogger(__name__)
 

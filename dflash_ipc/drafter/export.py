@@ -1,0 +1,151 @@
+"""Export a trained drafter for the SGLang / vLLM DFlash loaders, and load such an export back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_ipc.devices import dtype_name
+from dflash_ipc.drafter.model import FULL, SLIDING, DFlashDrafter, DrafterModelConfig
+
+EXPORT_WEIGHTS_FILE = "model.safetensors"
+
+
+def drafter_hf_config(config: DrafterModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` of an exported drafter (see :func:`export_drafter`)."""
+    any_sliding = SLIDING in config.layer_types
+    weights_dtype = dtype_name(dtype)
+    dflash_config: dict[str, Any] = {
+        "block_size": config.block_size,
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+    }
+    out: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": config.rms_norm_eps,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "initializer_range": config.initializer_range,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "layer_types": list(config.layer_types),
+        "use_sliding_window": any_sliding,
+        "sliding_window": config.sliding_window if any_sliding else None,
+        "max_window_layers": config.num_layers,
+        "tie_word_embeddings": False,
+        "block_size": config.block_size,
+        "dflash_config": dflash_config,
+        # vLLM's aux-hidden-state ids are "captured before layer i" = DFlash's "output of
+        # layer i-1", hence +1 (vLLM derives the same from dflash_config.target_layer_ids).
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "dtype": weights_dtype,
+        "torch_dtype": weights_dtype,
+    }
+    if config.num_target_layers:
+        out["num_target_layers"] = config.num_target_layers
+    return out
+
+
+def export_drafter(model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` for the SGLang / vLLM DFlash loaders.
+
+    Layout, chosen after reading ``sglang: python/sglang/srt/models/dflash.py`` (``DFlashDraftModel``,
+    ``load_weights``), ``sglang: python/sglang/srt/speculative/dflash_utils.py``
+    (``parse_dflash_draft_config``, ``get_dflash_layer_types``,
+    ``get_dflash_attention_sliding_window_size``), ``vllm: vllm/model_executor/models/qwen3_dflash.py``
+    (``DFlashQwen3Model`` / ``DFlashQwen3ForCausalLM.load_weights``, ``_resolve_layer_attention``),
+    vLLM's ``eagle3_utils.get_eagle3_aux_layers_from_config`` and SpecForge
+    ``specforge/modeling/draft/dflash.py``:
+
+    * ``config.json``: a Qwen3 config (``model_type: "qwen3"``) with
+      ``architectures: ["DFlashDraftModel"]``, ``num_hidden_layers``, ``layer_types``,
+      ``use_sliding_window`` / ``sliding_window`` (HF semantics: the window counts the current
+      token), ``rope_parameters`` (+ legacy ``rope_theta``), top-level ``block_size`` and
+      ``num_target_layers``, ``dflash_config: {block_size, mask_token_id, target_layer_ids}``
+      and ``eagle_aux_hidden_state_layer_ids = target_layer_ids + 1``. No ``is_causal``: both
+      loaders then default to causal in-block attention for sliding layers and bidirectional
+      for full layers, which is what this drafter trains.
+    * ``model.safetensors``: unprefixed names ``layers.N.self_attn.{q,k,v,o}_proj.weight``,
+      ``layers.N.self_attn.{q,k}_norm.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
+      ``layers.N.{input,post_attention}_layernorm.weight``, ``fc.weight``,
+      ``hidden_norm.weight``, ``norm.weight``. SGLang stacks q/k/v and gate/up itself; vLLM
+      adds the ``model.`` prefix itself.
+    * No ``embed_tokens`` / ``lm_head``: SGLang's DFlash model has neither ("uses the target
+      model's embedding/lm_head"), and vLLM's ``load_weights`` treats both as optional and
+      shares the target's when they are absent.
+
+    Note: vLLM needs its V2 model runner for drafters that mix sliding and full layers.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    dtype = dtype or model.dtype
+    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(out / EXPORT_WEIGHTS_FILE), metadata={"format": "pt"})
+    cfg = drafter_hf_config(model.config, dtype)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _config_from_hf_dict(d: Mapping[str, Any]) -> DrafterModelConfig:
+    dflash = d.get("dflash_config") or {}
+    layer_types = d.get("layer_types") or [FULL] * int(d["num_hidden_layers"])
+    rp = d.get("rope_parameters") or {}
+    theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+    return DrafterModelConfig(
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_attention_heads=int(d["num_attention_heads"]),
+        num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
+        head_dim=int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]),
+        num_layers=int(d["num_hidden_layers"]),
+        layer_types=list(layer_types),
+        sliding_window=int(d.get("sliding_window") or 2048),
+        block_size=int(dflash.get("block_size", d.get("block_size", 16))),
+        vocab_size=int(d["vocab_size"]),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        mask_token_id=int(dflash["mask_token_id"]),
+        num_target_layers=int(d.get("num_target_layers", 0) or 0),
+        initializer_range=float(d.get("initializer_range", 0.02)),
+    )
+
+
+def load_exported_drafter(
+    path: str | Path,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    *,
+    attention: str = "auto",
+    device: torch.device | str | None = None,
+) -> DFlashDrafter:
+    """Rebuild a :class:`DFlashDrafter` from an :func:`export_drafter` directory (strict load)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = _config_from_hf_dict(json.loads((path / "config.json").read_text()))
+    state = load_file(str(path / EXPORT_WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
+    dtype = next(iter(state.values())).dtype if state else torch.float32
+    model = DFlashDrafter(cfg, embed_weight, lm_head_weight, attention=attention)
+    if device is not None:
+        model = model.to(device)
+    model = model.to(dtype)
+    model.load_state_dict(state, strict=True)
+    return model

@@ -1,0 +1,132 @@
+"""The target's frozen embedding and LM head, for the drafter, without building the target.
+
+Checkpoint: the two tensors are read straight from the safetensors files. Random spec: they are
+regenerated from ``target.random_init_seed`` with generators seeded per tensor name
+(:func:`derived_seed`), so the target (which copies the embedding into its stack) and every
+drafter get identical tensors without shipping them.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_ipc.config import TargetConfig
+from dflash_ipc.devices import as_device, cuda_device
+from dflash_ipc.target.hf_config import text_config
+
+
+def derived_seed(seed: int, tag: str) -> int:
+    """A generator seed for one named tensor of a run: the same on every process and every build."""
+    return (int(seed) * 1_000_003 + zlib.crc32(tag.encode())) % (2**63 - 1)
+
+
+def _head_generator(seed: int, tag: str, device="cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(derived_seed(seed, tag))
+    return g
+
+
+def _random_matrix(rows: int, cols: int, std: float, seed: int, tag: str, device, dtype) -> torch.Tensor:
+    """N(0, std) [rows, cols] drawn in fixed row chunks (bounded memory) and written to ``device``.
+
+    On the CPU the draw is identical on every process. On CUDA it is drawn on the GPU (a CPU
+    draw of a 248k x 5120 table takes ~30 s per process); every process of one run uses the
+    same GPU model, so target and drafters still get identical tensors."""
+    device = as_device(device)
+    out = torch.empty(rows, cols, device=device, dtype=dtype)
+    if device.type == "cuda":
+        gen = _head_generator(seed, tag, device)
+        chunk = max(1, (1 << 28) // max(cols, 1))
+        for r in range(0, rows, chunk):
+            n = min(chunk, rows - r)
+            out[r : r + n].copy_(torch.randn(n, cols, generator=gen, device=device, dtype=torch.float32) * std)
+        return out
+    gen = _head_generator(seed, tag)
+    chunk = max(1, (1 << 24) // max(cols, 1))
+    for r in range(0, rows, chunk):
+        block = torch.randn(min(chunk, rows - r), cols, generator=gen, dtype=torch.float32) * std
+        out[r : r + block.shape[0]].copy_(block)
+    return out
+
+
+def _tied(hf_config: Any) -> bool:
+    tc = text_config(hf_config)
+    return bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False))
+
+
+def _safetensors_files(model_dir: Path) -> dict[str, str]:
+    """tensor name -> file name, from the index json or the single-file checkpoint."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return {k: single.name for k in f.keys()}
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors(.index.json); target_head_weights needs safetensors weights")
+
+
+def _pick_embed_key(names: Iterable[str]) -> str:
+    cands = [
+        n
+        for n in names
+        if n.endswith("embed_tokens.weight")
+        and not n.startswith("mtp")
+        and not any(p in n for p in ("visual", "vision", "audio", ".mtp"))
+    ]
+    if not cands:
+        cands = [n for n in names if n.endswith(("wte.weight", "word_embeddings.weight", "tok_embeddings.weight"))]
+    if not cands:
+        raise KeyError("no input-embedding tensor (…embed_tokens.weight) in the checkpoint")
+    # prefer the language model's own embedding, then the shortest name
+    cands.sort(key=lambda n: ("language_model" not in n and not n.startswith("model.embed_tokens"), len(n)))
+    return cands[0]
+
+
+def target_head_weights(cfg: TargetConfig, hf_config: Any, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_weight [V, H], lm_head_weight [V, H]) of the target, frozen, for the drafter.
+
+    Checkpoint: only these two tensors are read from the safetensors files (index json aware,
+    tied embeddings handled), straight to ``device``; the model is never built. Random spec:
+    regenerated from ``cfg.random_init_seed`` with dedicated CPU generators, so the target
+    (which copies the embedding into its ``embed_tokens``) and every drafter get identical
+    tensors without shipping them. Tied heads return the same tensor twice.
+    """
+    device = as_device(device)
+    if cfg.model_path:
+        from safetensors import safe_open
+
+        model_dir = Path(cfg.model_path)
+        weight_map = _safetensors_files(model_dir)
+        embed_key = _pick_embed_key(weight_map)
+        head_key = None
+        if not _tied(hf_config):
+            for cand in ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"):
+                if cand in weight_map:
+                    head_key = cand
+                    break
+
+        def read(key: str) -> torch.Tensor:
+            dev = str(cuda_device(device) if device.type == "cuda" else device)
+            with safe_open(str(model_dir / weight_map[key]), framework="pt", device=dev) as f:
+                return f.get_tensor(key).to(dtype)
+
+        embed = read(embed_key)
+        head = read(head_key) if head_key is not None else embed
+        return embed, head
+    tc = text_config(hf_config)
+    v, h = int(tc.vocab_size), int(tc.hidden_size)
+    std = float(getattr(tc, "initializer_range", 0.02))
+    embed = _random_matrix(v, h, std, cfg.random_init_seed, "embed_tokens", device, dtype)
+    if _tied(hf_config):
+        return embed, embed
+    head = _random_matrix(v, h, std, cfg.random_init_seed, "lm_head", device, dtype)
+    return embed, head
