@@ -44,6 +44,7 @@ from dflash_ipc.config import DataConfig
 from dflash_ipc.data.readers import is_table_source, iter_table_records
 from dflash_ipc.data.builtin_corpus import BUILTIN_STDLIB_DOCS, builtin_conversations
 from dflash_ipc.data.errors import DataError
+from dflash_ipc.data.records import BadRecord, parse_record
 from dflash_ipc.data.tokenizer import IM_END, tokenizer_identity
 
 log = logging.getLogger("dflash_ipc.data.corpus")
@@ -51,9 +52,6 @@ log = logging.getLogger("dflash_ipc.data.corpus")
 CACHE_FORMAT = 1
 MAX_REPORTED_BAD_LINES = 1000
 _CHUNK = 256  # records tokenized per batched tokenizer call
-
-_ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-                 "bot": "assistant", "system": "system"}
 
 
 # --------------------------------------------------------------------------- report / corpus
@@ -128,57 +126,6 @@ class Corpus:
         return ids, mask, torch.tensor(lens, dtype=torch.int64)
 
 
-# --------------------------------------------------------------------------- record parsing
-
-
-class _BadLine(Exception):
-    pass
-
-
-def _parse_record(obj: Any) -> tuple[str, Any]:
-    """``("chat", messages)`` or ``("text", str)``; raises :class:`_BadLine` with a reason."""
-    if not isinstance(obj, dict):
-        raise _BadLine(f"expected a JSON object, got {type(obj).__name__}")
-    key = "conversations" if "conversations" in obj else "messages" if "messages" in obj else None
-    if key is not None:
-        turns = obj[key]
-        if not isinstance(turns, list):
-            raise _BadLine(f"\"{key}\" must be a list of messages, got {type(turns).__name__}")
-        if not turns:
-            raise _BadLine(f"\"{key}\" is empty")
-        messages = []
-        for j, m in enumerate(turns):
-            if not isinstance(m, dict):
-                raise _BadLine(f"{key}[{j}] must be an object, got {type(m).__name__}")
-            if "role" in m or "content" in m:
-                role, content = m.get("role"), m.get("content")
-                rk, ck = "role", "content"
-            else:  # ShareGPT
-                role, content = m.get("from"), m.get("value")
-                rk, ck = "from", "value"
-            if role is None:
-                raise _BadLine(f"{key}[{j}] has no \"role\"")
-            if not isinstance(role, str) or not role:
-                raise _BadLine(f"{key}[{j}].{rk} must be a non-empty string, got {role!r}")
-            if content is None:
-                raise _BadLine(f"{key}[{j}] has no \"content\"")
-            if not isinstance(content, str):
-                raise _BadLine(f"{key}[{j}].{ck} must be a string, got {type(content).__name__}")
-            msg = {k: v for k, v in m.items() if k not in ("from", "value")}
-            msg["role"] = _ROLE_ALIASES.get(role, role)
-            msg["content"] = content
-            messages.append(msg)
-        return "chat", messages
-    if "text" in obj:
-        text = obj["text"]
-        if not isinstance(text, str):
-            raise _BadLine(f"\"text\" must be a string, got {type(text).__name__}")
-        if not text.strip():
-            raise _BadLine("\"text\" is empty")
-        return "text", text
-    raise _BadLine("missing field: expected \"conversations\", \"messages\" or \"text\"")
-
-
 def _turn_end_token(tokenizer) -> str | None:
     vocab = tokenizer.get_vocab()
     if IM_END in vocab:
@@ -191,9 +138,9 @@ def _chat_segments(messages: list[dict], tokenizer, end_token: str | None) -> li
     try:
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     except Exception as e:  # noqa: BLE001 - jinja errors of arbitrary templates
-        raise _BadLine(f"chat template failed: {type(e).__name__}: {e}") from None
+        raise BadRecord(f"chat template failed: {type(e).__name__}: {e}") from None
     if not isinstance(rendered, str):
-        raise _BadLine("chat template did not render to a string")
+        raise BadRecord("chat template did not render to a string")
     spans = _spans_by_placeholders(messages, tokenizer, rendered)
     if spans is None:
         spans = _spans_by_search(messages, tokenizer, rendered)
@@ -267,7 +214,7 @@ def _spans_by_search(messages, tokenizer, rendered) -> list[tuple[int, int]]:
                     break
         if found < 0:
             if m["role"] == "assistant" and c.strip():
-                raise _BadLine(f"assistant turn {j} not found in the rendered chat template")
+                raise BadRecord(f"assistant turn {j} not found in the rendered chat template")
             continue
         if m["role"] == "assistant":
             spans.append((found, found + len(c)))
@@ -309,12 +256,12 @@ class _Builder:
 
     def add(self, where: str, obj: Any) -> None:
         try:
-            kind, value = _parse_record(obj)
+            kind, value = parse_record(obj)
             if kind == "chat":
                 pieces = _chat_segments(value, self.tok, self.end_token)
             else:
                 pieces = [(value, True)]
-        except _BadLine as e:
+        except BadRecord as e:
             self.bad(where, str(e))
             return
         self.report.records += 1

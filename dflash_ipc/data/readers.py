@@ -21,12 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dflash_ipc.data.builtin_corpus import BUILTIN_STDLIB_DOCS, builtin_conversations
+from dflash_ipc.data.errors import DataError
+from dflash_ipc.data.records import BadRecord, parse_record
+
 __all__ = ["is_table_source", "iter_records", "iter_table_records", "prompt_messages", "record_id"]
 
 
 def _data_error(msg: str) -> Exception:
-    from dflash_ipc.data.corpus import DataError
-
     return DataError(msg)
 
 
@@ -112,11 +114,9 @@ def iter_records(paths: list[str], builtin_samples: int = 2000, max_seq_len: int
     A JSONL line that is not JSON comes as an unparsable record (``prompt_messages`` -> None)."""
     for p in paths:
         if p.startswith("builtin:"):
-            from dflash_ipc.data import corpus
-
-            if p != corpus.BUILTIN_STDLIB_DOCS:
-                raise _data_error(f"data.paths: unknown built-in corpus {p!r}; use {corpus.BUILTIN_STDLIB_DOCS!r}")
-            for j, conv in enumerate(corpus.builtin_conversations(builtin_samples, max_seq_len)):
+            if p != BUILTIN_STDLIB_DOCS:
+                raise _data_error(f"data.paths: unknown built-in corpus {p!r}; use {BUILTIN_STDLIB_DOCS!r}")
+            for j, conv in enumerate(builtin_conversations(builtin_samples, max_seq_len)):
                 yield f"{p}:{j + 1}", conv
         elif is_table_source(p):
             yield from iter_table_records(p)
@@ -134,13 +134,11 @@ def record_id(where: str, record: Any) -> str:
 def prompt_messages(record: Any) -> list[dict] | None:
     """The prompt of a chat record: its messages up to and including the *first* user turn
     (a leading system message is kept). None for text records and malformed ones."""
-    from dflash_ipc.data.corpus import _BadLine, _parse_record
-
     if isinstance(record, _Unparsable):
         return None
     try:
-        kind, value = _parse_record(record)
-    except _BadLine:
+        kind, value = parse_record(record)
+    except BadRecord:
         return None
     if kind != "chat":
         return None
