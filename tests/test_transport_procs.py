@@ -351,7 +351,7 @@ def test_malformed_frames_into_running_processes_are_counted(short_tmp):
         for f in bad_for_producer:
             push_p.send(f)
 
-        summaries: dict[tuple[str, int], dict] = {}
+        summaries: dict[tuple[str, int], protocol.Struct] = {}
         deadline = time.monotonic() + 180
         while len(summaries) < 2 and time.monotonic() < deadline:
             if router.poll(200):
@@ -369,11 +369,11 @@ def test_malformed_frames_into_running_processes_are_counted(short_tmp):
         assert list_run_shm(run_id) == []  # the producer unlinked its own segment on the way out
         cons, prod = summaries[("consumer", 0)], summaries[("producer", 0)]
         # every malformed frame was counted, and the processes kept going to a verified finish
-        assert cons["rejected"] == len(bad_for_consumer), cons
-        assert prod["rejected"] == len(bad_for_producer), prod
-        assert cons["verified"] is True and cons["slots"] > 0
-        assert cons["slots"] == prod["batches"] == cons["per_producer"][0]
-        assert prod["slots"]["free"] == 3 and prod["slots"]["ready"] == 0
+        assert cons.rejected == len(bad_for_consumer), cons
+        assert prod.rejected == len(bad_for_producer), prod
+        assert cons.verified is True and cons.slots > 0
+        assert cons.slots == prod.batches == cons.per_producer[0]
+        assert prod.plane.slots.free == 3 and prod.plane.slots.ready == 0
         # each reject kind is logged once by the consumer
         log = (run_dir / "logs" / "consumer-0.log").read_text()
         assert log.count("(undecodable)") == 1 and "(too_large)" in log and "(out_of_range)" in log
