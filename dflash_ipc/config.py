@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash_ipc.fsutil import write_text_atomic
+
 class ConfigError(ValueError):
     """A configuration problem, already phrased as ``FILE: dotted.key: what to change``."""
 
@@ -470,9 +472,7 @@ def write_resolved_config(cfg: DFlashConfig, run_dir: Path) -> Path:
     import json
 
     path = Path(run_dir) / RESOLVED_CONFIG_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"source": cfg.source, "config": cfg.to_dict()}, indent=2))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps({"source": cfg.source, "config": cfg.to_dict()}, indent=2))
     return path
 
 

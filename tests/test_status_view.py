@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_ipc.control.protocol import ProtocolError, to_wire
 from dflash_ipc.control.status import StatusSnapshot, decode_status, example_status
+from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops import status_view as sv
 from dflash_ipc.ops.prometheus import render_prometheus
 
@@ -398,3 +399,11 @@ def test_render_status_dispatch(status):
     assert "PROC" in sv.render_status(status, "table", now=NOW)
     with pytest.raises(ValueError, match="unknown status format"):
         sv.render_status(status, "xml")
+
+
+def test_atomic_write_leaves_no_temporary_file(tmp_path):
+    # status.json and .prom files are read while being rewritten: the one writer is fsutil's
+    target = tmp_path / "dflash.prom"
+    write_text_atomic(target, "a\n")
+    write_text_atomic(target, "b\n")
+    assert target.read_text() == "b\n" and [p.name for p in tmp_path.iterdir()] == ["dflash.prom"]
