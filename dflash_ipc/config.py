@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from dflash_ipc.fsutil import write_text_atomic
 
+
 class ConfigError(ValueError):
     """A configuration problem, already phrased as ``FILE: dotted.key: what to change``."""
 
@@ -63,6 +64,9 @@ class RunConfig:
     # "auto": on GPU hosts give each process its own share of the CPU cores, so one process's
     # compile workers or data loading cannot starve another's kernel launches. "off": inherit.
     cpu_affinity: Literal["auto", "off"] = "auto"
+    # Serve the live status snapshot as Prometheus metrics on http://127.0.0.1:PORT/metrics
+    # (loopback only: scrape through an SSH tunnel or a local Prometheus). 0: no endpoint.
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         _require(bool(self.name) and "/" not in self.name, "name", "must be a non-empty name without '/'")
@@ -74,6 +78,7 @@ class RunConfig:
             f"must be at least 3x run.heartbeat_interval_s ({3 * self.heartbeat_interval_s:g} s); raise it",
         )
         _require(self.teardown_grace_s >= 0, "teardown_grace_s", "must be >= 0 seconds")
+        _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a TCP port in 1..65535, or 0 for no /metrics endpoint")
 
 
 @dataclass

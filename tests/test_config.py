@@ -182,6 +182,8 @@ def test_wrong_type_names_dotted_key(tmp_path, toml, key, fragment):
         ("[run]\nhandshake_timeout_s = nan\n", "run.handshake_timeout_s", "> 0"),
         ("[run]\nheartbeat_interval_s = 1\nheartbeat_timeout_s = 2\n", "run.heartbeat_timeout_s", "3x"),
         ('[run]\nname = "a/b"\n', "run.name", "without '/'"),
+        ("[run]\nmetrics_port = 65536\n", "run.metrics_port", "TCP port"),
+        ("[run]\nmetrics_port = -1\n", "run.metrics_port", "or 0 for no /metrics"),
         ('[topology]\ntargets = ["gpu0"]\n', "topology.targets[0]", "not a device"),
         ("[topology]\ndrafters = []\n", "topology.drafters", "at least one"),
         ("[training]\nlr = inf\n", "training.lr", "positive"),

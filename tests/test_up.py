@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_ipc.control import channels
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, META_FILE, read_latest_pointer, step_dir_name
@@ -470,4 +472,49 @@ def test_sigterm_without_final_checkpoint_setting_still_checkpoints_on_every_ran
     assert up.wait() == 0, up.output
     stop_step = read_metrics(up.run_dir)[-1]["step"]
     assert checkpoint_step(latest_checkpoint(up.run_dir)) == stop_step
+    assert_no_leftovers(up)
+
+
+# --------------------------------------------------------------------------- metrics endpoint, status --json | tail -1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_endpoint_and_json_last_line_during_a_run(work, started):
+    """GET /metrics on run.metrics_port while a real run trains; `status --json | tail -1` is the JSON."""
+    import urllib.request
+
+    port = _free_port()
+    cfg = write_config(work / "metrics.toml", run__metrics_port=port)
+    up = Up(cfg, work / "metrics", name="metrics")  # runs until the data is exhausted: SIGTERM ends it below
+    started.append(up)
+    up.wait_until(lambda: up.steps_logged() >= 1, "step 1")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    up_samples = {(s.labels["role"], s.labels["rank"]): s.value for s in fams["dflash_ipc_process_up"].samples}
+    assert up_samples == {("target", "0"): 1.0, ("target", "1"): 1.0, ("drafter", "0"): 1.0, ("drafter", "1"): 1.0}, text
+    pids = up.child_pids()
+    for s in fams["dflash_ipc_process_pid"].samples:
+        assert [int(s.value)] == pids[f"{s.labels['role']}-{s.labels['rank']}"]
+    assert {s.labels["state"]: s.value for s in fams["dflash_ipc_state"].samples}["running"] == 1.0
+    assert [s.value for s in fams["dflash_ipc_supervisor_pid"].samples] == [float(up.proc.pid)]
+
+    # the shell idiom the README promises: the last line is the whole JSON object
+    r = subprocess.run(f"{sys.executable} -m dflash_ipc.cli status --run-dir {work / 'metrics'} --json | tail -1",
+                       shell=True, capture_output=True, text=True, timeout=60, check=True)
+    snap = decode_status(json.loads(r.stdout))
+    assert snap.state == "running" and sorted((p.role, p.rank) for p in snap.processes) == [
+        ("drafter", 0), ("drafter", 1), ("target", 0), ("target", 1)]
+
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.wait() == 0, up.output
+    assert f"[up] metrics: http://127.0.0.1:{port}/metrics" in up.output
+    with pytest.raises(OSError):  # the endpoint closed with the run
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
     assert_no_leftovers(up)

@@ -17,7 +17,8 @@ Run states (the supervisor's own state machine)::
 
 The supervisor watches process sentinels (``Popen.poll``) and heartbeats; it never trains
 and never touches the rings, so it stays responsive. It serves its status snapshot
-read-only on ``sock/status`` (REP) and writes ``status.json`` every second.
+read-only on ``sock/status`` (REP) and writes ``status.json`` every second; with
+``run.metrics_port`` it also serves that snapshot as Prometheus metrics on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Sh
 from dflash_ipc.control.stats import DrafterStats, DrafterSummary, TargetStats
 from dflash_ipc.control.status import SCHEMA_VERSION, ProcessStatus, SlotCounts, StatusSnapshot, Totals
 from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.transport.ring import new_run_id, sweep_run_shm
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,8 @@ class Supervisor:
         self._last_progress = 0.0
         self._first_loss: float | None = None
         self._summary: DrafterSummary | None = None
+        # The snapshot status.json holds; /metrics (another thread) serves this one, never a half-built one.
+        self._last_snapshot: StatusSnapshot | None = None
         # Benchmark ceiling: only targets, N batches each, slots released as soon as packed.
         self.forward_only = forward_only
 
@@ -177,6 +181,22 @@ class Supervisor:
     # ------------------------------------------------------------------ run
 
     def run(self) -> int:
+        metrics = None
+        port = self.cfg.run.metrics_port
+        if port:
+            try:
+                metrics = MetricsServer(port, lambda: self._last_snapshot)
+            except OSError as e:
+                self.echo(f"[up] error: cannot serve metrics on 127.0.0.1:{port} ({e}); choose a free run.metrics_port, or 0 for none")
+                return EXIT_FAILED
+            self.echo(f"[up] metrics: http://127.0.0.1:{metrics.port}/metrics")
+        try:
+            return self._run_with_restarts()
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    def _run_with_restarts(self) -> int:
         attempts = 0
         resume = self.resume
         while True:
@@ -495,8 +515,9 @@ class Supervisor:
                               totals=totals, processes=procs)
 
     def _write_status(self) -> None:
+        self._last_snapshot = snap = self.snapshot()
         try:
-            write_text_atomic(self.run_dir / "status.json", json.dumps(to_wire(self.snapshot())))
+            write_text_atomic(self.run_dir / "status.json", json.dumps(to_wire(snap)))
         except OSError as e:
             log.warning("could not write status.json: %s", e)
 
