@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -407,3 +409,17 @@ def test_atomic_write_leaves_no_temporary_file(tmp_path):
     write_text_atomic(target, "a\n")
     write_text_atomic(target, "b\n")
     assert target.read_text() == "b\n" and [p.name for p in tmp_path.iterdir()] == ["dflash.prom"]
+
+
+@pytest.mark.parametrize("flag", ["--json", "--prometheus", None])
+def test_status_cli_ends_in_exactly_one_newline(status, tmp_path, flag):
+    """`dflash-ipc status --json | tail -1` is the whole JSON object (a real subprocess and pipe)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_text_atomic(run_dir / "status.json", json.dumps(to_wire(status)))
+    cmd = f"{sys.executable} -m dflash_ipc.cli status --run-dir {run_dir} {flag or ''}"
+    full = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert full.endswith("\n") and not full.endswith("\n\n"), full[-40:]
+    if flag == "--json":
+        last = subprocess.run(cmd + " | tail -1", shell=True, capture_output=True, text=True, timeout=60, check=True).stdout
+        assert decode_status(json.loads(last)) == status
