@@ -80,12 +80,13 @@ def test_run_ring_two_by_two_verified_and_balanced(short_tmp, run_ids):
     assert ring["rejected"] == 0
     for p in range(2):
         ps = summ[("producer", p)]
-        assert ps["rejected"] == 0
+        assert ps.rejected == 0
         # every slot came back: nothing left READY or queued at exit
-        assert ps["slots"]["ready"] == 0 and ps["slots"]["queued"] == 0 and ps["slots"]["free"] == args.slots
+        slots = ps.plane.slots
+        assert slots.ready == 0 and slots.queued == 0 and slots.free == args.slots
         # every batch a producer sent was received and verified by exactly one consumer
-        assert ps["batches"] == sum(summ[("consumer", c)]["per_producer"][p] for c in range(2)) > 0
-    assert sum(summ[("consumer", c)]["slots"] for c in range(2)) == sum(summ[("producer", p)]["batches"] for p in range(2))
+        assert ps.batches == sum(summ[("consumer", c)].per_producer[p] for c in range(2)) > 0
+    assert sum(summ[("consumer", c)].slots for c in range(2)) == sum(summ[("producer", p)].batches for p in range(2))
 
 
 def test_run_ring_child_failure_is_named(short_tmp, run_ids):

@@ -318,12 +318,15 @@ def test_status_while_running(stopped_and_resumed):
         assert p["exit_code"] is None and p["state"] != "exited"
     assert snap["totals"]["step"] >= 1
 
-    prom = r["live_prom"]
-    assert 'dflash_ipc_state{state="running"} 1.0' in prom
+    fams = {f.name: f for f in text_string_to_metric_families(r["live_prom"])}
+    assert {s.labels["state"]: s.value for s in fams["dflash_ipc_state"].samples}["running"] == 1.0
+    by_proc = {name: {(s.labels["role"], int(s.labels["rank"])): s.value for s in fams[name].samples}
+               for name in ("dflash_ipc_process_up", "dflash_ipc_process_pid")}
     for role, rank in procs:
-        assert f'dflash_ipc_process_up{{role="{role}",rank="{rank}",device="cpu"}} 1.0' in prom, prom
-        assert re.search(rf'^dflash_ipc_process_pid{{role="{role}",rank="{rank}",device="cpu"}} \d+\.0$', prom, re.M)
-    assert re.search(r'^dflash_ipc_process_step\{role="drafter",rank="0",device="cpu"\} \d+\.0$', prom, re.M)
+        assert by_proc["dflash_ipc_process_up"][(role, rank)] == 1.0
+        assert [int(by_proc["dflash_ipc_process_pid"][(role, rank)])] == pids[f"{role}-{rank}"]
+    (step,) = [s.value for s in fams["dflash_ipc_process_step"].samples if s.labels["role"] == "drafter" and s.labels["rank"] == "0"]
+    assert step >= 1
 
 
 def test_sigterm_checkpoints_and_resume_consumes_every_batch_once(stopped_and_resumed):
