@@ -170,7 +170,7 @@ def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
     from pathlib import Path
 
     from dflash_ipc.ops.status_client import StatusUnavailable, read_status
-    from dflash_ipc.ops.status_view import render_json, render_prometheus, render_table
+    from dflash_ipc.ops.status_view import render_status
 
     while True:
         try:
@@ -179,14 +179,14 @@ def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
         if as_json:
-            out = render_json(snap, indent=None)
+            out = render_status(snap, "json", indent=None)
         elif prometheus:
-            out = render_prometheus(snap)
+            out = render_status(snap, "prometheus")
         else:
-            out = render_table(snap)
+            out = render_status(snap, "table")
         if watch:
             click.clear()
-        click.echo(out)
+        click.echo(out, nl=False)  # every rendering ends in exactly one newline: `| tail -1` is the JSON
         if not watch:
             return
         time.sleep(1.0)

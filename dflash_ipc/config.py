@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash_ipc.fsutil import write_text_atomic
+
+
 class ConfigError(ValueError):
     """A configuration problem, already phrased as ``FILE: dotted.key: what to change``."""
 
@@ -64,6 +67,9 @@ class RunConfig:
     # TensorBoard event files beside metrics.jsonl (drafter rank 0): loss, acc, tau, tokens/s, lr
     # per step. Needs the optional extra: pip install "dflash-ipc[tensorboard]".
     tensorboard: bool = False
+    # Serve the live status snapshot as Prometheus metrics on http://127.0.0.1:PORT/metrics
+    # (loopback only: scrape through an SSH tunnel or a local Prometheus). 0: no endpoint.
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         _require(bool(self.name) and "/" not in self.name, "name", "must be a non-empty name without '/'")
@@ -80,6 +86,7 @@ class RunConfig:
             f"must be at least 3x run.heartbeat_interval_s ({3 * self.heartbeat_interval_s:g} s); raise it",
         )
         _require(self.teardown_grace_s >= 0, "teardown_grace_s", "must be >= 0 seconds")
+        _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a TCP port in 1..65535, or 0 for no /metrics endpoint")
 
 
 def _tensorboard_installed() -> bool:
@@ -493,9 +500,7 @@ def write_resolved_config(cfg: DFlashConfig, run_dir: Path) -> Path:
     import json
 
     path = Path(run_dir) / RESOLVED_CONFIG_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"source": cfg.source, "config": cfg.to_dict()}, indent=2))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps({"source": cfg.source, "config": cfg.to_dict()}, indent=2))
     return path
 
 

@@ -13,6 +13,7 @@ from dflash_ipc.bench import transport as bench_transport
 from dflash_ipc.control import channels
 from dflash_ipc.control import handshake
 from dflash_ipc.transport.dataplane import ConsumerDataPlane
+from dflash_ipc.control.stats import ConsumerSummary
 from dflash_ipc.control.protocol import Done, Hello, RejectCounter
 from dflash_ipc.transport.factory import open_consumer_ring
 from dflash_ipc.runtime.child import ChildSockets, place_process, setup_child_process
@@ -58,17 +59,17 @@ def run_bench_consumer_process(a: argparse.Namespace) -> int:
             plane.release(batch)
             slots += 1
             t_last = time.perf_counter()
-        summary = {
-            "slots": slots,
-            "bytes": plane.bytes_copied,
-            "verified": bool(verified),
-            "active_s": (t_last - t_first) if t_first is not None else 0.0,
-            "copy_s": plane.copy_seconds,
-            "handoff_ns": plane.handoff_ns[:20000],
-            "rejected": rejects.total,
-            "per_producer": plane.slots_done,
-        }
-        socks.send_to_supervisor(Done(role="consumer", rank=a.rank, summary=summary))
+        summary = ConsumerSummary(
+            slots=slots,
+            bytes=plane.bytes_copied,
+            verified=bool(verified),
+            active_s=(t_last - t_first) if t_first is not None else 0.0,
+            copy_s=plane.copy_seconds,
+            handoff_ns=plane.handoff_ns[:20000],
+            rejected=rejects.total,
+            per_producer=list(plane.slots_done),
+        )
+        socks.send_to_supervisor(Done(role="consumer", rank=a.rank, consumer=summary))
         return 0
     except Exception as e:
         socks.report_dead(e, log)

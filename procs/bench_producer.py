@@ -13,6 +13,7 @@ from dflash_ipc.bench import transport as bench_transport
 from dflash_ipc.control import channels
 from dflash_ipc.control import handshake
 from dflash_ipc.transport.dataplane import ProducerDataPlane
+from dflash_ipc.control.stats import ProducerPlaneStats, ProducerSummary, RoutedSlot, RoutingLog
 from dflash_ipc.control.protocol import Done, Hello, RejectCounter
 from dflash_ipc.transport.factory import create_producer_ring
 from dflash_ipc.runtime.child import ChildSockets, place_process, setup_child_process
@@ -63,9 +64,10 @@ def run_bench_producer_process(a: argparse.Namespace) -> int:
                 for msg in channels.drain(socks.pull, rejects):
                     plane.handle(msg)
             plane.dispatch()
-        routing = {"max_outstanding": a.max_outstanding, "decisions": [[d.consumer, list(d.loads)] for d in plane.routing_log]}
-        summary = {"batches": plane.batches_sent, "rejected": rejects.total, "routing": routing, **plane.stats()}
-        socks.send_to_supervisor(Done(role="producer", rank=a.rank, summary=summary))
+        routing = RoutingLog(max_outstanding=a.max_outstanding,
+                             decisions=[RoutedSlot(consumer=d.consumer, loads=list(d.loads)) for d in plane.routing_log])
+        summary = ProducerSummary(batches=plane.batches_sent, rejected=rejects.total, plane=ProducerPlaneStats.of(plane), routing=routing)
+        socks.send_to_supervisor(Done(role="producer", rank=a.rank, producer=summary))
         return 0
     except Exception as e:
         socks.report_dead(e, log)

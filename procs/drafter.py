@@ -21,7 +21,8 @@ import torch
 
 from dflash_ipc.config import load_resolved_config
 from dflash_ipc.control import channels, handshake
-from dflash_ipc.control.protocol import Done, Heartbeat, Hello
+from dflash_ipc.control.protocol import Done, Heartbeat, Hello, RejectCounter
+from dflash_ipc.control.stats import ChildInfo, DrafterStats, DrafterSummary, Vitals
 from dflash_ipc.drafter.core import DrafterCore
 from dflash_ipc.drafter.trainer import destroy_distributed, init_distributed
 from dflash_ipc.runtime.child import ChildContext, Placement, run_child
@@ -57,7 +58,7 @@ def drafter_main(child: ChildContext) -> int:
     child.closing.callback(core.close)
     log.info("drafter %d/%d on %s: %.2fM trainable params, step %d", rank, world.world_size, device, core.n_params / 1e6, core.step)
     hello = Hello(role="drafter", rank=rank, pid=os.getpid(), device=str(device), endpoint=socks.pull_endpoint,
-                  info={"resume": core.resumed_from})
+                  info=ChildInfo(resume=core.resumed_from))
     start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
     rings = []
     for d in start.rings:
@@ -118,24 +119,25 @@ def drafter_main(child: ChildContext) -> int:
         now = time.monotonic()
         if now >= next_beat:
             next_beat = now + cfg.run.heartbeat_interval_s
-            elapsed = time.perf_counter() - t0
-            stats = {**core.stats(), "queue_depth": len(plane.ready) + len(plane.held), "outstanding": plane.outstanding,
-                     "copying": len(plane.copying), "wait_pct": 100.0 * wait_total / max(1e-9, elapsed),
-                     "rss_bytes": proc.memory_info().rss, "rejected_messages": rejects.total,
-                     "rejected_by_kind": dict(rejects.by_kind), "slots_per_target": list(plane.slots_done),
-                     "uptime_s": elapsed, "state": "running", "last": core.last}
-            socks.send_to_supervisor(Heartbeat(role="drafter", rank=rank, stats=stats))
+            stats = drafter_stats(core, plane, proc, rejects, time.perf_counter() - t0, wait_total)
+            socks.send_to_supervisor(Heartbeat(role="drafter", rank=rank, drafter=stats))
     if max_steps and core.step >= max_steps:
         finish_reason = f"max_steps {max_steps}"
     log.info("finishing at step %d: %s; batches received per target: %s", core.step, finish_reason, plane.slots_done)
     # Collective: every rank takes the same branch (stopped_on_request was agreed).
     ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopped_on_request) else None
     export = core.export() if cfg.training.export_on_finish else None
-    summary = {**core.stats(), "reason": finish_reason, "checkpoint": str(ckpt) if ckpt else None,
-               "export": str(export) if export else None, "slots_per_target": list(plane.slots_done),
-               "rejected_messages": rejects.total}
-    socks.send_to_supervisor(Done(role="drafter", rank=rank, summary=summary))
+    final = drafter_stats(core, plane, proc, rejects, time.perf_counter() - t0, wait_total, state="done")
+    summary = DrafterSummary(final, finish_reason, str(ckpt) if ckpt else None, str(export) if export else None)
+    socks.send_to_supervisor(Done(role="drafter", rank=rank, drafter=summary))
     return 0
+
+
+def drafter_stats(core: DrafterCore, plane: ConsumerDataPlane, proc: psutil.Process, rejects: RejectCounter, elapsed: float,
+                  wait_total: float, state: str = "running") -> DrafterStats:
+    return DrafterStats(Vitals.measure(state, elapsed, proc, rejects), core.stats(), queue_depth=len(plane.ready) + len(plane.held),
+                        outstanding=plane.outstanding, copying=len(plane.copying), wait_pct=100.0 * wait_total / max(1e-9, elapsed),
+                        slots_per_target=list(plane.slots_done))
 
 
 if __name__ == "__main__":

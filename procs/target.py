@@ -22,6 +22,7 @@ import torch
 from dflash_ipc.config import load_resolved_config
 from dflash_ipc.control import channels, handshake
 from dflash_ipc.control.protocol import Done, Heartbeat, Hello
+from dflash_ipc.control.stats import ChildInfo, FastPath, ProducerPlaneStats, TargetStats, TargetWork, Vitals
 from dflash_ipc.runtime.child import ChildContext, Placement, run_child
 from dflash_ipc.target.core import TargetCore, read_ledger
 from dflash_ipc.transport.dataplane import ProducerDataPlane
@@ -71,9 +72,10 @@ def target_main(child: ChildContext) -> int:
     child.closing.callback(core.close)
     log.info("ring: %s, %d slots x %.1f MiB", ring.backend, ring.num_slots, core.layout.slot_bytes / 2**20)
     hello = Hello(role="target", rank=rank, pid=os.getpid(), device=str(device), ring=ring.descriptor(),
-                  endpoint=socks.pull_endpoint, info={"fla": bool(core.fast_path.get("fla")), "causal_conv1d": bool(core.fast_path.get("causal_conv1d"))})
+                  endpoint=socks.pull_endpoint,
+                  info=ChildInfo(fast_path=FastPath(fla=bool(fp.get("fla")), causal_conv1d=bool(fp.get("causal_conv1d")))))
     start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
-    ledger = read_ledger(start.resume.get("checkpoint"))
+    ledger = read_ledger(start.resume.checkpoint if start.resume else None)
     core.start(ledger)
     log.info("schedule: %d batches planned, %d already consumed (ledger), %d to run", core.planned, core.skipped_ledgered, core.batches_left)
     socks.connect_peers(start.drafter_endpoints)
@@ -100,8 +102,9 @@ def target_main(child: ChildContext) -> int:
                 continue
             plane.enqueue(done.slot, b.id.to_wire(), b.bucket, b.n_tokens, b.batch_size, {"padded_len": b.padded_len})
         if forward_only and captured is None and (core.forwards >= forward_only or core.batches_left == 0) and core.packs_in_flight == 0:
-            stats = {**core.stats(final=True), "rss_bytes": proc.memory_info().rss}
-            socks.send_to_supervisor(Done(role="target", rank=rank, summary=stats))
+            stats = TargetStats(Vitals.measure("done", time.perf_counter() - t0, proc, rejects), core.stats(final=True),
+                                ProducerPlaneStats.of(plane))
+            socks.send_to_supervisor(Done(role="target", rank=rank, target=stats))
             log.info("forward-only done: %s", stats)
             break
         plane.dispatch()
@@ -125,10 +128,9 @@ def target_main(child: ChildContext) -> int:
         now = time.monotonic()
         if now >= next_beat:
             next_beat = now + cfg.run.heartbeat_interval_s
-            stats = {**core.stats(), **plane.stats(), "rss_bytes": proc.memory_info().rss, "rejected_messages": rejects.total,
-                     "rejected_by_kind": dict(rejects.by_kind), "state": "done" if end_sent else "running",
-                     "uptime_s": time.perf_counter() - t0}
-            socks.send_to_supervisor(Heartbeat(role="target", rank=rank, stats=stats))
+            vitals = Vitals.measure("done" if end_sent else "running", time.perf_counter() - t0, proc, rejects)
+            stats = TargetStats(vitals, core.stats(), ProducerPlaneStats.of(plane))
+            socks.send_to_supervisor(Heartbeat(role="target", rank=rank, target=stats))
         if captured is None and not waited:
             # Nothing to forward: waiting for packs, for credit to route, or for Shutdown.
             poller.poll(100 if end_sent else 2)
@@ -154,11 +156,10 @@ def cfg_run_id(run_dir: Path) -> str:
     return (run_dir / "run_id").read_text().strip()
 
 
-def _log_pack_overlap(log, stats: dict) -> None:
+def _log_pack_overlap(log, stats: TargetWork) -> None:
     log.info("forward %.1f ms/batch; pack %.2f ms/batch off the critical path, %.1f%% of it while a forward ran "
              "(exposed %.2f ms/batch over %d packs); handing a batch to the packer took %.2f ms",
-             stats["forward_ms"], stats["pack_ms"], stats.get("pack_overlap_pct", 0.0), stats.get("pack_exposed_ms", 0.0),
-             stats.get("packs_measured", 0), stats["pack_submit_ms"])
+             stats.forward_ms, stats.pack_ms, stats.pack_overlap_pct, stats.pack_exposed_ms, stats.packs_measured, stats.pack_submit_ms)
 
 
 if __name__ == "__main__":

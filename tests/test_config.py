@@ -170,6 +170,8 @@ def test_wrong_type_names_dotted_key(tmp_path, data, key, fragment):
         ({"run": {"handshake_timeout_s": float("nan")}}, "run.handshake_timeout_s", "> 0"),
         ({"run": {"heartbeat_interval_s": 1, "heartbeat_timeout_s": 2}}, "run.heartbeat_timeout_s", "3x"),
         ({"run": {"name": "a/b"}}, "run.name", "without '/'"),
+        ({"run": {"metrics_port": 65536}}, "run.metrics_port", "TCP port"),
+        ({"run": {"metrics_port": -1}}, "run.metrics_port", "or 0 for no /metrics"),
         ({"topology": {"targets": ["gpu0"]}}, "topology.targets[0]", "not a device"),
         ({"topology": {"drafters": []}}, "topology.drafters", "at least one"),
         ({"training": {"lr": float("inf")}}, "training.lr", "positive"),

@@ -29,6 +29,24 @@ from dflash_ipc.control.protocol import (
     Start,
     decode,
     encode,
+    from_wire,
+    to_wire,
+)
+from dflash_ipc.control.stats import (
+    ChildInfo,
+    ConsumerSummary,
+    DrafterStats,
+    DrafterSummary,
+    DrafterWork,
+    FastPath,
+    GpuMemory,
+    PlaneSlots,
+    ProducerPlaneStats,
+    ProducerSummary,
+    ResumePoint,
+    TargetStats,
+    TargetWork,
+    Vitals,
 )
 from dflash_ipc.control.ring_descriptor import DESCRIPTOR_VERSION, RingDescriptor, ShmSegment, SlotLayoutWire
 
@@ -38,15 +56,53 @@ DESCRIPTOR = RingDescriptor(
     shm=ShmSegment(name="dflash-ipc-abcd1234-target0"),
 )
 
+VITALS = Vitals(state="running", uptime_s=12.5, rss_bytes=123 << 20, rejected_messages=2, rejected_by_kind={"undecodable": 2})
+TARGET_STATS = TargetStats(
+    vitals=VITALS,
+    work=TargetWork(forwards=7, forward_ms=12.5, pack_ms=1.25, pack_submit_ms=0.1, packs_measured=6, pack_overlap_pct=97.5,
+                    pack_exposed_ms=0.03, slot_wait_ms=4.0, busy_pct=88.0, tokens_per_s=9100.0, tokens=57344, batches_left=3,
+                    planned=10, skipped_ledgered=0, tflops=1.5, steady_tokens_per_s=9500.0, steady_tflops=1.6, steady_wall_s=6.0,
+                    steady_forward_s=5.5, steady_forward_tflops=1.75, bare_forward_s=0.0, bare_forwards=0, layers_run=4,
+                    gpu=GpuMemory(allocated_bytes=30 << 30, reserved_bytes=34 << 30, peak_bytes=31 << 30)),
+    plane=ProducerPlaneStats(slots=PlaneSlots(free=1, filling=1, queued=0, ready=2), inflight_per_drafter=[1, 1],
+                             routed_per_drafter=[4, 3], batches_sent=7),
+)
+DRAFTER_STATS = DrafterStats(
+    vitals=VITALS,
+    work=DrafterWork(step=5, loss=float("nan"), acc=None, tau=1.25, tokens_per_s=9000.0, tokens=40960, params=1_000_000,
+                     train_elapsed_s=4.5, gpu=None),
+    queue_depth=1, outstanding=2, copying=0, wait_pct=12.5, slots_per_target=[3, 2],
+)
+DRAFTER_SUMMARY = DrafterSummary(final=DRAFTER_STATS, reason="max_steps 5", checkpoint="/run/checkpoints/step-5", export=None)
+PAYLOADS = [
+    TARGET_STATS, DRAFTER_STATS, DRAFTER_SUMMARY, VITALS,
+    ProducerSummary(batches=7, rejected=0, plane=TARGET_STATS.plane),
+    ConsumerSummary(slots=10, bytes=40960, verified=True, active_s=1.5, copy_s=0.25, handoff_ns=[1, 2, 3], rejected=0, per_producer=[10]),
+    ChildInfo(resume=ResumePoint(checkpoint="/run/checkpoints/step-5", step=5)),
+    ChildInfo(fast_path=FastPath(fla=True, causal_conv1d=False)),
+    ChildInfo(),
+    ResumePoint(checkpoint="/c", step=0),
+]
+
 SAMPLES: dict[type, list[protocol.Message]] = {
     Hello: [
         Hello(role="target", rank=1, pid=4242, device="cuda:0", ring=DESCRIPTOR, endpoint="ipc:///tmp/x/sock/t1"),
         Hello(role="drafter", rank=0, pid=1, device="cpu"),
+        Hello(role="drafter", rank=1, pid=1, device="cpu", info=ChildInfo(resume=ResumePoint(checkpoint="/c/step-5", step=5))),
+        Hello(role="target", rank=0, pid=1, device="cpu", info=ChildInfo(fast_path=FastPath(fla=False, causal_conv1d=False))),
     ],
-    Start: [Start(rings=[DESCRIPTOR, DESCRIPTOR], target_endpoints=["ipc://a", "ipc://b"], drafter_endpoints=["ipc://c"])],
+    Start: [
+        Start(rings=[DESCRIPTOR, DESCRIPTOR], target_endpoints=["ipc://a", "ipc://b"], drafter_endpoints=["ipc://c"]),
+        Start(rings=[], target_endpoints=[], drafter_endpoints=[], resume=ResumePoint(checkpoint="/c/step-5", step=5)),
+    ],
     Ready: [Ready(role="drafter", rank=3)],
-    Heartbeat: [Heartbeat(role="target", rank=0, stats={"rss_bytes": 123, "slots": {"free": 2}, "ratio": 0.5}), Heartbeat(role="drafter", rank=1)],
-    Done: [Done(role="consumer", rank=0, summary={"slots": 10, "verified": True, "handoff_ns": [1, 2, 3]})],
+    Heartbeat: [Heartbeat(role="target", rank=0, target=TARGET_STATS), Heartbeat(role="drafter", rank=1, drafter=DRAFTER_STATS)],
+    Done: [
+        Done(role="consumer", rank=0, consumer=PAYLOADS[5]),
+        Done(role="producer", rank=0, producer=PAYLOADS[4]),
+        Done(role="drafter", rank=1, drafter=DRAFTER_SUMMARY),
+        Done(role="target", rank=1, target=TARGET_STATS),
+    ],
     Dead: [Dead(role="target", rank=0, error="RuntimeError: boom \u2603")],
     Shutdown: [Shutdown(reason="operator", checkpoint=True), Shutdown(reason="done")],
     SlotReady: [
@@ -89,8 +145,8 @@ def test_round_trip(msg):
     assert isinstance(data, bytes) and len(data) <= MAX_FRAME_BYTES
     back = decode(data)
     assert type(back) is type(msg)
-    assert back == msg
-    assert decode(bytearray(data)) == msg and decode(memoryview(data)) == msg
+    assert _same(back, msg)
+    assert _same(decode(bytearray(data)), msg) and _same(decode(memoryview(data)), msg)
     raw = msgpack.unpackb(data, raw=False)
     assert raw["v"] == PROTOCOL_VERSION and raw["t"] == msg.TAG
 
@@ -100,6 +156,8 @@ def test_every_type_round_trips_with_defaults_filled():
     for tag, cls in MESSAGE_TYPES.items():
         full = msgpack.unpackb(encode(SAMPLES[cls][0]), raw=False)
         required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        if cls in (Heartbeat, Done):
+            required.add(full["role"])  # the role's payload field: optional by type, required by role
         minimal = {k: v for k, v in full.items() if k in required or k in ("v", "t")}
         out = decode(msgpack.packb(minimal, use_bin_type=True))
         assert type(out) is cls
@@ -107,6 +165,81 @@ def test_every_type_round_trips_with_defaults_filled():
             if f.name not in required:
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 assert getattr(out, f.name) == default, (tag, f.name)
+
+
+def _same(a, b) -> bool:
+    """Equality where NaN equals NaN (a diverged loss is a legitimate payload value)."""
+    return repr(to_wire(a) if not isinstance(a, protocol.Message) else a) == repr(to_wire(b) if not isinstance(b, protocol.Message) else b)
+
+
+# --------------------------------------------------------------------------- typed payloads
+
+
+@pytest.mark.parametrize("payload", PAYLOADS, ids=lambda p: type(p).__name__)
+def test_payload_round_trip(payload):
+    wire = to_wire(payload)
+    back = from_wire(type(payload), msgpack.unpackb(msgpack.packb(wire, use_bin_type=True), raw=False))
+    assert type(back) is type(payload) and _same(back, payload)
+
+
+def _heartbeat_frame(role: str, payload) -> dict:
+    return {"v": PROTOCOL_VERSION, "t": "heartbeat", "role": role, "rank": 0, role: to_wire(payload)}
+
+
+@pytest.mark.parametrize(
+    "role, payload, edit, expect",
+    [
+        ("drafter", DRAFTER_STATS, lambda d: d["work"].update(steps=d["work"].pop("step")),
+         "missing_field: heartbeat.drafter.work.step missing"),
+        ("drafter", DRAFTER_STATS, lambda d: d["work"].update(step="5"), "bad_field_type: heartbeat.drafter.work.step = '5'"),
+        ("drafter", DRAFTER_STATS, lambda d: d["vitals"]["rejected_by_kind"].update(undecodable=1.5),
+         "bad_field_type: heartbeat.drafter.vitals.rejected_by_kind.undecodable = 1.5"),
+        ("drafter", DRAFTER_STATS, lambda d: d.update(wait_pct=-1.0), "out_of_range: heartbeat.drafter.wait_pct = -1.0 < 0"),
+        ("target", TARGET_STATS, lambda d: d["plane"]["slots"].update(free=None), "bad_field_type: heartbeat.target.plane.slots.free = None"),
+        ("target", TARGET_STATS, lambda d: d["plane"]["slots"].update(fre=1),
+         "unknown_field: heartbeat.target.plane.slots has unknown fields ['fre']"),
+        ("target", TARGET_STATS, lambda d: d["work"]["gpu"].update(peak_bytes=-1), "out_of_range: heartbeat.target.work.gpu.peak_bytes = -1 < 0"),
+        ("target", TARGET_STATS, lambda d: d["plane"]["inflight_per_drafter"].append("x"),
+         "bad_field_type: heartbeat.target.plane.inflight_per_drafter[2] = 'x'"),
+    ],
+)
+def test_a_renamed_or_mistyped_nested_key_is_rejected_with_its_path(role, payload, edit, expect):
+    f = _heartbeat_frame(role, payload)
+    edit(f[role])
+    with pytest.raises(ProtocolError) as ei:
+        decode(msgpack.packb(f, use_bin_type=True))
+    assert str(ei.value) == expect
+
+
+def test_done_and_hello_payloads_are_checked_with_their_path():
+    summary = to_wire(DRAFTER_SUMMARY)
+    summary["final"]["work"]["los"] = summary["final"]["work"].pop("loss")
+    with pytest.raises(ProtocolError, match=r"missing_field: done\.drafter\.final\.work\.loss missing"):
+        decode(frame(v=1, t="done", role="drafter", rank=0, drafter=summary))
+    with pytest.raises(ProtocolError, match=r"bad_field_type: hello\.info\.resume\.step = '5'"):
+        decode(frame(v=1, t="hello", role="drafter", rank=0, pid=1, device="cpu", info={"resume": {"checkpoint": "/c", "step": "5"}}))
+    with pytest.raises(ProtocolError, match=r"missing_field: start\.resume\.checkpoint missing"):
+        decode(frame(v=1, t="start", rings=[], target_endpoints=[], drafter_endpoints=[], resume={"step": 5}))
+
+
+def test_the_payload_field_must_match_the_role():
+    # a drafter's figures sent as a target's, both, or none: refused on decode
+    wrong = [
+        frame(v=1, t="heartbeat", role="target", rank=0, drafter=to_wire(DRAFTER_STATS)),
+        frame(v=1, t="heartbeat", role="drafter", rank=0, drafter=to_wire(DRAFTER_STATS), target=to_wire(TARGET_STATS)),
+        frame(v=1, t="heartbeat", role="drafter", rank=0),
+        frame(v=1, t="done", role="consumer", rank=0, producer=to_wire(PAYLOADS[4])),
+    ]
+    for f in wrong:
+        with pytest.raises(ProtocolError, match="out_of_range: .*sends its payload in the field"):
+            decode(f)
+    # a target's figures in the drafter's field do not fit the drafter's type either
+    with pytest.raises(ProtocolError, match=r"missing_field: heartbeat\.drafter\.work\.step missing"):
+        decode(frame(v=1, t="heartbeat", role="drafter", rank=0, drafter=to_wire(TARGET_STATS)))
+    with pytest.raises(ValueError, match="sends its payload"):
+        Heartbeat(role="drafter", rank=0, target=TARGET_STATS)
+    assert Heartbeat(role="target", rank=0, target=TARGET_STATS).stats is TARGET_STATS
+    assert Done(role="drafter", rank=0, drafter=DRAFTER_SUMMARY).summary is DRAFTER_SUMMARY
 
 
 # --------------------------------------------------------------------------- malformed frames

@@ -1,22 +1,44 @@
-"""Status snapshot: schema validation and the table / Prometheus / JSON renderings."""
+"""Status snapshot: typed validation and the table / Prometheus / JSON renderings."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import re
+import subprocess
+import sys
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from dflash_ipc.control.protocol import ProtocolError, to_wire
+from dflash_ipc.control.status import StatusSnapshot, decode_status, example_status
+from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops import status_view as sv
+from dflash_ipc.ops.prometheus import render_prometheus
 
 NOW = 1_800_000_000.0
 
 
 @pytest.fixture
-def status():
-    return sv.example_status(2, 3, now=NOW)
+def status() -> StatusSnapshot:
+    return example_status(2, 3, now=NOW)
+
+
+def edit(status: StatusSnapshot, change) -> StatusSnapshot:
+    """The snapshot with ``change(wire_dict)`` applied, decoded (and so validated) again."""
+    wire = to_wire(status)
+    change(wire)
+    return decode_status(wire)
+
+
+def wire_with(status: StatusSnapshot, path: tuple, value) -> dict:
+    wire = to_wire(status)
+    obj = wire
+    for k in path[:-1]:
+        obj = obj[k]
+    obj[path[-1]] = value
+    return wire
 
 
 # --------------------------------------------------------------------------- a strict exposition parser
@@ -107,89 +129,103 @@ def test_parser_rejects_bad_text():
 # --------------------------------------------------------------------------- validation
 
 
-def test_example_is_valid(status):
-    assert sv.validate_status(status) == []
-    assert sv.validate_status(sv.example_status(1, 1)) == []
+def test_example_round_trips_through_json(status):
+    assert decode_status(json.loads(json.dumps(to_wire(status)))) == status
+    assert decode_status(to_wire(example_status(1, 1, now=NOW))) == example_status(1, 1, now=NOW)
 
 
-def test_missing_fields_are_reported(status):
-    s = copy.deepcopy(status)
-    del s["state"]
-    del s["totals"]["eta_s"]
-    del s["processes"][1]["heartbeat_age_s"]
-    del s["processes"][0]["slots"]["ready"]
-    problems = sv.validate_status(s)
-    assert "state: missing" in problems
-    assert "totals.eta_s: missing" in problems
-    assert "processes[1].heartbeat_age_s: missing" in problems
-    assert "processes[0].slots.ready: missing" in problems
-    assert len(problems) == 4
+@pytest.mark.parametrize(
+    "path, expect",
+    [
+        (("state",), "missing_field: status.state missing"),
+        (("totals", "eta_s"), "missing_field: status.totals.eta_s missing"),
+        (("processes", 1, "heartbeat_age_s"), "missing_field: status.processes[1].heartbeat_age_s missing"),
+        (("processes", 0, "slots", "ready"), "missing_field: status.processes[0].slots.ready missing"),
+    ],
+)
+def test_a_missing_field_names_its_dotted_path(status, path, expect):
+    wire = to_wire(status)
+    obj = wire
+    for k in path[:-1]:
+        obj = obj[k]
+    del obj[path[-1]]
+    with pytest.raises(ProtocolError) as e:
+        decode_status(wire)
+    assert str(e.value) == expect
+
+
+def test_a_renamed_nested_key_is_rejected_not_read_as_none(status):
+    wire = to_wire(status)
+    p = wire["processes"][3]
+    p["heartbeat_age"] = p.pop("heartbeat_age_s")
+    with pytest.raises(ProtocolError, match=r"status\.processes\[3\]\.heartbeat_age_s missing"):
+        decode_status(wire)
+    p["heartbeat_age_s"] = 1.0  # both: the stray key alone is still refused
+    with pytest.raises(ProtocolError, match=r"unknown_field: status\.processes\[3\] has unknown fields \['heartbeat_age'\]"):
+        decode_status(wire)
 
 
 @pytest.mark.parametrize(
     "path, value, expect",
     [
-        (("supervisor_pid",), "123", "supervisor_pid: expected int, got str"),
-        (("supervisor_pid",), True, "supervisor_pid: expected int, got bool"),
-        (("updated_unix",), "now", "updated_unix: expected float"),
-        (("updated_unix",), None, "updated_unix: expected float, got null"),
-        (("schema",), 2, "schema: must be 1"),
-        (("state",), "paused", "state: must be one of"),
-        (("run_dir",), 5, "run_dir: expected str"),
-        (("totals", "step"), 1.5, "totals.step: expected int, got float"),
-        (("totals", "max_steps"), "10", "totals.max_steps: expected int"),
-        (("totals", "tokens_per_s"), -1.0, "totals.tokens_per_s: must be >= 0"),
-        (("totals", "tokens_per_s"), float("nan"), "totals.tokens_per_s: must be finite"),
-        (("processes", 0, "role"), "teacher", "processes[0].role: must be one of"),
-        (("processes", 0, "rank"), -1, "processes[0].rank: must be >= 0"),
-        (("processes", 0, "slots"), [1, 2, 3, 4], "processes[0].slots: expected object, got list"),
-        (("processes", 0, "slots", "free"), "1", "processes[0].slots.free: expected int"),
-        (("processes", 0, "inflight_per_drafter"), [1, "2"], "processes[0].inflight_per_drafter[1]: expected int"),
-        (("processes", 0, "inflight_per_drafter"), 3, "processes[0].inflight_per_drafter: expected list"),
-        (("processes", 2, "busy_pct"), 150.0, "processes[2].busy_pct: must be <= 100"),
-        (("processes", 2, "rejected_messages"), None, "processes[2].rejected_messages: expected int, got null"),
-        (("processes", 2, "device"), "", "processes[2].device: must not be empty"),
-        (("processes", 2, "exit_code"), "1", "processes[2].exit_code: expected int"),
-        (("processes",), {}, "processes: expected list"),
-        (("totals",), None, "totals: expected object, got null"),
+        (("supervisor_pid",), "123", "bad_field_type: status.supervisor_pid"),
+        (("supervisor_pid",), True, "bad_field_type: status.supervisor_pid"),
+        (("updated_unix",), "now", "bad_field_type: status.updated_unix"),
+        (("updated_unix",), None, "bad_field_type: status.updated_unix"),
+        (("schema",), 2, "out_of_range: status: schema must be 1"),
+        (("state",), "paused", "out_of_range: status: state must be one of"),
+        (("run_dir",), 5, "bad_field_type: status.run_dir"),
+        (("totals", "step"), 1.5, "bad_field_type: status.totals.step"),
+        (("totals", "max_steps"), "10", "bad_field_type: status.totals.max_steps"),
+        (("totals", "tokens_per_s"), -1.0, "out_of_range: status.totals: tokens_per_s must be finite and >= 0"),
+        (("totals", "tokens_per_s"), float("nan"), "out_of_range: status.totals: tokens_per_s must be finite"),
+        (("processes", 0, "role"), "teacher", "out_of_range: status.processes[0]: role must be one of"),
+        (("processes", 0, "rank"), -1, "out_of_range: status.processes[0].rank = -1 < 0"),
+        (("processes", 0, "slots"), [1, 2, 3, 4], "bad_field_type: status.processes[0].slots is list"),
+        (("processes", 0, "slots", "free"), "1", "bad_field_type: status.processes[0].slots.free"),
+        (("processes", 0, "inflight_per_drafter"), [1, "2"], "bad_field_type: status.processes[0].inflight_per_drafter[1]"),
+        (("processes", 0, "inflight_per_drafter"), 3, "bad_field_type: status.processes[0].inflight_per_drafter is int"),
+        (("processes", 2, "busy_pct"), 150.0, "out_of_range: status.processes[2]: busy_pct must be in [0, 100]"),
+        (("processes", 2, "rejected_messages"), None, "bad_field_type: status.processes[2].rejected_messages"),
+        (("processes", 2, "rejected_by_kind"), {"undecodable": "2"}, "bad_field_type: status.processes[2].rejected_by_kind.undecodable"),
+        (("processes", 2, "device"), "", "out_of_range: status.processes[2]: device and state must not be empty"),
+        (("processes", 2, "exit_code"), "1", "bad_field_type: status.processes[2].exit_code"),
+        (("processes",), {}, "bad_field_type: status.processes is dict"),
+        (("totals",), None, "bad_field_type: status.totals is NoneType"),
     ],
 )
-def test_mistyped_fields_are_reported(status, path, value, expect):
-    s = copy.deepcopy(status)
-    obj = s
-    for k in path[:-1]:
-        obj = obj[k]
-    obj[path[-1]] = value
-    problems = sv.validate_status(s)
-    assert any(p.startswith(expect) for p in problems), problems
+def test_mistyped_fields_name_their_dotted_path(status, path, value, expect):
+    with pytest.raises(ProtocolError) as e:
+        decode_status(wire_with(status, path, value))
+    assert str(e.value).startswith(expect), str(e.value)
 
 
 def test_optional_fields_accept_null_and_ints_for_floats(status):
-    s = copy.deepcopy(status)
-    for k in ("max_steps", "loss", "eta_s"):
-        s["totals"][k] = None
-    p = s["processes"][0]
-    for k in ("pid", "heartbeat_age_s", "slots", "inflight_per_drafter", "gpu_mem_allocated_bytes",
-              "gpu_mem_reserved_bytes", "rss_bytes", "busy_pct", "wait_pct", "exit_code"):
-        p[k] = None
-    p["uptime_s"] = 5  # int where float is expected
-    s["processes"][2]["loss"] = float("nan")  # a diverged loss is reportable
-    assert sv.validate_status(s) == []
+    def change(w):
+        for k in ("max_steps", "loss", "eta_s"):
+            w["totals"][k] = None
+        p = w["processes"][0]
+        for k in ("pid", "heartbeat_age_s", "slots", "inflight_per_drafter", "gpu_mem_allocated_bytes",
+                  "gpu_mem_reserved_bytes", "rss_bytes", "busy_pct", "wait_pct", "exit_code"):
+            p[k] = None
+        p["uptime_s"] = 5  # int where float is expected
+        w["processes"][2]["loss"] = float("nan")  # a diverged loss is reportable
+
+    s = edit(status, change)
+    assert s.processes[0].uptime_s == 5.0 and type(s.processes[0].uptime_s) is float
+    assert math.isnan(s.processes[2].loss) and s.totals.max_steps is None
 
 
 def test_unknown_keys_duplicates_and_non_objects(status):
-    s = copy.deepcopy(status)
-    s["processes"][0]["heartbeat_age"] = 1.0
-    s["extra"] = 1
-    s["processes"][4]["rank"] = 1  # drafter rank 1 twice
-    problems = sv.validate_status(s)
-    assert "processes[0].heartbeat_age: unknown key; did you mean 'heartbeat_age_s'?" in problems
-    assert any(p.startswith("extra: unknown key") for p in problems)
-    s["processes"][0].pop("heartbeat_age")
-    s.pop("extra")
-    assert sv.validate_status(s) == ["processes[4]: duplicate drafter rank 1"]
-    assert sv.validate_status([]) == ["status: expected object, got list"]
-    assert sv.validate_status(None) == ["status: expected object, got null"]
+    with pytest.raises(ProtocolError, match=r"unknown_field: status has unknown fields \['extra'\]"):
+        edit(status, lambda w: w.update(extra=1))
+    with pytest.raises(ProtocolError, match=r"status: processes\[4\]: duplicate drafter rank 1"):
+        edit(status, lambda w: w["processes"][4].update(rank=1))
+    with pytest.raises(ProtocolError, match="started_unix is later"):
+        edit(status, lambda w: w.update(started_unix=NOW + 1))
+    for bad in ([], None, "x"):
+        with pytest.raises(ProtocolError, match="bad_field_type: status is"):
+            decode_status(bad)
 
 
 # --------------------------------------------------------------------------- prometheus
@@ -200,10 +236,14 @@ DRAFTER_ONLY = {"process_queue_depth", "process_step", "process_loss"}
 
 
 def test_prometheus_parses_with_one_sample_per_process(status):
-    fams = parse_exposition(sv.render_prometheus(status))
+    text = render_prometheus(status)
+    fams = parse_exposition(text)
+    # the reference parser reads the same families and values
+    lib = {f.name: f for f in text_string_to_metric_families(text)}
+    assert set(lib) == set(fams)
     assert all(name.startswith("dflash_ipc_") for name in fams)
     assert all(f["type"] == "gauge" and f["help"] for f in fams.values())
-    procs = {(p["role"], str(p["rank"]), p["device"]) for p in status["processes"]}
+    procs = {(p.role, str(p.rank), p.device) for p in status.processes}
     per_process = [n for n in fams if n.startswith("dflash_ipc_process_") and n != "dflash_ipc_process_inflight_to_drafter"]
     assert len(per_process) >= 15
     for name in per_process:
@@ -222,22 +262,30 @@ def test_prometheus_parses_with_one_sample_per_process(status):
     state = {s["state"]: v for s, v in fams["dflash_ipc_state"]["samples"]}
     assert state == {"starting": 0, "running": 1, "stopping": 0, "finished": 0, "failed": 0}
     assert fams["dflash_ipc_step"]["samples"] == [({}, 1234.0)]
+    assert [s.value for s in lib["dflash_ipc_step"].samples] == [1234.0]
     busy = {s["rank"]: v for s, v in fams["dflash_ipc_process_busy_ratio"]["samples"] if s["role"] == "target"}
     assert busy == {"0": 0.91, "1": 0.91}
 
 
 def test_prometheus_values_escapes_and_absent_samples(status):
-    s = copy.deepcopy(status)
-    s["run_dir"] = 'C:\\runs\n"x"'
-    s["processes"][0]["device"] = 'cuda:"0"'
-    s["processes"][2]["loss"] = float("nan")
-    s["processes"][3]["loss"] = float("inf")
-    s["processes"][4]["exit_code"] = 137
-    s["processes"][4]["pid"] = None
-    s["totals"]["max_steps"] = None
-    fams = parse_exposition(sv.render_prometheus(s, extra_labels={"run": "my\\run"}))
+    def change(w):
+        w["run_dir"] = 'C:\\runs\n"x"'
+        w["processes"][0]["device"] = 'cuda:"0"'
+        w["processes"][2]["loss"] = float("nan")
+        w["processes"][3]["loss"] = float("inf")
+        w["processes"][4]["exit_code"] = 137
+        w["processes"][4]["pid"] = None
+        w["processes"][1]["rejected_messages"] = 3
+        w["processes"][1]["rejected_by_kind"] = {"undecodable": 2, "out_of_range": 1}
+        w["totals"]["max_steps"] = None
+
+    s = edit(status, change)
+    text = render_prometheus(s, extra_labels={"run": "my\\run"})
+    fams = parse_exposition(text)
+    lib = {f.name: f for f in text_string_to_metric_families(text)}
     (info_labels, _), = fams["dflash_ipc_info"]["samples"]
     assert info_labels["run_dir"] == 'C:\\runs\n"x"' and info_labels["run"] == "my\\run"
+    assert lib["dflash_ipc_info"].samples[0].labels["run_dir"] == 'C:\\runs\n"x"'
     devices = {lbl["device"] for lbl, _ in fams["dflash_ipc_process_up"]["samples"]}
     assert 'cuda:"0"' in devices
     losses = {lbl["rank"]: v for lbl, v in fams["dflash_ipc_process_loss"]["samples"]}
@@ -246,13 +294,15 @@ def test_prometheus_values_escapes_and_absent_samples(status):
     assert fams["dflash_ipc_process_exit_code"]["samples"] == [
         ({"run": "my\\run", "role": "drafter", "rank": "2", "device": "cuda:4"}, 137.0)
     ]
+    kinds = {lbl["kind"]: v for lbl, v in fams["dflash_ipc_process_rejected_by_kind"]["samples"]}
+    assert kinds == {"undecodable": 2.0, "out_of_range": 1.0}
     up = {(lbl["role"], lbl["rank"]): v for lbl, v in fams["dflash_ipc_process_up"]["samples"]}
     assert up[("drafter", "2")] == 0 and up[("target", "0")] == 1
     assert len(fams["dflash_ipc_process_pid"]["samples"]) == 4
     with pytest.raises(ValueError):
-        sv.render_prometheus(s, extra_labels={"role": "x"})
+        render_prometheus(s, extra_labels={"role": "x"})
     with pytest.raises(ValueError):
-        sv.render_prometheus(s, extra_labels={"bad-name": "x"})
+        render_prometheus(s, extra_labels={"bad-name": "x"})
 
 
 # --------------------------------------------------------------------------- table
@@ -260,9 +310,9 @@ def test_prometheus_values_escapes_and_absent_samples(status):
 
 def test_table_has_every_process_and_totals(status):
     text = sv.render_table(status, now=NOW + 2)
-    for p in status["processes"]:
-        line = next(ln for ln in text.splitlines() if ln.startswith(f"{p['role']}{p['rank']} "))
-        assert str(p["pid"]) in line and p["device"] in line
+    for p in status.processes:
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"{p.role}{p.rank} "))
+        assert str(p.pid) in line and p.device in line
     assert "RUNNING" in text and "updated 2.0s ago" in text
     assert "TOTAL  18.2k tok/s  step 1,234/10,000 (12.3%)  loss 2.346" in text
     assert "30.0/34.0G" in text and "q1 s1234" in text and "1/1/1/1 i3" in text
@@ -271,21 +321,22 @@ def test_table_has_every_process_and_totals(status):
 
 
 def test_table_fits_100_columns_in_the_worst_case():
-    s = sv.example_status(8, 16, now=NOW)
-    s["config"] = "/very/long/path/" + "x" * 150 + ".toml"
-    s["run_dir"] = "/runs/" + "y" * 200
-    s["totals"].update(tokens_per_s=987_654_321.0, step=12_345_678, max_steps=99_999_999, loss=1e-9,
-                       pipeline_rss_bytes=2**50, eta_s=9e7)
-    for i, p in enumerate(s["processes"]):
-        p.update(pid=4_194_304, device="cuda:15", state="handshaking-forever", uptime_s=8.6e7,
-                 heartbeat_age_s=99_999.0, tokens_per_s=999_999.0, gpu_mem_allocated_bytes=140 * 2**30,
-                 gpu_mem_reserved_bytes=141 * 2**30, rss_bytes=1000 * 2**30, busy_pct=100.0, wait_pct=100.0,
-                 rejected_messages=10**9, exit_code=-9)
-        if p["role"] == "target":
-            p.update(slots={"free": 64, "filling": 64, "ready": 64, "copying": 64}, inflight_per_drafter=[64] * 16)
-        else:
-            p.update(queue_depth=1000, step=12_345_678, loss=-123456.0)
-    assert sv.validate_status(s) == []
+    def change(w):
+        w["config"] = "/very/long/path/" + "x" * 150 + ".toml"
+        w["run_dir"] = "/runs/" + "y" * 200
+        w["totals"].update(tokens_per_s=987_654_321.0, step=12_345_678, max_steps=99_999_999, loss=1e-9,
+                           pipeline_rss_bytes=2**50, eta_s=9e7)
+        for p in w["processes"]:
+            p.update(pid=4_194_304, device="cuda:15", state="handshaking-forever", uptime_s=8.6e7,
+                     heartbeat_age_s=99_999.0, tokens_per_s=999_999.0, gpu_mem_allocated_bytes=140 * 2**30,
+                     gpu_mem_reserved_bytes=141 * 2**30, rss_bytes=1000 * 2**30, busy_pct=100.0, wait_pct=100.0,
+                     rejected_messages=10**9, rejected_by_kind={"undecodable": 10**9 - 1, "x" * 80: 1}, exit_code=-9)
+            if p["role"] == "target":
+                p.update(slots={"free": 64, "filling": 64, "ready": 64, "copying": 64}, inflight_per_drafter=[64] * 16)
+            else:
+                p.update(queue_depth=1000, step=12_345_678, loss=-123456.0)
+
+    s = edit(example_status(8, 16, now=NOW), change)
     text = sv.render_table(s, now=NOW + 1e6)
     lines = text.splitlines()
     assert max(len(ln) for ln in lines) <= 100, "\n".join(ln for ln in lines if len(ln) > 100)
@@ -294,18 +345,18 @@ def test_table_fits_100_columns_in_the_worst_case():
 
 
 def test_table_warnings_and_edge_cases(status):
-    s = copy.deepcopy(status)
-    s["processes"][3].update(exit_code=1, state="exited", pid=None)
-    s["processes"][1]["heartbeat_age_s"] = 42.0
-    s["processes"][0]["rejected_messages"] = 3
-    s["processes"][4]["loss"] = float("nan")
-    text = sv.render_table(s, now=NOW)
+    def change(w):
+        w["processes"][3].update(exit_code=1, state="exited", pid=None)
+        w["processes"][1]["heartbeat_age_s"] = 42.0
+        w["processes"][0].update(rejected_messages=3, rejected_by_kind={"undecodable": 3})
+        w["processes"][4]["loss"] = float("nan")
+
+    text = sv.render_table(edit(status, change), now=NOW)
     assert "! drafter1 exited with code 1" in text
     assert "! target1 last heartbeat 42s ago" in text
-    assert "! target0 rejected 3 control message(s)" in text
+    assert "! target0 rejected 3 control message(s): undecodable 3" in text
     assert "! drafter2 loss is nan" in text
-    empty = sv.example_status(0, 0, now=NOW)
-    empty["state"] = "starting"
+    empty = edit(example_status(0, 0, now=NOW), lambda w: w.update(state="starting"))
     text = sv.render_table(empty, now=NOW)
     assert "(no processes)" in text and "STARTING" in text
 
@@ -327,30 +378,48 @@ def test_formatters_stay_short():
     assert sv.fmt_duration(3725) == "1h02m" and sv.fmt_duration(0.42) == "0.4s"
 
 
-# --------------------------------------------------------------------------- json and helpers
+# --------------------------------------------------------------------------- json and dispatch
 
 
 def test_json_round_trip_is_strict(status):
-    s = copy.deepcopy(status)
-    s["processes"][2]["loss"] = float("nan")
+    s = edit(status, lambda w: w["processes"][2].update(loss=float("nan")))
 
     def refuse(c):
         raise AssertionError(f"non-standard JSON constant {c}")
 
-    back = json.loads(sv.render_json(s), parse_constant=refuse)
+    text = sv.render_json(s, indent=None)
+    assert text.endswith("}\n") and text.count("\n") == 1
+    back = json.loads(text, parse_constant=refuse)
     assert back["processes"][2]["loss"] is None
-    back["processes"][2]["loss"] = s["processes"][2]["loss"] = 1.0
-    assert back == s
-    assert sv.validate_status(json.loads(sv.render_json(status))) == []
+    back["processes"][2]["loss"] = 1.0
+    assert decode_status(back) == edit(status, lambda w: w["processes"][2].update(loss=1.0))
 
 
-def test_render_status_dispatch_and_atomic_write(status, tmp_path):
+def test_render_status_dispatch(status):
     assert sv.render_status(status, "json", indent=None).count("\n") == 1
     assert sv.render_status(status, "prometheus").startswith("# HELP dflash_ipc_")
     assert "PROC" in sv.render_status(status, "table", now=NOW)
     with pytest.raises(ValueError, match="unknown status format"):
         sv.render_status(status, "xml")
+
+
+def test_atomic_write_leaves_no_temporary_file(tmp_path):
+    # status.json and .prom files are read while being rewritten: the one writer is fsutil's
     target = tmp_path / "dflash.prom"
-    sv.write_text_atomic(target, "a\n")
-    sv.write_text_atomic(target, "b\n")
+    write_text_atomic(target, "a\n")
+    write_text_atomic(target, "b\n")
     assert target.read_text() == "b\n" and [p.name for p in tmp_path.iterdir()] == ["dflash.prom"]
+
+
+@pytest.mark.parametrize("flag", ["--json", "--prometheus", None])
+def test_status_cli_ends_in_exactly_one_newline(status, tmp_path, flag):
+    """`dflash-ipc status --json | tail -1` is the whole JSON object (a real subprocess and pipe)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_text_atomic(run_dir / "status.json", json.dumps(to_wire(status)))
+    cmd = f"{sys.executable} -m dflash_ipc.cli status --run-dir {run_dir} {flag or ''}"
+    full = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert full.endswith("\n") and not full.endswith("\n\n"), full[-40:]
+    if flag == "--json":
+        last = subprocess.run(cmd + " | tail -1", shell=True, capture_output=True, text=True, timeout=60, check=True).stdout
+        assert decode_status(json.loads(last)) == status

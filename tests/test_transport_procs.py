@@ -78,21 +78,21 @@ def test_run_ring_two_by_two_verified_and_routed_least_busy(short_tmp, run_ids):
     assert ring["rejected"] == 0
     for p in range(2):
         ps = summ[("producer", p)]
-        assert ps["rejected"] == 0
+        assert ps.rejected == 0
         # every slot came back: nothing left READY or queued at exit
-        assert ps["slots"]["ready"] == 0 and ps["slots"]["queued"] == 0 and ps["slots"]["free"] == args.slots
+        slots = ps.plane.slots
+        assert slots.ready == 0 and slots.queued == 0 and slots.free == args.slots
         # every batch a producer sent was received and verified by exactly one consumer
-        assert ps["batches"] == sum(summ[("consumer", c)]["per_producer"][p] for c in range(2)) > 0
+        assert ps.batches == sum(summ[("consumer", c)].per_producer[p] for c in range(2)) > 0
         # Least-busy with credits, judged on the producer's own view when it decided (how much each
         # consumer gets depends on how the OS schedules them, so shares are not compared): every
         # slot went to a consumer with credit left and no more outstanding work than any other.
-        routing = ps["routing"]
-        decisions, credit = routing["decisions"], routing["max_outstanding"]
-        assert len(decisions) == min(ps["batches"], 4096) and credit == args.max_outstanding
-        for chosen, loads in decisions:
-            assert len(loads) == 2 and loads[chosen] < credit, (chosen, loads)
-            assert loads[chosen] == min(loads), (chosen, loads)
-    assert sum(summ[("consumer", c)]["slots"] for c in range(2)) == sum(summ[("producer", p)]["batches"] for p in range(2))
+        routing = ps.routing
+        assert len(routing.decisions) == min(ps.batches, 4096) and routing.max_outstanding == args.max_outstanding
+        for d in routing.decisions:
+            assert len(d.loads) == 2 and d.loads[d.consumer] < routing.max_outstanding, d
+            assert d.loads[d.consumer] == min(d.loads), d
+    assert sum(summ[("consumer", c)].slots for c in range(2)) == sum(summ[("producer", p)].batches for p in range(2))
 
 
 def test_run_ring_child_failure_is_named(short_tmp, run_ids):
@@ -365,7 +365,7 @@ def test_malformed_frames_into_running_processes_are_counted(short_tmp):
         for f in bad_for_producer:
             push_p.send(f)
 
-        summaries: dict[tuple[str, int], dict] = {}
+        summaries: dict[tuple[str, int], protocol.Struct] = {}
         deadline = time.monotonic() + 180
         while len(summaries) < 2 and time.monotonic() < deadline:
             if router.poll(200):
@@ -383,11 +383,11 @@ def test_malformed_frames_into_running_processes_are_counted(short_tmp):
         assert list_run_shm(run_id) == []  # the producer unlinked its own segment on the way out
         cons, prod = summaries[("consumer", 0)], summaries[("producer", 0)]
         # every malformed frame was counted, and the processes kept going to a verified finish
-        assert cons["rejected"] == len(bad_for_consumer), cons
-        assert prod["rejected"] == len(bad_for_producer), prod
-        assert cons["verified"] is True and cons["slots"] > 0
-        assert cons["slots"] == prod["batches"] == cons["per_producer"][0]
-        assert prod["slots"]["free"] == 3 and prod["slots"]["ready"] == 0
+        assert cons.rejected == len(bad_for_consumer), cons
+        assert prod.rejected == len(bad_for_producer), prod
+        assert cons.verified is True and cons.slots > 0
+        assert cons.slots == prod.batches == cons.per_producer[0]
+        assert prod.plane.slots.free == 3 and prod.plane.slots.ready == 0
         # each reject kind is logged once by the consumer
         log = (run_dir / "logs" / "consumer-0.log").read_text()
         assert log.count("(undecodable)") == 1 and "(too_large)" in log and "(out_of_range)" in log

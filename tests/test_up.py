@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -21,11 +22,12 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import tiny_cpu_config, write_toml
+from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_ipc.control import channels
+from dflash_ipc.control.status import decode_status
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, META_FILE, read_latest_pointer, step_dir_name
 from dflash_ipc.transport.shm import list_run_shm
-from dflash_ipc.ops.status_view import validate_status
 
 pytestmark = pytest.mark.slow
 
@@ -248,7 +250,7 @@ def test_status_after_the_run_reads_status_json(full_run):
     up, code = full_run
     assert code == 0
     snap = json.loads(status_cli(up.run_dir, "--json"))
-    assert validate_status(snap) == []
+    decode_status(snap)  # every field present and well typed
     assert snap["state"] == "finished"
     assert snap["totals"]["step"] == FULL_STEPS
     assert sorted((p["role"], p["rank"]) for p in snap["processes"]) == [
@@ -287,8 +289,8 @@ def stopped_and_resumed(work, started):
 
 def test_status_while_running(stopped_and_resumed):
     r = stopped_and_resumed
-    snap = json.loads(r["live_json"])
-    assert validate_status(snap) == [], validate_status(snap)
+    snap = json.loads(r["live_json"].splitlines()[-1])  # the JSON object is the last line
+    decode_status(snap)
     assert snap["state"] == "running"
     procs = {(p["role"], p["rank"]): p for p in snap["processes"]}
     assert sorted(procs) == [("drafter", 0), ("drafter", 1), ("target", 0), ("target", 1)]
@@ -298,12 +300,15 @@ def test_status_while_running(stopped_and_resumed):
         assert p["exit_code"] is None and p["state"] != "exited"
     assert snap["totals"]["step"] >= 1
 
-    prom = r["live_prom"]
-    assert 'dflash_ipc_state{state="running"} 1' in prom
+    fams = {f.name: f for f in text_string_to_metric_families(r["live_prom"])}
+    assert {s.labels["state"]: s.value for s in fams["dflash_ipc_state"].samples}["running"] == 1.0
+    by_proc = {name: {(s.labels["role"], int(s.labels["rank"])): s.value for s in fams[name].samples}
+               for name in ("dflash_ipc_process_up", "dflash_ipc_process_pid")}
     for role, rank in procs:
-        assert f'dflash_ipc_process_up{{role="{role}",rank="{rank}",device="cpu"}} 1' in prom, prom
-        assert re.search(rf'^dflash_ipc_process_pid{{role="{role}",rank="{rank}",device="cpu"}} \d+$', prom, re.M)
-    assert re.search(r'^dflash_ipc_process_step\{role="drafter",rank="0",device="cpu"\} \d+$', prom, re.M)
+        assert by_proc["dflash_ipc_process_up"][(role, rank)] == 1.0
+        assert [int(by_proc["dflash_ipc_process_pid"][(role, rank)])] == pids[f"{role}-{rank}"]
+    (step,) = [s.value for s in fams["dflash_ipc_process_step"].samples if s.labels["role"] == "drafter" and s.labels["rank"] == "0"]
+    assert step >= 1
 
 
 def test_sigterm_checkpoints_and_resume_consumes_every_batch_once(stopped_and_resumed):
@@ -452,4 +457,49 @@ def test_sigterm_without_final_checkpoint_setting_still_checkpoints_on_every_ran
     assert up.wait() == 0, up.output
     stop_step = read_metrics(up.run_dir)[-1]["step"]
     assert checkpoint_step(latest_checkpoint(up.run_dir)) == stop_step
+    assert_no_leftovers(up)
+
+
+# --------------------------------------------------------------------------- metrics endpoint, status --json | tail -1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_endpoint_and_json_last_line_during_a_run(work, started):
+    """GET /metrics on run.metrics_port while a real run trains; `status --json | tail -1` is the JSON."""
+    import urllib.request
+
+    port = _free_port()
+    cfg = write_config(work / "metrics.toml", run__metrics_port=port)
+    up = Up(cfg, work / "metrics", name="metrics")  # runs until the data is exhausted: SIGTERM ends it below
+    started.append(up)
+    up.wait_until(lambda: up.steps_logged() >= 1, "step 1")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    up_samples = {(s.labels["role"], s.labels["rank"]): s.value for s in fams["dflash_ipc_process_up"].samples}
+    assert up_samples == {("target", "0"): 1.0, ("target", "1"): 1.0, ("drafter", "0"): 1.0, ("drafter", "1"): 1.0}, text
+    pids = up.child_pids()
+    for s in fams["dflash_ipc_process_pid"].samples:
+        assert [int(s.value)] == pids[f"{s.labels['role']}-{s.labels['rank']}"]
+    assert {s.labels["state"]: s.value for s in fams["dflash_ipc_state"].samples}["running"] == 1.0
+    assert [s.value for s in fams["dflash_ipc_supervisor_pid"].samples] == [float(up.proc.pid)]
+
+    # the shell idiom the README promises: the last line is the whole JSON object
+    r = subprocess.run(f"{sys.executable} -m dflash_ipc.cli status --run-dir {work / 'metrics'} --json | tail -1",
+                       shell=True, capture_output=True, text=True, timeout=60, check=True)
+    snap = decode_status(json.loads(r.stdout))
+    assert snap.state == "running" and sorted((p.role, p.rank) for p in snap.processes) == [
+        ("drafter", 0), ("drafter", 1), ("target", 0), ("target", 1)]
+
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.wait() == 0, up.output
+    assert f"[up] metrics: http://127.0.0.1:{port}/metrics" in up.output
+    with pytest.raises(OSError):  # the endpoint closed with the run
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
     assert_no_leftovers(up)

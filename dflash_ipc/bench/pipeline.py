@@ -40,6 +40,7 @@ from pathlib import Path
 import psutil
 
 from dflash_ipc.config import load_config
+from dflash_ipc.control.stats import DrafterStats, TargetStats
 from dflash_ipc.runtime.supervisor import Supervisor
 
 # forward-only first: on a machine whose Triton cache is cold it pays the compilation of the fla
@@ -102,10 +103,11 @@ class TreeSampler:
                 self.peak_procs_by_tree[name] = max(self.peak_procs_by_tree.get(name, 0), n)
             self.peak_rss = max(self.peak_rss, total)
             for ch in list(self.sup.children):
-                slots = ch.stats.get("slots")
-                if ch.role == "target" and slots and self.sup.state == "running":
-                    n = sum(slots.values())
-                    self.occupancy.append((n - slots["free"]) / max(1, n))
+                stats = ch.stats
+                if isinstance(stats, TargetStats) and self.sup.state == "running":
+                    slots = stats.plane.slots
+                    n = slots.free + slots.filling + slots.queued + slots.ready
+                    self.occupancy.append((n - slots.free) / max(1, n))
             self._stop.wait(self.period_s)
 
 
@@ -154,23 +156,28 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
                  "slot_occupancy_mean": round(sum(sampler.occupancy) / len(sampler.occupancy), 3) if sampler.occupancy else None}
     targets = [c for c in sup.children if c.role == "target"]
     drafters = [c for c in sup.children if c.role == "drafter"]
-    tstats = [(c.done if fwd else c.stats) or c.stats for c in targets]
+    # every target's final figures (forward-only: its Done) or its last heartbeat's
+    tstats: list[TargetStats] = [c.stats for c in targets if isinstance(c.stats, TargetStats)]
+    if len(tstats) != len(targets):
+        raise RuntimeError(f"{len(targets) - len(tstats)} target(s) reported no figures (see their logs in {run_dir}/logs)")
+    works = [ts.work for ts in tstats]
     out["targets"] = [
-        {k: ts.get(k) for k in ("forwards", "forward_ms", "pack_ms", "pack_overlap_pct", "pack_exposed_ms", "pack_submit_ms", "slot_wait_ms",
-                                "busy_pct", "steady_tokens_per_s", "steady_tflops", "steady_forward_tflops", "gpu_mem_peak_bytes",
-                                "layers_run", "routed_per_drafter")}
-        for ts in tstats
+        {**{k: getattr(w, k) for k in ("forwards", "forward_ms", "pack_ms", "pack_overlap_pct", "pack_exposed_ms", "pack_submit_ms",
+                                         "slot_wait_ms", "busy_pct", "steady_tokens_per_s", "steady_tflops", "steady_forward_tflops",
+                                         "layers_run")},
+         "gpu_mem_peak_bytes": w.gpu.peak_bytes if w.gpu else None, "routed_per_drafter": ts.plane.routed_per_drafter}
+        for ts, w in zip(tstats, works)
     ]
     gpu_peaks: dict[str, int] = {}
-    for c, ts in zip(targets, tstats):
-        gpu_peaks[c.device] = max(gpu_peaks.get(c.device, 0), int(ts.get("gpu_mem_peak_bytes") or 0))
-    out["target_tflops_steady"] = round(sum(float(ts.get("steady_tflops") or 0) for ts in tstats), 2)
-    out["target_mfu"] = round(sum(float(ts.get("steady_forward_tflops") or 0) for ts in tstats) / len(tstats) / peak_tflops, 4)
-    out["target_tokens_per_s"] = round(sum(float(ts.get("steady_tokens_per_s") or 0) for ts in tstats), 1)
+    for c, w in zip(targets, works):
+        gpu_peaks[c.device] = max(gpu_peaks.get(c.device, 0), w.gpu.peak_bytes if w.gpu else 0)
+    out["target_tflops_steady"] = round(sum(w.steady_tflops for w in works), 2)
+    out["target_mfu"] = round(sum(w.steady_forward_tflops for w in works) / len(works) / peak_tflops, 4)
+    out["target_tokens_per_s"] = round(sum(w.steady_tokens_per_s for w in works), 1)
     if fwd:
         out["tokens_per_s"] = out["target_tokens_per_s"]
-        capt = sum(float(ts.get("steady_forward_s") or 0) for ts in tstats)
-        bare = sum(float(ts.get("bare_forward_s") or 0) for ts in tstats)
+        capt = sum(w.steady_forward_s for w in works)
+        bare = sum(w.bare_forward_s for w in works)
         out["bare_forward_s"] = round(bare, 3)
         out["capture_forward_s"] = round(capt, 3)
         out["capture_vs_bare"] = round(bare / capt, 4) if capt > 0 else None
@@ -188,7 +195,8 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
         out["drafter_wait_pct"] = round(100 * sum(r["wait_s"] for r in st) / max(1e-9, sum(r["wait_s"] + r["step_s"] for r in st)), 2)
         out["loss_first_last"] = [recs[0]["loss"], recs[-1]["loss"]]
         for c in drafters:
-            gpu_peaks[c.device] = max(gpu_peaks.get(c.device, 0), int(c.stats.get("gpu_mem_peak_bytes") or 0))
+            gpu = c.stats.work.gpu if isinstance(c.stats, DrafterStats) else None
+            gpu_peaks[c.device] = max(gpu_peaks.get(c.device, 0), gpu.peak_bytes if gpu else 0)
     out["peak_gpu_mem_bytes"] = gpu_peaks
     return out
 

@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import zmq
@@ -127,7 +128,7 @@ def run_ring(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
 
         handshake.coordinate(router, list(procs), timeout_s=120, rejects=rejects, is_alive=dead, setting="bench start-up (120 s)")
         t0 = time.perf_counter()
-        summaries: dict[tuple[str, int], dict] = {}
+        summaries: dict[tuple[str, int], Any] = {}
         deadline = time.monotonic() + seconds + 120
         while len(summaries) < len(procs):
             if time.monotonic() > deadline:
@@ -160,15 +161,15 @@ def run_ring(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
 
 def _ring_result(res: dict, args: BenchArgs) -> dict:
     cons = [res["summaries"][("consumer", c)] for c in range(args.consumers)]
-    bytes_total = sum(c["bytes"] for c in cons)
-    active_s = max(c["active_s"] for c in cons)
-    handoff = sorted(x for c in cons for x in c["handoff_ns"])
+    bytes_total = sum(c.bytes for c in cons)
+    active_s = max(c.active_s for c in cons)
+    handoff = sorted(x for c in cons for x in c.handoff_ns)
     return {
         "gbps": bytes_total / active_s / 1e9 if active_s > 0 else 0.0,
-        "slots_total": sum(c["slots"] for c in cons),
-        "per_consumer_slots": [c["slots"] for c in cons],
-        "verified": all(c["verified"] for c in cons) and sum(c["slots"] for c in cons) > 0,
-        "rejected": sum(c["rejected"] for c in cons),
+        "slots_total": sum(c.slots for c in cons),
+        "per_consumer_slots": [c.slots for c in cons],
+        "verified": all(c.verified for c in cons) and sum(c.slots for c in cons) > 0,
+        "rejected": sum(c.rejected for c in cons),
         "handoff_ns": handoff,
     }
 

@@ -98,7 +98,8 @@ def coordinate(
     by_key = {idents[i]: m for i, m in hellos.items()}
     targets = sorted(k for k in by_key if k[0] in ("target", "producer"))
     drafters = sorted(k for k in by_key if k[0] in ("drafter", "consumer"))
-    resume = by_key[drafters[0]].info.get("resume", {}) if drafters else {}
+    info = by_key[drafters[0]].info if drafters else None
+    resume = info.resume if info is not None else None
     start = Start(
         rings=[by_key[k].ring for k in targets],
         target_endpoints=[by_key[k].endpoint for k in targets],

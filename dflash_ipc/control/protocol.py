@@ -8,6 +8,11 @@ logs each kind once, counts it, and keeps running (:class:`RejectCounter`). Cont
 (slot index past the ring size, a SlotFree for a slot that is not held) happen in the
 handler that knows the context and are counted the same way. Nothing is ever unpickled.
 
+Payloads are typed too (:class:`Struct`, defined in ``dflash_ipc.control.stats``): a
+heartbeat carries :class:`~dflash_ipc.control.stats.TargetStats` or ``DrafterStats`` in the
+field named after its role, so a renamed or mistyped key anywhere inside is rejected with its
+dotted path (``heartbeat.drafter.work.step``) instead of turning into ``None`` at the reader.
+
 Who sends what::
 
     child      -> supervisor  Hello, Ready, Heartbeat, Done, Dead
@@ -33,6 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
+
+if typing.TYPE_CHECKING:  # resolved at run time by _payload_names (control.stats imports this module)
+    from dflash_ipc.control.stats import ChildInfo, ConsumerSummary, DrafterStats, DrafterSummary, ProducerSummary, ResumePoint, TargetStats
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20
@@ -62,7 +70,7 @@ class Hello(Message):
     protocol: int = PROTOCOL_VERSION
     ring: ring_descriptor.RingDescriptor | None = None  # target only: its ring
     endpoint: str = ""  # the address this child binds for data-plane messages
-    info: dict = field(default_factory=dict)  # e.g. drafters: the checkpoint they resume from
+    info: ChildInfo | None = None  # drafters: the checkpoint they resume from; targets: their kernels
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ class Start(Message):
     rings: list[ring_descriptor.RingDescriptor]  # one per target rank
     target_endpoints: list
     drafter_endpoints: list
-    resume: dict = field(default_factory=dict)  # {"checkpoint": path, "step": n} when resuming
+    resume: ResumePoint | None = None  # the checkpoint drafter 0 resumes from (None: a fresh run)
 
 
 @dataclass(frozen=True)
@@ -81,20 +89,52 @@ class Ready(Message):
     rank: int
 
 
+def _one_payload(msg: Message, roles: tuple[str, ...]) -> None:
+    """Role-tagged payloads: exactly the field named after the sender's role is set."""
+    given = [r for r in roles if getattr(msg, r) is not None]
+    if given != [msg.role]:
+        raise ValueError(f"a {msg.role!r} sends its payload in the field {msg.role!r} (one of {', '.join(roles)}), got {given or 'none'}")
+
+
 @dataclass(frozen=True)
 class Heartbeat(Message):
+    """Live figures of one child; the payload field is the one named by ``role``."""
+
     TAG: ClassVar[str] = "heartbeat"
+    ROLES: ClassVar[tuple[str, ...]] = ("target", "drafter")
     role: str
     rank: int
-    stats: dict = field(default_factory=dict)
+    target: TargetStats | None = None
+    drafter: DrafterStats | None = None
+
+    def __post_init__(self) -> None:
+        _one_payload(self, self.ROLES)
+
+    @property
+    def stats(self) -> TargetStats | DrafterStats:
+        return getattr(self, self.role)
 
 
 @dataclass(frozen=True)
 class Done(Message):
+    """A child's final report; the payload field is the one named by ``role``. Targets send one
+    only in the forward-only benchmark; producer/consumer are the transport benchmark's roles."""
+
     TAG: ClassVar[str] = "done"
+    ROLES: ClassVar[tuple[str, ...]] = ("target", "drafter", "producer", "consumer")
     role: str
     rank: int
-    summary: dict = field(default_factory=dict)
+    target: TargetStats | None = None
+    drafter: DrafterSummary | None = None
+    producer: ProducerSummary | None = None
+    consumer: ConsumerSummary | None = None
+
+    def __post_init__(self) -> None:
+        _one_payload(self, self.ROLES)
+
+    @property
+    def summary(self) -> TargetStats | DrafterSummary | ProducerSummary | ConsumerSummary:
+        return getattr(self, self.role)
 
 
 @dataclass(frozen=True)
@@ -209,9 +249,18 @@ def _spec_of(tp: Any) -> tuple:
 
 
 @functools.cache
+def _payload_names() -> dict[str, Any]:
+    # The payload structs (control.stats) subclass Struct, so that module imports this one; the
+    # message annotations naming them are resolved here, on first use, not at import.
+    from dflash_ipc.control import stats
+
+    return {k: v for k, v in vars(stats).items() if isinstance(v, type) and issubclass(v, Struct)}
+
+
+@functools.cache
 def _fields(cls: type) -> tuple[_Field, ...]:
     """Each field's wire spec, computed once per message or struct type."""
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, localns=_payload_names()) if issubclass(cls, Message) else typing.get_type_hints(cls)
     extra = cls.NON_NEGATIVE if issubclass(cls, Struct) else _NON_NEGATIVE
     return tuple(
         _Field(f.name, _spec_of(hints[f.name]), f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f.name in extra)
@@ -231,6 +280,9 @@ def to_wire(value: Any) -> Any:
     return value
 
 
+_NONE = ("prim", (type(None),))
+
+
 def _check(spec: tuple, value: Any, path: str) -> Any:
     kind, arg = spec
     if kind == "prim":
@@ -238,7 +290,12 @@ def _check(spec: tuple, value: Any, path: str) -> Any:
             raise ProtocolError("bad_field_type", f"{path} = {value!r:.80}")
         return float(value) if float in arg and type(value) is int else value
     if kind == "union":
-        for option in arg:
+        if value is None and _NONE in arg:
+            return None
+        options = [o for o in arg if o != _NONE]
+        if len(options) == 1:  # X | None: X's own error, with its dotted path
+            return _check(options[0], value, path)
+        for option in options:
             try:
                 return _check(option, value, path)
             except ProtocolError:

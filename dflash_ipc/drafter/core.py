@@ -34,6 +34,8 @@ from dflash_ipc.drafter.checkpoint import (
     set_rng_state,
 )
 from dflash_ipc.config import DFlashConfig
+from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
+from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.drafter.export import export_drafter
@@ -77,7 +79,7 @@ class DrafterCore:
         self.ledger = BatchLedger()
         self._new_ids: list[tuple] = []
         self.step = 0
-        self.resumed_from: dict = {}
+        self.resumed_from: ResumePoint | None = None
         self.last_checkpoint: tuple[int, Path | None] | None = None
         self.ckpt_root = run_dir / "checkpoints"
         self.config_hash = config_hash(cfg.to_dict() | {"training": {**cfg.to_dict()["training"], "max_steps": None}})
@@ -114,7 +116,7 @@ class DrafterCore:
         self.generator.manual_seed(self.cfg.run.seed * 1000 + self.world.rank + 7919 * ckpt.step)
         self.ledger = ckpt.ledger
         self.step = ckpt.step
-        self.resumed_from = {"checkpoint": str(ckpt.path), "step": ckpt.step}
+        self.resumed_from = ResumePoint(checkpoint=str(ckpt.path), step=ckpt.step)
         self.last_checkpoint = (ckpt.step, ckpt.path)
         if self.world.is_main:
             self._truncate_metrics(ckpt.step)
@@ -133,9 +135,7 @@ class DrafterCore:
             except (ValueError, KeyError, TypeError):
                 pass  # a torn last line of a crashed run
         if len(kept) != len(lines):
-            tmp = self.metrics_path.with_suffix(".tmp")
-            tmp.write_text("".join(ln + "\n" for ln in kept))
-            tmp.replace(self.metrics_path)
+            write_text_atomic(self.metrics_path, "".join(ln + "\n" for ln in kept))
             log.info("resume: dropped %d metrics lines after step %d", len(lines) - len(kept), step)
 
     # -- training
@@ -236,12 +236,17 @@ class DrafterCore:
         export_drafter(self.model, out)
         return out
 
-    def stats(self) -> dict:
+    def stats(self) -> DrafterWork:
         wall = max(1e-9, time.perf_counter() - self.t_start)
-        out = {"step": self.step, "loss": self.last.get("loss"), "acc": self.last.get("acc"), "tau": self.last.get("tau"),
-               "tokens_per_s": self.tokens_total / wall, "tokens": self.tokens_total, "params": self.n_params}
-        if self.device.type == "cuda":
-            out["gpu_mem_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
-            out["gpu_mem_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
-            out["gpu_mem_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        return out
+        last = self.last
+        return DrafterWork(
+            step=self.step,
+            loss=float(last["loss"]) if last else None,
+            acc=last["acc"] if last else None,
+            tau=float(last["tau"]) if last else None,
+            tokens_per_s=self.tokens_total / wall,
+            tokens=self.tokens_total,
+            params=self.n_params,
+            train_elapsed_s=last["elapsed_s"] if last else None,
+            gpu=GpuMemory.of(self.device),
+        )

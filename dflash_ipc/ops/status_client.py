@@ -8,6 +8,8 @@ from pathlib import Path
 import zmq
 
 from dflash_ipc.control import channels
+from dflash_ipc.control.protocol import ProtocolError
+from dflash_ipc.control.status import StatusSnapshot, decode_status
 
 
 class StatusUnavailable(RuntimeError):
@@ -24,7 +26,9 @@ def resolve_run_dir(path: Path) -> Path:
     return max(runs, key=lambda p: p.stat().st_mtime).parent
 
 
-def read_status(path: Path, timeout_ms: int = 500) -> dict:
+def read_status(path: Path, timeout_ms: int = 500) -> StatusSnapshot:
+    """The live snapshot from the supervisor's endpoint, else the last ``status.json``; either is
+    validated field by field (StatusUnavailable names the first bad field)."""
     run_dir = resolve_run_dir(path)
     sock_path = channels.socket_dir(run_dir) / "status"
     if sock_path.exists():
@@ -35,11 +39,20 @@ def read_status(path: Path, timeout_ms: int = 500) -> dict:
             sock.connect(channels.status_endpoint(run_dir))
             sock.send(b"status")
             if sock.poll(timeout_ms):
-                return json.loads(sock.recv())
+                return _decode(sock.recv(), f"the status endpoint of {run_dir}")
         finally:
             sock.close()
             ctx.term()
     try:
-        return json.loads((run_dir / "status.json").read_text())
+        text = (run_dir / "status.json").read_text()
     except FileNotFoundError:
         raise StatusUnavailable(f"{run_dir} has no status.json yet (the run has not started)") from None
+    return _decode(text, str(run_dir / "status.json"))
+
+
+def _decode(text: str | bytes, source: str) -> StatusSnapshot:
+    try:
+        return decode_status(json.loads(text))
+    except ValueError as e:  # json.JSONDecodeError and ProtocolError are both ValueErrors
+        what = "is not a status snapshot this dflash-ipc can read" if isinstance(e, ProtocolError) else "is not JSON"
+        raise StatusUnavailable(f"{source} {what}: {e}") from None

@@ -17,7 +17,8 @@ Run states (the supervisor's own state machine)::
 
 The supervisor watches process sentinels (``Popen.poll``) and heartbeats; it never trains
 and never touches the rings, so it stays responsive. It serves its status snapshot
-read-only on ``sock/status`` (REP) and writes ``status.json`` every second.
+read-only on ``sock/status`` (REP) and writes ``status.json`` every second; with
+``run.metrics_port`` it also serves that snapshot as Prometheus metrics on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -42,10 +43,13 @@ from dflash_ipc.control import protocol
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.config import DFlashConfig, write_resolved_config
 from dflash_ipc.control.handshake import HandshakeError
-from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown
-from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
-from dflash_ipc.ops.status_view import write_text_atomic
+from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown, to_wire
+from dflash_ipc.control.stats import DrafterStats, DrafterSummary, TargetStats
+from dflash_ipc.control.status import SCHEMA_VERSION, ProcessStatus, SlotCounts, StatusSnapshot, Totals
+from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.runtime.progress import MISSING, PlainProgress, ProgressSnapshot, RichProgress, eta_seconds, fmt, progress_display
+from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +65,8 @@ class Child:
     popen: subprocess.Popen | None = None
     started: float = 0.0
     last_beat: float | None = None
-    stats: dict = field(default_factory=dict)
-    done: dict | None = None
+    stats: TargetStats | DrafterStats | None = None  # the latest heartbeat's figures (after Done: the final ones)
+    done: Done | None = None
     dead_error: str | None = None
 
     @property
@@ -130,7 +134,9 @@ class Supervisor:
         self.rejects = RejectCounter("supervisor", log)
         self.run_id = ""
         self.plan: dict = {}
-        self._summary: dict = {}
+        self._summary: DrafterSummary | None = None
+        # The snapshot status.json holds; /metrics (another thread) serves this one, never a half-built one.
+        self._last_snapshot: StatusSnapshot | None = None
         # Benchmark ceiling: only targets, N batches each, slots released as soon as packed.
         self.forward_only = forward_only
 
@@ -177,6 +183,22 @@ class Supervisor:
     # ------------------------------------------------------------------ run
 
     def run(self) -> int:
+        metrics = None
+        port = self.cfg.run.metrics_port
+        if port:
+            try:
+                metrics = MetricsServer(port, lambda: self._last_snapshot)
+            except OSError as e:
+                self.echo(f"[up] error: cannot serve metrics on 127.0.0.1:{port} ({e}); choose a free run.metrics_port, or 0 for none")
+                return EXIT_FAILED
+            self.echo(f"[up] metrics: http://127.0.0.1:{metrics.port}/metrics")
+        try:
+            return self._run_with_restarts()
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    def _run_with_restarts(self) -> int:
         attempts = 0
         resume = self.resume
         while True:
@@ -302,7 +324,7 @@ class Supervisor:
                 self._drain_router(router)
             if status_sock in events:
                 status_sock.recv()
-                status_sock.send(json.dumps(self.snapshot()).encode())
+                status_sock.send(json.dumps(to_wire(self.snapshot())).encode())
             if self.stop_requested and not stop_sent:
                 stop_sent = True
                 self.state = "stopping"
@@ -383,15 +405,19 @@ class Supervisor:
         if ch is None:
             self.rejects.reject("unexpected_peer", f"{ident!r}")
             return
-        if isinstance(msg, Heartbeat):
+        if isinstance(msg, (Heartbeat, Done)) and (msg.role, msg.rank) != ch.key:
+            self.rejects.reject("wrong_sender", f"{type(msg).__name__} for {msg.role}-{msg.rank} from {ch.name}")
+        elif isinstance(msg, Heartbeat):
             ch.last_beat = time.monotonic()
             ch.stats = msg.stats
         elif isinstance(msg, Done):
-            ch.done = msg.summary
-            ch.stats = {**ch.stats, **msg.summary}  # the final step/loss: the last heartbeat may predate them
+            ch.done = msg
+            summary = msg.summary
+            # the final step/loss: the last heartbeat may predate them
+            ch.stats = summary.final if isinstance(summary, DrafterSummary) else summary
             ch.last_beat = time.monotonic()
-            if ch.role == "drafter" and ch.rank == 0:
-                self._summary = msg.summary
+            if isinstance(summary, DrafterSummary) and ch.rank == 0:
+                self._summary = summary
         elif isinstance(msg, Dead):
             ch.dead_error = msg.error
         else:
@@ -433,90 +459,89 @@ class Supervisor:
 
     # ------------------------------------------------------------------ status
 
-    def snapshot(self) -> dict:
+    def _process_status(self, ch: Child, now: float, now_m: float) -> ProcessStatus:
+        s = ch.stats
+        vitals = s.vitals if s is not None else None
+        pid = ch.popen.pid if ch.popen else None
+        code = ch.popen.poll() if ch.popen else None
+        rss = vitals.rss_bytes if vitals else None
+        if pid and code is None:
+            try:
+                rss = psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                pass
+        target = s if isinstance(s, TargetStats) else None
+        drafter = s if isinstance(s, DrafterStats) else None
+        gpu = target.work.gpu if target else drafter.work.gpu if drafter else None
+        slots = target.plane.slots if target else None
+        return ProcessStatus(
+            role=ch.role,
+            rank=ch.rank,
+            pid=pid,
+            device=ch.device,
+            state="exited" if code is not None else ("done" if ch.done is not None else (vitals.state if vitals else "starting")),
+            uptime_s=max(0.0, now - ch.started) if ch.started else 0.0,
+            heartbeat_age_s=(now_m - ch.last_beat) if ch.last_beat is not None else None,
+            tokens_per_s=s.work.tokens_per_s if s is not None else 0.0,
+            slots=SlotCounts(free=slots.free, filling=slots.filling + slots.queued, ready=slots.ready, copying=0) if slots else None,
+            inflight_per_drafter=target.plane.inflight_per_drafter if target else None,
+            queue_depth=drafter.queue_depth if drafter else None,
+            step=drafter.work.step if drafter else None,
+            loss=drafter.work.loss if drafter else None,
+            gpu_mem_allocated_bytes=gpu.allocated_bytes if gpu else None,
+            gpu_mem_reserved_bytes=gpu.reserved_bytes if gpu else None,
+            rss_bytes=rss,
+            rejected_messages=vitals.rejected_messages if vitals else 0,
+            rejected_by_kind=dict(vitals.rejected_by_kind) if vitals else {},
+            busy_pct=target.work.busy_pct if target else None,
+            wait_pct=min(100.0, drafter.wait_pct) if drafter else None,
+            exit_code=code,
+        )
+
+    def _lead_drafter(self) -> DrafterStats | None:
+        """Drafter 0's latest figures: the step, loss and throughput of the whole run."""
+        d0 = next((c for c in self.children if c.role == "drafter" and c.rank == 0), None)
+        return d0.stats if d0 is not None and isinstance(d0.stats, DrafterStats) else None
+
+    def snapshot(self) -> StatusSnapshot:
         now_m = time.monotonic()
         now = time.time()
-        procs = []
-        rss_total = psutil.Process().memory_info().rss
-        for ch in self.children:
-            s = ch.stats
-            pid = ch.popen.pid if ch.popen else None
-            code = ch.popen.poll() if ch.popen else None
-            rss = s.get("rss_bytes")
-            if pid and code is None:
-                try:
-                    rss = psutil.Process(pid).memory_info().rss
-                except psutil.Error:
-                    pass
-            rss_total += rss or 0
-            slots = s.get("slots")
-            entry = {
-                "role": ch.role,
-                "rank": ch.rank,
-                "pid": pid,
-                "device": ch.device,
-                "state": "exited" if code is not None else ("done" if ch.done is not None else s.get("state", "starting")),
-                "uptime_s": max(0.0, now - ch.started) if ch.started else 0.0,
-                "heartbeat_age_s": (now_m - ch.last_beat) if ch.last_beat is not None else None,
-                "tokens_per_s": float(s.get("tokens_per_s", 0.0)),
-                "slots": {"free": slots["free"], "filling": slots["filling"] + slots.get("queued", 0), "ready": slots["ready"], "copying": 0}
-                if slots else None,
-                "inflight_per_drafter": s.get("inflight_per_drafter"),
-                "queue_depth": s.get("queue_depth"),
-                "step": s.get("step"),
-                "loss": s.get("loss"),
-                "gpu_mem_allocated_bytes": s.get("gpu_mem_allocated_bytes"),
-                "gpu_mem_reserved_bytes": s.get("gpu_mem_reserved_bytes"),
-                "rss_bytes": rss,
-                "rejected_messages": int(s.get("rejected_messages", 0)),
-                "busy_pct": s.get("busy_pct"),
-                "wait_pct": min(100.0, s["wait_pct"]) if s.get("wait_pct") is not None else None,
-                "exit_code": code,
-            }
-            procs.append(entry)
-        d0 = next((c for c in self.children if c.role == "drafter" and c.rank == 0), None)
-        ds = d0.stats if d0 else {}
-        step = int(ds.get("step") or 0)
+        procs = [self._process_status(ch, now, now_m) for ch in self.children]
+        rss_total = psutil.Process().memory_info().rss + sum(p.rss_bytes or 0 for p in procs)
+        lead = self._lead_drafter()
+        step = lead.work.step if lead else 0
         max_steps = self.cfg.training.max_steps or None
-        tps = float(ds.get("tokens_per_s") or 0.0)
-        last = ds.get("last") or {}
-        eta = None
-        if max_steps and step and last.get("elapsed_s"):
-            eta = max(0.0, (max_steps - step) * last["elapsed_s"] / step)
-        return {
-            "schema": 1,
-            "run_dir": str(self.run_dir),
-            "state": self.state,
-            "updated_unix": now,
-            "supervisor_pid": os.getpid(),
-            "config": self.cfg.source,
-            "started_unix": self.started_unix,
-            "totals": {"tokens_per_s": tps, "step": step, "max_steps": max_steps, "loss": ds.get("loss"),
-                       "pipeline_rss_bytes": rss_total, "eta_s": eta},
-            "processes": procs,
-        }
+        elapsed = lead.work.train_elapsed_s if lead else None
+        eta = max(0.0, (max_steps - step) * elapsed / step) if (max_steps and step and elapsed) else None
+        totals = Totals(tokens_per_s=lead.work.tokens_per_s if lead else 0.0, step=step, max_steps=max_steps,
+                        loss=lead.work.loss if lead else None, pipeline_rss_bytes=rss_total, eta_s=eta)
+        return StatusSnapshot(schema=SCHEMA_VERSION, run_dir=str(self.run_dir), state=self.state, updated_unix=now,
+                              supervisor_pid=os.getpid(), config=self.cfg.source, started_unix=min(self.started_unix, now),
+                              totals=totals, processes=procs)
 
     def _write_status(self) -> None:
+        self._last_snapshot = snap = self.snapshot()
         try:
-            write_text_atomic(self.run_dir / "status.json", json.dumps(self.snapshot()))
+            write_text_atomic(self.run_dir / "status.json", json.dumps(to_wire(snap)))
         except OSError as e:
             log.warning("could not write status.json: %s", e)
 
     def _progress_snapshot(self) -> ProgressSnapshot | None:
-        d0 = next((c for c in self.children if c.role == "drafter" and c.rank == 0), None)
-        if d0 is None or not d0.stats:
+        lead = self._lead_drafter()
+        if lead is None:
             return None
-        s = d0.stats
-        step = int(s.get("step") or 0)
+        w = lead.work
         max_steps = self.cfg.training.max_steps or None
-        busy = {}
+        busy: dict[str, float | None] = {}
         for c in self.children:
-            if c.role == "target":
-                busy[c.name] = c.stats.get("busy_pct")
-            else:  # a drafter that is not waiting for data is training
-                busy[c.name] = 100.0 - min(100.0, c.stats["wait_pct"]) if c.stats.get("wait_pct") is not None else None
-        return ProgressSnapshot(step=step, max_steps=max_steps, loss=s.get("loss"), acc=s.get("acc"), tokens_per_s=s.get("tokens_per_s"),
-                                eta_s=eta_seconds(step, max_steps, (s.get("last") or {}).get("elapsed_s")), busy_pct=busy)
+            if isinstance(c.stats, TargetStats):
+                busy[c.name] = c.stats.work.busy_pct
+            elif isinstance(c.stats, DrafterStats):  # a drafter that is not waiting for data is training
+                busy[c.name] = 100.0 - min(100.0, c.stats.wait_pct)
+            else:
+                busy[c.name] = None
+        return ProgressSnapshot(step=w.step, max_steps=max_steps, loss=w.loss, acc=w.acc, tokens_per_s=w.tokens_per_s,
+                                eta_s=eta_seconds(w.step, max_steps, w.train_elapsed_s), busy_pct=busy)
 
     def _progress(self) -> None:
         snap = self._progress_snapshot()
@@ -545,7 +570,7 @@ class Supervisor:
                          f" (mean of first 10 {fmt(sum(first) / len(first) if first else None, '.4f')},"
                          f" last 10 {fmt(sum(lastl) / len(lastl) if lastl else None, '.4f')})")
             lines.append(f"trained on {toks} target tokens in {train_s:.1f} s: {toks / max(1e-9, train_s):.0f} tokens/s; wall {wall:.1f} s")
-        lines.append(f"checkpoint: {s.get('checkpoint') or MISSING}")
-        lines.append(f"exported drafter: {s.get('export') or MISSING}")
+        lines.append(f"checkpoint: {(s.checkpoint if s else None) or MISSING}")
+        lines.append(f"exported drafter: {(s.export if s else None) or MISSING}")
         lines.append(f"metrics: {with_metrics}; status: dflash-ipc status --run-dir {self.run_dir}")
-        self.echo("[up] finished (" + s.get("reason", "?") + ")\n  " + "\n  ".join(lines))
+        self.echo("[up] finished (" + (s.reason if s else "?") + ")\n  " + "\n  ".join(lines))

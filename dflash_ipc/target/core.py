@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dflash_ipc.config import DFlashConfig
+from dflash_ipc.control.stats import GpuMemory, TargetWork
 from dflash_ipc.data.corpus import load_corpus
 from dflash_ipc.data.plan import PlannedBatch, plan_epoch
 from dflash_ipc.data.tokenizer import load_tokenizer
@@ -205,41 +206,39 @@ class TargetCore:
     def packs_in_flight(self) -> int:
         return len(self._packing)
 
-    def stats(self, final: bool = False) -> dict:
+    def stats(self, final: bool = False) -> TargetWork:
         """Per-process figures; ``final`` also settles packs no later forward has followed."""
         wall = max(1e-9, time.perf_counter() - self.t_start)
-        pk = self.packer.stats() if self.packer else {}
+        pk = self.packer.stats() if self.packer else {"packs": 0, "pending": 0, "pack_s_mean": 0.0}
+        overlap = self.overlap.stats(final=final) if self.overlap else {"packs_measured": 0, "pack_overlap_pct": 0.0, "pack_exposed_ms": 0.0}
         steady_wall = max(1e-9, time.perf_counter() - self.t_first_done - self.bare_forward_s) if self.t_first_done else 0.0
-        out = {
-            "forwards": self.forwards,
-            "forward_ms": 1e3 * self.forward_s / max(1, self.forwards),
-            "pack_ms": 1e3 * pk.get("pack_s_mean", 0.0),
-            # host time the forward loop spent handing each batch to the packer
-            "pack_submit_ms": 1e3 * self.pack_submit_s / max(1, pk.get("packs", 0) + pk.get("pending", 0)),
-            **(self.overlap.stats(final=final) if self.overlap else {}),
-            "slot_wait_ms": 1e3 * self.slot_wait_s,
-            "busy_pct": 100.0 * min(1.0, self.forward_s / wall),
-            "tokens_per_s": self.tokens_forwarded / wall,
-            "tokens": self.tokens_forwarded,
-            "batches_left": self.batches_left,
-            "planned": self.planned,
-            "skipped_ledgered": self.skipped_ledgered,
-            "tflops": self.flops / wall / 1e12,
+        return TargetWork(
+            forwards=self.forwards,
+            forward_ms=1e3 * self.forward_s / max(1, self.forwards),
+            pack_ms=1e3 * pk["pack_s_mean"],
+            pack_submit_ms=1e3 * self.pack_submit_s / max(1, pk["packs"] + pk["pending"]),
+            packs_measured=overlap["packs_measured"],
+            pack_overlap_pct=overlap["pack_overlap_pct"],
+            pack_exposed_ms=overlap["pack_exposed_ms"],
+            slot_wait_ms=1e3 * self.slot_wait_s,
+            busy_pct=100.0 * min(1.0, self.forward_s / wall),
+            tokens_per_s=self.tokens_forwarded / wall,
+            tokens=self.tokens_forwarded,
+            batches_left=self.batches_left,
+            planned=self.planned,
+            skipped_ledgered=self.skipped_ledgered,
+            tflops=self.flops / wall / 1e12,
             # the benchmark's bare baseline forwards are not the target's work: left out of its rate
-            "steady_tokens_per_s": self.steady_tokens / steady_wall if steady_wall else 0.0,
-            "steady_tflops": self.steady_flops / steady_wall / 1e12 if steady_wall else 0.0,
-            "steady_wall_s": steady_wall,
-            "steady_forward_s": self.steady_forward_s,
-            "steady_forward_tflops": self.steady_flops / max(1e-9, self.steady_forward_s) / 1e12,
-            "bare_forward_s": self.bare_forward_s,
-            "bare_forwards": self.bare_forwards,
-            "layers_run": self.model.layers_run,
-        }
-        if self.device.type == "cuda":
-            out["gpu_mem_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
-            out["gpu_mem_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
-            out["gpu_mem_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        return out
+            steady_tokens_per_s=self.steady_tokens / steady_wall if steady_wall else 0.0,
+            steady_tflops=self.steady_flops / steady_wall / 1e12 if steady_wall else 0.0,
+            steady_wall_s=steady_wall,
+            steady_forward_s=self.steady_forward_s,
+            steady_forward_tflops=self.steady_flops / max(1e-9, self.steady_forward_s) / 1e12,
+            bare_forward_s=self.bare_forward_s,
+            bare_forwards=self.bare_forwards,
+            layers_run=self.model.layers_run,
+            gpu=GpuMemory.of(self.device),
+        )
 
     def close(self) -> None:
         if self.packer is not None:

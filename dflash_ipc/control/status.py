@@ -1,0 +1,179 @@
+"""The status snapshot: what ``dflash-ipc status`` shows, defined once as typed structs.
+
+The supervisor builds a :class:`StatusSnapshot` every second; it serves it on ``sock/status``
+(REP) and writes it to ``status.json``, both as the plain JSON of ``protocol.to_wire``. Readers
+decode it with :func:`decode_status` (``protocol.from_wire``): every field is checked for
+presence and type, recursively, and a renamed or mistyped key is rejected with its dotted path
+(``status.processes[2].heartbeat_age_s missing``), never read back as ``None``.
+
+Beyond types, ``__post_init__`` checks what a type cannot say: counts, sizes, rates and durations
+are >= 0 and finite, percentages are in [0, 100] (only the two ``loss`` fields may be NaN or
+infinite), enumerations hold one of their values, (role, rank) is unique, and the run did not
+start after the snapshot was taken. ``X | None`` means "not known (yet)" or "not this role's".
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dflash_ipc.control.protocol import Struct, from_wire
+
+SCHEMA_VERSION = 1
+RUN_STATES = ("starting", "running", "stopping", "finished", "failed")
+ROLES = ("target", "drafter")
+SLOT_STATES = ("free", "filling", "ready", "copying")
+
+
+def _require_finite_non_negative(**values: float | None) -> None:
+    for name, v in values.items():
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be finite and >= 0 (got {v})")
+
+
+def _require_percent(**values: float | None) -> None:
+    for name, v in values.items():
+        if v is not None and not (0.0 <= v <= 100.0):
+            raise ValueError(f"{name} must be in [0, 100] (got {v})")
+
+
+def _require_one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))} (got {value!r})")
+
+
+@dataclass(frozen=True)
+class SlotCounts(Struct):
+    """A target's ring slots by state."""
+
+    NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset(SLOT_STATES)
+    free: int
+    filling: int  # being packed, or packed and waiting for a drafter with credit
+    ready: int  # handed to a drafter, not yet released
+    copying: int
+
+
+@dataclass(frozen=True)
+class ProcessStatus(Struct):
+    """One target or drafter process."""
+
+    NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset({
+        "rank", "queue_depth", "step", "gpu_mem_allocated_bytes", "gpu_mem_reserved_bytes", "rss_bytes", "rejected_messages"})
+    role: str  # "target" | "drafter"
+    rank: int  # index within its role; (role, rank) is unique
+    pid: int | None  # None: not started (yet)
+    device: str  # "cpu", "cuda:0", ...
+    state: str  # free-form: "starting", "running", "done", "exited", ...
+    uptime_s: float
+    heartbeat_age_s: float | None  # seconds since its last heartbeat
+    tokens_per_s: float
+    slots: SlotCounts | None  # targets
+    inflight_per_drafter: list[int] | None  # targets: slots outstanding per drafter
+    queue_depth: int | None  # drafters: batches waiting to be trained on
+    step: int | None  # drafters
+    loss: float | None  # drafters (may be NaN)
+    gpu_mem_allocated_bytes: int | None
+    gpu_mem_reserved_bytes: int | None
+    rss_bytes: int | None
+    rejected_messages: int  # control messages refused (bad or unexpected)
+    rejected_by_kind: dict[str, int]  # the same, by ProtocolError kind
+    busy_pct: float | None  # share of wall time computing, 0..100
+    wait_pct: float | None  # share of wall time waiting for input, 0..100
+    exit_code: int | None  # None while running
+
+    def __post_init__(self) -> None:
+        _require_one_of("role", self.role, ROLES)
+        if self.pid is not None and self.pid < 1:
+            raise ValueError(f"pid must be >= 1 (got {self.pid})")
+        if not self.device or not self.state:
+            raise ValueError("device and state must not be empty")
+        _require_finite_non_negative(uptime_s=self.uptime_s, heartbeat_age_s=self.heartbeat_age_s, tokens_per_s=self.tokens_per_s)
+        _require_percent(busy_pct=self.busy_pct, wait_pct=self.wait_pct)
+        if self.inflight_per_drafter is not None and any(n < 0 for n in self.inflight_per_drafter):
+            raise ValueError(f"inflight_per_drafter must be >= 0 (got {self.inflight_per_drafter})")
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}{self.rank}"
+
+
+@dataclass(frozen=True)
+class Totals(Struct):
+    """The whole pipeline."""
+
+    NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset({"step", "max_steps", "pipeline_rss_bytes"})
+    tokens_per_s: float  # training throughput
+    step: int  # optimizer steps done
+    max_steps: int | None  # None: until the data is exhausted
+    loss: float | None  # latest loss (may be NaN)
+    pipeline_rss_bytes: int  # RSS of the supervisor and all its processes
+    eta_s: float | None
+
+    def __post_init__(self) -> None:
+        _require_finite_non_negative(tokens_per_s=self.tokens_per_s, eta_s=self.eta_s)
+
+
+@dataclass(frozen=True)
+class StatusSnapshot(Struct):
+    """The run and every process in it, at one moment (schema version :data:`SCHEMA_VERSION`)."""
+
+    schema: int
+    run_dir: str
+    state: str  # one of RUN_STATES
+    updated_unix: float  # when this snapshot was taken (time.time())
+    supervisor_pid: int
+    config: str  # the config file (or name)
+    started_unix: float  # when the supervisor started
+    totals: Totals
+    processes: list[ProcessStatus]
+
+    def __post_init__(self) -> None:
+        if self.schema != SCHEMA_VERSION:
+            raise ValueError(f"schema must be {SCHEMA_VERSION} (got {self.schema}); this dflash-ipc reads version {SCHEMA_VERSION} only")
+        _require_one_of("state", self.state, RUN_STATES)
+        if self.supervisor_pid < 1:
+            raise ValueError(f"supervisor_pid must be >= 1 (got {self.supervisor_pid})")
+        _require_finite_non_negative(updated_unix=self.updated_unix, started_unix=self.started_unix)
+        if self.started_unix > self.updated_unix:
+            raise ValueError("started_unix is later than updated_unix")
+        seen: set[tuple[str, int]] = set()
+        for i, p in enumerate(self.processes):
+            if (p.role, p.rank) in seen:
+                raise ValueError(f"processes[{i}]: duplicate {p.role} rank {p.rank}")
+            seen.add((p.role, p.rank))
+
+    def sorted_processes(self) -> list[ProcessStatus]:
+        """Targets first, then drafters, each by rank."""
+        return sorted(self.processes, key=lambda p: (ROLES.index(p.role), p.rank))
+
+
+def decode_status(value: Any) -> StatusSnapshot:
+    """A snapshot from its plain (JSON) form; ProtocolError naming the dotted path otherwise."""
+    return from_wire(StatusSnapshot, value, "status")
+
+
+def example_status(n_targets: int = 1, n_drafters: int = 1, *, now: float | None = None) -> StatusSnapshot:
+    """A valid, fully populated snapshot (for tests and docs)."""
+    now = time.time() if now is None else now
+    procs: list[ProcessStatus] = []
+    common: dict[str, Any] = {"state": "running", "rejected_messages": 0, "rejected_by_kind": {}, "exit_code": None}
+    for r in range(n_targets):
+        procs.append(ProcessStatus(
+            role="target", rank=r, pid=20000 + r, device=f"cuda:{r}", uptime_s=3725.0, heartbeat_age_s=0.4,
+            tokens_per_s=9100.0 + r, slots=SlotCounts(free=1, filling=1, ready=1, copying=1),
+            inflight_per_drafter=[1] * n_drafters, queue_depth=None, step=None, loss=None,
+            gpu_mem_allocated_bytes=30 * 2**30, gpu_mem_reserved_bytes=34 * 2**30, rss_bytes=6 * 2**30,
+            busy_pct=91.0, wait_pct=6.5, **common))
+    for r in range(n_drafters):
+        procs.append(ProcessStatus(
+            role="drafter", rank=r, pid=21000 + r, device=f"cuda:{n_targets + r}", uptime_s=3724.0, heartbeat_age_s=0.7,
+            tokens_per_s=18200.0 / n_drafters, slots=None, inflight_per_drafter=None, queue_depth=1, step=1234, loss=2.3456,
+            gpu_mem_allocated_bytes=41 * 2**30, gpu_mem_reserved_bytes=52 * 2**30, rss_bytes=5 * 2**30,
+            busy_pct=84.0, wait_pct=12.0, **common))
+    totals = Totals(tokens_per_s=18200.0, step=1234, max_steps=10000, loss=2.3456,
+                    pipeline_rss_bytes=sum(p.rss_bytes or 0 for p in procs) + 2**29, eta_s=11520.0)
+    return StatusSnapshot(schema=SCHEMA_VERSION, run_dir="/var/lib/dflash-ipc/runs/example", state="running", updated_unix=now,
+                          supervisor_pid=19999, config="/etc/dflash-ipc/example.toml", started_unix=now - 3730.0,
+                          totals=totals, processes=procs)
