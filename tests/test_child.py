@@ -17,13 +17,13 @@ import pytest
 import zmq
 
 from dflash_ipc.control import channels, handshake, protocol
-from dflash_ipc.control.protocol import Dead, Done, Shutdown
+from dflash_ipc.control.protocol import Dead, Ready, Shutdown
 
 ROLE_SCRIPT = '''
 import sys
 from pathlib import Path
 from dflash_ipc.control import channels
-from dflash_ipc.control.protocol import Done
+from dflash_ipc.control.protocol import Ready
 from dflash_ipc.runtime.child import Placement, run_child
 
 def add_arguments(ap):
@@ -43,7 +43,8 @@ def main_fn(child):
     while not child.stop.requested:
         child.read_control(wait_ms=50)
     (out / "reason").write_text(child.stop.reason)
-    child.socks.send_to_supervisor(Done(role=child.role, rank=child.rank, summary={"reason": child.stop.reason}))
+    # Any message will do: it shows the sockets still work after the stop request, before closing.
+    child.socks.send_to_supervisor(Ready(role=child.role, rank=child.rank))
     return 0
 
 sys.exit(run_child("demo", main_fn, place=place, pull_endpoint=channels.target_endpoint, add_arguments=add_arguments))
@@ -128,7 +129,7 @@ def test_stop_request_leaves_through_main_and_closing_with_exit_0(role, how):
         sup.send(Shutdown(reason="training finished"))
         expected = "shutdown: training finished"
     msg = sup.recv()
-    assert isinstance(msg, Done) and msg.summary == {"reason": expected}
+    assert isinstance(msg, Ready) and (msg.role, msg.rank) == ("demo", 0)
     assert proc.wait(timeout=60) == 0
     assert (run_dir / "out" / "reason").read_text() == expected
     assert (run_dir / "out" / "closed").read_text().splitlines() == ["last-registered", "first-registered"]

@@ -32,6 +32,7 @@ from dflash_ipc.control.protocol import (
     from_wire,
     to_wire,
 )
+from dflash_ipc.control.ring_descriptor import DESCRIPTOR_VERSION, RingDescriptor, ShmSegment, SlotLayoutWire
 from dflash_ipc.control.stats import (
     ChildInfo,
     ConsumerSummary,
@@ -44,11 +45,12 @@ from dflash_ipc.control.stats import (
     ProducerPlaneStats,
     ProducerSummary,
     ResumePoint,
+    RoutedSlot,
+    RoutingLog,
     TargetStats,
     TargetWork,
     Vitals,
 )
-from dflash_ipc.control.ring_descriptor import DESCRIPTOR_VERSION, RingDescriptor, ShmSegment, SlotLayoutWire
 
 DESCRIPTOR = RingDescriptor(
     backend="cpu-shm", version=DESCRIPTOR_VERSION, run_id="abcd1234", producer_rank=0, producer_pid=4242, num_slots=4,
@@ -76,7 +78,8 @@ DRAFTER_STATS = DrafterStats(
 DRAFTER_SUMMARY = DrafterSummary(final=DRAFTER_STATS, reason="max_steps 5", checkpoint="/run/checkpoints/step-5", export=None)
 PAYLOADS = [
     TARGET_STATS, DRAFTER_STATS, DRAFTER_SUMMARY, VITALS,
-    ProducerSummary(batches=7, rejected=0, plane=TARGET_STATS.plane),
+    ProducerSummary(batches=7, rejected=0, plane=TARGET_STATS.plane,
+                    routing=RoutingLog(max_outstanding=2, decisions=[RoutedSlot(consumer=1, loads=[2, 0])])),
     ConsumerSummary(slots=10, bytes=40960, verified=True, active_s=1.5, copy_s=0.25, handoff_ns=[1, 2, 3], rejected=0, per_producer=[10]),
     ChildInfo(resume=ResumePoint(checkpoint="/run/checkpoints/step-5", step=5)),
     ChildInfo(fast_path=FastPath(fla=True, causal_conv1d=False)),

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dflash_ipc.control.protocol import Struct
+from dflash_ipc.control.wire import Struct
 
 # Bumped whenever a descriptor field changes meaning; consumers refuse any other version.
 DESCRIPTOR_VERSION = 2

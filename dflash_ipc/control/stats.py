@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from dflash_ipc.control.protocol import RejectCounter, Struct, from_wire
+from dflash_ipc.control.wire import RejectCounter, Struct, from_wire
 
 if TYPE_CHECKING:
     import psutil

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dflash_ipc.control.protocol import Struct, from_wire
+from dflash_ipc.control.wire import Struct, from_wire
 
 SCHEMA_VERSION = 1
 RUN_STATES = ("starting", "running", "stopping", "finished", "failed")
