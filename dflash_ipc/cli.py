@@ -95,17 +95,21 @@ def bench_pipeline_cmd(config_path: str, steps: int, variants: str, peak_tflops:
     """Run the pipeline in several variants (transport, ceiling, ring depth) and compare them."""
     from dflash_ipc.bench.pipeline import run_pipeline_bench
 
-    _load_or_exit(config_path)
+    _load_or_exit(config_path, check_environment=True)
     names = [v.strip() for v in variants.split(",") if v.strip()]
     result = run_pipeline_bench(config_path, steps, names, peak_tflops, echo=lambda s: click.echo(s, err=as_json), out_path=out_path)
     click.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 
 
-def _load_or_exit(path: str):
+def _load_or_exit(path: str, *, check_environment: bool = False):
+    """The validated config, or exit 2 with ``FILE: dotted.key: what to change`` on stderr."""
     from dflash_ipc.config import load_config
+    from dflash_ipc.runtime import preflight
 
     try:
         cfg = load_config(path)
+        if check_environment:
+            preflight.check_environment(cfg)
     except ConfigError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -116,16 +120,18 @@ def _load_or_exit(path: str):
 
 @main.command("check-config")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
-def check_config(config_path: str) -> None:
-    """Validate a config file (and the tokenizer against a checkpoint's vocabulary) and print it resolved."""
+@click.option("--file-only", is_flag=True, help="Check the file alone, not the model, devices and data files it names on this machine.")
+def check_config(config_path: str, file_only: bool) -> None:
+    """Validate a config file (and the model, devices, tokenizer and data it names) and print it resolved."""
     from dflash_ipc.data.tokenizer import TokenizerError, check_target_tokenizer, load_tokenizer
 
-    cfg = _load_or_exit(config_path)
-    try:
-        check_target_tokenizer(cfg.target, load_tokenizer(cfg.target.tokenizer))
-    except (TokenizerError, OSError) as e:
-        click.echo(f"error: {config_path}: {e}", err=True)
-        sys.exit(2)
+    cfg = _load_or_exit(config_path, check_environment=not file_only)
+    if not file_only:
+        try:
+            check_target_tokenizer(cfg.target, load_tokenizer(cfg.target.tokenizer))
+        except (TokenizerError, OSError) as e:
+            click.echo(f"error: {config_path}: {e}", err=True)
+            sys.exit(2)
     click.echo(json.dumps(cfg.to_dict(), indent=2))
 
 
@@ -138,18 +144,20 @@ def check_config(config_path: str) -> None:
 def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: bool, max_restarts: int) -> None:
     """Start the whole pipeline: one process per target and per drafter."""
 
-    from dflash_ipc.config import load_config
-    from dflash_ipc.runtime.supervisor import GroupFailed, Supervisor
+    from dflash_ipc.runtime.preflight import validate_for_up
 
     overrides = {"training.max_steps": max_steps} if max_steps is not None else None
     try:
-        cfg = load_config(config_path, overrides)
+        # Before the run directory is created or chmodded: a refused run leaves no trace.
+        cfg, resolved_run_dir = validate_for_up(config_path, run_dir, resume=resume, overrides=overrides)
     except ConfigError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     for w in cfg.ignored_value_warnings():
         click.echo(f"warning: {config_path}: {w}", err=True)
-    sup = Supervisor(cfg, cfg.run_dir(run_dir).absolute(), resume=resume, max_restarts=max_restarts, echo=click.echo,
+    from dflash_ipc.runtime.supervisor import GroupFailed, Supervisor
+
+    sup = Supervisor(cfg, resolved_run_dir, resume=resume, max_restarts=max_restarts, echo=click.echo,
                      live_progress=sys.stdout.isatty())
     try:
         sup.prepare()

@@ -6,11 +6,14 @@ against those dataclasses and refuses, *before any process starts*:
 
 * unknown keys (with the closest valid name),
 * values of the wrong type,
-* impossible values and combinations,
+* impossible values and combinations (numbers are finite: ``inf``/``nan`` never pass),
 
 always naming the file and the dotted key, e.g.::
 
     configs/x.toml: transport.ring_slots: must be >= 2 (got 1); raise it to at least 2
+
+What a config says about the world (the model directory, the CUDA devices, the run directory)
+is checked next, still before any process starts, by :mod:`dflash_ipc.runtime.preflight`.
 
 Values that are valid but ignored by the component that would read them (for example
 ``target.spec`` next to ``target.model_path``) produce warnings, returned by
@@ -51,8 +54,14 @@ class _FieldError(ValueError):
 # --------------------------------------------------------------------------- components
 
 
+# Longest accepted timeout: a week. Longer ones are typos that would hang a run, and ZeroMQ
+# poll timeouts in milliseconds must fit an int.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 @dataclass
 class RunConfig:
+    # One path component: the default run dir is runs/<name> and must stay inside runs/.
     name: str = "dflash"
     run_dir: str = ""  # empty: runs/<name> relative to the working directory
     seed: int = 0
@@ -72,20 +81,29 @@ class RunConfig:
     metrics_port: int = 0
 
     def __post_init__(self) -> None:
-        _require(bool(self.name) and "/" not in self.name, "name", "must be a non-empty name without '/'")
+        _require(
+            bool(self.name) and self.name not in (".", "..") and not any(c in self.name for c in "/\\\0"),
+            "name",
+            f"must be a plain name without '/', not '.' or '..' (got {self.name!r}): the run directory is runs/<name>",
+        )
         _require(
             not self.tensorboard or _tensorboard_installed(),
             "tensorboard",
             'is true but the tensorboard package is not installed; pip install "dflash-ipc[tensorboard]" or set it to false',
         )
-        _require(self.handshake_timeout_s > 0, "handshake_timeout_s", "must be > 0 seconds")
-        _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0 seconds")
+        for key in ("handshake_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+            value = getattr(self, key)
+            _require(0 < value <= MAX_TIMEOUT_S, key, f"must be > 0 and <= {MAX_TIMEOUT_S:g} seconds (7 days; got {value:g})")
         _require(
             self.heartbeat_timeout_s >= 3 * self.heartbeat_interval_s,
             "heartbeat_timeout_s",
             f"must be at least 3x run.heartbeat_interval_s ({3 * self.heartbeat_interval_s:g} s); raise it",
         )
-        _require(self.teardown_grace_s >= 0, "teardown_grace_s", "must be >= 0 seconds")
+        _require(
+            0 <= self.teardown_grace_s <= MAX_TIMEOUT_S,
+            "teardown_grace_s",
+            f"must be >= 0 and <= {MAX_TIMEOUT_S:g} seconds (got {self.teardown_grace_s:g})",
+        )
         _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a TCP port in 1..65535, or 0 for no /metrics endpoint")
 
 
@@ -123,6 +141,17 @@ class TopologyConfig:
             "targets",
             "mixing cpu and cuda processes in one run is not supported; put all on cuda or all on cpu",
         )
+        if self.resolved_dist_backend() == "nccl":
+            seen: dict[int, int] = {}
+            for i, dev in enumerate(self.drafters):
+                index = int(dev[5:])
+                _require(
+                    index not in seen,
+                    f"drafters[{i}]",
+                    f"{dev!r} is already drafters[{seen.get(index)}]: NCCL needs one GPU per drafter; "
+                    "give each drafter its own device",
+                )
+                seen[index] = i
 
     @property
     def on_cuda(self) -> bool:
@@ -266,6 +295,14 @@ class DrafterConfig:
         _require(self.noise_std >= 0, "noise_std", "must be >= 0")
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
             _require(getattr(self, name) >= 0, name, "must be >= 0 (0 = same as the target)")
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        _require(
+            not (heads and kv_heads and heads % kv_heads),
+            "num_attention_heads",
+            f"must be a multiple of drafter.num_key_value_heads ({kv_heads}); got {heads}",
+        )
+        _require(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE (got {self.head_dim})")
+        _require(self.mask_token_id >= -1, "mask_token_id", "must be a token id >= 0, or -1 for the tokenizer's mask token")
 
     def resolved_layer_types(self) -> list[str]:
         if self.layer_types:
@@ -385,9 +422,14 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DF
     path = Path(path)
     src = str(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{src}: file not found") from None
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{src}: not UTF-8 text ({e.reason} at line {line}, byte {e.start}); save the file as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{src}: cannot read: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{src}: not valid TOML: {e}") from None
     for dotted, value in (overrides or {}).items():
@@ -477,6 +519,8 @@ def _coerce(value: Any, tp: Any, dotted: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _FieldError(dotted, f"must be a number (got {type(value).__name__} {value!r})")
+        if not math.isfinite(value):
+            raise _FieldError(dotted, f"must be a finite number (got {value!r})")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -18,8 +18,12 @@ straddles a supervised boundary (this is also how the target sees a reply at inf
 generated after the prompt's ``<|im_start|>assistant\\n``).
 
 Sequences are truncated to ``data.max_seq_len``; sequences without two consecutive
-supervised tokens are dropped (counted in the report). Bad lines are skipped and reported
-as ``file:line: reason``, or refused with :class:`DataError` when ``on_bad_line = "error"``.
+supervised tokens are dropped (counted in the report). A record's text is cut to
+``data.max_seq_len * MAX_CHARS_PER_TOKEN`` characters *before* it is tokenized, so a huge line
+costs no more than a long one (a 19 MB line took 3.6 GB to tokenize whole). Bad lines
+(invalid UTF-8 or JSON, JSON nested too deeply to parse, wrong fields) are skipped and
+reported as ``file:line: reason``, or refused with :class:`DataError` when
+``on_bad_line = "error"``.
 
 The result is cached in ``cache_dir`` (``tokens-<key>.pt``: flat int32 token ids, uint8 loss
 mask, int64 offsets) keyed by the input files (path, size, mtime), the tokenizer identity,
@@ -49,9 +53,15 @@ from dflash_ipc.data.tokenizer import IM_END, tokenizer_identity
 
 log = logging.getLogger("dflash_ipc.data.corpus")
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: records cut to max_seq_len * MAX_CHARS_PER_TOKEN characters before tokenizing
 MAX_REPORTED_BAD_LINES = 1000
 _CHUNK = 256  # records tokenized per batched tokenizer call
+_CHUNK_CHARS = 1 << 20  # ... or fewer, once their text reaches this many characters (tokenizing costs ~200 B/char)
+# Characters kept per token of data.max_seq_len before tokenizing. Text averages 3-5 characters
+# per token (prose, code); 32 leaves a wide margin, so a record cut here still fills max_seq_len
+# tokens and truncation keeps exactly what it kept from the whole text. Only a record averaging
+# more than 32 characters per token (long runs of one character) can end up shorter.
+MAX_CHARS_PER_TOKEN = 32
 
 
 # --------------------------------------------------------------------------- report / corpus
@@ -238,7 +248,9 @@ class _Builder:
         self.tok = tokenizer
         self.report = report
         self.end_token = _turn_end_token(tokenizer)
-        self.pending: list[list[tuple[str, bool]]] = []
+        self.pending: list[tuple[list[tuple[str, bool]], bool]] = []  # (pieces, cut before tokenizing)
+        self.pending_chars = 0
+        self.max_chars = cfg.max_seq_len * MAX_CHARS_PER_TOKEN
         self.tok_buf = array("i")  # int32 token ids of all kept samples, flat
         self.mask_buf = array("B")  # uint8 loss mask, flat
         self.lengths: list[int] = []
@@ -264,19 +276,24 @@ class _Builder:
         except BadRecord as e:
             self.bad(where, str(e))
             return
+        except RecursionError:
+            self.bad(where, "nested too deeply")
+            return
         self.report.records += 1
-        self.pending.append(pieces)
-        if len(self.pending) >= _CHUNK:
+        pieces, cut = _clip_pieces(pieces, self.max_chars)
+        self.pending.append((pieces, cut))
+        self.pending_chars += sum(len(t) for t, _ in pieces)
+        if len(self.pending) >= _CHUNK or self.pending_chars >= _CHUNK_CHARS:
             self.flush()
 
     def flush(self) -> None:
         if not self.pending:
             return
-        texts = [t for pieces in self.pending for t, _ in pieces]
+        texts = [t for pieces, _ in self.pending for t, _ in pieces]
         ids = _encode_batch(self.tok, texts)
         k = 0
         max_len = self.cfg.max_seq_len
-        for pieces in self.pending:
+        for pieces, cut_before in self.pending:
             seq: list[int] = []
             mask: list[int] = []
             for _, sup in pieces:
@@ -284,7 +301,7 @@ class _Builder:
                 k += 1
                 seq.extend(part)
                 mask.extend([1 if sup else 0] * len(part))
-            cut = len(seq) > max_len
+            cut = cut_before or len(seq) > max_len
             seq, mask = seq[:max_len], mask[:max_len]
             if not any(a and b for a, b in zip(mask, mask[1:])):
                 self.report.dropped_no_supervision += 1
@@ -294,6 +311,7 @@ class _Builder:
             self.mask_buf.extend(mask)
             self.lengths.append(len(seq))
         self.pending.clear()
+        self.pending_chars = 0
 
     def finish(self) -> Corpus:
         self.flush()
@@ -312,6 +330,19 @@ class _Builder:
         r.tokens = int(tokens.numel())
         r.supervised_tokens = int(mask.sum()) if mask.numel() else 0
         return Corpus(tokens, mask, offsets, r)
+
+
+def _clip_pieces(pieces: list[tuple[str, bool]], max_chars: int) -> tuple[list[tuple[str, bool]], bool]:
+    """The pieces cut to their first ``max_chars`` characters in all; and whether anything was cut."""
+    if sum(len(t) for t, _ in pieces) <= max_chars:
+        return pieces, False
+    out, left = [], max_chars
+    for text, sup in pieces:
+        if left <= 0:
+            break
+        out.append((text[:left], sup))
+        left -= len(text)
+    return out, True
 
 
 def _read_jsonl(builder: _Builder, path: Path, label: str) -> None:
@@ -337,6 +368,9 @@ def _read_jsonl(builder: _Builder, path: Path, label: str) -> None:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 builder.bad(where, f"invalid JSON: {e.msg} (column {e.colno})")
+                continue
+            except RecursionError:
+                builder.bad(where, f"JSON nested too deeply to parse (over ~{sys.getrecursionlimit()} levels)")
                 continue
             builder.add(where, obj)
 

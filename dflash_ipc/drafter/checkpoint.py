@@ -16,10 +16,17 @@ directory, renames it to ``step-NNNNNN`` (the commit point), fsyncs the root, th
 ``.tmp-*`` directories are never considered and are removed by the next successful save.
 Loading validates a candidate fully (meta, sizes, both payload files parse) and falls back to
 the next newest complete checkpoint, recording why in :attr:`Checkpoint.notes`.
+
+A full disk is named, not left to the writers' own errors (torch.save says "enforce fail ...
+unexpected pos", safetensors "IoError ... StorageFull"): a save checks the free space against
+the payload's size first, and a write that fails with ENOSPC (or a wrapped one while the disk is
+full) raises :class:`CheckpointDiskFull` "no space left on RUN_DIR (...) writing checkpoint step
+N: need ~X"; the half-written ``.tmp-*`` is removed, earlier checkpoints are untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -261,6 +268,73 @@ def _list_step_dirs(root: Path) -> list[tuple[int, Path]]:
     return out
 
 
+# --------------------------------------------------------------------------- disk full
+
+# Ledger, meta, pickle framing and file-system blocks on top of the tensors' bytes.
+_SAVE_OVERHEAD_BYTES = 1 << 20
+# How torch.save (PyTorchStreamWriter) and safetensors report a failed write of a full disk.
+_WRAPPED_WRITE_ERRORS = ("unexpected pos", "file write failed", "No space left", "StorageFull", "os error 28")
+
+
+class CheckpointDiskFull(OSError):
+    """The checkpoint did not fit on its file system; the previous checkpoint is intact."""
+
+    def __init__(self, root: Path, step: int, need: int, free: int | None):
+        run_dir = root.parent if root.name == "checkpoints" else root
+        free_text = f", {_human_bytes(free)} free" if free is not None else ""
+        super().__init__(
+            errno.ENOSPC,
+            f"no space left on RUN_DIR ({run_dir}) writing checkpoint step {step}: need ~{_human_bytes(need)} "
+            f"({need} bytes){free_text}; the previous checkpoint is intact. Free space there, or lower "
+            "training.keep_checkpoints",
+        )
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # unreachable
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor inside nested dicts/lists/tuples (what dominates a checkpoint)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def checkpoint_bytes_needed(model_state: dict[str, torch.Tensor], trainer_state: Any, ledger: BatchLedger) -> int:
+    """An estimate of one checkpoint's size on disk."""
+    return _tensor_bytes(model_state) + _tensor_bytes(trainer_state) + 32 * len(ledger) + _SAVE_OVERHEAD_BYTES
+
+
+def _free_bytes(root: Path) -> int | None:
+    try:
+        return shutil.disk_usage(root).free
+    except OSError:
+        return None
+
+
+def _is_disk_full(exc: BaseException, free: int | None, need: int) -> bool:
+    """ENOSPC/EDQUOT anywhere in the chain, or a writer's wrapped error while the disk is full."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    return free is not None and free < need and any(marker in text for marker in _WRAPPED_WRITE_ERRORS)
+
+
 # --------------------------------------------------------------------------- save
 
 
@@ -288,11 +362,15 @@ def save_checkpoint(
         raise ValueError(f"keep must be >= 1 (got {keep})")
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
+    need = checkpoint_bytes_needed(model_state, trainer_state, ledger)
+    free = _free_bytes(root)
+    if free is not None and free < need:
+        raise CheckpointDiskFull(root, step, need, free)
     name = step_dir_name(step)
     final = root / name
     tmp = root / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         _write_safetensors(tmp / MODEL_FILE, model_state, {"format": CKPT_FORMAT, "step": str(step)})
         _write_torch(tmp / TRAINER_FILE, {"trainer": trainer_state, "rng": rng_state})
         _write_json(tmp / LEDGER_FILE, ledger.to_wire())
@@ -315,10 +393,18 @@ def save_checkpoint(
             _remove_dir(final)
         os.rename(tmp, final)  # commit point
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as e:
+        free = _free_bytes(root)  # before the cleanup gives the space back
         shutil.rmtree(tmp, ignore_errors=True)
+        if _is_disk_full(e, free, need):
+            raise CheckpointDiskFull(root, step, need, free) from e
         raise
-    _replace_pointer(root, name)
+    try:
+        _replace_pointer(root, name)
+    except OSError as e:  # the step directory is complete: loading finds it even without the pointer
+        if _is_disk_full(e, _free_bytes(root), need):
+            raise CheckpointDiskFull(root, step, need, _free_bytes(root)) from e
+        raise
     _retain(root, step, keep)
     return final
 

@@ -26,9 +26,11 @@ Data parallelism with token weighting
 from __future__ import annotations
 
 import inspect
+import ipaddress
 import logging
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -109,6 +111,9 @@ def init_distributed(
     ``init_method="env://"``, so the group may span nodes). With ``WORLD_SIZE`` unset or 1 no
     process group is created. ``device`` overrides the default device (``cuda:LOCAL_RANK`` for
     nccl, ``cpu`` for gloo); for nccl the device is made current and passed as ``device_id``.
+
+    With a loopback ``MASTER_ADDR`` (single-host runs: the supervisor sets 127.0.0.1) nothing listens
+    beyond the host: the store binds ``MASTER_ADDR`` (torch's listens on ``::``), gloo binds ``lo``.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl' (got {backend!r})")
@@ -141,18 +146,37 @@ def init_distributed(
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(var):
             raise RuntimeError(f"WORLD_SIZE={world_size} but {var} is not set; set MASTER_ADDR and MASTER_PORT")
-    kwargs: dict[str, Any] = dict(
-        backend=backend,
-        init_method="env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": timedelta(seconds=timeout_s)}
+    master_addr, master_port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
+    if _is_loopback(master_addr):
+        kwargs["store"] = _loopback_store(master_addr, master_port, rank, world_size, kwargs["timeout"])
+        if backend == "gloo":  # else gloo binds the hostname's address, often a LAN one; a user's setting wins
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    else:
+        kwargs["init_method"] = "env://"  # several hosts: the store must be reachable from them
     if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
     log.debug("joined %s process group: rank %d/%d on %s", backend, rank, world_size, device)
     return info
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The env:// rendezvous store, its server (rank 0) listening on ``host`` only."""
+    listen_fd = None
+    if rank == 0:  # the store takes the bound socket over and closes it: detach it from Python
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        bind_host = "127.0.0.1" if host == "localhost" else host
+        listen_fd = socket.create_server((bind_host, port), family=family, backlog=max(128, world_size)).detach()
+    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, master_listen_fd=listen_fd)
+    return dist.PrefixStore("default_pg", store)  # the key prefix init_method="env://" would use
 
 
 def destroy_distributed() -> None:

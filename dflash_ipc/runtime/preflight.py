@@ -1,0 +1,230 @@
+"""Checks of a validated config against this machine, before any process starts.
+
+:mod:`dflash_ipc.config` checks what a config says on its own; this module checks what it says
+about the world, so that ``dflash-ipc up`` refuses a run that cannot work (exit 2) instead of
+starting every process and failing 20 s later in one child's log:
+
+* the CUDA devices exist (a CPU-only host, an index past ``torch.cuda.device_count()``),
+* the target: ``target.model_path`` is a Hugging Face checkpoint directory (``config.json``
+  and safetensors weights present; only ``config.json`` is read, never the weights), or
+  ``target.spec`` names only ``Qwen3_5TextConfig`` fields and builds a config,
+* what depends on the target's shape: ``target.layer_ids`` / ``num_capture_layers`` within
+  its layers, attention heads divisible by kv heads (target and drafter), the drafter's hidden
+  size, ``drafter.mask_token_id`` and the tokenizer inside its vocabulary,
+* the run directory: never a foreign non-empty directory (``up`` makes it 0700), and one
+  holding checkpoints only with ``--resume``; nothing in it is created or chmodded here.
+
+Every refusal is a :class:`~dflash_ipc.config.ConfigError` ``FILE: dotted.key: what to change``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+from pathlib import Path
+from typing import Any, NoReturn
+
+from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, load_config
+
+# Files whose presence marks a directory as a run directory (written by Supervisor.prepare).
+RUN_DIR_MARKERS = ("run_id", "logs", "checkpoints")
+
+
+def validate_for_up(config_path: str | Path, run_dir_override: str | None = None, *, resume: bool = False,
+                    overrides: dict[str, Any] | None = None) -> tuple[DFlashConfig, Path]:
+    """Everything ``up`` checks before it touches the run directory; returns (config, run dir)."""
+    cfg = load_config(config_path, overrides)
+    run_dir = cfg.run_dir(run_dir_override).absolute()
+    check_environment(cfg)
+    check_run_dir(cfg, run_dir, resume=resume, key=_run_dir_key(cfg, run_dir_override))
+    return cfg, run_dir
+
+
+def check_environment(cfg: DFlashConfig) -> None:
+    """Devices, target model config, tokenizer and data files (no run directory needed)."""
+    check_devices(cfg.topology, visible_cuda_devices(), cfg.source)
+    _check_data_paths(cfg)
+    _check_model(cfg)
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def visible_cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_devices(topology: TopologyConfig, n_cuda: int, source: str) -> None:
+    """Every ``cuda:N`` of the topology is one of the ``n_cuda`` devices visible here."""
+    for role in ("targets", "drafters"):
+        for i, dev in enumerate(getattr(topology, role)):
+            if not dev.startswith("cuda:"):
+                continue
+            index = int(dev[5:])
+            if n_cuda == 0:
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+                _fail(source, f"topology.{role}[{i}]", f"{dev!r} but no CUDA device is visible on this machine{hint}; "
+                      "use \"cpu\" devices or run on a GPU host")
+            if index >= n_cuda:
+                _fail(source, f"topology.{role}[{i}]", f"{dev!r} but only {n_cuda} CUDA device(s) are visible "
+                      f"(cuda:0..cuda:{n_cuda - 1}); pick one of those")
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _check_data_paths(cfg: DFlashConfig) -> None:
+    for i, p in enumerate(cfg.data.paths):
+        if p.startswith("builtin:"):
+            continue
+        path = Path(p).expanduser()
+        if not path.is_file():
+            what = "is a directory; list the JSONL files" if path.is_dir() else "not found"
+            _fail(cfg.source, f"data.paths[{i}]", f"{p}: {what}")
+        if not os.access(path, os.R_OK):
+            _fail(cfg.source, f"data.paths[{i}]", f"{p}: not readable by this user")
+
+
+# --------------------------------------------------------------------------- target and drafter shapes
+
+
+def _check_model(cfg: DFlashConfig) -> None:
+    from dflash_ipc.data.tokenizer import TokenizerError, load_tokenizer, mask_token_id
+    from dflash_ipc.target.model import default_layer_ids, text_config
+
+    src, target = cfg.source, cfg.target
+    try:
+        tokenizer = load_tokenizer(target.tokenizer)
+    except TokenizerError as e:
+        _fail(src, "target.tokenizer", str(e).removeprefix("target.tokenizer: "))
+    if target.model_path:
+        hf_config, shape_key = _checkpoint_config(src, target.model_path), "target.model_path"
+    else:
+        hf_config, shape_key = _spec_config(src, target.spec, len(tokenizer), target.attn_implementation), "target.spec"
+    tc = text_config(hf_config)
+    n_layers, vocab, hidden = int(tc.num_hidden_layers), int(tc.vocab_size), int(tc.hidden_size)
+    t_heads = int(tc.num_attention_heads)
+    t_kv = int(getattr(tc, "num_key_value_heads", None) or t_heads)
+    if t_heads % t_kv:
+        _fail(src, f"{shape_key}.num_attention_heads" if shape_key == "target.spec" else shape_key,
+              f"the target's num_attention_heads ({t_heads}) must be a multiple of its num_key_value_heads ({t_kv})")
+    linear_k, linear_v = getattr(tc, "linear_num_key_heads", None), getattr(tc, "linear_num_value_heads", None)
+    if "linear_attention" in (getattr(tc, "layer_types", None) or []) and linear_k and linear_v and linear_v % linear_k:
+        _fail(src, f"{shape_key}.linear_num_value_heads" if shape_key == "target.spec" else shape_key,
+              f"the target's linear_num_value_heads ({linear_v}) must be a multiple of its linear_num_key_heads ({linear_k})")
+    if len(tokenizer) > vocab:
+        _fail(src, "target.tokenizer", f"has {len(tokenizer)} ids but the target's vocabulary has {vocab}; "
+              "use the tokenizer that belongs to the model")
+
+    if target.layer_ids:
+        bad = [i for i in target.layer_ids if i >= n_layers]
+        if bad:
+            _fail(src, "target.layer_ids", f"{bad} outside the target's {n_layers} decoder layers (0..{n_layers - 1})")
+    elif target.num_capture_layers > n_layers:
+        _fail(src, "target.num_capture_layers", f"{target.num_capture_layers} layers cannot be captured from a "
+              f"{n_layers}-layer target; use at most {n_layers} (DFlash uses 5)")
+    layer_ids = list(target.layer_ids) or default_layer_ids(n_layers, target.num_capture_layers)
+
+    drafter = cfg.drafter
+    if drafter.mask_token_id >= vocab:
+        _fail(src, "drafter.mask_token_id", f"{drafter.mask_token_id} is outside the target's vocabulary [0, {vocab}); "
+              "use -1 (the tokenizer's mask token) or an id below the vocabulary size")
+    mask_id = drafter.mask_token_id if drafter.mask_token_id >= 0 else mask_token_id(tokenizer)
+    if drafter.hidden_size and drafter.hidden_size != hidden:
+        _fail(src, "drafter.hidden_size", f"must equal the target's hidden_size ({hidden}) or be 0: the drafter "
+              f"reads the target's embedding and LM head (got {drafter.hidden_size})")
+    heads = drafter.num_attention_heads or t_heads
+    if drafter.num_key_value_heads and heads % drafter.num_key_value_heads:
+        _fail(src, "drafter.num_key_value_heads", f"{drafter.num_key_value_heads} does not divide the drafter's "
+              f"{heads} attention heads" + ("" if drafter.num_attention_heads else " (the target's; drafter.num_attention_heads = 0)"))
+    _check_drafter_resolves(cfg, hf_config, layer_ids, mask_id)
+
+
+def _check_drafter_resolves(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], mask_id: int) -> None:
+    """What the drafter process will build from these configs: any remaining refusal, before spawn."""
+    from dflash_ipc.drafter.model import DrafterModelConfig
+
+    try:
+        DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
+    except ValueError as e:
+        _fail(cfg.source, "drafter", f"does not fit the target: {e}")
+
+
+def _checkpoint_config(source: str, model_path: str) -> Any:
+    path = Path(model_path).expanduser()
+    key = "target.model_path"
+    if not path.is_dir():
+        _fail(source, key, f"{model_path}: not a directory; point it at a Hugging Face checkpoint directory "
+              "(config.json + *.safetensors), or leave it empty for a random-weight target from target.spec")
+    if not (path / "config.json").is_file():
+        _fail(source, key, f"{model_path}: no config.json in this directory; is it a Hugging Face checkpoint directory?")
+    if not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        _fail(source, key, f"{model_path}: no model.safetensors or model.safetensors.index.json; "
+              "dflash-ipc loads safetensors checkpoints")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any parse error of a foreign file, re-raised with the key
+        _fail(source, key, f"{path / 'config.json'} cannot be read as a model config: {type(e).__name__}: {e}")
+
+
+def spec_fields() -> set[str]:
+    """The keys ``target.spec`` accepts: the init parameters of ``Qwen3_5TextConfig``."""
+    from transformers import Qwen3_5TextConfig
+
+    params = inspect.signature(Qwen3_5TextConfig.__init__).parameters.values()
+    return {p.name for p in params if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _spec_config(source: str, spec: dict[str, Any], vocab_size: int, attn_implementation: str) -> Any:
+    from dflash_ipc.target.model import make_hf_config
+
+    valid = spec_fields()
+    for key in spec:
+        if key not in valid:
+            close = difflib.get_close_matches(key, sorted(valid), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            # Qwen3_5TextConfig keeps unknown keyword arguments as attributes and ignores them:
+            # a typo would silently build a model of the default (27B-class) shape.
+            _fail(source, f"target.spec.{key}", f"unknown Qwen3_5TextConfig field{hint}")
+    try:
+        return make_hf_config(spec, vocab_size, attn_implementation)
+    except Exception as e:  # noqa: BLE001 - transformers validates with several exception types
+        _fail(source, "target.spec", f"does not build a Qwen3_5TextConfig: {type(e).__name__}: {e}")
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+def _run_dir_key(cfg: DFlashConfig, override: str | None) -> str:
+    if override:
+        return "--run-dir"
+    return "run.run_dir" if cfg.run.run_dir else "run.name"
+
+
+def check_run_dir(cfg: DFlashConfig, run_dir: Path, *, resume: bool, key: str = "run.run_dir") -> None:
+    """The run directory may be made private (0700) and written: new, empty, or a run directory."""
+    src = cfg.source
+    if not run_dir.exists():
+        if run_dir.is_symlink():
+            _fail(src, key, f"{run_dir} is a dangling symlink")
+        return
+    if not run_dir.is_dir():
+        _fail(src, key, f"{run_dir} exists and is not a directory")
+    st = run_dir.stat()
+    if st.st_uid != os.getuid():
+        _fail(src, key, f"{run_dir} belongs to another user (uid {st.st_uid}); use a directory of your own")
+    if any(run_dir.iterdir()) and not any((run_dir / m).exists() for m in RUN_DIR_MARKERS):
+        _fail(src, key, f"{run_dir} holds files but is not a dflash-ipc run directory (no {', '.join(RUN_DIR_MARKERS)}); "
+              "use a new or empty directory (up makes it private, mode 0700)")
+    if not resume and (run_dir / "checkpoints" / "latest").exists():
+        _fail(src, key, f"{run_dir} already holds checkpoints; pass --resume to continue that run, or use another run directory")
+
+
+def _fail(source: str, key: str, message: str) -> NoReturn:
+    raise ConfigError(f"{source}: {key}: {message}")

@@ -1,0 +1,129 @@
+"""Hostile data lines: skipped and reported with their line numbers, never fatal, never huge.
+
+Real files, the real built-in tokenizer, the real corpus builder (`load_corpus`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_ipc.config import DataConfig
+from dflash_ipc.data.corpus import MAX_CHARS_PER_TOKEN, DataError, load_corpus
+from dflash_ipc.data.tokenizer import build_builtin_tokenizer
+
+GOOD = {"conversations": [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there, friend."}]}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_builtin_tokenizer()
+
+
+def data_cfg(path: Path, max_seq_len: int = 256, **kw) -> DataConfig:
+    return DataConfig(paths=[str(path)], max_seq_len=max_seq_len, bucket_edges=[max_seq_len], token_budget=max_seq_len, **kw)
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("nested", [
+    '{"text": ' + deep(100_000) + "}",  # fails in the JSON decoder
+    deep(50_000),  # a bare array, nested
+    '{"conversations": [{"role": "user", "content": "hi", "meta": ' + deep(100_000) + "}]}",
+])
+def test_deeply_nested_json_is_a_bad_line(tmp_path, tok, nested):
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD), nested, json.dumps(GOOD)])
+    corpus = load_corpus(data_cfg(path), tok, None)
+    r = corpus.report
+    assert corpus.num_samples == 2 and r.lines_read == 3 and r.num_bad_lines == 1
+    assert r.bad_lines == [f"{path}:2: JSON nested too deeply to parse (over ~{sys.getrecursionlimit()} levels)"]
+
+
+def test_deeply_nested_json_refused_with_line_number_when_asked(tmp_path, tok):
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD), json.dumps(GOOD), '{"text": ' + deep(100_000) + "}"])
+    with pytest.raises(DataError, match=rf"^{path}:3: JSON nested too deeply"):
+        load_corpus(data_cfg(path, on_bad_line="error"), tok, None)
+
+
+def test_bad_lines_of_every_kind_are_reported_by_line(tmp_path, tok):
+    lines = [
+        json.dumps(GOOD),
+        '{"text": ' + deep(100_000) + "}",
+        "{not json",
+        "",
+        json.dumps({"text": 3}),
+        json.dumps({"conversations": "hi"}),
+        json.dumps(GOOD),
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(("\n".join(lines[:3]) + "\n").encode() + b"\xff\xfe\n" + ("\n".join(lines[3:]) + "\n").encode())
+    corpus = load_corpus(data_cfg(path), tok, None)
+    assert corpus.num_samples == 2
+    assert [b.split(": ", 1)[0] for b in corpus.report.bad_lines] == [f"{path}:{n}" for n in (2, 3, 4, 5, 6, 7)]
+
+
+def test_huge_record_is_cut_before_tokenizing_without_changing_the_sample(tmp_path, tok):
+    """A record longer than max_seq_len * MAX_CHARS_PER_TOKEN characters gives the same tokens
+    as tokenizing it whole and truncating: the cut only drops what truncation drops."""
+    max_seq_len = 128
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(20_000))  # ~1 MB
+    assert len(text) > 10 * max_seq_len * MAX_CHARS_PER_TOKEN
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps({"text": text})])
+    corpus = load_corpus(data_cfg(path, max_seq_len), tok, None)
+    whole = tok(text, add_special_tokens=False)["input_ids"][:max_seq_len]
+    ids, mask = corpus.sample(0)
+    assert ids.tolist() == whole and mask.tolist() == [1] * max_seq_len
+    assert corpus.report.truncated == 1
+
+
+def test_chat_cut_keeps_the_prompt_and_the_loss_mask(tmp_path, tok):
+    max_seq_len = 64
+    reply = "word " * 100_000
+    row = {"conversations": [{"role": "user", "content": "Write a lot."}, {"role": "assistant", "content": reply}]}
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(row)])
+    ids, mask = load_corpus(data_cfg(path, max_seq_len), tok, None).sample(0)
+    rendered = tok.apply_chat_template(row["conversations"], tokenize=False)
+    prompt = rendered[: rendered.index(reply)]
+    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert len(ids) == max_seq_len and mask.tolist() == [0] * n_prompt + [1] * (max_seq_len - n_prompt)
+    assert tok.decode(ids[:n_prompt]) == prompt
+
+
+PEAK_RSS_SCRIPT = """
+import json, resource, sys
+from pathlib import Path
+from dflash_ipc.config import DataConfig
+from dflash_ipc.data.corpus import load_corpus
+from dflash_ipc.data.tokenizer import build_builtin_tokenizer
+path = Path(sys.argv[1])
+tok = build_builtin_tokenizer()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+corpus = load_corpus(DataConfig(paths=[str(path)], max_seq_len=512, bucket_edges=[512], token_budget=512), tok, None)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"samples": corpus.num_samples, "peak_growth_kib": after - before}))
+"""
+
+
+def test_19mb_line_does_not_blow_up_memory(tmp_path):
+    """Tokenizing a 19 MB line whole took ~3.6 GB; cut first, the load grows the peak RSS by a few MB."""
+    path = tmp_path / "big.jsonl"
+    text = "the quick brown fox jumps over the lazy dog " * (19_000_000 // 44)
+    write_lines(path, [json.dumps(GOOD), json.dumps({"text": text})])
+    assert path.stat().st_size > 19_000_000
+    proc = subprocess.run([sys.executable, "-c", PEAK_RSS_SCRIPT, str(path)], check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["samples"] == 2
+    # The line itself (19 MB read + decoded + parsed) costs ~100 MB; tokenizing it whole cost 3.6 GB.
+    assert out["peak_growth_kib"] < 400 * 1024, out
