@@ -22,9 +22,7 @@ import pytest
 import zmq
 
 from dflash_ipc.bench import transport as bench_transport
-from dflash_ipc.control import channels
-from dflash_ipc.control import handshake
-from dflash_ipc.control import protocol
+from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.handshake import HandshakeError
 from dflash_ipc.control.protocol import Done, EndOfData, RejectCounter, SlotFree, SlotReady
 from dflash_ipc.transport.shm import list_run_shm, new_run_id, sweep_run_shm

@@ -94,7 +94,7 @@ def _check_data_paths(cfg: DFlashConfig) -> None:
 
 def _check_model(cfg: DFlashConfig) -> None:
     from dflash_ipc.data.tokenizer import TokenizerError, load_tokenizer, mask_token_id
-    from dflash_ipc.target.model import default_layer_ids, text_config
+    from dflash_ipc.target.hf_config import default_layer_ids, text_config
 
     src, target = cfg.source, cfg.target
     try:
@@ -182,7 +182,7 @@ def spec_fields() -> set[str]:
 
 
 def _spec_config(source: str, spec: dict[str, Any], vocab_size: int, attn_implementation: str) -> Any:
-    from dflash_ipc.target.model import make_hf_config
+    from dflash_ipc.target.hf_config import make_hf_config
 
     valid = spec_fields()
     for key in spec:

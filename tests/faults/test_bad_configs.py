@@ -4,7 +4,7 @@ dotted key, and leaves the run directory untouched (not created, not chmodded).
 Every case goes through :func:`dflash_ipc.runtime.preflight.validate_for_up`, the one entry
 point `dflash-ipc up` calls before it touches the run directory; a representative subset also
 runs the real `dflash-ipc up` CLI in a subprocess (exit 2, no traceback, no run directory, no
-logs/ or sock/, so no child was spawned). Configs are written from dicts with tomli-w.
+logs/ or sock/, so no child was spawned). Configs are written from dicts (conftest.write_toml, tomli-w).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomli_w
+from conftest import write_toml
 
 from dflash_ipc.config import ConfigError, TopologyConfig
 from dflash_ipc.runtime.preflight import check_devices, validate_for_up
@@ -51,11 +51,6 @@ def apply(raw: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
             table[leaf] = value
     return raw
 
-
-def write_toml(path: Path, raw: dict[str, Any]) -> Path:
-    # tomli-w writes float('inf') / float('nan') as TOML inf / nan: the bad values reach the loader as written.
-    path.write_bytes(tomli_w.dumps(raw).encode())
-    return path
 
 
 # --------------------------------------------------------------------------- the corpus
@@ -182,7 +177,7 @@ def test_absent_device_index_named_against_visible_count():
 
 def test_spec_typo_would_have_built_a_different_model(tmp_path):
     """Why spec keys are checked: Qwen3_5TextConfig keeps an unknown key and builds its default shape."""
-    from dflash_ipc.target.model import make_hf_config
+    from dflash_ipc.target.hf_config import make_hf_config
 
     conf = make_hf_config({"hidden_sise": 64}, vocab_size=1024)
     assert conf.hidden_size != 64  # the typo was ignored, silently
