@@ -6,7 +6,7 @@ One training step, identical on every drafter rank (data parallel, lockstep)::
         │
     agree(has_batch, stop)  ── no rank has a batch and no more will come ──▶ finish
         │                   ── stop requested ──▶ checkpoint at this boundary ──▶ finish
-    compute_loss (concat planes + noise on this GPU) ─▶ trainer.step (token-weighted all-reduce)
+    compute_loss (concat planes + noise on this GPU; argmax hits -> eval-rule tau) ─▶ trainer.step (token-weighted all-reduce)
         │   (a rank without a batch steps with zero weight, so collectives never hang)
     ledger += batch id ─▶ metrics.jsonl (+ TensorBoard events if run.tensorboard; rank 0) ─▶ checkpoint every N steps
 
@@ -143,6 +143,7 @@ class DrafterCore:
             t_fwd = time.perf_counter()
             stats = self.trainer.step(out.loss_sum, out.weight_sum)
             correct, count = out.correct_per_pos.detach(), out.count_per_pos.detach()
+            accept = torch.stack([out.accept_len_sum, out.accept_blocks]).detach().float()
             n_tokens = int(views.token_ids.numel())
             self._new_ids.append(tuple(batch_id))
         else:
@@ -151,12 +152,14 @@ class DrafterCore:
             bs = self.model.config.block_size
             correct = torch.zeros(bs, device=self.device)
             count = torch.zeros(bs, device=self.device)
+            accept = torch.zeros(2, device=self.device)
             n_tokens = 0
-        sums = torch.cat([correct.float(), count.float(), torch.tensor([float(n_tokens)], device=self.device)])
+        sums = torch.cat([correct.float(), count.float(), accept, torch.tensor([float(n_tokens)], device=self.device)])
         if self.world.is_distributed:
             torch.distributed.all_reduce(sums)
         bs = self.model.config.block_size
         acc = accuracy_per_pos(sums[:bs], sums[bs : 2 * bs])
+        accept_len_sum, accept_blocks = sums[2 * bs].item(), sums[2 * bs + 1].item()
         tokens = int(sums[-1].item())
         self.step += 1
         self.tokens_total += tokens
@@ -173,7 +176,12 @@ class DrafterCore:
             "grad_norm": stats.grad_norm,
             "acc": round(sum(acc_valid) / len(acc_valid), 4) if acc_valid else None,
             "acc_per_pos": acc_list,
-            "tau": expected_acceptance_length([0.0 if a is None else a for a in acc_list]),
+            # tau by eval's rule (joint prefix acceptance per block, + bonus) on this training batch,
+            # before the optimizer step; held-out tau comes from `dflash-ipc eval`. tau_marginal:
+            # the product of per-slot accuracies, kept for comparison with earlier runs.
+            "tau": round(accept_len_sum / accept_blocks, 4) if accept_blocks > 0 else None,
+            "tau_marginal": round(expected_acceptance_length([0.0 if a is None else a for a in acc_list]), 4),
+            "tau_blocks": int(accept_blocks),
             "wait_s": wait_s,
             "copy_s": copy_s,
             "forward_s": t_fwd - t0,
