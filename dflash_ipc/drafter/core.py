@@ -48,26 +48,39 @@ TENSORBOARD_SCALARS = (("loss", "train/loss"), ("acc", "train/acc"), ("tau", "tr
                        ("tokens_per_s", "train/tokens_per_s"), ("lr", "train/lr"))
 
 
+def build_drafter(cfg: DFlashConfig, device: torch.device | str, *, log_mask_token: bool = True) -> DFlashDrafter:
+    """A freshly initialised drafter (seeded by run.seed) on the target's frozen embedding and LM head."""
+    device = torch.device(device)
+    tokenizer = load_tokenizer(cfg.target.tokenizer)
+    hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))
+    layer_ids = resolve_layer_ids(cfg.target, int(text_config(hf_config).num_hidden_layers))
+    if cfg.drafter.mask_token_id >= 0:
+        mask_id, why = cfg.drafter.mask_token_id, "drafter.mask_token_id"
+    else:
+        mask_id, why = choose_mask_token(tokenizer, int(text_config(hf_config).vocab_size))
+    if log_mask_token:
+        log.info("mask token: id %d (%s)", mask_id, why)
+    dtype = dtype_from_name(cfg.drafter.dtype)
+    embed, lm_head = target_head_weights(cfg.target, hf_config, device, dtype)
+    mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
+    torch.manual_seed(cfg.run.seed)
+    return DFlashDrafter(mcfg, embed, lm_head, attention=cfg.drafter.attention).to(device=device, dtype=dtype)
+
+
+def export_untrained(cfg: DFlashConfig, out_dir: Path, device: torch.device | str = "cpu") -> Path:
+    """Export the drafter exactly as step 0 of `up` initialises it: eval's untrained floor (tau ~ 1)."""
+    model = build_drafter(cfg, device)
+    return export_drafter(model, out_dir)
+
+
 class DrafterCore:
     def __init__(self, cfg: DFlashConfig, run_dir: Path, world: DistInfo, device: torch.device, total_steps: int, resume: bool):
         self.cfg = cfg
         self.run_dir = run_dir
         self.world = world
         self.device = device
-        tokenizer = load_tokenizer(cfg.target.tokenizer)
-        hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))
-        layer_ids = resolve_layer_ids(cfg.target, int(text_config(hf_config).num_hidden_layers))
-        if cfg.drafter.mask_token_id >= 0:
-            mask_id, why = cfg.drafter.mask_token_id, "drafter.mask_token_id"
-        else:
-            mask_id, why = choose_mask_token(tokenizer, int(text_config(hf_config).vocab_size))
-        if world.is_main:
-            log.info("mask token: id %d (%s)", mask_id, why)
         dtype = dtype_from_name(cfg.drafter.dtype)
-        embed, lm_head = target_head_weights(cfg.target, hf_config, device, dtype)
-        mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
-        torch.manual_seed(cfg.run.seed)
-        self.model = DFlashDrafter(mcfg, embed, lm_head, attention=cfg.drafter.attention).to(device=device, dtype=dtype)
+        self.model = build_drafter(cfg, device, log_mask_token=world.is_main)
         self.trainer = DrafterTrainer(self.model, cfg.training, compute_dtype=dtype, world=world, total_steps=max(1, total_steps))
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(cfg.run.seed * 1000 + world.rank)
