@@ -245,6 +245,25 @@ def eval_cmd(config_path, drafter_dir, prompts_path, n, max_new, block_size, dty
     sys.exit(0 if report["lossless"] else 1)
 
 
+@main.command("export-untrained")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for config.json + model.safetensors.")
+@click.option("--device", default="cpu", show_default=True, help="Where to build it (the target's embedding and LM head are read).")
+def export_untrained_cmd(config_path: str, out_dir: str, device: str) -> None:
+    """Export a freshly initialised drafter (as `up` starts it) in the trained export's layout: eval's untrained floor."""
+    from pathlib import Path
+
+    from dflash_ipc.drafter.core import export_untrained
+
+    cfg = _load_or_exit(config_path)
+    try:
+        out = export_untrained(cfg, Path(out_dir), device)
+    except (ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(str(out))
+
+
 @main.command("gen-data")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output JSONL (appended to; held-out split beside it).")

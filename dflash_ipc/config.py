@@ -315,9 +315,11 @@ class TrainingConfig:
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
+    # > 0: warm up over this share of the schedule's steps instead of warmup_steps (SpecForge: ~0.04).
+    warmup_fraction: float = 0.0
     max_steps: int = 0  # 0: until the data (num_epochs) is exhausted
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.01  # AdamW, on matrices only (norms and biases: none); SpecForge uses 0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW; SpecForge uses [0.9, 0.999]
     grad_clip: float = 1.0
     loss_gamma: float = 7.0
     ce_chunk_tokens: int = 2048
@@ -332,15 +334,34 @@ class TrainingConfig:
         _require(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
         _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        _require(
+            0 <= self.warmup_fraction < 1,
+            "warmup_fraction",
+            f"must be in [0, 1) (got {self.warmup_fraction}); e.g. 0.04 warms up over 4% of the steps, 0 uses training.warmup_steps",
+        )
         _require(self.max_steps >= 0, "max_steps", "must be >= 0 (0 = until the data is exhausted)")
-        _require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "must be two numbers in [0, 1)")
+        _require(
+            0 <= self.weight_decay < 1 and math.isfinite(self.weight_decay),
+            "weight_decay",
+            f"must be in [0, 1) (got {self.weight_decay}); AdamW multiplies it by the learning rate, 0 disables it",
+        )
+        _require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "betas",
+            f"must be two numbers in [0, 1), e.g. [0.9, 0.95] (got {self.betas})",
+        )
         _require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
         _require(self.loss_gamma > 0, "loss_gamma", "must be > 0")
         _require(self.ce_chunk_tokens >= 16, "ce_chunk_tokens", "must be >= 16")
         _require(self.kl_weight >= 0, "kl_weight", "must be >= 0")
         _require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+
+    def resolved_warmup_steps(self, total_steps: int) -> int:
+        """Warm-up length for a schedule of ``total_steps``: warmup_fraction of it (at least 1) if set."""
+        if self.warmup_fraction > 0:
+            return max(1, round(self.warmup_fraction * total_steps))
+        return self.warmup_steps
 
 
 @dataclass
@@ -388,6 +409,8 @@ class DFlashConfig:
             out.append("topology.dist_backend=nccl is ignored on cpu")
         if self.target.capture_last_hidden and self.training.kl_weight == 0:
             out.append("target.capture_last_hidden ships an extra plane that nothing reads while training.kl_weight = 0")
+        if self.training.warmup_fraction > 0 and self.training.warmup_steps != TrainingConfig.warmup_steps:
+            out.append("training.warmup_steps is ignored because training.warmup_fraction is set")
         if not any(p.startswith("builtin:") for p in self.data.paths) and self.data.builtin_samples != 2000:
             out.append("data.builtin_samples is ignored: no builtin: data path is used")
         return out

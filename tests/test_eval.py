@@ -180,3 +180,19 @@ def test_llama_checkpoint_crops_its_cache_and_stays_lossless(tiny_llama):
             assert any(0 < s.accepted < 3 for s in res.steps)
     finally:
         target.close()
+
+
+def test_export_untrained_matches_the_trained_layout_and_evals_lossless(tmp_path):
+    cfg = load_config(TINY)
+    out = tmp_path / "untrained"
+    r = CliRunner().invoke(main, ["export-untrained", "--config", str(TINY), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["dflash_config"]["block_size"] == cfg.drafter.block_size
+    assert conf["num_hidden_layers"] == cfg.drafter.num_layers
+    r = CliRunner().invoke(main, ["eval", "--config", str(TINY), "--drafter", str(out), "--n", "2", "--max-new", "12", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output.strip().splitlines()[-1])
+    assert rep["lossless"] is True and rep["prompts"] == 2
+    assert 1.0 <= rep["tau"] < 2.0  # a random drafter: the floor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import socket
@@ -132,6 +133,43 @@ def test_schedule_warmup_cosine_and_total_steps():
     tr.set_total_steps(30)
     assert tr.total_steps == 30
     assert DrafterTrainer(make_model(), CFG, total_steps=5).total_steps == CFG.max_steps
+
+
+def test_schedule_warmup_fraction():
+    cfg = TrainingConfig(lr=2.0, min_lr_ratio=0.0, warmup_steps=50, warmup_fraction=0.04)
+    assert cfg.resolved_warmup_steps(200) == 8  # the fraction wins over warmup_steps
+    assert [lr_at(i, cfg, 200) for i in range(8)] == pytest.approx([2.0 * (i + 1) / 8 for i in range(8)])
+    assert lr_at(8, cfg, 200) == pytest.approx(2.0)  # peak, then cosine over the remaining 192 steps
+    assert lr_at(8 + 96, cfg, 200) == pytest.approx(1.0)
+    assert lr_at(200, cfg, 200) == pytest.approx(0.0, abs=1e-12)
+    lrs = [lr_at(i, cfg, 200) for i in range(8, 201)]
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
+    # A short schedule still warms up for one step; warmup_fraction 0 keeps warmup_steps.
+    assert cfg.resolved_warmup_steps(3) == 1 and lr_at(0, cfg, 3) == pytest.approx(2.0)
+    assert TrainingConfig(warmup_steps=5).resolved_warmup_steps(1000) == 5
+    from dflash_ipc.config import DFlashConfig
+
+    assert "training.warmup_steps is ignored because training.warmup_fraction is set" in DFlashConfig(
+        training=cfg).ignored_value_warnings()
+    assert not any("warmup" in w for w in DFlashConfig(training=TrainingConfig(warmup_fraction=0.04)).ignored_value_warnings())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [({"warmup_fraction": 1.0}, "warmup_fraction"), ({"warmup_fraction": -0.1}, "warmup_fraction"),
+     ({"weight_decay": -0.01}, "weight_decay"), ({"weight_decay": float("nan")}, "weight_decay"),
+     ({"betas": [0.9]}, "betas"), ({"betas": [0.9, 1.0]}, "betas")],
+)
+def test_recipe_knobs_validated(kwargs, key, tmp_path):
+    from dflash_ipc.config import ConfigError, load_config
+
+    with pytest.raises(ValueError):
+        TrainingConfig(**kwargs)
+    value = kwargs[key]
+    toml = f"[training]\n{key} = {value!r}\n"  # Python's repr of these values is valid TOML
+    (tmp_path / "c.toml").write_text(toml)
+    with pytest.raises(ConfigError, match=f"training.{key}"):
+        load_config(tmp_path / "c.toml")
 
 
 def test_empty_and_zero_weight_steps_do_not_update():

@@ -6,7 +6,7 @@ One training step, identical on every drafter rank (data parallel, lockstep)::
         │
     agree(has_batch, stop)  ── no rank has a batch and no more will come ──▶ finish
         │                   ── stop requested ──▶ checkpoint at this boundary ──▶ finish
-    compute_loss (concat planes + noise on this GPU) ─▶ trainer.step (token-weighted all-reduce)
+    compute_loss (concat planes + noise on this GPU; argmax hits -> eval-rule tau) ─▶ trainer.step (token-weighted all-reduce)
         │   (a rank without a batch steps with zero weight, so collectives never hang)
     ledger += batch id ─▶ metrics.jsonl (+ TensorBoard events if run.tensorboard; rank 0) ─▶ checkpoint every N steps
 
@@ -53,26 +53,39 @@ TENSORBOARD_SCALARS = (("loss", "train/loss"), ("acc", "train/acc"), ("tau", "tr
                        ("tokens_per_s", "train/tokens_per_s"), ("lr", "train/lr"))
 
 
+def build_drafter(cfg: DFlashConfig, device: torch.device | str, *, log_mask_token: bool = True) -> DFlashDrafter:
+    """A freshly initialised drafter (seeded by run.seed) on the target's frozen embedding and LM head."""
+    device = torch.device(device)
+    tokenizer = load_tokenizer(cfg.target.tokenizer)
+    hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))
+    layer_ids = resolve_layer_ids(cfg.target, int(text_config(hf_config).num_hidden_layers))
+    if cfg.drafter.mask_token_id >= 0:
+        mask_id, why = cfg.drafter.mask_token_id, "drafter.mask_token_id"
+    else:
+        mask_id, why = choose_mask_token(tokenizer, int(text_config(hf_config).vocab_size))
+    if log_mask_token:
+        log.info("mask token: id %d (%s)", mask_id, why)
+    dtype = dtype_from_name(cfg.drafter.dtype)
+    embed, lm_head = target_head_weights(cfg.target, hf_config, device, dtype)
+    mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
+    torch.manual_seed(cfg.run.seed)
+    return DFlashDrafter(mcfg, embed, lm_head, attention=cfg.drafter.attention).to(device=device, dtype=dtype)
+
+
+def export_untrained(cfg: DFlashConfig, out_dir: Path, device: torch.device | str = "cpu") -> Path:
+    """Export the drafter exactly as step 0 of `up` initialises it: eval's untrained floor (tau ~ 1)."""
+    model = build_drafter(cfg, device)
+    return export_drafter(model, out_dir)
+
+
 class DrafterCore:
     def __init__(self, cfg: DFlashConfig, run_dir: Path, world: DistInfo, device: torch.device, total_steps: int, resume: bool):
         self.cfg = cfg
         self.run_dir = run_dir
         self.world = world
         self.device = device
-        tokenizer = load_tokenizer(cfg.target.tokenizer)
-        hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))
-        layer_ids = resolve_layer_ids(cfg.target, int(text_config(hf_config).num_hidden_layers))
-        if cfg.drafter.mask_token_id >= 0:
-            mask_id, why = cfg.drafter.mask_token_id, "drafter.mask_token_id"
-        else:
-            mask_id, why = choose_mask_token(tokenizer, int(text_config(hf_config).vocab_size))
-        if world.is_main:
-            log.info("mask token: id %d (%s)", mask_id, why)
         dtype = dtype_from_name(cfg.drafter.dtype)
-        embed, lm_head = target_head_weights(cfg.target, hf_config, device, dtype)
-        mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
-        torch.manual_seed(cfg.run.seed)
-        self.model = DFlashDrafter(mcfg, embed, lm_head, attention=cfg.drafter.attention).to(device=device, dtype=dtype)
+        self.model = build_drafter(cfg, device, log_mask_token=world.is_main)
         self.trainer = DrafterTrainer(self.model, cfg.training, compute_dtype=dtype, world=world, total_steps=max(1, total_steps))
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(cfg.run.seed * 1000 + world.rank)
@@ -146,6 +159,7 @@ class DrafterCore:
             t_fwd = time.perf_counter()
             stats = self.trainer.step(out.loss_sum, out.weight_sum)
             correct, count = out.correct_per_pos.detach(), out.count_per_pos.detach()
+            accept = torch.stack([out.accept_len_sum, out.accept_blocks]).detach().float()
             n_tokens = int(views.token_ids.numel())
             self._new_ids.append(tuple(batch_id))
         else:
@@ -154,12 +168,14 @@ class DrafterCore:
             bs = self.model.config.block_size
             correct = torch.zeros(bs, device=self.device)
             count = torch.zeros(bs, device=self.device)
+            accept = torch.zeros(2, device=self.device)
             n_tokens = 0
-        sums = torch.cat([correct.float(), count.float(), torch.tensor([float(n_tokens)], device=self.device)])
+        sums = torch.cat([correct.float(), count.float(), accept, torch.tensor([float(n_tokens)], device=self.device)])
         if self.world.is_distributed:
             torch.distributed.all_reduce(sums)
         bs = self.model.config.block_size
         acc = accuracy_per_pos(sums[:bs], sums[bs : 2 * bs])
+        accept_len_sum, accept_blocks = sums[2 * bs].item(), sums[2 * bs + 1].item()
         tokens = int(sums[-1].item())
         self.step += 1
         self.tokens_total += tokens
@@ -176,7 +192,12 @@ class DrafterCore:
             "grad_norm": stats.grad_norm,
             "acc": round(sum(acc_valid) / len(acc_valid), 4) if acc_valid else None,
             "acc_per_pos": acc_list,
-            "tau": expected_acceptance_length([0.0 if a is None else a for a in acc_list]),
+            # tau by eval's rule (joint prefix acceptance per block, + bonus) on this training batch,
+            # before the optimizer step; held-out tau comes from `dflash-ipc eval`. tau_marginal:
+            # the product of per-slot accuracies, kept for comparison with earlier runs.
+            "tau": round(accept_len_sum / accept_blocks, 4) if accept_blocks > 0 else None,
+            "tau_marginal": round(expected_acceptance_length([0.0 if a is None else a for a in acc_list]), 4),
+            "tau_blocks": int(accept_blocks),
             "wait_s": wait_s,
             "copy_s": copy_s,
             "forward_s": t_fwd - t0,

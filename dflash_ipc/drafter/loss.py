@@ -41,6 +41,7 @@ __all__ = [
     "compute_loss",
     "accuracy_per_pos",
     "expected_acceptance_length",
+    "block_acceptance_lengths",
 ]
 
 
@@ -178,6 +179,10 @@ class LossOutput:
     num_query_tokens: int
     ce_sum: torch.Tensor  # detached weighted CE sum
     kl_sum: torch.Tensor  # detached weighted KL sum (0 without KL)
+    # Eval-rule acceptance (block_acceptance_lengths): sum over blocks of 1 + the longest correct
+    # draft prefix, and the number of blocks counted; their ratio is tau as `dflash-ipc eval` counts it.
+    accept_len_sum: torch.Tensor | None = None  # float32 scalar
+    accept_blocks: torch.Tensor | None = None  # float32 scalar
 
 
 def _empty_output(model: DFlashDrafter, bs: int, dev: torch.device) -> LossOutput:
@@ -194,6 +199,8 @@ def _empty_output(model: DFlashDrafter, bs: int, dev: torch.device) -> LossOutpu
         num_query_tokens=0,
         ce_sum=torch.zeros((), device=dev),
         kl_sum=torch.zeros((), device=dev),
+        accept_len_sum=torch.zeros((), dtype=torch.float32, device=dev),
+        accept_blocks=torch.zeros((), dtype=torch.float32, device=dev),
     )
 
 
@@ -271,6 +278,10 @@ def compute_loss(
     count = torch.zeros(bs, dtype=torch.float32, device=dev).index_add_(
         0, slot, torch.ones_like(weights)
     )
+    hit = torch.zeros(lab.valid.numel(), dtype=torch.bool, device=dev)
+    hit[rows] = res.pred == labels
+    counted = lab.valid[:, 1]  # blocks whose first draft slot has a label (every sampled anchor's)
+    accept_len = block_acceptance_lengths(hit.view_as(lab.valid), lab.valid) * counted
     return LossOutput(
         loss_sum=res.loss_sum,
         weight_sum=weights.sum(),
@@ -280,6 +291,8 @@ def compute_loss(
         num_query_tokens=layout.num_queries,
         ce_sum=res.ce_sum,
         kl_sum=res.kl_sum,
+        accept_len_sum=accept_len.sum().to(torch.float32),
+        accept_blocks=counted.sum().to(torch.float32),
     )
 
 
@@ -310,3 +323,22 @@ def expected_acceptance_length(acc_per_pos: Sequence[float] | torch.Tensor) -> f
         return 1.0
     acc = torch.nan_to_num(acc[1:], nan=0.0).clamp(0.0, 1.0)
     return float(1.0 + torch.cumprod(acc, 0).sum()) if acc.numel() else 1.0
+
+
+def block_acceptance_lengths(hit: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Tokens one verification step of each block would produce, by eval's rule (``[N]`` int64).
+
+    ``hit[j, s]``: the draft's argmax at slot ``s`` of block ``j`` equals the label; ``valid``:
+    the slot has a label. Slot 0 (the anchor) is ignored. A block yields 1 (the target's bonus
+    token) plus the longest prefix of slots ``1, 2, ...`` that are valid and hit: acceptance is
+    *joint* (a miss ends the block, later hits count for nothing), as in ``eval.verify``; an
+    invalid slot (document end, unsupervised token) ends the prefix like the end of generation.
+    The mean over blocks is the eval-rule tau; :func:`expected_acceptance_length` instead
+    multiplies per-slot marginals as if the slots of a block were independent: it overstates
+    tau when later slots hit in blocks whose earlier slots missed (hits eval never reaches) and
+    understates it when whole blocks are right or wrong together.
+    """
+    if hit.shape != valid.shape or hit.dim() != 2:
+        raise ValueError(f"hit and valid must both be [N, block_size], got {tuple(hit.shape)} and {tuple(valid.shape)}")
+    ok = (hit & valid)[:, 1:].to(torch.int64)
+    return 1 + ok.cumprod(dim=1).sum(dim=1)

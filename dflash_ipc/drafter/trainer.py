@@ -190,15 +190,17 @@ def destroy_distributed() -> None:
 def lr_at(step: int, cfg: TrainingConfig, total_steps: int) -> float:
     """Learning rate for optimizer step index ``step`` (0-based).
 
-    Linear warmup over ``warmup_steps`` (step 0 uses ``lr / warmup_steps``), then cosine decay
-    from ``lr`` to ``min_lr_ratio * lr`` at ``total_steps``; flat at the minimum afterwards.
+    Linear warmup over ``W`` steps (step 0 uses ``lr / W``), then cosine decay from ``lr`` to
+    ``min_lr_ratio * lr`` at ``total_steps``; flat at the minimum afterwards. ``W`` is
+    ``warmup_steps``, or ``warmup_fraction * total_steps`` (at least 1) when the fraction is set.
     """
     base = cfg.lr
     min_lr = cfg.min_lr_ratio * base
-    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-        return base * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, max(0.0, (step - cfg.warmup_steps) / decay_steps))
+    warmup = cfg.resolved_warmup_steps(total_steps)
+    if warmup > 0 and step < warmup:
+        return base * (step + 1) / warmup
+    decay_steps = max(1, total_steps - warmup)
+    progress = min(1.0, max(0.0, (step - warmup) / decay_steps))
     return min_lr + (base - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -568,7 +570,7 @@ class DrafterTrainer:
                 "kind": "warmup-cosine",
                 "lr": self.cfg.lr,
                 "min_lr_ratio": self.cfg.min_lr_ratio,
-                "warmup_steps": self.cfg.warmup_steps,
+                "warmup_steps": self.cfg.resolved_warmup_steps(self.total_steps),
                 "total_steps": self.total_steps,
             },
         }

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# SmolLM2-135M end to end on two H200s in one device call (<= ~9.5 min): convert the GGUF, self-distil
+# data with a held-out split, train with `dflash-ipc up` (~4 min), export the untrained drafter,
+# eval both on the held-out prompts. Every stage is time-budgeted and logs to $OUT.
+#   run(command="bash tools/gpu_smollm2.sh", kind="nvidia-h200-x2", carry=[".whl"], timeout_s=600)
+#   DRY_RUN=1 bash tools/gpu_smollm2.sh      # the same chain on CPU at tiny sizes (configs/tiny-cpu.toml)
+# Expects /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf and the gguf package (or its wheel in .whl/).
+# Knobs (env): BUDGET_S, N_PROMPTS, HOLDOUT, GEN_BS, GEN_MAX_NEW, TRAIN_S, STEP_S, MAX_STEPS, EPOCHS,
+# EVAL_N, EVAL_MAX_NEW, EVAL_S_PER_PROMPT, EXTRA (more section.key=JSON overrides for the training config).
+set -u -o pipefail
+T0=$(date +%s)
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+stage() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-$(mktemp -d /tmp/gpu-smollm2-out.XXXX)}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+python3 -c "import dflash_ipc.procs" 2>/dev/null || { echo "dflash_ipc is not installed: carry its wheel in .whl/ (or pip install -e .)"; exit 1; }
+DF="python3 -m dflash_ipc.cli"
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  BUDGET_S=${BUDGET_S:-1500}; W=${WORK:-$(mktemp -d /tmp/smollm2-dry.XXXX)}
+  BASE=configs/tiny-cpu.toml; DEV0=cpu; DEV1=cpu; MODEL=""
+  N_PROMPTS=${N_PROMPTS:-24}; HOLDOUT=${HOLDOUT:-0.25}; GEN_BS=${GEN_BS:-8}; GEN_MAX_NEW=${GEN_MAX_NEW:-16}
+  TRAIN_S=${TRAIN_S:-8}; STEP_S=${STEP_S:-2}; EPOCHS=${EPOCHS:-4}
+  EVAL_N=${EVAL_N:-2}; EVAL_MAX_NEW=${EVAL_MAX_NEW:-12}; FLOOR_N=2; FLOOR_MAX_NEW=12
+  TOPO=('topology.targets=["cpu"]' 'topology.drafters=["cpu"]')
+else
+  BUDGET_S=${BUDGET_S:-565}; W=${WORK:-/root/work-smollm2}
+  BASE=configs/smollm2-x2.toml; DEV0=cuda:0; DEV1=cuda:1; MODEL=/root/models/smollm2
+  N_PROMPTS=${N_PROMPTS:-2000}; HOLDOUT=${HOLDOUT:-0.05}; GEN_BS=${GEN_BS:-256}; GEN_MAX_NEW=${GEN_MAX_NEW:-384}
+  # STEP_S: seconds per optimizer step of this config, measured in issue 13's run (616 steps in 125 s);
+  # the train stage prints the rate it measured, feed it back here.
+  TRAIN_S=${TRAIN_S:-200}; STEP_S=${STEP_S:-0.2}; EPOCHS=${EPOCHS:-100}
+  EVAL_N=${EVAL_N:-64}; EVAL_MAX_NEW=${EVAL_MAX_NEW:-256}; FLOOR_N=16; FLOOR_MAX_NEW=128
+  TOPO=()
+fi
+MAX_STEPS=${MAX_STEPS:-$(python3 -c "print(max(2, int($TRAIN_S / $STEP_S)))")}
+mkdir -p "$W"
+echo "out=$OUT work=$W base=$BASE budget=${BUDGET_S}s max_steps=$MAX_STEPS"
+[ "${DRY_RUN:-0}" = 1 ] || { nvidia-smi -L; python3 -c "import torch, transformers, gguf; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())" || exit 1; }
+
+# -- 1. GGUF -> Hugging Face folder (skipped when already there, and in a dry run: the tiny random target)
+if [ -n "$MODEL" ] && [ ! -f "$MODEL/config.json" ]; then
+  stage "convert"
+  timeout $(( $(left) - 420 )) python3 tools/smollm2_to_hf.py --gguf /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out "$MODEL" 2>&1 \
+    | tee "$OUT/convert.log" || { echo "convert failed"; exit 1; }
+fi
+MODEL_OV=(); [ -n "$MODEL" ] && MODEL_OV=("target.model_path=\"$MODEL\"")
+
+# -- 2. gen-data: the built-in questions in two shards, one per device, then joined (held-out split by id hash)
+stage "gen-data ($N_PROMPTS prompts, batch $GEN_BS, max-new $GEN_MAX_NEW)"
+python3 tools/derive_config.py "$BASE" "$W/gen.toml" "${MODEL_OV[@]}" "data.builtin_samples=$N_PROMPTS" "${TOPO[@]}" \
+  | tee "$OUT/derive.log" || exit 1
+python3 - "$W" "$N_PROMPTS" <<'EOF' || exit 1
+import json, sys
+from dflash_ipc.data.corpus import builtin_conversations
+w, n = sys.argv[1], int(sys.argv[2])
+recs = builtin_conversations(n)
+for s in range(2):
+    with open(f"{w}/prompts{s}.jsonl", "w") as f:
+        for i in range(s, n, 2):
+            f.write(json.dumps({"id": f"builtin-{i}", "conversations": recs[i]["conversations"]}) + "\n")
+EOF
+GEN_T=$(( $(left) - 330 ))
+for s in 0 1; do
+  dev=$DEV0; [ $s = 1 ] && dev=$DEV1
+  timeout -s INT $GEN_T $DF gen-data --config "$W/gen.toml" --prompts "$W/prompts$s.jsonl" --out "$W/gen$s.jsonl" --device $dev \
+    --holdout-fraction $HOLDOUT --batch-size $GEN_BS --max-new $GEN_MAX_NEW --json > "$OUT/gen$s.log" 2>&1 &
+done
+wait
+tail -n 2 "$OUT/gen0.log" "$OUT/gen1.log"
+cat "$W/gen0.jsonl" "$W/gen1.jsonl" > "$W/gen.jsonl" 2>/dev/null
+cat "$W/gen0.holdout.jsonl" "$W/gen1.holdout.jsonl" > "$W/gen.holdout.jsonl" 2>/dev/null
+echo "gen-data: $(wc -l < "$W/gen.jsonl") train, $(wc -l < "$W/gen.holdout.jsonl") held-out records"
+[ -s "$W/gen.jsonl" ] && [ -s "$W/gen.holdout.jsonl" ] || { echo "gen-data produced no train or no held-out records"; exit 1; }
+
+# -- 3. train: max_steps from the step rate; SIGINT at the time budget still checkpoints and exports
+stage "train (max_steps $MAX_STEPS, ~${TRAIN_S}s)"
+rm -rf "$W/run"
+python3 tools/derive_config.py "$BASE" "$W/train.toml" "${MODEL_OV[@]}" "data.paths=[\"$W/gen.jsonl\"]" "data.num_epochs=$EPOCHS" \
+  "run.run_dir=\"$W/run\"" "training.max_steps=$MAX_STEPS" "${TOPO[@]}" ${EXTRA:-} | tee -a "$OUT/derive.log" || exit 1
+cp "$W/train.toml" "$OUT/"
+TRAIN_T=$(( $(left) - 120 ))
+timeout -s INT -k 60 $TRAIN_T $DF up --config "$W/train.toml" 2>&1 | tee "$OUT/up.log" | grep -v "^\[up\] step" | tail -n 25
+cp "$W/run/metrics.jsonl" "$W/run/plan.json" "$OUT/" 2>/dev/null
+python3 - "$W/run" "$EPOCHS" <<'EOF'
+import json, sys
+from pathlib import Path
+run, epochs = Path(sys.argv[1]), int(sys.argv[2])
+m = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").exists() else {}
+if len(m) < 2:
+    sys.exit(f"train: only {len(m)} metrics lines")
+k = min(len(m) // 2, 10)  # skip the first steps (compile, warm-up) when timing
+dt = m[-1]["elapsed_s"] - m[k]["elapsed_s"]
+rate = (m[-1]["step"] - m[k]["step"]) / dt if dt > 0 else float("nan")
+tail = m[-20:]
+per_epoch = plan.get("n_batches_total", 0) / epochs
+print(json.dumps({"train_steps": m[-1]["step"], "steps_per_s": round(rate, 2), "step_s": round(1 / rate, 4) if rate > 0 else None,
+                  "train_elapsed_s": round(m[-1]["elapsed_s"], 1), "loss_last20": round(sum(r["loss"] for r in tail) / len(tail), 4),
+                  "tau_train_last20": round(sum(r["tau"] or 0 for r in tail) / len(tail), 3),
+                  "tau_marginal_last20": round(sum(r["tau_marginal"] for r in tail) / len(tail), 3),
+                  "acc_last20": round(sum(r["acc"] or 0 for r in tail) / len(tail), 4),
+                  "batches_per_epoch": round(per_epoch, 1), "epochs_seen": round(m[-1]["step"] / per_epoch, 2) if per_epoch else None}))
+EOF
+[ -f "$W/run/export/drafter/config.json" ] || { echo "no trained export"; exit 1; }
+
+# -- 4. the untrained floor, in the trained export's layout
+stage "export-untrained"
+$DF export-untrained --config "$W/train.toml" --out "$W/untrained" 2>&1 | tail -n 3 | tee "$OUT/export_untrained.log"
+
+# -- 5. eval on the held-out prompts: trained on the first device, the floor (fewer prompts) on the second, at once
+L=$(left)
+N=$(python3 -c "print(max(2, min($EVAL_N, int(($L - 40) / ${EVAL_S_PER_PROMPT:-3}))))")
+stage "eval (trained: n $N max-new $EVAL_MAX_NEW; untrained: n $FLOOR_N max-new $FLOOR_MAX_NEW; $L s left)"
+timeout $(( L - 10 )) $DF eval --config "$W/train.toml" --drafter "$W/run/export/drafter" --prompts "$W/gen.holdout.jsonl" \
+  --n $N --max-new $EVAL_MAX_NEW --target-device $DEV0 --drafter-device $DEV0 --json > "$OUT/eval_trained.json" 2> "$OUT/eval_trained.log" &
+timeout $(( L - 10 )) $DF eval --config "$W/train.toml" --drafter "$W/untrained" --prompts "$W/gen.holdout.jsonl" \
+  --n $FLOOR_N --max-new $FLOOR_MAX_NEW --target-device $DEV1 --drafter-device $DEV1 --json > "$OUT/eval_untrained.json" 2> "$OUT/eval_untrained.log" &
+wait
+tail -n 3 "$OUT/eval_trained.log" "$OUT/eval_untrained.log"
+stage "done"
+python3 - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+for name in ("untrained", "trained"):
+    p = Path(sys.argv[1]) / f"eval_{name}.json"
+    lines = p.read_text().strip().splitlines() if p.exists() else []
+    try:
+        r = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        print(f"{name}: no eval result (see eval_{name}.log)")
+        continue
+    print(f"{name}: tau {r['tau']} lossless {str(r['lossless']).lower()} speedup {r.get('speedup')} prompts {r['prompts']}")
+EOF
