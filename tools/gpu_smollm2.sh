@@ -14,11 +14,8 @@ stage() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-$(mktemp -d /tmp/gpu-smollm2-out.XXXX)}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-python3 -c "import dflash_ipc.procs" 2>/dev/null || { echo "dflash_ipc is not installed: carry its wheel in .whl/ (or pip install -e .)"; exit 1; }
+if [ "${DRY_RUN:-0}" != 1 ]; then . tools/gpu_setup.sh; fi  # wheels, the package importable, multicast off
+python3 -c "import dflash_ipc.procs" 2>/dev/null || { echo "dflash_ipc.procs does not import: pip install -e . first"; exit 1; }
 DF="python3 -m dflash_ipc.cli"
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
