@@ -6,7 +6,8 @@
 #   DRY_RUN=1 bash tools/gpu_smollm2.sh      # the same chain on CPU at tiny sizes (configs/tiny-cpu.toml)
 # Expects /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf and the gguf package (or its wheel in .whl/).
 # Knobs (env): BUDGET_S, N_PROMPTS, HOLDOUT, GEN_BS, GEN_MAX_NEW, TRAIN_S, STEP_S, MAX_STEPS, EPOCHS,
-# EVAL_N, EVAL_MAX_NEW, EVAL_S_PER_PROMPT, EXTRA (more section.key=JSON overrides for the training config).
+# EVAL_N, EVAL_MAX_NEW, EVAL_S_PER_PROMPT, EXTRA (more section.key=JSON overrides for the training config),
+# ONE_GPU=1 (target and drafter both on cuda:0, for a one-GPU machine).
 set -u -o pipefail
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
@@ -34,6 +35,9 @@ else
   TRAIN_S=${TRAIN_S:-200}; STEP_S=${STEP_S:-0.2}; EPOCHS=${EPOCHS:-100}
   EVAL_N=${EVAL_N:-64}; EVAL_MAX_NEW=${EVAL_MAX_NEW:-256}; FLOOR_N=16; FLOOR_MAX_NEW=128
   TOPO=()
+  if [ "${ONE_GPU:-0}" = 1 ]; then  # one H200: target and drafter share cuda:0
+    DEV1=cuda:0; TOPO=('topology.drafters=["cuda:0"]')
+  fi
 fi
 MAX_STEPS=${MAX_STEPS:-$(python3 -c "print(max(2, int($TRAIN_S / $STEP_S)))")}
 mkdir -p "$W"
