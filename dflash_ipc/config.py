@@ -242,11 +242,14 @@ class TargetConfig:
     # Decoder-layer outputs to capture; empty: DFlash default spread (5 layers from 1 to L-3).
     layer_ids: list[int] = field(default_factory=list)
     num_capture_layers: int = 5
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
     # Also ship the target's final (normed) hidden state, needed by training.kl_weight > 0.
     capture_last_hidden: bool = False
     async_pack: bool = True
     random_init_seed: int = 1234
+    # Pack each batch's documents back to back in one row (no padding computed; see target/varlen.py);
+    # false: the right-padded [B, L] forward, kept so benchmarks can compare both on the same batches.
+    varlen: bool = True
 
     def __post_init__(self) -> None:
         if not self.tokenizer:

@@ -134,24 +134,35 @@ class TargetCore:
         batch = self._schedule.popleft()
         ids, mask, lens = self.corpus.collate(batch.sample_indices, self.pad_id)
         steady = self.t_first_done is not None
+        varlen = self.model.varlen
+        on_gpu = self.device.type == "cuda"
+        meta = None
+        if varlen:  # the real tokens back to back: the forward's input and the slot's order
+            meta = flat_batch_meta(ids, mask, lens, pin=False)
+            ids = meta.token_ids
         bare_first = bare_baseline and self.forwards % 2 == 1
-        bare_s = self._bare_forward(ids) if bare_first else 0.0
+        bare_s = self._bare_forward(ids, lens) if bare_first else 0.0
         self._sync()
         t0 = time.perf_counter()
         start_mark = self.overlap.mark()
-        planes = self.model.capture(ids.to(self.device, non_blocking=True))
+        if varlen:
+            planes = self.model.capture_packed(ids, meta.lens())
+        else:
+            planes = self.model.capture(ids.to(self.device, non_blocking=True))
         end_mark = self.overlap.mark()
-        on_gpu = self.device.type == "cuda"
         if on_gpu:  # host work while the GPU still runs the forward: submit then only enqueues
-            meta = flat_batch_meta(ids, mask, lens, pin=True)
+            if meta is None:
+                meta = flat_batch_meta(ids, mask, lens, pin=True)
+            else:
+                meta = BatchMeta(seq_lens=meta.seq_lens, token_ids=meta.token_ids.pin_memory(), loss_mask=meta.loss_mask.pin_memory())
         self._sync()
         t1 = time.perf_counter()
-        if not on_gpu:
+        if meta is None:
             meta = flat_batch_meta(ids, mask, lens, pin=False)
         self.overlap.add_forward(start_mark, end_mark)
         dt = t1 - t0
         if bare_baseline and not bare_first:
-            bare_s = self._bare_forward(ids)
+            bare_s = self._bare_forward(ids, lens)
         flops = self.model.forward_flops(lens.tolist())
         self.forward_s += dt
         self.forwards += 1
@@ -173,14 +184,13 @@ class TargetCore:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _bare_forward(self, ids: torch.Tensor) -> float:
-        """The batch through the plain transformers stack: no hooks, no capture."""
-        ids = ids.to(self.device)
+    def _bare_forward(self, ids: torch.Tensor, lens: torch.Tensor) -> float:
+        """The batch through the stack alone, as the captured forward runs it (packed or padded):
+        no hooks, no capture."""
         self._sync()
         t0 = time.perf_counter()
         start_mark = self.overlap.mark()
-        with torch.inference_mode():
-            self.model.stack(input_ids=ids, use_cache=False)
+        self.model.forward_bare(ids, lens.tolist() if self.model.varlen else None)
         end_mark = self.overlap.mark()
         self._sync()
         self.overlap.add_forward(start_mark, end_mark)

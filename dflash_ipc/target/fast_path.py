@@ -8,8 +8,6 @@ from typing import Any
 
 from torch import nn
 
-from dflash_ipc.target.model import TargetModel
-
 _ROLE_NAMES = {
     "chunk_gated_delta_rule": ("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
     "recurrent_gated_delta_rule": ("fused_recurrent_gated_delta_rule", "recurrent_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
@@ -69,7 +67,7 @@ def fast_path_report(model: Any) -> dict[str, Any]:
     """
     import transformers
 
-    stack = model.stack if isinstance(model, TargetModel) else model
+    stack = getattr(model, "stack", model)  # a TargetModel or a bare decoder stack
     gdn = [m for m in stack.modules() if "GatedDeltaNet" in type(m).__name__]
     report: dict[str, Any] = {
         "transformers": transformers.__version__,

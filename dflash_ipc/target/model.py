@@ -15,6 +15,10 @@ Around it: :mod:`~dflash_ipc.target.hf_config` (specs, configs, layer ids),
 the target), :mod:`~dflash_ipc.target.fast_path` (fast kernels or slow fallbacks?) and
 :mod:`~dflash_ipc.target.flops` (FLOPs of the forward actually run, for MFU).
 
+With ``varlen`` (config ``target.varlen``), :meth:`TargetModel.capture_packed` runs the batch's
+documents back to back in one row instead, no padding computed; :mod:`~dflash_ipc.target.varlen`
+says how each layer type keeps the documents apart.
+
 Right padding needs no attention mask: every layer of the stack is causal (full attention) or
 a causal recurrence / causal conv (GatedDeltaNet), so a real token never sees the pad tokens
 that follow it; the packer strips the pad positions afterwards.
@@ -35,6 +39,7 @@ from dflash_ipc.devices import as_device, cuda_device, dtype_from_name
 from dflash_ipc.target.flops import forward_flops
 from dflash_ipc.target.heads import derived_seed, target_head_weights
 from dflash_ipc.target.hf_config import make_hf_config, resolve_layer_ids, text_config, truncated_spec_config
+from dflash_ipc.target.varlen import PackedDocs, install_document_reset
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +110,9 @@ def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> Ta
     with torch.no_grad():
         stack.embed_tokens.weight.copy_(embed)
     del embed
-    return TargetModel(stack, hf_config, layer_ids, device, dtype, capture_last_hidden=cfg.capture_last_hidden)
+    return TargetModel(
+        stack, hf_config, layer_ids, device, dtype, capture_last_hidden=cfg.capture_last_hidden, varlen=cfg.varlen, attn_implementation=cfg.attn_implementation
+    )
 
 
 def _build_from_checkpoint(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> TargetModel:
@@ -134,7 +141,9 @@ def _build_from_checkpoint(cfg: TargetConfig, device: torch.device, dtype: torch
         stack.to(device)
     if getattr(stack, "config", None) is not None:
         stack.config.use_cache = False
-    return TargetModel(stack, hf_config, layer_ids, device, dtype, capture_last_hidden=cfg.capture_last_hidden)
+    return TargetModel(
+        stack, hf_config, layer_ids, device, dtype, capture_last_hidden=cfg.capture_last_hidden, varlen=cfg.varlen, attn_implementation=cfg.attn_implementation
+    )
 
 
 # --------------------------------------------------------------------------- the model
@@ -151,6 +160,8 @@ class TargetModel:
         device,
         dtype: torch.dtype,
         capture_last_hidden: bool = False,
+        varlen: bool = False,
+        attn_implementation: str | None = None,
     ):
         self.stack = stack
         self.hf_config = hf_config
@@ -162,6 +173,10 @@ class TargetModel:
             raise ValueError(f"layer id {max(self.layer_ids)} but only {len(stack.layers)} layers were built")
         stack.eval()
         stack.requires_grad_(False)
+        self.attn_implementation = attn_implementation or str(getattr(text_config(hf_config), "_attn_implementation", None) or "sdpa")
+        self.varlen = bool(varlen)
+        # after any weight init: the wrappers rename the GatedDeltaNet parameters (linear_attn.inner.*)
+        self._mixers, self.linear_attention_kernels = install_document_reset(stack) if self.varlen else ([], False)
 
     @property
     def num_layers_built(self) -> int:
@@ -188,12 +203,55 @@ class TargetModel:
         """Run ``input_ids`` [B, L] (right-padded; no mask needed) and return the outputs of the
         decoder layers ``layer_ids`` as k tensors [B, L, H] (+ the final normed hidden state
         when capture_last_hidden). Pad positions hold garbage; the packer drops them."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, L] (got shape {tuple(input_ids.shape)})")
+        return self._run_captured({"input_ids": input_ids.to(self.device)}, capture_last_hidden)
+
+    def capture_packed(self, input_ids: torch.Tensor, seq_lens: Sequence[int], capture_last_hidden: bool | None = None) -> list[torch.Tensor]:
+        """Run the documents of ``input_ids`` (flat [n] or [1, n], back to back, lengths
+        ``seq_lens``) as one packed row, no padding computed (see :mod:`~dflash_ipc.target.varlen`),
+        and return the captured planes as [1, n, H] in the same order: the slot's layout."""
+        kwargs = self._packed_kwargs(input_ids, seq_lens)
+        try:
+            return self._run_captured(kwargs, capture_last_hidden)
+        finally:
+            for m in self._mixers:
+                m.set_docs(None)
+
+    def forward_bare(self, input_ids: torch.Tensor, seq_lens: Sequence[int] | None = None) -> None:
+        """The whole built stack without hooks or capture (the benchmark's ceiling): packed when
+        ``seq_lens`` is given, else the right-padded [B, L] batch."""
+        kwargs = {"input_ids": input_ids.to(self.device)} if seq_lens is None else self._packed_kwargs(input_ids, seq_lens)
+        try:
+            with torch.inference_mode():
+                self.stack(**kwargs, use_cache=False)
+        finally:
+            for m in self._mixers:
+                m.set_docs(None)
+
+    def _packed_kwargs(self, input_ids: torch.Tensor, seq_lens: Sequence[int]) -> dict[str, Any]:
+        """Stack-forward kwargs for one packed row; arms the GatedDeltaNet wrappers (the caller
+        disarms them)."""
+        if not self.varlen:
+            raise ValueError("a packed forward needs a target built with varlen=True (config target.varlen)")
+        ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            raise ValueError(f"packed input_ids must be [n] or [1, n] (got shape {tuple(input_ids.shape)})")
+        lens = [int(x) for x in seq_lens]
+        if sum(lens) != ids.shape[1]:
+            raise ValueError(f"seq_lens sum to {sum(lens)} but the packed row has {ids.shape[1]} tokens")
+        docs = PackedDocs.build(lens, self.device)
+        padded_index = docs.padded_index() if any(not m.use_kernels for m in self._mixers) else None
+        kwargs = {"input_ids": ids.to(self.device, non_blocking=True), "position_ids": docs.position_ids}
+        kwargs.update(docs.attention_kwargs(self.attn_implementation))
+        for m in self._mixers:
+            m.set_docs(docs, padded_index)
+        return kwargs
+
+    def _run_captured(self, forward_kwargs: dict[str, Any], capture_last_hidden: bool | None) -> list[torch.Tensor]:
         last = self.capture_last_hidden if capture_last_hidden is None else bool(capture_last_hidden)
         if last and self.num_layers_built < self.num_layers_total:
             raise ValueError("capture_last_hidden needs the full stack; build the target with capture_last_hidden=True")
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, L] (got shape {tuple(input_ids.shape)})")
-        input_ids = input_ids.to(self.device)
         slots: list[torch.Tensor | None] = [None] * len(self.layer_ids)
         stop_at = None if last else max(self.layer_ids)
         handles = []
@@ -212,7 +270,7 @@ class TargetModel:
             out = None
             with torch.inference_mode():
                 try:
-                    out = self.stack(input_ids=input_ids, use_cache=False)
+                    out = self.stack(**forward_kwargs, use_cache=False)
                 except _StopForward:
                     pass
         finally:

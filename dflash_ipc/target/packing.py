@@ -1,5 +1,8 @@
 """Pack one batch's captured hidden states into a ring slot, off the critical path.
 
+Captured planes come right-padded ``[B, L, H]`` (the padded forward) or packed ``[1, n, H]``
+(the varlen forward, :mod:`dflash_ipc.target.varlen`: already the slot's order, copied as is).
+
 What goes into the slot (see :mod:`dflash_ipc.transport.slots`): the per-layer planes ``[k, n, H]`` of the
 *real* tokens only (right padding stripped; ``n = sum(seq_lens)``, documents back to back),
 their token ids, loss mask and the per-document lengths. Layers are not concatenated and no
@@ -90,7 +93,10 @@ def flat_batch_meta(token_ids: torch.Tensor, loss_mask: torch.Tensor, seq_lens: 
     return BatchMeta(seq_lens=lens, token_ids=ids, loss_mask=mask)
 
 
-def _check(layout: SlotLayout, captured: Sequence[torch.Tensor], lens: list[int]) -> tuple[int, int, int]:
+def _check(layout: SlotLayout, captured: Sequence[torch.Tensor], lens: list[int]) -> tuple[int, int, int, bool]:
+    """Validate one batch; returns ``(rows, row_len, n_tokens, packed)``. Captured planes are
+    right-padded ``[B, L, H]`` (one document per row) or packed ``[1, n, H]`` (the documents back
+    to back, the varlen forward's layout: already the slot's, copied without a gather)."""
     if len(captured) != layout.num_planes:
         raise ValueError(f"{len(captured)} captured planes but the slot layout has {layout.num_planes}")
     shape = tuple(captured[0].shape)
@@ -100,18 +106,21 @@ def _check(layout: SlotLayout, captured: Sequence[torch.Tensor], lens: list[int]
         if tuple(t.shape) != shape:
             raise ValueError(f"captured planes differ in shape: {tuple(t.shape)} vs {shape}")
     b, seq = shape[0], shape[1]
-    if len(lens) != b:
-        raise ValueError(f"{len(lens)} sequence lengths for a batch of {b} rows")
+    n = sum(lens)
+    packed = b == 1 and seq == n and len(lens) >= 1
+    if not packed and len(lens) != b:
+        raise ValueError(f"{len(lens)} sequence lengths for a batch of {b} rows (nor a packed [1, {n}] row)")
     if any(not 0 < x <= seq for x in lens):
         raise ValueError(f"sequence lengths must be in 1..{seq} (got {lens})")
-    n = sum(lens)
-    if n > layout.max_tokens or b > layout.max_seqs:
-        raise ValueError(f"batch of {n} tokens / {b} sequences exceeds the slot ({layout.max_tokens} / {layout.max_seqs})")
-    return b, seq, n
+    if n > layout.max_tokens or len(lens) > layout.max_seqs:
+        raise ValueError(f"batch of {n} tokens / {len(lens)} sequences exceeds the slot ({layout.max_tokens} / {layout.max_seqs})")
+    return b, seq, n, packed
 
 
 def _gather_flat(t: torch.Tensor, b: int, seq: int, n: int, idx_for: Any) -> torch.Tensor:
-    """``t`` ([B, L] padded or [n] flat) -> [n] real tokens, on t's device."""
+    """``t`` ([B, L] padded, [1, n] packed or [n] flat) -> [n] real tokens, on t's device."""
+    if t.dim() == 2 and tuple(t.shape) == (1, n):
+        return t.reshape(-1)
     if t.dim() == 2:
         if tuple(t.shape) != (b, seq):
             raise ValueError(f"token_ids/loss_mask must be [B, L] = {(b, seq)} or flat [n] (got {tuple(t.shape)})")
@@ -141,8 +150,8 @@ def pack_into_slot(
     ``keep`` collects temporaries that in-flight copies still read (for asynchronous callers)."""
     keep = [] if keep is None else keep
     lens = meta.lens()
-    b, seq, n = _check(layout, captured, lens)
-    views = layout.views(slot_tensor, n, b)
+    b, seq, n, packed = _check(layout, captured, lens)
+    views = layout.views(slot_tensor, n, len(lens))
     dev = captured[0].device
     lens_host = torch.tensor(lens, dtype=torch.int64)
 
@@ -160,7 +169,7 @@ def pack_into_slot(
             keep.append(idx_cache[device])
         return idx_cache[device]
 
-    idx = idx_for(dev)
+    idx = None if packed else idx_for(dev)
     same = views.planes.device == dev
     staging = None
     if not same:
@@ -169,7 +178,9 @@ def pack_into_slot(
     target = views.planes if same else staging
     for j, h in enumerate(captured):
         flat = h.reshape(-1, layout.hidden_size)  # a view for contiguous [B, L, H]
-        if flat.dtype == target.dtype:
+        if idx is None:
+            target[j].copy_(flat)
+        elif flat.dtype == target.dtype:
             torch.index_select(flat, 0, idx, out=target[j])
         else:
             target[j].copy_(flat.index_select(0, idx))

@@ -1,0 +1,160 @@
+"""Varlen target forward: a batch's documents back to back in one row, no padding computed.
+
+What keeps the documents apart, layer by layer (transformers 5.x mechanisms, read from the
+installed ``modeling_qwen3_5`` / ``masking_utils`` / ``modeling_flash_attention_utils``):
+
+* **Full attention.** ``position_ids`` restart at 0 per document and ``attention_mask`` is None:
+  ``masking_utils.find_packed_sequence_indices`` then detects the packed row and
+  ``create_causal_mask`` builds a block-diagonal causal mask (sdpa / eager: a dense mask;
+  flex_attention: a block-sparse BlockMask). For flash-attention the stack also gets
+  ``cu_seq_lens_q/k`` + ``max_length_q/k``, which transformers hands to flash-attn's varlen kernel.
+  RoPE reads the same restarted positions, so every document sees positions 0..len-1.
+* **GatedDeltaNet** (Qwen3.5 linear attention). The layer forwards ``cu_seq_lens_q`` to
+  flash-linear-attention's ``chunk_gated_delta_rule`` as ``cu_seqlens`` (recurrent state reset per
+  document) and ``seq_idx`` to causal-conv1d's ``causal_conv1d_fn`` (the 4-tap conv never reads
+  the previous document). Transformers' torch fallbacks cannot do either: they refuse those
+  arguments (``ValueError``) and, without them, the state and the conv leak across documents.
+  So :class:`DocumentResetMixer` wraps every GatedDeltaNet: with both fast kernels it adds the
+  two arguments; otherwise (CPU, or a GPU missing fla or causal-conv1d) it scatters the packed
+  row into a right-padded ``[documents, longest, H]`` batch for this layer only, runs the
+  unchanged layer on it (each document starts from a zero state and a zero conv window, exactly
+  its standalone forward) and gathers the real tokens back. Attention and MLPs stay packed.
+
+The captured planes come out as ``[1, n, H]`` with the documents in batch order: exactly the
+slot's layout (:mod:`~dflash_ipc.target.packing` copies them without a gather).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_ipc.target.fast_path import impl_origin, resolve_impl
+from dflash_ipc.target.packing import real_token_index
+
+__all__ = ["PackedDocs", "DocumentResetMixer", "install_document_reset", "gated_delta_net_kernels"]
+
+_FAST = {"fla", "causal_conv1d", "hub_kernel"}
+
+
+@dataclass
+class PackedDocs:
+    """One packed row: the documents' lengths and everything the layers need to keep them apart."""
+
+    seq_lens: list[int]
+    position_ids: torch.Tensor  # [1, n] int64, restarting at 0 per document
+    cu_seqlens: torch.Tensor  # [D + 1] int32, document boundaries
+    seq_idx: torch.Tensor  # [1, n] int32, the document of each token
+    max_len: int
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @classmethod
+    def build(cls, seq_lens: list[int], device: torch.device) -> PackedDocs:
+        if not seq_lens or any(int(x) < 1 for x in seq_lens):
+            raise ValueError(f"packed documents need lengths >= 1 (got {seq_lens})")
+        lens = torch.tensor([int(x) for x in seq_lens], dtype=torch.int64)
+        n = int(lens.sum())
+        cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+        torch.cumsum(lens, 0, out=cu[1:])
+        doc = torch.repeat_interleave(torch.arange(len(seq_lens)), lens, output_size=n)
+        pos = torch.arange(n, dtype=torch.int64) - cu[:-1].index_select(0, doc)
+        return cls(
+            seq_lens=[int(x) for x in seq_lens],
+            position_ids=pos.view(1, n).to(device, non_blocking=True),
+            cu_seqlens=cu.to(torch.int32).to(device, non_blocking=True),
+            seq_idx=doc.to(torch.int32).view(1, n).to(device, non_blocking=True),
+            max_len=int(lens.max()),
+        )
+
+    def attention_kwargs(self, attn_implementation: str) -> dict[str, Any]:
+        """Extra stack-forward kwargs for the full-attention layers (besides ``position_ids``)."""
+        if not attn_implementation.startswith("flash_attention"):
+            return {}  # sdpa / eager / flex: the packed mask comes from position_ids
+        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.max_len, "max_length_k": self.max_len}
+
+    def padded_index(self) -> torch.Tensor:
+        """Flat position ``d * max_len + t`` of every packed token in a right-padded [D, max_len] batch."""
+        lens = torch.tensor(self.seq_lens, dtype=torch.int64, device=self.position_ids.device)
+        return real_token_index(lens, self.max_len, self.n_tokens)
+
+
+def gated_delta_net_kernels(layer: nn.Module) -> dict[str, str]:
+    """Origin (``fla`` / ``causal_conv1d`` / ``torch`` ...) of the two functions a GatedDeltaNet
+    layer calls for a prefill, resolved through transformers' fallback wrappers."""
+    mod = sys.modules.get(type(layer).__module__)
+    out = {}
+    for role, name in (("chunk", "torch_chunk_gated_delta_rule"), ("conv", "causal_conv1d_fn")):
+        fn = getattr(mod, name, None) if mod is not None else None
+        out[role] = impl_origin(resolve_impl(fn)) if fn is not None else "none"
+    return out
+
+
+class DocumentResetMixer(nn.Module):
+    """A GatedDeltaNet that keeps the documents of a packed row apart (see the module docstring).
+
+    ``docs`` is set by :meth:`TargetModel.capture_packed` for one forward and cleared after it;
+    while it is None the layer runs unchanged (the padded path)."""
+
+    def __init__(self, inner: nn.Module, use_kernels: bool):
+        super().__init__()
+        self.inner = inner
+        self.use_kernels = bool(use_kernels)  # fla cu_seqlens + causal-conv1d seq_idx
+        self.reset_documents = True  # tests only: False shows the leak across documents
+        self.docs: PackedDocs | None = None
+        self._padded_index: torch.Tensor | None = None
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        docs = self.docs
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
+            kwargs.pop(key, None)  # only this wrapper decides what the linear attention gets
+        if docs is None or not self.reset_documents:
+            return self.inner(hidden_states, **kwargs)
+        if hidden_states.shape[0] != 1 or hidden_states.shape[1] != docs.n_tokens:
+            raise ValueError(f"packed hidden states must be [1, {docs.n_tokens}, H] (got {tuple(hidden_states.shape)})")
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError("a packed row has no padding: attention_mask must be None")
+        if self.use_kernels:
+            return self.inner(hidden_states, cu_seq_lens_q=docs.cu_seqlens, seq_idx=docs.seq_idx, **kwargs)
+        # Torch fallback: this layer alone runs right-padded, one document per row.
+        if self._padded_index is None:
+            self._padded_index = docs.padded_index()
+        idx = self._padded_index
+        width = hidden_states.shape[-1]
+        padded = hidden_states.new_zeros((len(docs.seq_lens) * docs.max_len, width))
+        padded.index_copy_(0, idx, hidden_states[0])
+        out = self.inner(padded.view(len(docs.seq_lens), docs.max_len, width), **kwargs)
+        return out.reshape(-1, out.shape[-1]).index_select(0, idx).unsqueeze(0)
+
+    def set_docs(self, docs: PackedDocs | None, padded_index: torch.Tensor | None = None) -> None:
+        self.docs = docs
+        self._padded_index = padded_index
+
+
+def install_document_reset(stack: nn.Module) -> tuple[list[DocumentResetMixer], bool]:
+    """Wrap every GatedDeltaNet of ``stack`` (its ``linear_attn``) in a :class:`DocumentResetMixer`.
+
+    Returns the wrappers and whether they use the fast kernels (fla *and* causal-conv1d; one
+    without the other cannot reset both the state and the conv, so the padded fallback runs)."""
+    mixers: list[DocumentResetMixer] = []
+    use_kernels = False
+    for layer in stack.layers:
+        inner = getattr(layer, "linear_attn", None)
+        if inner is None or isinstance(inner, DocumentResetMixer):
+            if isinstance(inner, DocumentResetMixer):
+                mixers.append(inner)
+            continue
+        kernels = gated_delta_net_kernels(inner)
+        use_kernels = kernels["chunk"] in _FAST and kernels["conv"] in _FAST
+        wrapper = DocumentResetMixer(inner, use_kernels)
+        layer.linear_attn = wrapper
+        mixers.append(wrapper)
+    if mixers:
+        use_kernels = all(m.use_kernels for m in mixers)
+    return mixers, use_kernels
