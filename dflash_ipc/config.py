@@ -270,6 +270,9 @@ class DrafterConfig:
     block_size: int = 16
     num_anchors: int = 512  # per document (SpecForge's per-sample budget)
     max_anchors_per_batch: int = 0  # 0: no cap; else a uniform subset of the batch's anchors
+    # Anchors per drafter forward+backward inside one optimizer step (gradient accumulation over
+    # anchor chunks: memory follows the chunk, not the anchor count); 0: all anchors at once.
+    anchor_chunk: int = 0
     # 0 means "same as the target".
     hidden_size: int = 0
     intermediate_size: int = 0
@@ -292,6 +295,7 @@ class DrafterConfig:
         _require(2 <= self.block_size <= 64, "block_size", "must be between 2 and 64")
         _require(self.num_anchors >= 1, "num_anchors", "must be >= 1")
         _require(self.max_anchors_per_batch >= 0, "max_anchors_per_batch", "must be >= 0 (0 = no cap)")
+        _require(self.anchor_chunk >= 0, "anchor_chunk", "must be >= 0 (0 = all anchors in one forward)")
         _require(self.noise_std >= 0, "noise_std", "must be >= 0")
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
             _require(getattr(self, name) >= 0, name, "must be >= 0 (0 = same as the target)")

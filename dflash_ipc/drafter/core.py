@@ -6,7 +6,8 @@ One training step, identical on every drafter rank (data parallel, lockstep)::
         │
     agree(has_batch, stop)  ── no rank has a batch and no more will come ──▶ finish
         │                   ── stop requested ──▶ checkpoint at this boundary ──▶ finish
-    compute_loss (concat planes + noise on this GPU) ─▶ trainer.step (token-weighted all-reduce)
+    compute_loss (concat planes + noise on this GPU; anchor chunks: forward + trainer.accumulate each
+        │        but the last) ─▶ trainer.step (last chunk's backward, token-weighted all-reduce)
         │   (a rank without a batch steps with zero weight, so collectives never hang)
     ledger += batch id ─▶ metrics.jsonl (+ TensorBoard events if run.tensorboard; rank 0) ─▶ checkpoint every N steps
 
@@ -142,8 +143,8 @@ class DrafterCore:
     def train_step(self, views: SlotViews | None, batch_id: list | None, wait_s: float, copy_s: float) -> dict:
         t0 = time.perf_counter()
         if views is not None:
-            out = compute_loss(self.model, views, self.cfg.drafter, self.cfg.training, self.generator)
-            t_fwd = time.perf_counter()
+            out = compute_loss(self.model, views, self.cfg.drafter, self.cfg.training, self.generator, self.trainer.accumulate)
+            t_fwd = time.perf_counter()  # with anchor chunks: every chunk's forward and all but the last's backward
             stats = self.trainer.step(out.loss_sum, out.weight_sum)
             correct, count = out.correct_per_pos.detach(), out.count_per_pos.detach()
             n_tokens = int(views.token_ids.numel())

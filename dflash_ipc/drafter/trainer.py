@@ -41,6 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
+from dflash_ipc.drafter.checkpoint import cpu_snapshot
+from dflash_ipc.drafter.schedule import lr_at
 
 log = logging.getLogger(__name__)
 
@@ -184,38 +186,7 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-# --------------------------------------------------------------------------- schedule
-
-
-def lr_at(step: int, cfg: TrainingConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step index ``step`` (0-based).
-
-    Linear warmup over ``warmup_steps`` (step 0 uses ``lr / warmup_steps``), then cosine decay
-    from ``lr`` to ``min_lr_ratio * lr`` at ``total_steps``; flat at the minimum afterwards.
-    """
-    base = cfg.lr
-    min_lr = cfg.min_lr_ratio * base
-    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-        return base * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, max(0.0, (step - cfg.warmup_steps) / decay_steps))
-    return min_lr + (base - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 # --------------------------------------------------------------------------- trainer
-
-
-def _snapshot(obj: Any) -> Any:
-    """Deep copy with tensors cloned to CPU (an optimizer state_dict aliases live tensors)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_snapshot(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_snapshot(v) for v in obj)
-    return obj
 
 
 @dataclass
@@ -336,6 +307,8 @@ class DrafterTrainer:
         self._next_launch = 0
         self._works: list[Any] = []
         self._in_backward = False
+        self._accumulating = False
+        self._accumulated: torch.Tensor | None = None  # loss sum of the micro-batches backpropagated so far
         self._seen: list[bool] = []
         self.buckets_launched_in_backward = 0
 
@@ -398,15 +371,18 @@ class DrafterTrainer:
 
     def _make_hook(self, idx: int):
         def hook(p: torch.Tensor) -> None:
-            if not self._in_backward or self._seen[idx]:
+            if not self._in_backward:
                 return
             g = p.grad
             if g is None:
                 return
             slot = self._grad_views[idx]
             if g.data_ptr() != slot.data_ptr():
-                slot.copy_(g)
+                # single copy: g already holds the sum; else p.grad starts empty and the slot accumulates
+                slot.copy_(g) if self.single_copy else slot.add_(g)
                 p.grad = slot if self.single_copy else None
+            if self._accumulating or self._seen[idx]:
+                return
             self._seen[idx] = True
             b = self._param_bucket[idx]
             self._pending[b] -= 1
@@ -427,8 +403,9 @@ class DrafterTrainer:
             self._works.append(dist.all_reduce(self._grad_buf[s:e], op=dist.ReduceOp.SUM, async_op=True))
 
     def _begin(self, loss_sum: torch.Tensor | None, weight_sum: Any) -> None:
-        self._ensure_linked()
-        self._grad_buf.zero_()
+        if self._accumulated is None:
+            self._ensure_linked()
+            self._grad_buf.zero_()
         if isinstance(weight_sum, torch.Tensor):
             w = weight_sum.detach().reshape(1).to(self._grad_buf.dtype)
             self._grad_buf[0:1].copy_(w)
@@ -438,6 +415,9 @@ class DrafterTrainer:
         self._local_w.copy_(self._grad_buf[0:1])
         if loss_sum is not None:
             self._grad_buf[1:2].copy_(loss_sum.detach().reshape(1))
+        if self._accumulated is not None:
+            self._grad_buf[1:2].add_(self._accumulated)
+            self._accumulated = None
         self._pending = list(self._bucket_sizes)
         self._seen = [False] * len(self.params)
         self._next_launch = 0
@@ -490,6 +470,26 @@ class DrafterTrainer:
         stats.local_weight = local_w
         stats.backward_s, stats.allreduce_s, stats.optimizer_s = t1 - t0, t2 - t1, t3 - t2
         return stats
+
+    def accumulate(self, loss_sum: torch.Tensor) -> None:
+        """Backward one micro-batch's ``loss_sum`` into the gradient buffer: no communication, no update.
+
+        The next :meth:`step` (its ``loss_sum`` the last micro-batch's, its ``weight_sum`` the
+        whole batch's) adds its own backward, all-reduces and divides by the global weight, so
+        K micro-batches make one step equal to one step over their union.
+        """
+        if not loss_sum.requires_grad:
+            raise ValueError("loss_sum does not require grad")
+        if self._accumulated is None:
+            self._ensure_linked()
+            self._grad_buf.zero_()
+            self._accumulated = torch.zeros(1, dtype=self.master_dtype, device=self.device)
+        self._accumulated.add_(loss_sum.detach().reshape(1))
+        self._in_backward = self._accumulating = True
+        try:
+            loss_sum.backward()
+        finally:
+            self._in_backward = self._accumulating = False
 
     def step_empty(self) -> StepStats:
         """Participate in a step with no local batch (zero gradient, zero weight)."""
@@ -563,7 +563,7 @@ class DrafterTrainer:
             "total_steps": self.total_steps,
             "names": list(self.names),
             "master": {n: mv.detach().to("cpu", copy=True) for n, mv in zip(self.names, self._master_views)},
-            "optimizer": _snapshot(self.optimizer.state_dict()),
+            "optimizer": cpu_snapshot(self.optimizer.state_dict()),
             "schedule": {
                 "kind": "warmup-cosine",
                 "lr": self.cfg.lr,
