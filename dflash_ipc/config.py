@@ -273,6 +273,9 @@ class DrafterConfig:
     # Anchors per drafter forward+backward inside one optimizer step (gradient accumulation over
     # anchor chunks: memory follows the chunk, not the anchor count); 0: all anchors at once.
     anchor_chunk: int = 0
+    # One forward+backward on a dummy batch of the configured shapes before the handshake (flex
+    # compile, first-step allocations), so the targets never wait on the drafter's first step.
+    warm_up: bool = True
     # 0 means "same as the target".
     hidden_size: int = 0
     intermediate_size: int = 0

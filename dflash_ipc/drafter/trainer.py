@@ -472,14 +472,8 @@ class DrafterTrainer:
         return stats
 
     def accumulate(self, loss_sum: torch.Tensor) -> None:
-        """Backward one micro-batch's ``loss_sum`` into the gradient buffer: no communication, no update.
-
-        The next :meth:`step` (its ``loss_sum`` the last micro-batch's, its ``weight_sum`` the
-        whole batch's) adds its own backward, all-reduces and divides by the global weight, so
-        K micro-batches make one step equal to one step over their union.
-        """
-        if not loss_sum.requires_grad:
-            raise ValueError("loss_sum does not require grad")
+        """Backward one micro-batch's ``loss_sum`` into the gradient buffer (no communication, no update); the
+        next :meth:`step` (the last micro-batch's loss, the whole batch's weight) makes one step over their union."""
         if self._accumulated is None:
             self._ensure_linked()
             self._grad_buf.zero_()
@@ -490,6 +484,12 @@ class DrafterTrainer:
             loss_sum.backward()
         finally:
             self._in_backward = self._accumulating = False
+
+    def discard_grads(self) -> None:
+        """Forget gradients of a backward that was no step (the drafter's warm-up)."""
+        self._grad_buf.zero_()
+        for p, gv in zip(self.params, self._grad_views):
+            p.grad = gv if self.single_copy else None
 
     def step_empty(self) -> StepStats:
         """Participate in a step with no local batch (zero gradient, zero weight)."""
@@ -534,10 +534,9 @@ class DrafterTrainer:
         """One small all-reduce: (does any rank have a batch, did any rank ask to stop)."""
         if not self.world.is_distributed:
             return bool(has_batch), bool(stop_requested)
-        t = torch.tensor([int(bool(has_batch)), int(bool(stop_requested))], dtype=torch.int32,
-                         device=self.world.comm_device)
+        t = torch.tensor([int(bool(has_batch)), int(bool(stop_requested))], dtype=torch.int32, device=self.world.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        a, s = t.tolist()
+        a, s = t.tolist()  # one sync
         return bool(a), bool(s)
 
     @property
