@@ -79,6 +79,11 @@ class RunConfig:
     # Serve the live status snapshot as Prometheus metrics on http://127.0.0.1:PORT/metrics
     # (loopback only: scrape through an SSH tunnel or a local Prometheus). 0: no endpoint.
     metrics_port: int = 0
+    # TorchInductor compile workers per process. Above 1 inductor starts a pool of worker
+    # processes (each a Python importing torch and triton, ~0.4 GB RSS; the default is one per
+    # core, up to 32), which held 15.7 GB in one drafter's tree. 1 compiles in the process itself:
+    # slower only for the first compile, which the drafter's handshake warm-up already hides.
+    compile_threads: int = 1
 
     def __post_init__(self) -> None:
         _require(
@@ -91,6 +96,7 @@ class RunConfig:
             "tensorboard",
             'is true but the tensorboard package is not installed; pip install "dflash-ipc[tensorboard]" or set it to false',
         )
+        _require(1 <= self.compile_threads <= 64, "compile_threads", f"must be between 1 and 64 (got {self.compile_threads})")
         for key in ("handshake_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
             value = getattr(self, key)
             _require(0 < value <= MAX_TIMEOUT_S, key, f"must be > 0 and <= {MAX_TIMEOUT_S:g} seconds (7 days; got {value:g})")
