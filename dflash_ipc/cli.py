@@ -201,10 +201,20 @@ def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
 
 
 @main.command("plan")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--topology", "n_gpus", type=click.IntRange(2), default=None,
+              help="Instead: the target:drafter split of this many GPUs with the most tokens/s (needs --profile).")
+@click.option("--profile", "profile_path", default=None, type=click.Path(dir_okay=False),
+              help="Measured rates (JSON): a `bench pipeline` result, or {tokens_per_batch, target_batch_s, drafter_step_s}.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
-def plan(config_path: str, as_json: bool) -> None:
-    """Length-bucketed batch plan statistics for a config (no model is loaded)."""
+def plan(config_path: str | None, n_gpus: int | None, profile_path: str | None, as_json: bool) -> None:
+    """Length-bucketed batch plan statistics for a config (no model is loaded), or with --topology
+    the best target:drafter split of N GPUs from a measured profile."""
+    if n_gpus is not None or profile_path is not None:
+        _plan_topology(n_gpus, profile_path, as_json)
+        return
+    if config_path is None:
+        raise click.UsageError("give --config FILE (batch plan), or --topology N --profile FILE (GPU split)")
     from dflash_ipc.data.plan import plan_command
 
     _load_or_exit(config_path)
@@ -214,6 +224,19 @@ def plan(config_path: str, as_json: bool) -> None:
     else:
         for k, v in stats.items():
             click.echo(f"{k:>32}: {v}")
+
+
+def _plan_topology(n_gpus: int | None, profile_path: str | None, as_json: bool) -> None:
+    from dflash_ipc.bench.topology import Profile, advice, format_table
+
+    if n_gpus is None or profile_path is None:
+        raise click.UsageError("--topology N and --profile FILE go together")
+    try:
+        profile = Profile.load(profile_path)
+    except ValueError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(advice(profile, n_gpus)) if as_json else format_table(profile, n_gpus))
 
 
 @main.command("eval")

@@ -79,6 +79,11 @@ class RunConfig:
     # Serve the live status snapshot as Prometheus metrics on http://127.0.0.1:PORT/metrics
     # (loopback only: scrape through an SSH tunnel or a local Prometheus). 0: no endpoint.
     metrics_port: int = 0
+    # TorchInductor compile workers per process. Above 1 inductor starts a pool of worker
+    # processes (each a Python importing torch and triton, ~0.4 GB RSS; the default is one per
+    # core, up to 32), which held 15.7 GB in one drafter's tree. 1 compiles in the process itself:
+    # slower only for the first compile, which the drafter's handshake warm-up already hides.
+    compile_threads: int = 1
 
     def __post_init__(self) -> None:
         _require(
@@ -91,6 +96,7 @@ class RunConfig:
             "tensorboard",
             'is true but the tensorboard package is not installed; pip install "dflash-ipc[tensorboard]" or set it to false',
         )
+        _require(1 <= self.compile_threads <= 64, "compile_threads", f"must be between 1 and 64 (got {self.compile_threads})")
         for key in ("handshake_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
             value = getattr(self, key)
             _require(0 < value <= MAX_TIMEOUT_S, key, f"must be > 0 and <= {MAX_TIMEOUT_S:g} seconds (7 days; got {value:g})")
@@ -273,6 +279,12 @@ class DrafterConfig:
     block_size: int = 16
     num_anchors: int = 512  # per document (SpecForge's per-sample budget)
     max_anchors_per_batch: int = 0  # 0: no cap; else a uniform subset of the batch's anchors
+    # Anchors per drafter forward+backward inside one optimizer step (gradient accumulation over
+    # anchor chunks: memory follows the chunk, not the anchor count); 0: all anchors at once.
+    anchor_chunk: int = 0
+    # One forward+backward on a dummy batch of the configured shapes before the handshake (flex
+    # compile, first-step allocations), so the targets never wait on the drafter's first step.
+    warm_up: bool = True
     # 0 means "same as the target".
     hidden_size: int = 0
     intermediate_size: int = 0
@@ -295,6 +307,7 @@ class DrafterConfig:
         _require(2 <= self.block_size <= 64, "block_size", "must be between 2 and 64")
         _require(self.num_anchors >= 1, "num_anchors", "must be >= 1")
         _require(self.max_anchors_per_batch >= 0, "max_anchors_per_batch", "must be >= 0 (0 = no cap)")
+        _require(self.anchor_chunk >= 0, "anchor_chunk", "must be >= 0 (0 = all anchors in one forward)")
         _require(self.noise_std >= 0, "noise_std", "must be >= 0")
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
             _require(getattr(self, name) >= 0, name, "must be >= 0 (0 = same as the target)")

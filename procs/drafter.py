@@ -1,5 +1,8 @@
 """Drafter process: one per drafter device. Wires :class:`DrafterCore` to the rings and sockets.
 
+Start: join the process group, build the core, warm up (drafter.warm_up: one forward+backward on a
+dummy batch, before Hello), handshake, open the rings, Ready.
+
 Main loop::
 
     drain sockets (SlotReady/EndOfData -> data plane, Shutdown -> stop at the next boundary)
@@ -43,7 +46,8 @@ def _add_arguments(ap) -> None:
 
 def _placement(args) -> Placement:
     cfg = load_resolved_config(Path(args.run_dir))
-    return Placement(cfg.topology.drafters[args.rank], len(cfg.topology.targets) + len(cfg.topology.drafters), cfg.run.log_level, cfg)
+    return Placement(cfg.topology.drafters[args.rank], len(cfg.topology.targets) + len(cfg.topology.drafters), cfg.run.log_level, cfg,
+                     compile_threads=cfg.run.compile_threads)
 
 
 def drafter_main(child: ChildContext) -> int:
@@ -57,6 +61,8 @@ def drafter_main(child: ChildContext) -> int:
     core = DrafterCore(cfg, run_dir, world, device, total_steps, child.args.resume)
     child.closing.callback(core.close)
     log.info("drafter %d/%d on %s: %.2fM trainable params, step %d", rank, world.world_size, device, core.n_params / 1e6, core.step)
+    if cfg.drafter.warm_up:  # before Hello: overlaps the targets' model load, and no target waits on our first step
+        log.info("warm-up: one forward+backward on a dummy %d-token batch took %.1f s", cfg.data.token_budget, core.warm_up())
     hello = Hello(role="drafter", rank=rank, pid=os.getpid(), device=str(device), endpoint=socks.pull_endpoint,
                   info=ChildInfo(resume=core.resumed_from))
     start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)

@@ -41,7 +41,8 @@ def _add_arguments(ap) -> None:
 
 def _placement(args) -> Placement:
     cfg = load_resolved_config(Path(args.run_dir))
-    return Placement(cfg.topology.targets[args.rank], len(cfg.topology.targets) + len(cfg.topology.drafters), cfg.run.log_level, cfg)
+    return Placement(cfg.topology.targets[args.rank], len(cfg.topology.targets) + len(cfg.topology.drafters), cfg.run.log_level, cfg,
+                     compile_threads=cfg.run.compile_threads)
 
 
 def target_main(child: ChildContext) -> int:

@@ -41,3 +41,9 @@ def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
     assert 0 < result["ratio_pipeline_to_forward_only"]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["variant"] for x in lines] == ["warmup", "forward-only", "cuda-ipc", "depth-2"]
+    # whole-run figure and the measured profile, with the split advice for this run's 4 processes and for 8
+    assert 0 < ipc["whole_run_tokens_per_s"] and ipc["drafter_busy_tokens_per_s_per_gpu"] > 0 and ipc["target_slot_wait_s"] >= 0
+    assert "steady_tokens_per_s" not in ipc  # 4 steps never get past the start-up backlog of a 4-slot ring
+    prof = result["profile"]
+    assert prof["target_tokens_per_s"] == v["forward-only"]["target_tokens_per_s"] / 2
+    assert set(result["topology"]) == {"4", "8"} and result["topology"]["8"]["targets"] + result["topology"]["8"]["drafters"] == 8

@@ -30,7 +30,7 @@ def add_arguments(ap):
     ap.add_argument("--mode", choices=["raise", "loop"], required=True)
 
 def place(args):
-    return Placement("cpu", 1, "info", {"from": "place"})
+    return Placement("cpu", 1, "info", {"from": "place"}, compile_threads=3)
 
 def main_fn(child):
     out = child.run_dir / "out"
@@ -39,6 +39,10 @@ def main_fn(child):
     (out / "config").write_text(repr(child.config))
     if child.args.mode == "raise":
         raise RuntimeError("role failed on purpose")
+    import os, subprocess, torch._inductor.config as inductor_config
+    sub = subprocess.run([sys.executable, "-c", "import torch._inductor.config as c; print(c.compile_threads)"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    (out / "compile_threads").write_text(f"{inductor_config.compile_threads} {os.environ['TORCHINDUCTOR_COMPILE_THREADS']} {sub}")
     (out / "running").write_text("1")
     while not child.stop.requested:
         child.read_control(wait_ms=50)
@@ -133,6 +137,17 @@ def test_stop_request_leaves_through_main_and_closing_with_exit_0(role, how):
     assert proc.wait(timeout=60) == 0
     assert (run_dir / "out" / "reason").read_text() == expected
     assert (run_dir / "out" / "closed").read_text().splitlines() == ["last-registered", "first-registered"]
+
+
+def test_child_caps_inductor_compile_workers(role):
+    """The cap is in effect in the child (inductor's config) and in a subprocess it starts (environment)."""
+    start, sup, run_dir = role
+    proc = start("loop")
+    _wait_for(run_dir / "out" / "running", proc)
+    assert (run_dir / "out" / "compile_threads").read_text() == "3 3 3"
+    assert "TorchInductor compile workers capped at 3" in (run_dir / "logs" / "demo-0.log").read_text()
+    sup.send(Shutdown(reason="test"))
+    assert proc.wait(timeout=60) == 0
 
 
 def test_bad_arguments_exit_with_usage(role):

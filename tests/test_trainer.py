@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
-from dflash_ipc.drafter.trainer import DistInfo, DrafterTrainer, init_distributed, lr_at
+from dflash_ipc.drafter.schedule import lr_at
+from dflash_ipc.drafter.trainer import DistInfo, DrafterTrainer, init_distributed
 
 VOCAB, DIM, CLASSES = 11, 8, 5
 

@@ -21,6 +21,14 @@ second (``drafter_tokens_per_s``, after two optimizer steps). Over a run of N st
 differ by at most the ring's depth; in a short run the drafter's rate is inflated by the
 backlog the target built while the drafter compiled, which is why the minimum is reported.
 
+Steady state of the pipeline (``steady_tokens_per_s``, summary ``ratio_pipeline_to_forward_only_steady``):
+tokens trained per second after the first ``ring_slots + 2`` steps (both sides warm, the start-up
+backlog drained), next to the whole-run figure. ``target_slot_wait_s``: how long the targets
+waited for a free slot in all (at start-up: until the drafter's first step freed one). The summary
+also holds the measured per-GPU rates (``profile``: one target's forward-only rate, one drafter's
+busy rate) and the best target:drafter split for this run's GPUs and for 8
+(:mod:`dflash_ipc.bench.topology`; ``dflash-ipc plan --topology N --profile`` reads the saved result).
+
 On CPU the same variants run with cpu-shm (``forward-only`` and depths only): the figures
 are then only ratios. Steady state excludes each process's first forward / first two
 optimizer steps (compilation, allocator warm-up). MFU counts the forward FLOPs actually run
@@ -35,10 +43,12 @@ import json
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import psutil
 
+from dflash_ipc.bench.topology import Profile, best_split
 from dflash_ipc.config import load_config
 from dflash_ipc.control.stats import DrafterStats, TargetStats
 from dflash_ipc.runtime.supervisor import Supervisor
@@ -65,7 +75,7 @@ class TreeSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "TreeSampler":
+    def __enter__(self) -> TreeSampler:
         self._thread.start()
         return self
 
@@ -188,6 +198,16 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
         toks = sum(r["tokens"] for r in st)
         out["steps"] = len(recs)
         out["drafter_tokens_per_s"] = round(toks / max(1e-9, span), 1)
+        out["whole_run_tokens_per_s"] = round(sum(r["tokens"] for r in recs) / max(1e-9, recs[-1]["elapsed_s"]), 1)
+        # both sides warm: past the backlog a ring's depth of slots can hold, and past the first steps
+        skip = cfg.transport.ring_slots + 2
+        warm = recs[skip:]
+        if len(warm) >= 2:
+            span_warm = warm[-1]["elapsed_s"] - warm[0]["elapsed_s"]
+            out["steady_tokens_per_s"] = round(sum(r["tokens"] for r in warm[1:]) / max(1e-9, span_warm), 1)
+            out["steady_after_steps"] = skip + 1
+        out["drafter_busy_tokens_per_s_per_gpu"] = round(toks / max(1e-9, sum(r["step_s"] for r in st)) / len(drafters), 1)
+        out["target_slot_wait_s"] = round(sum(w.slot_wait_ms for w in works) / 1000, 2)
         out["tokens_per_s"] = min(out["drafter_tokens_per_s"], out["target_tokens_per_s"])
         out["bound_by"] = "target" if out["target_tokens_per_s"] <= out["drafter_tokens_per_s"] else "drafter"
         keys = ("wait_s", "copy_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s", "step_s")
@@ -240,6 +260,23 @@ def run_pipeline_bench(config_path: str, steps: int, variants: list[str], peak_t
         summary["ratio_pipeline_to_forward_only"] = round(ipc["tokens_per_s"] / max(1e-9, results["forward-only"]["tokens_per_s"]), 4)
     if ipc and results.get("host-pinned"):
         summary["ratio_cuda_ipc_to_host_pinned"] = round(ipc["tokens_per_s"] / max(1e-9, results["host-pinned"]["tokens_per_s"]), 4)
+    if ipc and results.get("forward-only") and ipc.get("steady_tokens_per_s"):
+        ceiling = max(1e-9, results["forward-only"]["tokens_per_s"])
+        summary["ratio_pipeline_to_forward_only_steady"] = round(ipc["steady_tokens_per_s"] / ceiling, 4)
+    if ipc:
+        summary.update(_topology_advice(config_path, results))
     if results.get("depth-2") and results.get("depth-8"):
         summary["host_rss_depth8_over_depth2"] = round(results["depth-8"]["peak_host_rss_bytes"] / max(1, results["depth-2"]["peak_host_rss_bytes"]), 4)
     return summary
+
+
+def _topology_advice(config_path: str, results: dict) -> dict:
+    """The measured per-GPU rates and the best target:drafter split for this run's GPU count and for 8."""
+    cfg = load_config(config_path)
+    ipc = results["cuda-ipc"]
+    ceiling = results.get("forward-only", ipc)
+    profile = Profile(ceiling["target_tokens_per_s"] / len(cfg.topology.targets), ipc["drafter_busy_tokens_per_s_per_gpu"],
+                      source=f"bench pipeline {config_path}")
+    n = len(cfg.topology.targets) + len(cfg.topology.drafters)
+    return {"profile": asdict(profile),
+            "topology": {str(g): asdict(best_split(profile, g)) for g in sorted({n, 8}) if g >= 2}}

@@ -132,6 +132,7 @@ class DrafterWork(Struct):
     params: int
     train_elapsed_s: float | None  # training wall time up to the latest step
     gpu: GpuMemory | None
+    warmup_s: float | None = None  # the handshake warm-up (first-step compile) on a dummy batch; None: not run
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,19 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 BatchId = tuple[int, ...]
 
 
+def cpu_snapshot(obj: Any) -> Any:
+    """Deep copy with tensors cloned to CPU (an optimizer state_dict aliases live tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [cpu_snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(cpu_snapshot(v) for v in obj)
+    return obj
+
+
 # --------------------------------------------------------------------------- ledger
 
 

@@ -6,7 +6,8 @@ One training step, identical on every drafter rank (data parallel, lockstep)::
         │
     agree(has_batch, stop)  ── no rank has a batch and no more will come ──▶ finish
         │                   ── stop requested ──▶ checkpoint at this boundary ──▶ finish
-    compute_loss (concat planes + noise on this GPU; argmax hits -> eval-rule tau) ─▶ trainer.step (token-weighted all-reduce)
+    compute_loss (concat planes + noise on this GPU; argmax hits -> eval-rule tau; anchor chunks: forward +
+        │        trainer.accumulate each but the last) ─▶ trainer.step (last chunk's backward, token-weighted all-reduce)
         │   (a rank without a batch steps with zero weight, so collectives never hang)
     ledger += batch id ─▶ metrics.jsonl (+ TensorBoard events if run.tensorboard; rank 0) ─▶ checkpoint every N steps
 
@@ -101,6 +102,8 @@ class DrafterCore:
         self.t_start = time.perf_counter()
         self.last: dict = {}
         self.n_params = num_parameters(self.model)
+        self.target_hidden_size = self.model.config.hidden_size  # equal to the target's (DrafterModelConfig.from_configs)
+        self.warmup_s: float | None = None
         if resume:
             self._resume()
         self._tensorboard = self._open_tensorboard() if (cfg.run.tensorboard and world.is_main) else None
@@ -151,12 +154,47 @@ class DrafterCore:
             write_text_atomic(self.metrics_path, "".join(ln + "\n" for ln in kept))
             log.info("resume: dropped %d metrics lines after step %d", len(lines) - len(kept), step)
 
+    # -- warm-up
+    def warm_up(self) -> float:
+        """One forward+backward on a dummy batch of the configured shapes; returns its seconds.
+
+        Compiles flex attention and makes the first step's allocations before the handshake,
+        so a (re)started run never leaves the targets waiting on the drafter's first step. It
+        touches no weight, optimizer state, ledger, step count, metrics or RNG stream (its
+        anchors and noise come from a generator of its own); its gradients are discarded. Local
+        to this rank: no collective.
+        """
+        t0 = time.perf_counter()
+        views = self._dummy_batch()
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(0)
+        out = compute_loss(self.model, views, self.cfg.drafter, self.cfg.training, generator, lambda chunk: chunk.backward())
+        out.loss_sum.backward()
+        self.trainer.discard_grads()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warmup_s = time.perf_counter() - t0
+        return self.warmup_s
+
+    def _dummy_batch(self) -> SlotViews:
+        """A full batch as the targets send it: token budget filled with max_seq_len documents, all supervised."""
+        data, n = self.cfg.data, self.cfg.data.token_budget
+        lens = [data.max_seq_len] * (n // data.max_seq_len) + ([n % data.max_seq_len] if n % data.max_seq_len else [])
+        planes = self.model.config.num_context_planes + int(self.cfg.target.capture_last_hidden)
+        g = torch.Generator().manual_seed(0)
+        return SlotViews(
+            planes=torch.randn(planes, n, self.target_hidden_size, generator=g).to(self.device, dtype_from_name(self.cfg.target.dtype)),
+            token_ids=torch.randint(0, self.model.config.vocab_size, (n,), generator=g).to(self.device),
+            loss_mask=torch.ones(n, dtype=torch.uint8, device=self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+        )
+
     # -- training
     def train_step(self, views: SlotViews | None, batch_id: list | None, wait_s: float, copy_s: float) -> dict:
         t0 = time.perf_counter()
         if views is not None:
-            out = compute_loss(self.model, views, self.cfg.drafter, self.cfg.training, self.generator)
-            t_fwd = time.perf_counter()
+            out = compute_loss(self.model, views, self.cfg.drafter, self.cfg.training, self.generator, self.trainer.accumulate)
+            t_fwd = time.perf_counter()  # with anchor chunks: every chunk's forward and all but the last's backward
             stats = self.trainer.step(out.loss_sum, out.weight_sum)
             correct, count = out.correct_per_pos.detach(), out.count_per_pos.detach()
             accept = torch.stack([out.accept_len_sum, out.accept_blocks]).detach().float()
@@ -270,4 +308,5 @@ class DrafterCore:
             params=self.n_params,
             train_elapsed_s=last["elapsed_s"] if last else None,
             gpu=GpuMemory.of(self.device),
+            warmup_s=self.warmup_s,
         )

@@ -20,7 +20,7 @@ alignment SpecForge's ``_aligned_target_hidden`` uses (``label_index - 1``). Tot
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ipc.config import DrafterConfig, TrainingConfig
-from dflash_ipc.drafter.blocks import block_labels, build_block_layout, document_index, sample_anchors
+from dflash_ipc.drafter.blocks import BlockLabels, block_labels, build_block_layout, document_index, sample_anchors
 from dflash_ipc.drafter.masks import build_attention_masks
 from dflash_ipc.drafter.model import DFlashDrafter
 from dflash_ipc.transport.slots import SlotViews
@@ -210,10 +210,20 @@ def compute_loss(
     drafter_cfg: DrafterConfig,
     training_cfg: TrainingConfig,
     generator: torch.Generator | None = None,
+    accumulate: Callable[[torch.Tensor], None] | None = None,
 ) -> LossOutput:
     """One DFlash training forward on a packed batch (module docstring has the semantics).
 
     ``views`` must already be on the drafter's device; ``generator`` (anchors, noise) too.
+
+    Anchor micro-batching: with ``drafter_cfg.anchor_chunk > 0`` the batch's anchors (sampled
+    once, as without chunks) run through the drafter ``anchor_chunk`` blocks at a time. Blocks
+    never see each other and the loss is a weighted *sum*, so the chunks' loss sums add up to the
+    whole batch's and the weight (``weight_sum``) stays the whole batch's. Every chunk but the
+    last is handed to ``accumulate`` (``DrafterTrainer.accumulate``: backward now, graph freed)
+    before the next is built, so one chunk's activations live at a time; the returned
+    ``loss_sum`` is the last chunk's, for ``DrafterTrainer.step``. Without ``accumulate`` the
+    chunks' loss sums are added (graphs kept: the same numbers, no memory saving).
     """
     mcfg = model.config
     bs = mcfg.block_size
@@ -244,55 +254,59 @@ def compute_loss(
     if anchors.numel() == 0:
         return _empty_output(model, bs, dev)
     lab = block_labels(token_ids, loss_mask, anchors, doc.doc_end[anchor_doc], bs, training_cfg.loss_gamma)
-    layout = build_block_layout(seq_lens, anchors, anchor_doc, bs, block_valid=lab.valid.any(dim=1), doc=doc)
-
+    weight_sum = lab.weights.reshape(-1)[lab.valid.reshape(-1).nonzero().squeeze(1)].sum()
     context = concat_context(planes[:k], drafter_cfg.noise_std, generator)
-    masks = build_attention_masks(layout, mcfg.layer_types, mcfg.sliding_window, model.attention_backend(dev))
-    hidden = model(
-        context,
-        layout.context_position_ids,
-        model.block_input_ids(token_ids[anchors]),
-        layout.block_position_ids,
-        masks,
-    )
+    backend = model.attention_backend(dev)
 
-    rows = lab.valid.reshape(-1).nonzero().squeeze(1)
-    labels = lab.labels.reshape(-1)[rows]
-    weights = lab.weights.reshape(-1)[rows]
-    target_hidden = None
-    if use_kl:
-        target_hidden = planes[k][lab.label_pos.reshape(-1)[rows] - 1]
-    res = chunked_lm_loss(
-        hidden[rows],
-        model.lm_head_weight,
-        labels,
-        weights,
-        training_cfg.ce_chunk_tokens,
-        target_hidden=target_hidden,
-        kl_weight=training_cfg.kl_weight,
-    )
-    slot = rows % bs
-    correct = torch.zeros(bs, dtype=torch.float32, device=dev).index_add_(
-        0, slot, (res.pred == labels).to(torch.float32)
-    )
-    count = torch.zeros(bs, dtype=torch.float32, device=dev).index_add_(
-        0, slot, torch.ones_like(weights)
-    )
-    hit = torch.zeros(lab.valid.numel(), dtype=torch.bool, device=dev)
-    hit[rows] = res.pred == labels
-    counted = lab.valid[:, 1]  # blocks whose first draft slot has a label (every sampled anchor's)
-    accept_len = block_acceptance_lengths(hit.view_as(lab.valid), lab.valid) * counted
+    n_anchors = anchors.numel()
+    chunk = drafter_cfg.anchor_chunk if drafter_cfg.anchor_chunk > 0 else n_anchors
+    correct = torch.zeros(bs, dtype=torch.float32, device=dev)
+    count = torch.zeros(bs, dtype=torch.float32, device=dev)
+    ce_sum = torch.zeros((), dtype=torch.float32, device=dev)
+    accept_len_sum = torch.zeros((), dtype=torch.float32, device=dev)
+    accept_blocks = torch.zeros((), dtype=torch.float32, device=dev)
+    kl_sum = torch.zeros((), dtype=torch.float32, device=dev)
+    kept: list[torch.Tensor] = []
+    num_queries = 0
+    for s in range(0, n_anchors, chunk):
+        e = min(n_anchors, s + chunk)
+        part = BlockLabels(*(t[s:e] for t in lab))
+        layout = build_block_layout(seq_lens, anchors[s:e], anchor_doc[s:e], bs, block_valid=part.valid.any(dim=1), doc=doc)
+        masks = build_attention_masks(layout, mcfg.layer_types, mcfg.sliding_window, backend)
+        hidden = model(context, layout.context_position_ids, model.block_input_ids(token_ids[anchors[s:e]]),
+                       layout.block_position_ids, masks)
+        rows = part.valid.reshape(-1).nonzero().squeeze(1)
+        labels = part.labels.reshape(-1)[rows]
+        target_hidden = planes[k][part.label_pos.reshape(-1)[rows] - 1] if use_kl else None
+        res = chunked_lm_loss(hidden[rows], model.lm_head_weight, labels, part.weights.reshape(-1)[rows],
+                              training_cfg.ce_chunk_tokens, target_hidden=target_hidden, kl_weight=training_cfg.kl_weight)
+        slot = rows % bs
+        correct.index_add_(0, slot, (res.pred == labels).to(torch.float32))
+        count.index_add_(0, slot, torch.ones(rows.numel(), dtype=torch.float32, device=dev))
+        hit = torch.zeros(part.valid.numel(), dtype=torch.bool, device=dev)
+        hit[rows] = res.pred == labels
+        counted = part.valid[:, 1]  # blocks whose first draft slot has a label (every sampled anchor's)
+        accept_len_sum += (block_acceptance_lengths(hit.view_as(part.valid), part.valid) * counted).sum().to(torch.float32)
+        accept_blocks += counted.sum().to(torch.float32)
+        ce_sum += res.ce_sum
+        kl_sum += res.kl_sum
+        num_queries += layout.num_queries
+        if e < n_anchors and accumulate is not None:
+            accumulate(res.loss_sum)
+            del hidden, masks, layout, res
+        else:
+            kept.append(res.loss_sum)
     return LossOutput(
-        loss_sum=res.loss_sum,
-        weight_sum=weights.sum(),
+        loss_sum=kept[0] if len(kept) == 1 else torch.stack(kept).sum(),
+        weight_sum=weight_sum,
         correct_per_pos=correct,
         count_per_pos=count,
-        num_blocks=layout.num_blocks,
-        num_query_tokens=layout.num_queries,
-        ce_sum=res.ce_sum,
-        kl_sum=res.kl_sum,
-        accept_len_sum=accept_len.sum().to(torch.float32),
-        accept_blocks=counted.sum().to(torch.float32),
+        num_blocks=n_anchors,
+        num_query_tokens=num_queries,
+        ce_sum=ce_sum,
+        kl_sum=kl_sum,
+        accept_len_sum=accept_len_sum,
+        accept_blocks=accept_blocks,
     )
 
 

@@ -41,6 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
+from dflash_ipc.drafter.checkpoint import cpu_snapshot
+from dflash_ipc.drafter.schedule import lr_at
 
 log = logging.getLogger(__name__)
 
@@ -184,40 +186,7 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-# --------------------------------------------------------------------------- schedule
-
-
-def lr_at(step: int, cfg: TrainingConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step index ``step`` (0-based).
-
-    Linear warmup over ``W`` steps (step 0 uses ``lr / W``), then cosine decay from ``lr`` to
-    ``min_lr_ratio * lr`` at ``total_steps``; flat at the minimum afterwards. ``W`` is
-    ``warmup_steps``, or ``warmup_fraction * total_steps`` (at least 1) when the fraction is set.
-    """
-    base = cfg.lr
-    min_lr = cfg.min_lr_ratio * base
-    warmup = cfg.resolved_warmup_steps(total_steps)
-    if warmup > 0 and step < warmup:
-        return base * (step + 1) / warmup
-    decay_steps = max(1, total_steps - warmup)
-    progress = min(1.0, max(0.0, (step - warmup) / decay_steps))
-    return min_lr + (base - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 # --------------------------------------------------------------------------- trainer
-
-
-def _snapshot(obj: Any) -> Any:
-    """Deep copy with tensors cloned to CPU (an optimizer state_dict aliases live tensors)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_snapshot(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_snapshot(v) for v in obj)
-    return obj
 
 
 @dataclass
@@ -338,6 +307,8 @@ class DrafterTrainer:
         self._next_launch = 0
         self._works: list[Any] = []
         self._in_backward = False
+        self._accumulating = False
+        self._accumulated: torch.Tensor | None = None  # loss sum of the micro-batches backpropagated so far
         self._seen: list[bool] = []
         self.buckets_launched_in_backward = 0
 
@@ -400,15 +371,18 @@ class DrafterTrainer:
 
     def _make_hook(self, idx: int):
         def hook(p: torch.Tensor) -> None:
-            if not self._in_backward or self._seen[idx]:
+            if not self._in_backward:
                 return
             g = p.grad
             if g is None:
                 return
             slot = self._grad_views[idx]
             if g.data_ptr() != slot.data_ptr():
-                slot.copy_(g)
+                # single copy: g already holds the sum; else p.grad starts empty and the slot accumulates
+                slot.copy_(g) if self.single_copy else slot.add_(g)
                 p.grad = slot if self.single_copy else None
+            if self._accumulating or self._seen[idx]:
+                return
             self._seen[idx] = True
             b = self._param_bucket[idx]
             self._pending[b] -= 1
@@ -429,8 +403,9 @@ class DrafterTrainer:
             self._works.append(dist.all_reduce(self._grad_buf[s:e], op=dist.ReduceOp.SUM, async_op=True))
 
     def _begin(self, loss_sum: torch.Tensor | None, weight_sum: Any) -> None:
-        self._ensure_linked()
-        self._grad_buf.zero_()
+        if self._accumulated is None:
+            self._ensure_linked()
+            self._grad_buf.zero_()
         if isinstance(weight_sum, torch.Tensor):
             w = weight_sum.detach().reshape(1).to(self._grad_buf.dtype)
             self._grad_buf[0:1].copy_(w)
@@ -440,6 +415,9 @@ class DrafterTrainer:
         self._local_w.copy_(self._grad_buf[0:1])
         if loss_sum is not None:
             self._grad_buf[1:2].copy_(loss_sum.detach().reshape(1))
+        if self._accumulated is not None:
+            self._grad_buf[1:2].add_(self._accumulated)
+            self._accumulated = None
         self._pending = list(self._bucket_sizes)
         self._seen = [False] * len(self.params)
         self._next_launch = 0
@@ -493,6 +471,26 @@ class DrafterTrainer:
         stats.backward_s, stats.allreduce_s, stats.optimizer_s = t1 - t0, t2 - t1, t3 - t2
         return stats
 
+    def accumulate(self, loss_sum: torch.Tensor) -> None:
+        """Backward one micro-batch's ``loss_sum`` into the gradient buffer (no communication, no update); the
+        next :meth:`step` (the last micro-batch's loss, the whole batch's weight) makes one step over their union."""
+        if self._accumulated is None:
+            self._ensure_linked()
+            self._grad_buf.zero_()
+            self._accumulated = torch.zeros(1, dtype=self.master_dtype, device=self.device)
+        self._accumulated.add_(loss_sum.detach().reshape(1))
+        self._in_backward = self._accumulating = True
+        try:
+            loss_sum.backward()
+        finally:
+            self._in_backward = self._accumulating = False
+
+    def discard_grads(self) -> None:
+        """Forget gradients of a backward that was no step (the drafter's warm-up)."""
+        self._grad_buf.zero_()
+        for p, gv in zip(self.params, self._grad_views):
+            p.grad = gv if self.single_copy else None
+
     def step_empty(self) -> StepStats:
         """Participate in a step with no local batch (zero gradient, zero weight)."""
         return self.step(None, 0.0)
@@ -536,10 +534,9 @@ class DrafterTrainer:
         """One small all-reduce: (does any rank have a batch, did any rank ask to stop)."""
         if not self.world.is_distributed:
             return bool(has_batch), bool(stop_requested)
-        t = torch.tensor([int(bool(has_batch)), int(bool(stop_requested))], dtype=torch.int32,
-                         device=self.world.comm_device)
+        t = torch.tensor([int(bool(has_batch)), int(bool(stop_requested))], dtype=torch.int32, device=self.world.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        a, s = t.tolist()
+        a, s = t.tolist()  # one sync
         return bool(a), bool(s)
 
     @property
@@ -565,7 +562,7 @@ class DrafterTrainer:
             "total_steps": self.total_steps,
             "names": list(self.names),
             "master": {n: mv.detach().to("cpu", copy=True) for n, mv in zip(self.names, self._master_views)},
-            "optimizer": _snapshot(self.optimizer.state_dict()),
+            "optimizer": cpu_snapshot(self.optimizer.state_dict()),
             "schedule": {
                 "kind": "warmup-cosine",
                 "lr": self.cfg.lr,

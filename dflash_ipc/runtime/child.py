@@ -10,7 +10,7 @@ scaffold, and ``if __name__ == "__main__"`` calls it.
 Life of a child (drawn once here, used by every role)::
 
     parse argv ─▶ role's place(args): config, device ─▶ title, log file, faulthandler,
-    PDEATHSIG=SIGTERM, SIGTERM/SIGINT handlers ─▶ device + CPU share ─▶ ChildSockets
+    PDEATHSIG=SIGTERM, SIGTERM/SIGINT handlers ─▶ compile-worker cap ─▶ device + CPU share ─▶ ChildSockets
         │
         ▼
     RUNNING: main_fn(child) ── polls child.stop (child.read_control drains the DEALER)
@@ -129,6 +129,15 @@ def apply_cpu_share(cpus: str | None) -> int | None:
     return len(cores)
 
 
+def cap_compile_workers(threads: int) -> None:
+    """At most ``threads`` TorchInductor compile workers in this process (1: compile in-process, no
+    worker pool); the environment variable carries the cap into any subprocess this one starts."""
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = threads
+
+
 def place_process(device_name: str, cpus: str | None, processes_on_host: int):
     """Bind this process to its device and its CPU share; returns the torch device."""
     import torch
@@ -231,6 +240,7 @@ class Placement:
     processes_on_host: int  # CPU runs split the host's cores among this many processes
     log_level: str = "info"
     config: Any = None  # what the role loaded to decide this (its DFlashConfig); handed to main_fn
+    compile_threads: int = 1  # TorchInductor compile workers (run.compile_threads)
 
 
 @dataclass
@@ -295,7 +305,9 @@ def run_child(
     socks: ChildSockets | None = None
     failed_in_main = False
     try:
+        cap_compile_workers(placement.compile_threads)  # before anything compiles
         device = place_process(placement.device, args.cpus, placement.processes_on_host)
+        log.info("TorchInductor compile workers capped at %d", placement.compile_threads)
         socks = ChildSockets(run_dir, role, args.rank, pull_endpoint(run_dir, args.rank))
         child = ChildContext(role=role, rank=args.rank, run_dir=run_dir, args=args, config=placement.config, log=log, stop=stop,
                              parent_pid=parent_pid, device=device, socks=socks, rejects=RejectCounter(f"{role}-{args.rank}", log))
