@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from dflash_ipc.control.status import NodeStatus
 from dflash_ipc.control.wire import Struct, from_wire, to_wire
 
 log = logging.getLogger(__name__)
@@ -157,14 +158,29 @@ def run_digest(config: dict, plan: dict) -> str:
     return hashlib.sha256(json.dumps([cfg, plan], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def join_node_group(spec: NodeSpec, cfg, plan: dict) -> NodeGroup:
+class SingleNode:
+    """The node group of a single-node run: nothing to meet, watch or tell."""
+
+    def start_watch(self) -> None: ...
+    def failure(self) -> str | None: return None
+    def publish_step(self, step: int) -> None: ...
+    def report_failure(self, text: str) -> str: return text
+    def finish(self) -> None: ...
+    def close(self) -> None: ...
+    def status(self) -> NodeStatus | None: return None
+
+
+def join_node_group(spec: NodeSpec, cfg, plan: dict, echo=print) -> NodeGroup | SingleNode:
     """Meet the other nodes' supervisors (RuntimeError naming the node that is missing or differs)."""
+    if not spec.multi:
+        return SingleNode()
     group = NodeGroup(spec, interval_s=cfg.run.heartbeat_interval_s, heartbeat_timeout_s=cfg.run.heartbeat_timeout_s)
     try:
         group.join(run_digest(cfg.to_dict(), plan), cfg.run.handshake_timeout_s)
     except BaseException:
         group.close()
         raise
+    echo(f"[up] {spec.label()}: all nodes joined (supervisors on {group.where})")
     return group
 
 
@@ -244,6 +260,11 @@ class NodeGroup:
     def publish_step(self, step: int) -> None:
         self._step = step
 
+    def status(self) -> NodeStatus:
+        """This node in the status snapshot; the group's step is node 0's (every rank steps in lockstep)."""
+        group_step = self._step if self.spec.node_rank == 0 else self.group_step
+        return NodeStatus(self.spec.node_rank, self.spec.nnodes, f"{self.spec.master_addr}:{self.spec.master_port}", group_step)
+
     def _fail(self, text: str) -> None:
         with self._lock:
             if self._failure is None:
@@ -264,7 +285,7 @@ class NodeGroup:
                 now = time.monotonic()
                 for r in seen:
                     if store.check([f"fail/{r}"]):
-                        self._fail(f"node {r} failed: {store.get(f'fail/{r}').decode()}")
+                        self._fail(f"another node failed: {store.get(f'fail/{r}').decode()}")
                         return
                     if store.check([f"done/{r}"]):
                         self.nodes_done.add(r)
@@ -283,12 +304,24 @@ class NodeGroup:
                     self._fail(f"lost node 0's supervisor store on {self.where} (node 0 died or hangs: {e})")
                 return
 
-    def report_failure(self, text: str) -> None:
-        """Tell the other nodes what failed here (first line and the process named in it)."""
+    def report_failure(self, text: str) -> str:
+        """Tell the other nodes what failed here (the first line names the process); returns the text naming this node."""
+        me = self.spec.node_rank
+        text = f"{self.spec.label()}: {text}"
         try:
-            self._store.set(f"fail/{self.spec.node_rank}", text.splitlines()[0][:2000])
+            self._store.set(f"fail/{me}", text.splitlines()[0][:2000])
+            # A failure here is often the echo of another node's (gloo: "connection closed by peer"):
+            # name that node's own report too, if it arrives within two heartbeat intervals.
+            others = [f"fail/{r}" for r in range(self.spec.nnodes) if r != me]
+            deadline = time.monotonic() + 2 * self.interval_s
+            while time.monotonic() < deadline and not any(self._store.check([k]) for k in others):
+                time.sleep(0.05)
+            for key in others:
+                if self._store.check([key]):
+                    text += f"\n  meanwhile {self._store.get(key).decode()}"
         except Exception as e:  # noqa: BLE001 - node 0 may be gone already: the others see its beats stop
             log.warning("could not report the failure to the other nodes: %s", e)
+        return text
 
     def finish(self) -> None:
         """This node finished cleanly; node 0 serves the store until every node has said so."""

@@ -47,7 +47,7 @@ from dflash_ipc.control.stats import DrafterStats, DrafterSummary, TargetStats
 from dflash_ipc.control.status import SCHEMA_VERSION, ProcessStatus, SlotCounts, StatusSnapshot, Totals
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops.prometheus import MetricsServer
-from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, drafter_envs, join_node_group, write_node_spec
+from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.progress import MISSING, PlainProgress, ProgressSnapshot, RichProgress, eta_seconds, fmt, progress_display
 from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 
@@ -116,7 +116,7 @@ class Supervisor:
         self.cfg = cfg
         # This node's place in a run of several (runtime/nodes.py); a single node by default.
         self.node = node or NodeSpec()
-        self.node_group: NodeGroup | None = None
+        self.node_group: NodeGroup | SingleNode = SingleNode()
         self.run_dir = run_dir
         self.resume = resume
         self.max_restarts = max_restarts
@@ -193,17 +193,14 @@ class Supervisor:
                 return EXIT_FAILED
             self.echo(f"[up] metrics: http://127.0.0.1:{metrics.port}/metrics")
         try:
-            if self.node.multi:
-                try:
-                    self.node_group = join_node_group(self.node, self.cfg, self.plan)
-                except RuntimeError as e:
-                    self.echo(f"[up] error: {e}")
-                    return EXIT_FAILED
-                self.echo(f"[up] {self.node.label()}: all nodes joined (supervisors on {self.node_group.where})")
+            try:
+                self.node_group = join_node_group(self.node, self.cfg, self.plan, self.echo)
+            except RuntimeError as e:
+                self.echo(f"[up] error: {e}")
+                return EXIT_FAILED
             return self._run_with_restarts()
         finally:
-            if self.node_group is not None:
-                self.node_group.close()
+            self.node_group.close()
             if metrics is not None:
                 metrics.close()
 
@@ -213,15 +210,12 @@ class Supervisor:
         while True:
             try:
                 code = self._run_group(resume)
-                if self.node_group is not None:
-                    self.node_group.finish()
+                self.node_group.finish()
                 return code
             except GroupFailed as e:
                 self.state = "failed"
                 self._write_status()
-                if self.node_group is not None:
-                    self.node_group.report_failure(f"{self.node.label()}: {e}")
-                    e = GroupFailed(f"{self.node.label()}: {e}")
+                e = GroupFailed(self.node_group.report_failure(str(e)))
                 self.echo(f"[up] FAILED: {e}")
                 if attempts >= self.max_restarts or self.stop_requested:
                     return EXIT_FAILED
@@ -278,8 +272,7 @@ class Supervisor:
         old_handlers = self._install_signals()
         try:
             self._spawn(resume)
-            if self.node_group is not None:
-                self.node_group.start_watch()
+            self.node_group.start_watch()
             self.echo(f"[up] started {len(self.children)} processes: " + ", ".join(f"{c.name}@{c.device} pid {c.popen.pid}" for c in self.children))
             t0 = time.perf_counter()
             try:
@@ -307,8 +300,6 @@ class Supervisor:
 
     def _node_failure(self) -> str | None:
         """Another node failed, or cannot be reached (runs of several nodes); publishes this node's step."""
-        if self.node_group is None:
-            return None
         lead = self._lead_drafter()
         self.node_group.publish_step(lead.work.step if lead else 0)
         return self.node_group.failure()
@@ -543,7 +534,7 @@ class Supervisor:
                         loss=lead.work.loss if lead else None, pipeline_rss_bytes=rss_total, eta_s=eta)
         return StatusSnapshot(schema=SCHEMA_VERSION, run_dir=str(self.run_dir), state=self.state, updated_unix=now,
                               supervisor_pid=os.getpid(), config=self.cfg.source, started_unix=min(self.started_unix, now),
-                              totals=totals, processes=procs)
+                              totals=totals, processes=procs, node=self.node_group.status())
 
     def _write_status(self) -> None:
         self._last_snapshot = snap = self.snapshot()
