@@ -116,10 +116,12 @@ def resolve_node_spec(nnodes: int | None, node_rank: int | None, master_addr: st
 
     A single node (NNODES unset or 1) ignores MASTER_ADDR/MASTER_PORT from the environment: the
     supervisor keeps its drafters' rendezvous on loopback, whatever the launcher exported."""
-    n = _int_option("--nnodes", "NNODES", nnodes, env) or 1
-    rank = _int_option("--node-rank", "NODE_RANK", node_rank, env) or 0
-    addr = master_addr if master_addr is not None else (env.get("MASTER_ADDR", "").strip() if n > 1 else "")
-    port = _int_option("--master-port", "MASTER_PORT", master_port, env) if (n > 1 or master_port is not None) else None
+    n = _int_option("--nnodes", "NNODES", nnodes, env)
+    n = 1 if n is None else n
+    rank = _int_option("--node-rank", "NODE_RANK", node_rank, env)
+    rank = 0 if rank is None else rank
+    addr = master_addr if master_addr is not None else (env.get("MASTER_ADDR", "").strip() if n != 1 else "")
+    port = _int_option("--master-port", "MASTER_PORT", master_port, env) if (n != 1 or master_port is not None) else None
     shared = str(Path(shared_dir).resolve()) if shared_dir else ""
     return NodeSpec(nnodes=n, node_rank=rank, master_addr=addr, master_port=port or 0, shared_dir=shared)
 
