@@ -158,6 +158,7 @@ def test_node_failure_ends_every_node_then_resume(tmp_path: Path) -> None:
     code0 = n0.wait(timeout=HEARTBEAT_TIMEOUT_S + 30)
     ended_after = time.monotonic() - killed
     code1 = n1.wait(timeout=60)
+    print(n0.output[-1500:], n1.output[-1500:], sep="\n----\n")  # the failure reports, for the record (pytest -s)
     assert code0 != 0 and code1 != 0
     assert ended_after < HEARTBEAT_TIMEOUT_S + 30  # safety net; the kill is usually seen in about a second
     assert "node 1/2: drafter-0" in n0.output and "SIGKILL" in n0.output, n0.output[-3000:]
@@ -165,6 +166,7 @@ def test_node_failure_ends_every_node_then_resume(tmp_path: Path) -> None:
 
     ckpt = read_latest_pointer(shared / "checkpoints")
     ckpt_step = json.loads((shared / "checkpoints" / ckpt / "meta.json").read_text())["step"]
+    before = json.loads((shared / "checkpoints" / ckpt / LEDGER_FILE).read_text())["ids"]  # retention may remove it later
     resumed_to = ckpt_step + 3
     r0, r1 = run_both(tmp_path, config, shared, "--resume", "--max-steps", str(resumed_to), tag=".resume")
     assert r0.wait() == 0, r0.output[-4000:]
@@ -175,7 +177,6 @@ def test_node_failure_ends_every_node_then_resume(tmp_path: Path) -> None:
     for n in (r0, r1):
         log = (n.run_dir / "logs" / "drafter-0.log").read_text()
         assert re.search(rf"resumed from \S*/shared/checkpoints/{ckpt}: step {ckpt_step},", log), log[-2000:]
-    before = json.loads((shared / "checkpoints" / ckpt / LEDGER_FILE).read_text())["ids"]
     after = json.loads((shared / "checkpoints" / read_latest_pointer(shared / "checkpoints") / LEDGER_FILE).read_text())["ids"]
     trained_now = [tuple(b) for r in recs for b in r["batch_ids"]]
     assert not {tuple(b) for b in before} & set(trained_now), "a batch of the checkpoint was trained again"
