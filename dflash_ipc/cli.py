@@ -141,10 +141,31 @@ def check_config(config_path: str, file_only: bool) -> None:
 @click.option("--max-steps", type=click.IntRange(0), default=None, help="Override training.max_steps.")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the run directory (fresh if none).")
 @click.option("--max-restarts", type=click.IntRange(0), default=0, show_default=True, help="Restart the group from the last checkpoint after a failure, at most K times.")
-def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: bool, max_restarts: int) -> None:
-    """Start the whole pipeline: one process per target and per drafter."""
+@click.option("--nnodes", type=int, default=None,
+              help="Nodes in the run, each running `up` with the same config (default: NNODES, else 1).")
+@click.option("--node-rank", type=int, default=None, help="This node's rank in [0, nnodes) (default: NODE_RANK, else 0).")
+@click.option("--master-addr", default=None, help="Node 0's host, reachable from every node (default: MASTER_ADDR).")
+@click.option("--master-port", type=int, default=None,
+              help="Drafter rendezvous port on node 0; the supervisors use it +1 (default: MASTER_PORT).")
+@click.option("--shared-dir", default=None, type=click.Path(file_okay=False),
+              help="Checkpoints (with the batch ledger) and the export, written by global rank 0 and read by every node on --resume "
+                   "(default: the run dir; with several nodes put it on storage every node reads).")
+def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: bool, max_restarts: int, nnodes: int | None,
+       node_rank: int | None, master_addr: str | None, master_port: int | None, shared_dir: str | None) -> None:
+    """Start the whole pipeline: one process per target and per drafter (per node, with --nnodes)."""
+    import os
 
+    from dflash_ipc.runtime.nodes import NodeOptionError, resolve_node_spec
     from dflash_ipc.runtime.preflight import validate_for_up
+
+    try:  # before anything is created: a bad node option names itself and starts nothing
+        node = resolve_node_spec(nnodes, node_rank, master_addr, master_port, shared_dir, os.environ)
+        if node.multi and max_restarts:
+            raise NodeOptionError("--max-restarts is not supported with --nnodes > 1 yet (nodes do not restart together); "
+                                  "let the launcher (systemd Restart=, SLURM --requeue) restart every node with --resume")
+    except NodeOptionError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
 
     overrides = {"training.max_steps": max_steps} if max_steps is not None else None
     try:
@@ -158,7 +179,7 @@ def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: boo
     from dflash_ipc.runtime.supervisor import GroupFailed, Supervisor
 
     sup = Supervisor(cfg, resolved_run_dir, resume=resume, max_restarts=max_restarts, echo=click.echo,
-                     live_progress=sys.stdout.isatty())
+                     live_progress=sys.stdout.isatty(), node=node)
     try:
         sup.prepare()
     except (GroupFailed, ValueError, OSError) as e:

@@ -133,6 +133,7 @@ def drafter_main(child: ChildContext) -> int:
     # Collective: every rank takes the same branch (stopped_on_request was agreed).
     ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopped_on_request) else None
     export = core.export() if cfg.training.export_on_finish else None
+    core.write_rank_record()
     final = drafter_stats(core, plane, proc, rejects, time.perf_counter() - t0, wait_total, state="done")
     summary = DrafterSummary(final, finish_reason, str(ckpt) if ckpt else None, str(export) if export else None)
     socks.send_to_supervisor(Done(role="drafter", rank=rank, drafter=summary))

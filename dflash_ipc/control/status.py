@@ -116,6 +116,21 @@ class Totals(Struct):
 
 
 @dataclass(frozen=True)
+class NodeStatus(Struct):
+    """This node's place in a run of several (runtime/nodes.py)."""
+
+    NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset({"node_rank", "group_step"})
+    node_rank: int
+    nnodes: int
+    master: str  # MASTER_ADDR:MASTER_PORT of the drafters' group
+    group_step: int | None  # node 0's step, read through the supervisors' store (None: not yet)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes) (got {self.node_rank} of {self.nnodes})")
+
+
+@dataclass(frozen=True)
 class StatusSnapshot(Struct):
     """The run and every process in it, at one moment (schema version :data:`SCHEMA_VERSION`)."""
 
@@ -128,6 +143,7 @@ class StatusSnapshot(Struct):
     started_unix: float  # when the supervisor started
     totals: Totals
     processes: list[ProcessStatus]
+    node: NodeStatus | None = None  # None: a single-node run
 
     def __post_init__(self) -> None:
         if self.schema != SCHEMA_VERSION:

@@ -17,6 +17,7 @@ on resume targets skip exactly those, so no consumed batch repeats and none is s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -46,6 +47,7 @@ from dflash_ipc.target.heads import target_head_weights
 from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, text_config
 from dflash_ipc.data.tokenizer import choose_mask_token, load_tokenizer
 from dflash_ipc.drafter.trainer import DistInfo, DrafterTrainer
+from dflash_ipc.runtime.nodes import read_node_spec
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,10 @@ class DrafterCore:
         self.step = 0
         self.resumed_from: ResumePoint | None = None
         self.last_checkpoint: tuple[int, Path | None] | None = None
-        self.ckpt_root = run_dir / "checkpoints"
+        # Several nodes: global rank 0 writes, every node resumes from the shared root (runtime/nodes.py).
+        self.shared_root = read_node_spec(run_dir).shared_root(run_dir)
+        self.ckpt_root = self.shared_root / "checkpoints"
+        self.trained_ids: list[tuple] = []  # every batch this rank trained on in this process (its own ledger)
         self.config_hash = config_hash(cfg.to_dict() | {"training": {**cfg.to_dict()["training"], "max_steps": None}})
         self.metrics_path = run_dir / "metrics.jsonl"
         self.tokens_total = 0
@@ -200,6 +205,7 @@ class DrafterCore:
             accept = torch.stack([out.accept_len_sum, out.accept_blocks]).detach().float()
             n_tokens = int(views.token_ids.numel())
             self._new_ids.append(tuple(batch_id))
+            self.trained_ids.append(tuple(batch_id))
         else:
             t_fwd = time.perf_counter()
             stats = self.trainer.step_empty()
@@ -291,8 +297,26 @@ class DrafterCore:
     def export(self) -> Path | None:
         if not self.world.is_main:
             return None
-        out = self.run_dir / "export" / "drafter"
+        out = self.shared_root / "export" / "drafter"
         export_drafter(self.model, out)
+        return out
+
+    def weights_digest(self) -> str:
+        """sha256 of this rank's trainable weights (data parallel: the same on every rank)."""
+        h = hashlib.sha256()
+        for name, t in sorted(self.trainer.trainable_state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def write_rank_record(self) -> Path:
+        """RUN_DIR/ranks/rank-<global>.json: this rank's step, weights digest and the batches it trained on."""
+        out = self.run_dir / "ranks" / f"rank-{self.world.rank}.json"
+        out.parent.mkdir(mode=0o700, exist_ok=True)
+        digest = self.weights_digest()
+        rec = {"rank": self.world.rank, "step": self.step, "weights_sha256": digest, "batch_ids": [list(b) for b in self.trained_ids]}
+        write_text_atomic(out, json.dumps(rec) + "\n")
+        log.info("rank record %s: step %d, weights sha256 %s", out, self.step, digest[:16])
         return out
 
     def stats(self) -> DrafterWork:

@@ -140,18 +140,17 @@ def init_distributed(
         return info
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
-            raise RuntimeError(
-                f"a process group already exists with rank {dist.get_rank()}/{dist.get_world_size()}, "
-                f"but the environment says {rank}/{world_size}"
-            )
+            raise RuntimeError(f"a process group already exists with rank {dist.get_rank()}/{dist.get_world_size()}, "
+                               f"but the environment says {rank}/{world_size}")
         return info
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(var):
             raise RuntimeError(f"WORLD_SIZE={world_size} but {var} is not set; set MASTER_ADDR and MASTER_PORT")
     kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": timedelta(seconds=timeout_s)}
     master_addr, master_port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0)
-    if _is_loopback(master_addr):
-        kwargs["store"] = _loopback_store(master_addr, master_port, rank, world_size, kwargs["timeout"])
+    if is_loopback(master_addr):
+        store = tcp_store(master_addr, master_port, rank == 0, kwargs["timeout"], world_size=world_size)
+        kwargs["store"] = dist.PrefixStore("default_pg", store)  # the key prefix init_method="env://" would use
         if backend == "gloo":  # else gloo binds the hostname's address, often a LAN one; a user's setting wins
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     else:
@@ -163,22 +162,22 @@ def init_distributed(
     return info
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
 
-def _loopback_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
-    """The env:// rendezvous store, its server (rank 0) listening on ``host`` only."""
+def tcp_store(host: str, port: int, is_server: bool, timeout: timedelta, *, world_size: int | None = None) -> dist.TCPStore:
+    """A TCPStore client or (``is_server``) its server; on a loopback ``host`` the server listens on it only."""
     listen_fd = None
-    if rank == 0:  # the store takes the bound socket over and closes it: detach it from Python
+    if is_server and is_loopback(host):  # the store takes the bound socket over and closes it: detach it from Python
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         bind_host = "127.0.0.1" if host == "localhost" else host
-        listen_fd = socket.create_server((bind_host, port), family=family, backlog=max(128, world_size)).detach()
-    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, master_listen_fd=listen_fd)
-    return dist.PrefixStore("default_pg", store)  # the key prefix init_method="env://" would use
+        listen_fd = socket.create_server((bind_host, port), family=family, backlog=max(128, world_size or 1)).detach()
+    return dist.TCPStore(host, port, world_size, is_server, timeout=timeout, master_listen_fd=listen_fd,
+                         wait_for_workers=world_size is not None)
 
 
 def destroy_distributed() -> None:

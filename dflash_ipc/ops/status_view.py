@@ -201,6 +201,10 @@ def render_table(
         head_text += f"  config {config}"
     lines.append(_fit(head_text, width))
     lines.append(_fit(f"run dir  {status.run_dir}", width))
+    if status.node is not None:
+        n = status.node
+        group = f"{n.group_step:,}" if n.group_step is not None else "?"
+        lines.append(_fit(f"node     {n.node_rank} of {n.nnodes} (drafter group {n.master})  group step {group}", width))
     if config and not config_in_head:
         lines.append(_fit(f"config   {config}", width))
     lines.append("")

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ from dflash_ipc.control.stats import DrafterStats, DrafterSummary, TargetStats
 from dflash_ipc.control.status import SCHEMA_VERSION, ProcessStatus, SlotCounts, StatusSnapshot, Totals
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops.prometheus import MetricsServer
+from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.progress import MISSING, PlainProgress, ProgressSnapshot, RichProgress, eta_seconds, fmt, progress_display
 from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 
@@ -82,12 +82,6 @@ class GroupFailed(RuntimeError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_shares_for(n_children: int) -> list[list[int]] | None:
     """Split this process's CPU cores into n contiguous shares (None if there are too few)."""
     cores = sorted(os.sched_getaffinity(0))
@@ -118,8 +112,11 @@ def log_tail(path: Path, lines: int = 15) -> str:
 
 class Supervisor:
     def __init__(self, cfg: DFlashConfig, run_dir: Path, *, resume: bool = False, max_restarts: int = 0, echo=print,
-                 forward_only: int = 0, live_progress: bool = False):
+                 forward_only: int = 0, live_progress: bool = False, node: NodeSpec | None = None):
         self.cfg = cfg
+        # This node's place in a run of several (runtime/nodes.py); a single node by default.
+        self.node = node or NodeSpec()
+        self.node_group: NodeGroup | SingleNode = SingleNode()
         self.run_dir = run_dir
         self.resume = resume
         self.max_restarts = max_restarts
@@ -149,13 +146,16 @@ class Supervisor:
         for sub in ("logs", "checkpoints", "data"):
             channels.make_private_dir(run_dir / sub)
         channels.prepare_socket_dir(run_dir)
+        if self.node.shared_dir:
+            channels.make_private_dir(self.node.checkpoint_root(run_dir))
+        write_node_spec(run_dir, self.node)
         old_id = (run_dir / "run_id").read_text().strip() if (run_dir / "run_id").exists() else ""
         if old_id:
             swept = sweep_run_shm(old_id)
             if swept:
                 self.echo(f"[up] swept {len(swept)} leftover shared-memory segment(s) of the previous run")
-        if not self.resume and (run_dir / "checkpoints" / "latest").exists():
-            raise GroupFailed(f"{run_dir} already holds checkpoints; pass --resume to continue that run, or use another --run-dir")
+        if not self.resume and (self.node.checkpoint_root(run_dir) / "latest").exists():
+            raise GroupFailed(f"{self.node.shared_root(run_dir)} already holds checkpoints; pass --resume to continue that run, or use another --run-dir")
         if not self.resume and (run_dir / "metrics.jsonl").exists():
             (run_dir / "metrics.jsonl").unlink()
         self.run_id = new_run_id()
@@ -175,7 +175,7 @@ class Supervisor:
         check_target_tokenizer(cfg.target, tok)
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
         corpus = load_corpus(cfg.data, tok, data_dir)
-        n_shards = len(cfg.topology.targets)
+        n_shards = self.node.nnodes * len(cfg.topology.targets)  # every target of every node: one global shard each
         per_shard = [sum(len(plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, e, n_shards, s)) for e in range(cfg.data.num_epochs)) for s in range(n_shards)]
         self.echo(f"[up] data: {corpus.report.summary()} ({time.perf_counter() - t0:.1f} s); plan: {sum(per_shard)} batches over {n_shards} target shard(s)")
         return {"n_batches_total": sum(per_shard), "n_batches_per_shard": per_shard, "samples": corpus.num_samples}
@@ -193,8 +193,14 @@ class Supervisor:
                 return EXIT_FAILED
             self.echo(f"[up] metrics: http://127.0.0.1:{metrics.port}/metrics")
         try:
+            try:
+                self.node_group = join_node_group(self.node, self.cfg, self.plan, self.echo)
+            except RuntimeError as e:
+                self.echo(f"[up] error: {e}")
+                return EXIT_FAILED
             return self._run_with_restarts()
         finally:
+            self.node_group.close()
             if metrics is not None:
                 metrics.close()
 
@@ -204,10 +210,12 @@ class Supervisor:
         while True:
             try:
                 code = self._run_group(resume)
+                self.node_group.finish()
                 return code
             except GroupFailed as e:
                 self.state = "failed"
                 self._write_status()
+                e = GroupFailed(self.node_group.report_failure(str(e)))
                 self.echo(f"[up] FAILED: {e}")
                 if attempts >= self.max_restarts or self.stop_requested:
                     return EXIT_FAILED
@@ -219,14 +227,13 @@ class Supervisor:
 
     def _spawn(self, resume: bool) -> None:
         cfg = self.cfg
-        port = _free_port()
         base_env = sdnotify.scrub_notify_env(dict(os.environ))
         base_env.setdefault("NCCL_NVLS_ENABLE", "0")
         base_env["PYTHONUNBUFFERED"] = "1"
         self.children = [Child("target", r, d) for r, d in enumerate(cfg.topology.targets)]
         if not self.forward_only:
             self.children += [Child("drafter", r, d) for r, d in enumerate(cfg.topology.drafters)]
-        n_drafters = len(cfg.topology.drafters)
+        rendezvous = drafter_envs(self.node, len(cfg.topology.drafters))
         cpu_shares = cpu_shares_for(len(self.children)) if (cfg.run.cpu_affinity == "auto" and cfg.topology.on_cuda) else None
         for i, ch in enumerate(self.children):
             env = dict(base_env)
@@ -236,7 +243,7 @@ class Supervisor:
             if cpu_shares:
                 argv += ["--cpus", ",".join(map(str, cpu_shares[i]))]
             if ch.role == "drafter":
-                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n_drafters), RANK=str(ch.rank), LOCAL_RANK=str(ch.rank))
+                env.update(rendezvous[ch.rank])
                 if resume:
                     argv.append("--resume")
             out = open(self.run_dir / "logs" / f"{ch.name}.stdout", "ab")
@@ -265,11 +272,12 @@ class Supervisor:
         old_handlers = self._install_signals()
         try:
             self._spawn(resume)
+            self.node_group.start_watch()
             self.echo(f"[up] started {len(self.children)} processes: " + ", ".join(f"{c.name}@{c.device} pid {c.popen.pid}" for c in self.children))
             t0 = time.perf_counter()
             try:
                 handshake.coordinate(router, [c.key for c in self.children], self.cfg.run.handshake_timeout_s, self.rejects,
-                                     self._dead_child, on_other=self._on_decoded)
+                                     lambda: self._dead_child() or self._node_failure(), on_other=self._on_decoded)
             except HandshakeError as e:
                 raise GroupFailed(self._failure_text(str(e))) from None
             self.state = "running"
@@ -289,6 +297,12 @@ class Supervisor:
             ctx.term()
             sweep_run_shm(self.run_id)
             self._restore_signals(old_handlers)
+
+    def _node_failure(self) -> str | None:
+        """Another node failed, or cannot be reached (runs of several nodes); publishes this node's step."""
+        lead = self._lead_drafter()
+        self.node_group.publish_step(lead.work.step if lead else 0)
+        return self.node_group.failure()
 
     def _install_signals(self):
         def on_signal(signum, frame):  # noqa: ARG001
@@ -346,6 +360,9 @@ class Supervisor:
             for ch in self.children:
                 if ch.dead_error and ch.done is None:
                     raise GroupFailed(self._failure_text(f"{ch.name} reported: {ch.dead_error}", ch))
+            node_failure = self._node_failure() if not targets_stopped else None
+            if node_failure:
+                raise GroupFailed(node_failure)
             now = time.monotonic()
             for ch in self.children:
                 if ch.done is None and ch.last_beat is not None and now - ch.last_beat > cfg.run.heartbeat_timeout_s and not targets_stopped:
@@ -517,7 +534,7 @@ class Supervisor:
                         loss=lead.work.loss if lead else None, pipeline_rss_bytes=rss_total, eta_s=eta)
         return StatusSnapshot(schema=SCHEMA_VERSION, run_dir=str(self.run_dir), state=self.state, updated_unix=now,
                               supervisor_pid=os.getpid(), config=self.cfg.source, started_unix=min(self.started_unix, now),
-                              totals=totals, processes=procs)
+                              totals=totals, processes=procs, node=self.node_group.status())
 
     def _write_status(self) -> None:
         self._last_snapshot = snap = self.snapshot()

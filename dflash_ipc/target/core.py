@@ -29,6 +29,7 @@ from dflash_ipc.data.corpus import load_corpus
 from dflash_ipc.data.plan import PlannedBatch, plan_epoch
 from dflash_ipc.data.tokenizer import load_tokenizer
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, BatchLedger
+from dflash_ipc.runtime.nodes import read_node_spec
 from dflash_ipc.target.fast_path import fast_path_report
 from dflash_ipc.target.model import TargetModel, build_target
 from dflash_ipc.target.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta
@@ -74,7 +75,10 @@ class TargetCore:
         self.cfg = cfg
         self.rank = rank
         self.device = device
-        self.num_shards = len(cfg.topology.targets)
+        # One data shard per target of every node (runtime/nodes.py): no batch is planned on two nodes.
+        node = read_node_spec(run_dir)
+        self.num_shards = node.nnodes * len(cfg.topology.targets)
+        self.shard = node.global_rank(rank, len(cfg.topology.targets))
         self.tokenizer = load_tokenizer(cfg.target.tokenizer)
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data"
         self.corpus = load_corpus(cfg.data, self.tokenizer, data_dir)
@@ -109,7 +113,7 @@ class TargetCore:
         """Plan every epoch of this shard, leaving out batches already consumed."""
         self.ledger = ledger
         for epoch in range(self.cfg.data.num_epochs):
-            for b in plan_epoch(self.corpus.lengths, self.cfg.data, self.cfg.run.seed, epoch, self.num_shards, self.rank):
+            for b in plan_epoch(self.corpus.lengths, self.cfg.data, self.cfg.run.seed, epoch, self.num_shards, self.shard):
                 self.planned += 1
                 if tuple(b.id.to_wire()) in ledger:
                     self.skipped_ledgered += 1
