@@ -10,7 +10,9 @@ nvidia-smi -L; nvidia-smi topo -m | head -4
 set -o pipefail
 timeout ${TESTS_S:-330} python3 -m pytest -q -m gpu -rs --durations=12 -p no:cacheprovider tests 2>&1 | tee $OUT/gpu_tests.log | tail -30
 echo "tests took $(( $(date +%s) - T0 )) s"
-for a in "cuda-ipc --slot-mib 1024" "cuda-ipc --slot-mib 256" "host-pinned --slot-mib 256"; do
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+SAME=""; [ "$NGPU" -lt 2 ] && SAME="--consumer-device same"  # one GPU: producer and consumer share it
+for a in "cuda-ipc --slot-mib 1024 $SAME" "cuda-ipc --slot-mib 256 $SAME" "host-pinned --slot-mib 256 $SAME"; do
   L=$(left); [ "$L" -lt 40 ] && { echo "skipped [$a]: $L s left"; continue; }
   echo "== bench transport --backend $a" >> $OUT/transport.err
   timeout $L python3 -m dflash_ipc.cli bench transport --backend $a --producers 1 --consumers 1 --slots 4 --seconds 2 --json 2>>$OUT/transport.err | tail -1 | tee -a $OUT/transport.jsonl
