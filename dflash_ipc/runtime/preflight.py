@@ -94,7 +94,7 @@ def _check_data_paths(cfg: DFlashConfig) -> None:
 
 def _check_model(cfg: DFlashConfig) -> None:
     from dflash_ipc.data.tokenizer import TokenizerError, load_tokenizer, mask_token_id
-    from dflash_ipc.target.model import default_layer_ids, text_config
+    from dflash_ipc.target.hf_config import default_layer_ids, text_config
 
     src, target = cfg.source, cfg.target
     try:
