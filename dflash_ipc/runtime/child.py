@@ -51,7 +51,7 @@ from typing import Any, TextIO
 
 import setproctitle
 
-from dflash_ipc.runtime.launch import read_key, set_parent_death_signal
+from dflash_ipc.runtime.launch import read_key, remove_supervisor_sockets, set_parent_death_signal
 
 
 class StopFlag:
@@ -309,6 +309,7 @@ def run_child(
     failed_in_main = False
     if stop.requested:  # the supervisor died while this process started: nothing to report to
         log.error("%s-%d: supervisor (pid %d) is gone; exiting", role, args.rank, parent_pid)
+        remove_supervisor_sockets(run_dir)
         _close_process_logging(log_file)
         return 1
     try:
@@ -337,4 +338,8 @@ def run_child(
     finally:
         if socks is not None:
             socks.close(linger_ms=socket_linger_ms)
+        if os.getppid() != parent_pid:
+            # The supervisor was killed (SIGKILL leaves its socket files): the last of its children
+            # to leave removes them, so a dead run leaves no socket behind.
+            remove_supervisor_sockets(run_dir)
         _close_process_logging(log_file)

@@ -14,12 +14,14 @@ file an orphan of an earlier attempt could read later.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -61,11 +63,37 @@ def read_key(fd: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def supervisor_pid_from(argv: Sequence[str]) -> int:
+def _option(argv: Sequence[str], name: str) -> str | None:
     for i, a in enumerate(argv[:-1]):
-        if a == "--supervisor-pid":
-            return int(argv[i + 1])
-    return 0
+        if a == name:
+            return argv[i + 1]
+    return None
+
+
+def supervisor_pid_from(argv: Sequence[str]) -> int:
+    value = _option(argv, "--supervisor-pid")
+    return int(value) if value else 0
+
+
+def remove_supervisor_sockets(run_dir: Path) -> None:
+    """The supervisor's socket files, once it was killed (SIGKILL leaves them): its children remove
+    them as they go, so a dead run leaves no socket behind."""
+    sock_dir = (run_dir / "sock").resolve()
+    for name in ("sup", "status"):
+        with contextlib.suppress(OSError):
+            (sock_dir / name).unlink()
+
+
+def _exit_with_supervisor(supervisor: int, run_dir: str | None):
+    """SIGTERM while importing: from the death signal, clean up after the supervisor; then die of it."""
+
+    def on_sigterm(signum, frame):  # noqa: ARG001
+        if run_dir and os.getppid() != supervisor:
+            remove_supervisor_sockets(Path(run_dir))
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return on_sigterm
 
 
 def main(argv: Sequence[str]) -> int:
@@ -73,10 +101,15 @@ def main(argv: Sequence[str]) -> int:
         print("usage: python -m dflash_ipc.runtime.launch ROLE [role options]", file=sys.stderr)
         return 2
     role, rest = argv[0], list(argv[1:])
-    set_parent_death_signal(signal.SIGTERM)  # default action until the role installs its handler: exit
     supervisor = supervisor_pid_from(rest)
+    run_dir = _option(rest, "--run-dir")
+    # Until the role installs its own handler, SIGTERM ends the import at once.
+    signal.signal(signal.SIGTERM, _exit_with_supervisor(supervisor, run_dir))
+    set_parent_death_signal(signal.SIGTERM)
     if supervisor and os.getppid() != supervisor:
         print(f"{role}: supervisor (pid {supervisor}) is gone before this child started; exiting", file=sys.stderr)
+        if run_dir:
+            remove_supervisor_sockets(Path(run_dir))
         return 1
     module = importlib.import_module(f"dflash_ipc.procs.{role}")
     return getattr(module, f"run_{role}_process")(rest)

@@ -58,7 +58,7 @@ from dflash_ipc.control.status import SCHEMA_VERSION, ProcessStatus, SlotCounts,
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.runtime.launch import child_argv, key_pipe
-from dflash_ipc.runtime.liveness import describe_exit, log_tail, process_status, silent_child
+from dflash_ipc.runtime.liveness import describe_exit, is_stopped, log_tail, process_status, silent_child
 from dflash_ipc.runtime.progress import MISSING, PlainProgress, ProgressSnapshot, RichProgress, eta_seconds, fmt, progress_display
 from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 
@@ -289,6 +289,10 @@ class Supervisor:
             sdnotify.notify_ready(f"running {len(self.children)} processes")
             self._progress_display = progress_display(self.live_progress, self.echo)
             return self._watch(router, status_sock)
+        except GroupFailed as e:
+            # said at once: the teardown below may wait run.teardown_grace_s for a stuck process
+            self.echo(f"[up] failure detected: {str(e).splitlines()[0]}; tearing the group down")
+            raise
         finally:
             self._close_progress()
             self._teardown(router)
@@ -469,6 +473,10 @@ class Supervisor:
         alive = [c for c in self.children if c.popen and c.popen.poll() is None]
         if not alive:
             return
+        for ch in alive:
+            if is_stopped(ch.popen):  # a stopped process cannot clean up: Shutdown and SIGTERM would only wait
+                log.warning("%s is stopped (state T): SIGKILL", ch.name)
+                ch.popen.kill()
         for ch in alive:
             self._send(router, ch, Shutdown(reason="teardown"))
         grace = self.cfg.run.teardown_grace_s

@@ -72,8 +72,9 @@ def test_hostile_frames_into_every_socket_are_counted_and_the_run_trains_every_b
            f"(supervisor {sum(sup_kinds.values())}: {sup_kinds}; processes: "
            f"{ {p['role'] + '-' + str(p['rank']): p['rejected_messages'] for p in final['processes']} })")
     assert peer.sent >= 10000 or "finished" in out
-    # the supervisor refused the shapes and the forgeries, by kind
-    for kind in ("bad_frame_count", "unexpected_peer", "bad_auth", "bad_status_request"):
+    # the supervisor refused them all: no intruder holds a member's routing identity (derived
+    # from the run key), so every frame, whatever its shape, is from an unexpected peer
+    for kind in ("unexpected_peer", "bad_status_request"):
         assert sup_kinds.get(kind, 0) > 0, (kind, sup_kinds)
     for p in final["processes"]:
         assert p["rejected_messages"] > 0, p  # every target and drafter was hit and counted
