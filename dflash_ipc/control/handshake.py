@@ -97,7 +97,9 @@ def _wait_for(
     return got
 
 
-def accept_member(parts: list[bytes], routes: dict[bytes, bytes], auth: PeerAuth, rejects: RejectCounter) -> tuple[bytes, protocol.Message] | None:
+def accept_member(
+    parts: list[bytes], routes: dict[bytes, bytes], auth: PeerAuth, rejects: RejectCounter
+) -> tuple[bytes, protocol.Message] | None:
     """One ROUTER message ``[routing identity, *payload]`` from a member, opened; returns the
     member's name (``role-rank``) and the message, None if rejected. ``routes``: routing identity
     -> name (:meth:`PeerAuth.route`).
@@ -163,8 +165,14 @@ def coordinate(
     return by_key
 
 
-def child_handshake(dealer: zmq.Socket, hello: Hello, timeout_s: float, rejects: RejectCounter, should_stop: Callable[[], bool] = lambda: False,
-                    auth: PeerAuth | None = None) -> Start:
+def child_handshake(
+    dealer: zmq.Socket,
+    hello: Hello,
+    timeout_s: float,
+    rejects: RejectCounter,
+    should_stop: Callable[[], bool] = lambda: False,
+    auth: PeerAuth | None = None,
+) -> Start:
     """Send Hello, wait for Start (the caller sends Ready once it has connected). The supervisor's
     frames are single-part and unsealed: only the supervisor binds the socket this DEALER
     connected to, in the run's private directory."""

@@ -130,6 +130,7 @@ class Supervisor:
         self.rejects = RejectCounter("supervisor", log)
         self._auth = PeerAuth(None)  # a new key for each attempt (_run_group)
         self._next_status = 0.0
+        self._handshake_done = False
         self.run_id = ""
         self.plan: dict = {}
         self._summary: DrafterSummary | None = None
@@ -266,6 +267,7 @@ class Supervisor:
         self.state = "starting"
         old_handlers = self._install_signals()
         self._auth = PeerAuth(channels.new_run_key(), b"supervisor")
+        self._handshake_done = False
         try:
             self._spawn(resume)
             self.echo(f"[up] started {len(self.children)} processes: " + ", ".join(f"{c.name}@{c.device} pid {c.popen.pid}" for c in self.children))
@@ -282,6 +284,7 @@ class Supervisor:
                 self.echo(f"[up] {e}: stopping before training started (nothing to checkpoint)")
                 return EXIT_OK
             self.state = "running"
+            self._handshake_done = True
             now = time.monotonic()
             for c in self.children:
                 c.last_beat = now
@@ -480,7 +483,9 @@ class Supervisor:
         for ch in alive:
             self._send(router, ch, Shutdown(reason="teardown"))
         grace = self.cfg.run.teardown_grace_s
-        deadline = time.monotonic() + min(grace, 5.0)
+        # Before the handshake ended a child may still be importing or loading and read no
+        # Shutdown: SIGTERM (a flag once its handler is in, else exit) at once.
+        deadline = time.monotonic() + (min(grace, 5.0) if self._handshake_done else 0.0)
         while time.monotonic() < deadline and any(c.popen.poll() is None for c in alive):
             time.sleep(0.05)
         for ch in alive:

@@ -46,7 +46,8 @@ def _wait_moment(up: Up, moment: str, rng: random.Random) -> None:
         time.sleep(rng.uniform(0.0, 0.5))  # torch alone takes seconds to import here
     elif moment == "handshake":
         # a target has created its ring: it is in (or just before) the handshake
-        up.wait_until(lambda: any("ring:" in p.read_text(errors="replace") for p in (up.run_dir / "logs").glob("target-*.log")) or _ready(up),
+        logs = up.run_dir / "logs"
+        up.wait_until(lambda: any("ring:" in p.read_text(errors="replace") for p in logs.glob("target-*.log")) or _ready(up),
                       "a target ring", poll_s=0.01)
         time.sleep(rng.uniform(0.0, 0.3))
     else:  # mid-step / mid-checkpoint: a random step of training

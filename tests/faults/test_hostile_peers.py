@@ -43,7 +43,8 @@ def test_hostile_frames_into_every_socket_are_counted_and_the_run_trains_every_b
         peer.connect()
         # During the handshake: multi-part, forged Dead/Hello/Ready from a member's name, garbage.
         while "all 4 processes ready" not in up.output and up.proc.poll() is None:
-            peer.burst(include_data_plane=False)
+            if peer.sent < target_frames // 5:  # the rest goes to every socket once the data plane is up
+                peer.burst(include_data_plane=False)
             time.sleep(0.05)
         answered = peer.status_requests()
         # While training: every socket, until the frame budget is spent (or training ends).

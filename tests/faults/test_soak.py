@@ -25,10 +25,9 @@ CI_STEPS = 150
 
 def _soak(tmp_path, steps: int) -> dict[str, float]:
     # tiny batches: 64-token sequences, 4 per batch; enough samples for `steps` steps per drafter
-    samples = steps * 2 * 4 + 64
-    cfg = write_config(tmp_path / "c.toml",
-                       data={"builtin_samples": samples, "max_seq_len": 64, "bucket_edges": [32, 64], "token_budget": 256, "max_batch_size": 4},
-                       training={"max_steps": steps, "checkpoint_every": max(10, steps // 10)})
+    samples = steps * 2 * 4 * 2  # twice what the steps need: max_steps ends the run, not the data
+    data = {"builtin_samples": samples, "max_seq_len": 64, "bucket_edges": [32, 64], "token_budget": 256, "max_batch_size": 4}
+    cfg = write_config(tmp_path / "c.toml", data=data, training={"max_steps": steps, "checkpoint_every": max(10, steps // 10)})
     up = Up(cfg, tmp_path / "run")
     rss: dict[str, list[int]] = {}
     try:
@@ -48,7 +47,6 @@ def _soak(tmp_path, steps: int) -> dict[str, float]:
     finally:
         up.close()
     assert code == 0, out[-3000:]
-    assert up.steps_logged() == steps
     drift = {}
     for name, xs in rss.items():
         n = len(xs)
@@ -60,6 +58,7 @@ def _soak(tmp_path, steps: int) -> dict[str, float]:
     report(f"soak {steps} steps: {min(len(x) for x in rss.values())} RSS samples per process; drift after warm-up % "
            + ", ".join(f"{k} {v:+.2f}" for k, v in sorted(drift.items()))
            + "; RSS MiB " + ", ".join(f"{k} {statistics.median(v[-5:]) / 2**20:.0f}" for k, v in sorted(rss.items())))
+    assert up.steps_logged() == steps
     assert leftovers(up) == []
     return drift
 
