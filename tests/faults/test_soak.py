@@ -2,7 +2,7 @@
 while it trains, and its drift after warm-up must stay under 1 %.
 
 CI runs a short soak (~150 steps); DFLASH_IPC_SOAK_STEPS=N (with DFLASH_IPC_FAULTS_FULL=1) runs a
-longer one. Drift per process: (median RSS of the last quarter of samples - median of the
+longer one. Drift per process (growth must stay under 1 %; a fall is reported): (median RSS of the last quarter of samples - median of the
 second quarter) / median of the second quarter (the first quarter is warm-up: allocator pools,
 lazily imported modules, the first checkpoint). Medians, so one sample taken mid-checkpoint does
 not decide it. The figures are printed (``FAULTS:``).
@@ -66,4 +66,6 @@ def _soak(tmp_path, steps: int) -> dict[str, float]:
 def test_soak_rss_does_not_drift(tmp_path):
     steps = int(os.environ.get("DFLASH_IPC_SOAK_STEPS", "0")) if FULL else 0
     drift = _soak(tmp_path, steps or CI_STEPS)
-    assert drift and all(abs(d) < 1.0 for d in drift.values()), drift
+    # growth is what a leak looks like; RSS going down after warm-up (pages handed back once the
+    # first checkpoints are written) is reported but not a failure
+    assert drift and all(d < 1.0 for d in drift.values()), drift
