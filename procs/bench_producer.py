@@ -31,7 +31,7 @@ def run_bench_producer_process(a: argparse.Namespace) -> int:
         hello = Hello(role="producer", rank=a.rank, pid=os.getpid(), device=a.device, ring=ring.descriptor(),
                       endpoint=socks.pull_endpoint)
         start = handshake.child_handshake(socks.dealer, hello, 120, rejects)
-        socks.connect_peers(start.drafter_endpoints)
+        socks.connect_peers(start.drafter_endpoints, "consumer")
         plane = ProducerDataPlane(a.rank, ring, len(socks.pushes), a.max_outstanding, socks.send_to_peer, rejects)
         handshake.send_ready(socks.dealer, "producer", a.rank)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -65,16 +65,16 @@ def drafter_main(child: ChildContext) -> int:
         log.info("warm-up: one forward+backward on a dummy %d-token batch took %.1f s", cfg.data.token_budget, core.warm_up())
     hello = Hello(role="drafter", rank=rank, pid=os.getpid(), device=str(device), endpoint=socks.pull_endpoint,
                   info=ChildInfo(resume=core.resumed_from))
-    start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
+    start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested, socks.auth)
     rings = []
     for d in start.rings:
         rings.append(open_consumer_ring(d, device))
         child.closing.callback(rings[-1].close)
-    socks.connect_peers(start.target_endpoints)
+    socks.connect_peers(start.target_endpoints, "target")
     slot_bytes = max(r.layout.slot_bytes for r in rings)
     buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(cfg.transport.drafter_prefetch + 1)]
     plane = ConsumerDataPlane(rank, rings, buffers, socks.send_to_peer, rejects)
-    handshake.send_ready(socks.dealer, "drafter", rank)
+    handshake.send_ready(socks.dealer, "drafter", rank, socks.auth)
     poller = socks.poller()
     max_steps = cfg.training.max_steps
     every = cfg.training.checkpoint_every
@@ -86,8 +86,8 @@ def drafter_main(child: ChildContext) -> int:
     stopped_on_request = False
     # A resumed run that already reached max_steps trains nothing more (systemd restarts it).
     while not (max_steps and core.step >= max_steps):
-        for msg in channels.drain(socks.pull, rejects):
-            plane.handle(msg)
+        for sender, msg in socks.drain_peers(rejects):
+            plane.handle(msg, sender)
         child.read_control()
         plane.pump()
         batch = plane.take()

@@ -75,14 +75,14 @@ def target_main(child: ChildContext) -> int:
     hello = Hello(role="target", rank=rank, pid=os.getpid(), device=str(device), ring=ring.descriptor(),
                   endpoint=socks.pull_endpoint,
                   info=ChildInfo(fast_path=FastPath(fla=bool(fp.get("fla")), causal_conv1d=bool(fp.get("causal_conv1d")))))
-    start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested)
+    start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested, socks.auth)
     ledger = read_ledger(start.resume.checkpoint if start.resume else None)
     core.start(ledger)
     log.info("schedule: %d batches planned, %d already consumed (ledger), %d to run", core.planned, core.skipped_ledgered, core.batches_left)
-    socks.connect_peers(start.drafter_endpoints)
+    socks.connect_peers(start.drafter_endpoints, "drafter")
     plane = ProducerDataPlane(rank, ring, max(1, len(socks.pushes)), cfg.transport.max_outstanding_per_drafter,
                               socks.send_to_peer, rejects)
-    handshake.send_ready(socks.dealer, "target", rank)
+    handshake.send_ready(socks.dealer, "target", rank, socks.auth)
     poller = socks.poller()
     # The pack already completed (observed on the host): record slot events on an idle
     # stream, never on the compute stream, or the drafter's copy would wait for the next forward.
@@ -92,8 +92,8 @@ def target_main(child: ChildContext) -> int:
     next_beat = 0.0
     t0 = time.perf_counter()
     while not stop.requested:
-        for msg in channels.drain(socks.pull, rejects):
-            plane.handle(msg)
+        for sender, msg in socks.drain_peers(rejects):
+            plane.handle(msg, sender)
         child.read_control()
         for done in core.finished_packs():
             b = done.batch

@@ -4,6 +4,7 @@ Markers (registered in pyproject.toml):
 
 * ``gpu``: needs CUDA; ``gpu(2)``: needs at least two CUDA GPUs. Skipped here, with the reason,
   when the machine has fewer; ``-m gpu`` selects both.
+* ``faults_full``: the long trials of tests/faults/, skipped unless DFLASH_IPC_FAULTS_FULL=1.
 * ``slow``: spawns process groups (``dflash-ipc up``, torch.distributed ranks).
 
 Run configs: tests build them as dicts (``tiny_cpu_config(data={...})``) and write them with
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,10 @@ TINY_CPU = REPO / "configs" / "tiny-cpu.toml"
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    full_faults = bool(os.environ.get("DFLASH_IPC_FAULTS_FULL"))
     for item in items:
+        if item.get_closest_marker("faults_full") is not None and not full_faults:
+            item.add_marker(pytest.mark.skip(reason="long fault trial: set DFLASH_IPC_FAULTS_FULL=1 (docs/FAULTS.md)"))
         marker = item.get_closest_marker("gpu")
         if marker is None:
             continue

@@ -197,7 +197,7 @@ def test_many_batches_flow_and_every_slot_verifies(wiring_factory):
     assert sum(c.slots_done[0] for c in w.consumers) == n_batches
     assert [c.received[0] for c in w.consumers] == w.producer.router.routed_total
     for c in w.consumers:
-        assert c.expected_total == [n_batches]
+        assert c.expected_total == c.received  # EndOfData counts what this producer sent to this consumer
         assert w.stream_log[c.rank][-1] == "EndOfData"
     assert w.prod_rejects.total == 0 and all(r.total == 0 for r in w.cons_rejects)
     assert max(w.max_outstanding_seen) <= 2
@@ -249,7 +249,8 @@ def test_end_of_data_waits_for_slots_still_queued_for_credit(wiring_factory):
         assert log.count("EndOfData") == 1 and log[-1] == "EndOfData"
         assert log.count("SlotReady") >= 1
     assert w.producer.all_returned() and all(c.drained() for c in w.consumers)
-    assert [c.expected_total for c in w.consumers] == [[6], [6]]
+    assert [c.expected_total for c in w.consumers] == [c.received for c in w.consumers]
+    assert sum(c.expected_total[0] for c in w.consumers) == 6
 
 
 def test_bad_messages_are_rejected_and_counted_without_raising(wiring_factory):
@@ -303,3 +304,41 @@ def test_bad_messages_are_rejected_and_counted_without_raising(wiring_factory):
     assert sorted(w.seen) == list(range(40)) and set(w.seen.values()) == {1}
     assert w.producer.all_returned() and all(cc.drained() for cc in w.consumers)
     assert p.rejects.total == 8 and c.rejects.total == 8 and w.cons_rejects[0].total == 0
+
+
+def test_forged_data_plane_messages_change_nothing_and_are_counted(wiring_factory):
+    """Issue 15 item 3: messages that do not fit the state machine, or name another sender than
+    the authenticated one, are refused. Before: an EndOfData with any count ended a consumer's
+    input (the run 'finished' with nothing trained), a SlotReady with a made-up seq was copied."""
+    w = wiring_factory(num_consumers=2, ring_slots=4, max_outstanding=2)
+    for _ in range(2):
+        w.produce(100)
+    w.producer.dispatch()
+    w.deliver()
+    c = w.consumers[0]
+    state = (len(c.held), list(c.received), list(c.ended))
+    c.handle(wire(EndOfData(producer=0, batches_sent=0)), sender=0)  # fewer than it received: a forgery or a loss
+    c.handle(wire(EndOfData(producer=0, batches_sent=c.received[0])), sender=1)  # a target speaking for another
+    nxt = c.received[0]
+    c.handle(wire(SlotReady(producer=0, slot=3, batch_id=[0, 0, 9], bucket=0, n_tokens=1, n_seqs=1, seq=nxt + 5)), sender=0)  # gap
+    c.handle(wire(SlotReady(producer=0, slot=3, batch_id=[0, 0, 9], bucket=0, n_tokens=1, n_seqs=1, seq=0)), sender=0)  # replayed seq
+    assert c.rejects.by_kind == {"end_of_data_mismatch": 1, "wrong_sender": 1, "bad_seq": 2}
+    assert (len(c.held), list(c.received), list(c.ended)) == state
+    # the producer: a drafter reporting for another, a replayed SlotFree
+    p = w.producer
+    p.handle(wire(Load(consumer=1, outstanding=0, received=[0])), sender=0)
+    p.handle(wire(SlotFree(producer=0, slot=0, consumer=1, outstanding=0, received=1)), sender=0)
+    assert p.rejects.by_kind == {"wrong_sender": 2}
+    # the genuine stream still completes exactly once, and EndOfData is accepted when it fits
+    for _ in range(400):
+        if w.next_index >= 20 and w.producer.waiting == 0:
+            break
+        w.step(20, active=(0, 1))
+    w.producer.end_of_data()
+    for _ in range(100):
+        if all(x.drained() for x in w.consumers) and w.producer.all_returned():
+            break
+        w.step(20, active=(0, 1))
+    assert all(x.drained() for x in w.consumers) and sorted(w.seen) == list(range(20)) and set(w.seen.values()) == {1}
+    c.handle(wire(EndOfData(producer=0, batches_sent=c.received[0])), sender=0)  # a second one
+    assert c.rejects.by_kind["duplicate_end_of_data"] == 1

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -260,7 +263,7 @@ def test_prometheus_parses_with_one_sample_per_process(status):
     inflight = fams["dflash_ipc_process_inflight_to_drafter"]["samples"]
     assert len(inflight) == 2 * 3 and {s["drafter"] for s, _ in inflight} == {"0", "1", "2"}
     state = {s["state"]: v for s, v in fams["dflash_ipc_state"]["samples"]}
-    assert state == {"starting": 0, "running": 1, "stopping": 0, "finished": 0, "failed": 0}
+    assert state == {"starting": 0, "running": 1, "stopping": 0, "finished": 0, "failed": 0, "lost": 0}
     assert fams["dflash_ipc_step"]["samples"] == [({}, 1234.0)]
     assert [s.value for s in lib["dflash_ipc_step"].samples] == [1234.0]
     busy = {s["rank"]: v for s, v in fams["dflash_ipc_process_busy_ratio"]["samples"] if s["role"] == "target"}
@@ -416,6 +419,7 @@ def test_status_cli_ends_in_exactly_one_newline(status, tmp_path, flag):
     """`dflash-ipc status --json | tail -1` is the whole JSON object (a real subprocess and pipe)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    status = dataclasses.replace(status, state="finished")  # a live state with no live supervisor reads as "lost"
     write_text_atomic(run_dir / "status.json", json.dumps(to_wire(status)))
     cmd = f"{sys.executable} -m dflash_ipc.cli status --run-dir {run_dir} {flag or ''}"
     full = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60, check=True).stdout
@@ -423,3 +427,24 @@ def test_status_cli_ends_in_exactly_one_newline(status, tmp_path, flag):
     if flag == "--json":
         last = subprocess.run(cmd + " | tail -1", shell=True, capture_output=True, text=True, timeout=60, check=True).stdout
         assert decode_status(json.loads(last)) == status
+
+
+def test_status_json_of_a_dead_supervisor_reads_lost(status, tmp_path):
+    """status.json left "running" by a supervisor that was SIGKILLed: the reader says "lost"."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cli = [sys.executable, "-m", "dflash_ipc.cli", "status", "--run-dir", str(run_dir)]
+    gone = dataclasses.replace(status, supervisor_pid=dead.pid, started_unix=time.time() - 5, updated_unix=time.time())
+    write_text_atomic(run_dir / "status.json", json.dumps(to_wire(gone)))
+    r = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1])["state"] == "lost"
+    table = subprocess.run(cli, capture_output=True, text=True, timeout=60).stdout
+    assert "LOST" in table and f"supervisor (pid {dead.pid}) is gone" in table
+    # the same snapshot while its supervisor (this test process) lives reads as written
+    alive = dataclasses.replace(status, supervisor_pid=os.getpid(), started_unix=time.time() - 1, updated_unix=time.time())
+    write_text_atomic(run_dir / "status.json", json.dumps(to_wire(alive)))
+    r = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60)
+    assert json.loads(r.stdout.splitlines()[-1])["state"] == "running"

@@ -299,7 +299,8 @@ def test_handshake_ignores_garbage_and_strangers(coordinator):
         rejects = RejectCounter("sup")
         hellos = handshake.coordinate(router, [("producer", 0)], timeout_s=60, rejects=rejects, is_alive=kids.dead)
         assert set(hellos) == {("producer", 0)}
-        assert rejects.by_kind.get("undecodable") == 1 and rejects.by_kind.get("unexpected_peer", 0) >= 1
+        # a stranger's frames are refused by identity before their bytes are parsed
+        assert rejects.by_kind == {"unexpected_peer": 2}
     finally:
         stranger.close()
         ctx.term()

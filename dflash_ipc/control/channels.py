@@ -8,14 +8,32 @@ Topology (all sockets carry msgpack frames from :mod:`dflash_ipc.control.protoco
     drafter r   PULL   bind  sock/d<r>          <- targets' PUSH (SlotReady, EndOfData)
 
 A producer holds one PUSH per drafter, so it addresses the drafter the router chose.
+Every receive path reads whole multi-part messages (``recv_multipart``) and checks the number of
+parts, so a peer that sends more or fewer parts than expected is rejected and counted
+(``bad_frame_count``), never unpacked into a crash.
+
+Authentication (:class:`PeerAuth`): the supervisor draws a random key for each attempt of a
+run and hands it to every child it spawns through an inherited pipe (never argv, env or a file).
+Every frame a child sends (to the supervisor or to a peer) is an envelope
+``[sender identity, counter (8 bytes), body, HMAC-SHA256(key, sender|counter|body)[:16]]``; the
+receiver checks the tag, that the sender is a member it expects, and that the counter grows
+per sender (a replayed frame is refused). A process without the key (a stray tool, a child
+of an earlier attempt) cannot make a frame any member accepts. The routing identity of a
+child's DEALER is derived from the key too (:meth:`PeerAuth.route`, ``target-0.<16 hex>``): a
+process without the key cannot occupy a member's identity on the supervisor's ROUTER (ZeroMQ
+keeps the first connection under an identity) and so cannot lock the member out.
+
 Unix socket paths are limited to ~107 bytes: when the run directory is deeper than that,
 the sockets live in a private temporary directory and ``RUN_DIR/sock`` is a symlink to it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
+import secrets
 import tempfile
 from pathlib import Path
 
@@ -104,17 +122,81 @@ def connect(ctx: zmq.Context, kind: int, addr: str, identity: bytes | None = Non
     return sock
 
 
-def send(sock: zmq.Socket, msg: Message, flags: int = 0) -> None:
-    sock.send(protocol.encode(msg), flags)
+RUN_KEY_BYTES = 32
+_TAG_BYTES = 16
+_COUNTER_BYTES = 8
 
 
-def recv_decoded(sock: zmq.Socket, rejects: RejectCounter) -> Message | None:
-    """Receive one frame without blocking; a malformed frame is counted and dropped."""
-    try:
-        frame = sock.recv(zmq.NOBLOCK)
-    except zmq.Again:
-        return None
-    return decode_or_reject(frame, rejects)
+def new_run_key() -> bytes:
+    return secrets.token_bytes(RUN_KEY_BYTES)
+
+
+class PeerAuth:
+    """Seals this process's outgoing frames and opens incoming ones (see the module docstring).
+
+    ``key=None`` (the transport benchmark and unit tests): no envelope, one part per message, and
+    no sender is known. ``peers``: the identities whose frames are accepted (None: any member)."""
+
+    def __init__(self, key: bytes | None, me: bytes = b"", peers: set[bytes] | None = None):
+        if key is not None and len(key) < 16:
+            raise ValueError(f"run key of {len(key)} bytes; expected {RUN_KEY_BYTES}")
+        self.key = key
+        self.me = me
+        self.peers = peers
+        self._counter = 0
+        self._last_seen: dict[bytes, int] = {}
+
+    def _tag(self, sender: bytes, counter: bytes, body: bytes) -> bytes:
+        mac = hmac.new(self.key, digestmod=hashlib.sha256)
+        mac.update(len(sender).to_bytes(2, "big") + sender + counter)
+        mac.update(body)
+        return mac.digest()[:_TAG_BYTES]
+
+    def route(self, name: bytes) -> bytes:
+        """The ROUTER identity of member ``name`` for this key (``name`` itself without a key)."""
+        if self.key is None:
+            return name
+        return name + b"." + hmac.new(self.key, b"route|" + name, hashlib.sha256).hexdigest()[:16].encode()
+
+    def seal(self, body: bytes) -> list[bytes]:
+        if self.key is None:
+            return [body]
+        self._counter += 1
+        counter = self._counter.to_bytes(_COUNTER_BYTES, "big")
+        return [self.me, counter, body, self._tag(self.me, counter, body)]
+
+    def open(self, parts: list[bytes], rejects: RejectCounter) -> tuple[bytes | None, Message] | None:
+        """The sender and message of one multi-part message; None (rejected, counted) otherwise."""
+        if self.key is None:
+            if len(parts) != 1:
+                rejects.reject("bad_frame_count", f"{len(parts)} parts, expected 1")
+                return None
+            msg = decode_or_reject(parts[0], rejects)
+            return None if msg is None else (None, msg)
+        if len(parts) != 4:
+            rejects.reject("bad_frame_count", f"{len(parts)} parts, expected 4 (sender, counter, body, tag)")
+            return None
+        sender, counter, body, tag = parts
+        if len(counter) != _COUNTER_BYTES or len(tag) != _TAG_BYTES or not hmac.compare_digest(self._tag(sender, counter, body), tag):
+            rejects.reject("bad_auth", f"frame claiming to be from {sender[:40]!r} fails authentication")
+            return None
+        if self.peers is not None and sender not in self.peers:
+            rejects.reject("unexpected_peer", f"{sender[:40]!r} is not a peer of {self.me.decode(errors='replace')}")
+            return None
+        n = int.from_bytes(counter, "big")
+        if n <= self._last_seen.get(sender, 0):
+            rejects.reject("replayed", f"frame {n} from {sender.decode(errors='replace')} after {self._last_seen.get(sender, 0)}")
+            return None
+        msg = decode_or_reject(body, rejects)
+        if msg is None:
+            return None
+        self._last_seen[sender] = n
+        return sender, msg
+
+
+def send(sock: zmq.Socket, msg: Message, auth: PeerAuth | None = None, flags: int = 0) -> None:
+    body = protocol.encode(msg)
+    sock.send_multipart(auth.seal(body) if auth is not None else [body], flags)
 
 
 def decode_or_reject(frame: bytes, rejects: RejectCounter) -> Message | None:
@@ -125,14 +207,27 @@ def decode_or_reject(frame: bytes, rejects: RejectCounter) -> Message | None:
         return None
 
 
-def drain(sock: zmq.Socket, rejects: RejectCounter, limit: int = 1000) -> list[Message]:
+def recv_parts(sock: zmq.Socket, limit: int = 1000) -> list[list[bytes]]:
+    """Up to ``limit`` whole multi-part messages waiting on ``sock``, without blocking."""
     out = []
     for _ in range(limit):
         try:
-            frame = sock.recv(zmq.NOBLOCK)
+            out.append(sock.recv_multipart(zmq.NOBLOCK))
         except zmq.Again:
             break
-        msg = decode_or_reject(frame, rejects)
-        if msg is not None:
-            out.append(msg)
     return out
+
+
+def drain_from(sock: zmq.Socket, auth: PeerAuth | None, rejects: RejectCounter, limit: int = 1000) -> list[tuple[bytes | None, Message]]:
+    """Every waiting message that opens, with its sender; the rest rejected and counted."""
+    auth = auth if auth is not None else PeerAuth(None)
+    out = []
+    for parts in recv_parts(sock, limit):
+        got = auth.open(parts, rejects)
+        if got is not None:
+            out.append(got)
+    return out
+
+
+def drain(sock: zmq.Socket, rejects: RejectCounter, limit: int = 1000, auth: PeerAuth | None = None) -> list[Message]:
+    return [msg for _, msg in drain_from(sock, auth, rejects, limit)]

@@ -182,7 +182,7 @@ class Load(Message):
 class EndOfData(Message):
     TAG: ClassVar[str] = "end_of_data"
     producer: int
-    batches_sent: int
+    batches_sent: int  # SlotReady messages this producer sent to the receiving consumer
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

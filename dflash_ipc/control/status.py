@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dflash_ipc.control.wire import Struct, from_wire
 
 SCHEMA_VERSION = 1
-RUN_STATES = ("starting", "running", "stopping", "finished", "failed")
+# "lost": status.json says the run is live, but its supervisor process is gone (killed); set by
+# the reader (ops.status_client), never written by a supervisor.
+RUN_STATES = ("starting", "running", "stopping", "finished", "failed", "lost")
+LIVE_STATES = ("starting", "running", "stopping")
 ROLES = ("target", "drafter")
 SLOT_STATES = ("free", "filling", "ready", "copying")
 
@@ -144,8 +147,12 @@ class StatusSnapshot(Struct):
     totals: Totals
     processes: list[ProcessStatus]
     node: NodeStatus | None = None  # None: a single-node run
+    # messages the supervisor itself refused (bad frames, unknown or unauthenticated peers), by kind
+    supervisor_rejected_by_kind: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if any(n < 0 for n in self.supervisor_rejected_by_kind.values()):
+            raise ValueError("supervisor_rejected_by_kind counts must be >= 0")
         if self.schema != SCHEMA_VERSION:
             raise ValueError(f"schema must be {SCHEMA_VERSION} (got {self.schema}); this dflash-ipc reads version {SCHEMA_VERSION} only")
         _require_one_of("state", self.state, RUN_STATES)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import psutil
 import zmq
 
 from dflash_ipc.control import channels
 from dflash_ipc.control.protocol import ProtocolError
-from dflash_ipc.control.status import StatusSnapshot, decode_status
+from dflash_ipc.control.status import LIVE_STATES, StatusSnapshot, decode_status
 
 
 class StatusUnavailable(RuntimeError):
@@ -47,7 +49,19 @@ def read_status(path: Path, timeout_ms: int = 500) -> StatusSnapshot:
         text = (run_dir / "status.json").read_text()
     except FileNotFoundError:
         raise StatusUnavailable(f"{run_dir} has no status.json yet (the run has not started)") from None
-    return _decode(text, str(run_dir / "status.json"))
+    snap = _decode(text, str(run_dir / "status.json"))
+    if snap.state in LIVE_STATES and not supervisor_alive(snap):
+        return dataclasses.replace(snap, state="lost")
+    return snap
+
+
+def supervisor_alive(snap: StatusSnapshot) -> bool:
+    """The snapshot's supervisor still runs (a pid reused by a later process does not count)."""
+    try:
+        proc = psutil.Process(snap.supervisor_pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= snap.started_unix + 1.0
+    except psutil.Error:
+        return False
 
 
 def _decode(text: str | bytes, source: str) -> StatusSnapshot:

@@ -189,7 +189,7 @@ def render_table(
     updated = status.updated_unix
     age = max(0.0, now - updated)
     head = [f"dflash-ipc  {state.upper()}"]
-    if age > stale_after_s and state not in ("finished", "failed"):
+    if age > stale_after_s and state not in ("finished", "failed", "lost"):
         head.append("STALE")
     head.append(f"pid {status.supervisor_pid}")
     head.append(f"up {fmt_duration(max(0.0, updated - status.started_unix))}")
@@ -240,6 +240,11 @@ def render_table(
     lines.append(_fit("  ".join(total), width))
 
     warnings = []
+    if state == "lost":
+        warnings.append(f"the supervisor (pid {status.supervisor_pid}) is gone: this run is not running (last snapshot shown)")
+    if status.supervisor_rejected_by_kind:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(status.supervisor_rejected_by_kind.items()))
+        warnings.append(f"supervisor rejected {sum(status.supervisor_rejected_by_kind.values())} message(s): {kinds}")
     for p in procs:
         if p.exit_code not in (None, 0):
             warnings.append(f"{p.name} exited with code {p.exit_code}")

@@ -24,9 +24,14 @@ Life of a child (drawn once here, used by every role)::
     CLOSING: the role's resources, last opened first (child.closing: rings, core, process
              group) ─▶ ChildSockets (linger, so Done/Dead still leave) ─▶ log file ─▶ exit code
 
-The supervisor spawns children with ``PR_SET_PDEATHSIG = SIGTERM`` so a child never
-outlives a supervisor killed with SIGKILL; SIGTERM only sets a flag that the role's main loop
-checks, so it always leaves through CLOSING. A failure before RUNNING (bad resolved config,
+The supervisor spawns children through :mod:`dflash_ipc.runtime.launch`, which arms
+``PR_SET_PDEATHSIG = SIGTERM`` before the role's imports, so a child never outlives a supervisor
+killed with SIGKILL; SIGTERM only sets a flag that the role's main loop checks, so it always
+leaves through CLOSING. The supervisor's pid comes in argv (``--supervisor-pid``): the child
+compares its parent with it right after arming the signal, because ``getppid()`` read after
+the parent died names the reaper, not the supervisor; a child whose supervisor is already gone
+exits 1 at once. The run key comes through an inherited pipe (``--key-fd``) and seals every
+frame the child sends (``channels.PeerAuth``). A failure before RUNNING (bad resolved config,
 device missing) is printed to stderr (the child's ``.stdout`` log) and exits 1; the supervisor
 then reports the exit code and the log tail.
 """
@@ -35,18 +40,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import faulthandler
 import logging
 import os
 import signal
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import setproctitle
+
+from dflash_ipc.runtime.launch import read_key, remove_supervisor_sockets, set_parent_death_signal
 
 
 class StopFlag:
@@ -62,23 +67,13 @@ class StopFlag:
             self.reason = reason
 
 
-def _set_parent_death_signal(sig: int) -> None:
-    if sys.platform != "linux":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    except OSError:
-        pass
-
-
-def _setup_process(role: str, rank: int, run_dir: Path, log_level: str) -> tuple[logging.Logger, StopFlag, TextIO]:
+def _setup_process(role: str, rank: int, run_dir: Path, log_level: str, supervisor_pid: int = 0) -> tuple[logging.Logger, StopFlag, TextIO]:
     """Title, logging to RUN_DIR/logs/<role>-<rank>.log, faulthandler, signals; returns the open
-    log file too, for the caller to close."""
+    log file too, for the caller to close. ``supervisor_pid`` (0: unknown, the parent at entry)
+    is the process whose death stops this one."""
     setproctitle.setproctitle(f"dflash-ipc:{role}:{rank}")
-    _set_parent_death_signal(signal.SIGTERM)
-    parent = os.getppid()
+    parent = supervisor_pid or os.getppid()
+    set_parent_death_signal(signal.SIGTERM)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = open(log_dir / f"{role}-{rank}.log", "a", buffering=1)  # noqa: SIM115 (open for the process's life; closed in _close_process_logging)
@@ -99,7 +94,7 @@ def _setup_process(role: str, rank: int, run_dir: Path, log_level: str) -> tuple
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    if os.getppid() != parent:  # parent died before the death signal was armed
+    if os.getppid() != parent:  # the supervisor died before the death signal was armed
         stop.set("parent died")
     return logger, stop, log_file
 
@@ -156,37 +151,52 @@ def place_process(device_name: str, cpus: str | None, processes_on_host: int):
 
 class ChildSockets:
     """The sockets every child holds: a DEALER to the supervisor (identity role-rank), its own
-    bound PULL for data-plane messages, and PUSH sockets to its peers. Closed explicitly."""
+    bound PULL for data-plane messages, and PUSH sockets to its peers. Closed explicitly.
+    With the run key, every frame sent is sealed, and the PULL accepts only frames sealed by
+    the peers given to :meth:`connect_peers` (``auth``)."""
 
-    def __init__(self, run_dir: Path, role: str, rank: int, pull_endpoint: str):
+    def __init__(self, run_dir: Path, role: str, rank: int, pull_endpoint: str, key: bytes | None = None):
         import zmq
 
         from dflash_ipc.control import channels, handshake
 
         self.role, self.rank = role, rank
+        self.auth = channels.PeerAuth(key, handshake.identity(role, rank), peers=set())
         self.ctx = zmq.Context()
-        self.dealer = channels.connect(self.ctx, zmq.DEALER, channels.supervisor_endpoint(run_dir), handshake.identity(role, rank))
+        self.dealer = channels.connect(self.ctx, zmq.DEALER, channels.supervisor_endpoint(run_dir), self.auth.route(self.auth.me))
         self.pull_endpoint = pull_endpoint
         self.pull = channels.bind(self.ctx, zmq.PULL, pull_endpoint)
         self.pushes: list = []
 
-    def connect_peers(self, endpoints: list[str]) -> list:
+    def connect_peers(self, endpoints: list[str], peer_role: str) -> list:
+        """PUSH sockets to peers 0..n-1 of ``peer_role``; from now on the PULL accepts their frames."""
         import zmq
 
-        from dflash_ipc.control import channels
+        from dflash_ipc.control import channels, handshake
 
         self.pushes = [channels.connect(self.ctx, zmq.PUSH, ep) for ep in endpoints]
+        self.auth.peers = {handshake.identity(peer_role, i) for i in range(len(endpoints))}
         return self.pushes
 
     def send_to_peer(self, peer: int, msg) -> None:
         from dflash_ipc.control import channels
 
-        channels.send(self.pushes[peer], msg)
+        channels.send(self.pushes[peer], msg, self.auth)
 
     def send_to_supervisor(self, msg) -> None:
-        from dflash_ipc.control import protocol
+        from dflash_ipc.control import channels
 
-        self.dealer.send(protocol.encode(msg))
+        channels.send(self.dealer, msg, self.auth)
+
+    def drain_peers(self, rejects) -> list[tuple[int | None, Any]]:
+        """Data-plane messages waiting on the PULL, each with its sender's rank (None without a
+        key: the sender is not known); anything else is rejected and counted."""
+        from dflash_ipc.control import channels
+
+        out = []
+        for sender, msg in channels.drain_from(self.pull, self.auth, rejects):
+            out.append((None if sender is None else int(sender.rsplit(b"-", 1)[1]), msg))
+        return out
 
     def report_dead(self, exc: BaseException, log: logging.Logger) -> None:
         """Log the traceback and tell the supervisor (best effort: it may be gone)."""
@@ -272,6 +282,8 @@ def child_arg_parser(role: str, description: str = "") -> argparse.ArgumentParse
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--cpus", default=None, help="comma-separated CPU cores of this process (set by the supervisor)")
+    ap.add_argument("--supervisor-pid", type=int, default=0, help="the supervisor that spawned this process (set by the supervisor)")
+    ap.add_argument("--key-fd", type=int, default=-1, help="inherited pipe holding the run key (set by the supervisor)")
     return ap
 
 
@@ -298,17 +310,23 @@ def run_child(
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args(argv)
+    key = read_key(args.key_fd)
     run_dir = Path(args.run_dir)
     placement = place(args)
-    log, stop, log_file = _setup_process(role, args.rank, run_dir, placement.log_level)
-    parent_pid = os.getppid()
+    log, stop, log_file = _setup_process(role, args.rank, run_dir, placement.log_level, args.supervisor_pid)
+    parent_pid = args.supervisor_pid or os.getppid()
     socks: ChildSockets | None = None
     failed_in_main = False
+    if stop.requested:  # the supervisor died while this process started: nothing to report to
+        log.error("%s-%d: supervisor (pid %d) is gone; exiting", role, args.rank, parent_pid)
+        remove_supervisor_sockets(run_dir)
+        _close_process_logging(log_file)
+        return 1
     try:
         cap_compile_workers(placement.compile_threads)  # before anything compiles
         device = place_process(placement.device, args.cpus, placement.processes_on_host)
         log.info("TorchInductor compile workers capped at %d", placement.compile_threads)
-        socks = ChildSockets(run_dir, role, args.rank, pull_endpoint(run_dir, args.rank))
+        socks = ChildSockets(run_dir, role, args.rank, pull_endpoint(run_dir, args.rank), key)
         child = ChildContext(role=role, rank=args.rank, run_dir=run_dir, args=args, config=placement.config, log=log, stop=stop,
                              parent_pid=parent_pid, device=device, socks=socks, rejects=RejectCounter(f"{role}-{args.rank}", log))
         with child.closing:
@@ -332,4 +350,8 @@ def run_child(
     finally:
         if socks is not None:
             socks.close(linger_ms=socket_linger_ms)
+        if os.getppid() != parent_pid:
+            # The supervisor was killed (SIGKILL leaves its socket files): the last of its children
+            # to leave removes them, so a dead run leaves no socket behind.
+            remove_supervisor_sockets(run_dir)
         _close_process_logging(log_file)

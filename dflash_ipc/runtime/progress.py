@@ -14,9 +14,13 @@ A value that is not known yet (no step finished, no max_steps) is shown as ``-``
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_ipc.control.stats import DrafterSummary
 
 MISSING = "-"
 
@@ -145,3 +149,23 @@ class RichProgress:
 
 def progress_display(live: bool, echo: Callable[[str], None]) -> PlainProgress | RichProgress:
     return RichProgress() if live else PlainProgress(echo)
+
+
+def finished_summary(run_dir: Path, summary: DrafterSummary | None, wall_s: float) -> str:
+    """The lines `up` prints when training ended: loss first -> last, tokens/s, where things are."""
+    metrics = run_dir / "metrics.jsonl"
+    recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+    lines = []
+    if recs:
+        first = [r["loss"] for r in recs[:10] if r.get("loss") is not None]
+        lastl = [r["loss"] for r in recs[-10:] if r.get("loss") is not None]
+        toks = sum(r["tokens"] for r in recs)
+        train_s = recs[-1]["elapsed_s"] if recs[-1].get("elapsed_s") else wall_s
+        lines.append(f"steps {recs[-1]['step']}, loss {fmt(first[0] if first else None, '.4f')} -> {fmt(lastl[-1] if lastl else None, '.4f')}"
+                     f" (mean of first 10 {fmt(sum(first) / len(first) if first else None, '.4f')},"
+                     f" last 10 {fmt(sum(lastl) / len(lastl) if lastl else None, '.4f')})")
+        lines.append(f"trained on {toks} target tokens in {train_s:.1f} s: {toks / max(1e-9, train_s):.0f} tokens/s; wall {wall_s:.1f} s")
+    lines.append(f"checkpoint: {(summary.checkpoint if summary else None) or MISSING}")
+    lines.append(f"exported drafter: {(summary.export if summary else None) or MISSING}")
+    lines.append(f"metrics: {metrics}; status: dflash-ipc status --run-dir {run_dir}")
+    return "[up] finished (" + (summary.reason if summary else "?") + ")\n  " + "\n  ".join(lines)

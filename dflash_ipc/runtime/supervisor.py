@@ -16,7 +16,16 @@ Run states (the supervisor's own state machine)::
                                        checkpoint (--resume semantics), at most K times.
 
 The supervisor watches process sentinels (``Popen.poll``) and heartbeats; it never trains
-and never touches the rings, so it stays responsive. It serves its status snapshot
+and never touches the rings, so it stays responsive. Each attempt draws a new run key; a child
+gets it through an inherited pipe with the supervisor's pid in argv (``runtime.launch``), and
+every frame it sends is sealed with it (``channels.PeerAuth``): a message that is not from the
+child spawned under that identity (any shape, any key, an orphan of an earlier attempt, a
+Hello from another pid) is rejected and counted (``supervisor_rejected_by_kind`` in status),
+never fatal. When heartbeats stop, the process blamed is one that the kernel reports stopped
+(SIGSTOP, ``T`` state) if any, else the one whose last heartbeat is oldest: a drafter waiting in
+a collective for a stuck peer goes silent too, but later. Status is served from the moment the
+children are spawned (state ``starting``), SIGTERM during the handshake stops the run at once
+(exit 0, nothing trained), and the socket files are removed when the supervisor exits. It serves its status snapshot
 read-only on ``sock/status`` (REP) and writes ``status.json`` every second; with
 ``run.metrics_port`` it also serves that snapshot as Prometheus metrics on 127.0.0.1.
 """
@@ -28,7 +37,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,17 +46,20 @@ import zmq
 
 from dflash_ipc.control import channels
 from dflash_ipc.control import handshake
+from dflash_ipc.control.channels import PeerAuth
 from dflash_ipc.control import protocol
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.config import DFlashConfig, write_resolved_config
 from dflash_ipc.control.handshake import HandshakeError
 from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown, to_wire
 from dflash_ipc.control.stats import DrafterStats, DrafterSummary, TargetStats
-from dflash_ipc.control.status import SCHEMA_VERSION, ProcessStatus, SlotCounts, StatusSnapshot, Totals
+from dflash_ipc.control.status import SCHEMA_VERSION, StatusSnapshot, Totals
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
-from dflash_ipc.runtime.progress import MISSING, PlainProgress, ProgressSnapshot, RichProgress, eta_seconds, fmt, progress_display
+from dflash_ipc.runtime.launch import child_argv, key_pipe
+from dflash_ipc.runtime.liveness import describe_exit, is_stopped, log_tail, process_status, silent_child
+from dflash_ipc.runtime.progress import PlainProgress, ProgressSnapshot, RichProgress, eta_seconds, finished_summary, progress_display
 from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 
 log = logging.getLogger(__name__)
@@ -82,6 +93,10 @@ class GroupFailed(RuntimeError):
     pass
 
 
+class StoppedDuringStart(RuntimeError):
+    pass
+
+
 def cpu_shares_for(n_children: int) -> list[list[int]] | None:
     """Split this process's CPU cores into n contiguous shares (None if there are too few)."""
     cores = sorted(os.sched_getaffinity(0))
@@ -89,25 +104,6 @@ def cpu_shares_for(n_children: int) -> list[list[int]] | None:
         return None
     size = len(cores) // n_children
     return [cores[i * size : (i + 1) * size] for i in range(n_children)]
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
-        return "(no log)"
-    return "\n".join("    " + ln for ln in text[-lines:])
 
 
 class Supervisor:
@@ -129,6 +125,9 @@ class Supervisor:
         self.stop_requested = ""
         self.started_unix = time.time()
         self.rejects = RejectCounter("supervisor", log)
+        self._auth = PeerAuth(None)  # a new key for each attempt (_run_group)
+        self._next_status = 0.0
+        self._handshake_done = False
         self.run_id = ""
         self.plan: dict = {}
         self._summary: DrafterSummary | None = None
@@ -237,7 +236,8 @@ class Supervisor:
         cpu_shares = cpu_shares_for(len(self.children)) if (cfg.run.cpu_affinity == "auto" and cfg.topology.on_cuda) else None
         for i, ch in enumerate(self.children):
             env = dict(base_env)
-            argv = [sys.executable, "-m", f"dflash_ipc.procs.{ch.role}", "--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
+            key_fd = key_pipe(self._auth.key)
+            argv = child_argv(ch.role, os.getpid(), key_fd) + ["--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
             if self.forward_only:
                 argv += ["--forward-only", str(self.forward_only)]
             if cpu_shares:
@@ -247,8 +247,11 @@ class Supervisor:
                 if resume:
                     argv.append("--resume")
             out = open(self.run_dir / "logs" / f"{ch.name}.stdout", "ab")
-            ch.popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False)
-            out.close()
+            try:
+                ch.popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False, pass_fds=(key_fd,))
+            finally:
+                out.close()
+                os.close(key_fd)
             ch.started = time.time()
 
     def _exited_child(self) -> Child | None:
@@ -270,17 +273,26 @@ class Supervisor:
         status_sock = channels.bind(ctx, zmq.REP, channels.status_endpoint(self.run_dir))
         self.state = "starting"
         old_handlers = self._install_signals()
+        self._auth = PeerAuth(channels.new_run_key(), b"supervisor")
+        self._handshake_done = False
         try:
             self._spawn(resume)
             self.node_group.start_watch()
             self.echo(f"[up] started {len(self.children)} processes: " + ", ".join(f"{c.name}@{c.device} pid {c.popen.pid}" for c in self.children))
+            self._write_status()
             t0 = time.perf_counter()
             try:
                 handshake.coordinate(router, [c.key for c in self.children], self.cfg.run.handshake_timeout_s, self.rejects,
-                                     lambda: self._dead_child() or self._node_failure(), on_other=self._on_decoded)
+                                     lambda: self._dead_child() or self._node_failure(), on_other=self._on_decoded, auth=self._auth,
+                                     pids={c.key: c.popen.pid for c in self.children}, tick=lambda: self._starting_tick(status_sock))
             except HandshakeError as e:
                 raise GroupFailed(self._failure_text(str(e))) from None
+            except StoppedDuringStart as e:
+                self.state = "stopping"
+                self.echo(f"[up] {e}: stopping before training started (nothing to checkpoint)")
+                return EXIT_OK
             self.state = "running"
+            self._handshake_done = True
             now = time.monotonic()
             for c in self.children:
                 c.last_beat = now
@@ -288,6 +300,10 @@ class Supervisor:
             sdnotify.notify_ready(f"running {len(self.children)} processes")
             self._progress_display = progress_display(self.live_progress, self.echo)
             return self._watch(router, status_sock)
+        except GroupFailed as e:
+            # said at once: the teardown below may wait run.teardown_grace_s for a stuck process
+            self.echo(f"[up] failure detected: {str(e).splitlines()[0]}; tearing the group down")
+            raise
         finally:
             self._close_progress()
             self._teardown(router)
@@ -296,6 +312,7 @@ class Supervisor:
             status_sock.close()
             ctx.term()
             sweep_run_shm(self.run_id)
+            self._remove_socket_files()
             self._restore_signals(old_handlers)
 
     def _node_failure(self) -> str | None:
@@ -303,6 +320,44 @@ class Supervisor:
         lead = self._lead_drafter()
         self.node_group.publish_step(lead.work.step if lead else 0)
         return self.node_group.failure()
+
+    def _starting_tick(self, status_sock: zmq.Socket) -> None:
+        """Runs every 0.2 s of the handshake: status stays served, and SIGTERM is honoured now."""
+        if self.stop_requested:
+            raise StoppedDuringStart(self.stop_requested)
+        if status_sock.poll(0):
+            self._serve_status(status_sock)
+        now = time.monotonic()
+        if now >= self._next_status:
+            self._next_status = now + 1.0
+            self._write_status()
+
+    def _serve_status(self, status_sock: zmq.Socket) -> None:
+        """One REP exchange: a request is exactly one part, b"status"; anything else gets an error
+        reply (REP must answer every request it read) and is counted."""
+        for _ in range(100):
+            try:
+                parts = status_sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if parts == [b"status"]:
+                reply = json.dumps(to_wire(self.snapshot())).encode()
+            else:
+                self.rejects.reject("bad_status_request", f"{len(parts)} part(s), first {parts[0][:40]!r}")
+                reply = json.dumps({"error": "a status request is one frame, b'status'"}).encode()
+            try:
+                status_sock.send(reply, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+
+    def _remove_socket_files(self) -> None:
+        """The bound ipc socket files of this run (children killed by a signal leave theirs)."""
+        sock_dir = channels.socket_dir(self.run_dir)
+        for name in ["sup", "status"] + [f"t{r}" for r in range(len(self.cfg.topology.targets))] + [f"d{r}" for r in range(len(self.cfg.topology.drafters))]:
+            try:
+                (sock_dir / name).unlink()
+            except FileNotFoundError:
+                pass
 
     def _install_signals(self):
         def on_signal(signum, frame):  # noqa: ARG001
@@ -316,7 +371,7 @@ class Supervisor:
 
     def _send(self, router: zmq.Socket, ch: Child, msg: protocol.Message) -> None:
         try:
-            router.send_multipart([handshake.identity(ch.role, ch.rank), protocol.encode(msg)], zmq.NOBLOCK)
+            router.send_multipart([self._auth.route(handshake.identity(ch.role, ch.rank)), protocol.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
@@ -337,8 +392,7 @@ class Supervisor:
             if router in events:
                 self._drain_router(router)
             if status_sock in events:
-                status_sock.recv()
-                status_sock.send(json.dumps(to_wire(self.snapshot())).encode())
+                self._serve_status(status_sock)
             if self.stop_requested and not stop_sent:
                 stop_sent = True
                 self.state = "stopping"
@@ -364,10 +418,9 @@ class Supervisor:
             if node_failure:
                 raise GroupFailed(node_failure)
             now = time.monotonic()
-            for ch in self.children:
-                if ch.done is None and ch.last_beat is not None and now - ch.last_beat > cfg.run.heartbeat_timeout_s and not targets_stopped:
-                    raise GroupFailed(self._failure_text(
-                        f"{ch.name} missed heartbeats for {now - ch.last_beat:.0f} s (run.heartbeat_timeout_s = {cfg.run.heartbeat_timeout_s:g})", ch))
+            silent = silent_child(self.children, now, cfg.run.heartbeat_timeout_s) if not targets_stopped else None
+            if silent is not None:
+                raise GroupFailed(self._failure_text(silent[1], silent[0]))
             if self.forward_only and all(c.done is not None for c in targets):
                 for c in targets:
                     c.popen.wait(timeout=max(5.0, cfg.run.teardown_grace_s))
@@ -388,7 +441,7 @@ class Supervisor:
                     self.state = "finished"
                     self._write_status()
                     self._close_progress()
-                    self._final_summary()
+                    self.echo(finished_summary(self.run_dir, self._summary, time.time() - self.started_unix))
                     return EXIT_OK
             if now >= next_status:
                 next_status = now + 1.0
@@ -401,20 +454,14 @@ class Supervisor:
     def _drain_router(self, router: zmq.Socket, wait_ms: int = 0) -> None:
         if wait_ms and not router.poll(wait_ms):
             return
-        for _ in range(1000):
-            try:
-                ident, frame = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._on_message(ident, frame)
+        members = {self._auth.route(name): name for name in (handshake.identity(c.role, c.rank) for c in self.children)}
+        for parts in channels.recv_parts(router, 1000):
+            got = handshake.accept_member(parts, members, self._auth, self.rejects)
+            if got is not None:
+                self._on_decoded(*got)
 
     def _beats_fresh(self, now: float) -> bool:
         return all(c.done is not None or (c.last_beat is not None and now - c.last_beat < self.cfg.run.heartbeat_timeout_s) for c in self.children)
-
-    def _on_message(self, ident: bytes, frame: bytes) -> None:
-        msg = channels.decode_or_reject(frame, self.rejects)
-        if msg is not None:
-            self._on_decoded(ident, msg)
 
     def _on_decoded(self, ident: bytes, msg: protocol.Message) -> None:
         by_ident = {handshake.identity(c.role, c.rank): c for c in self.children}
@@ -447,9 +494,15 @@ class Supervisor:
         if not alive:
             return
         for ch in alive:
+            if is_stopped(ch.popen):  # a stopped process cannot clean up: Shutdown and SIGTERM would only wait
+                log.warning("%s is stopped (state T): SIGKILL", ch.name)
+                ch.popen.kill()
+        for ch in alive:
             self._send(router, ch, Shutdown(reason="teardown"))
         grace = self.cfg.run.teardown_grace_s
-        deadline = time.monotonic() + min(grace, 5.0)
+        # Before the handshake ended a child may still be importing or loading and read no
+        # Shutdown: SIGTERM (a flag once its handler is in, else exit) at once.
+        deadline = time.monotonic() + (min(grace, 5.0) if self._handshake_done else 0.0)
         while time.monotonic() < deadline and any(c.popen.poll() is None for c in alive):
             time.sleep(0.05)
         for ch in alive:
@@ -476,45 +529,6 @@ class Supervisor:
 
     # ------------------------------------------------------------------ status
 
-    def _process_status(self, ch: Child, now: float, now_m: float) -> ProcessStatus:
-        s = ch.stats
-        vitals = s.vitals if s is not None else None
-        pid = ch.popen.pid if ch.popen else None
-        code = ch.popen.poll() if ch.popen else None
-        rss = vitals.rss_bytes if vitals else None
-        if pid and code is None:
-            try:
-                rss = psutil.Process(pid).memory_info().rss
-            except psutil.Error:
-                pass
-        target = s if isinstance(s, TargetStats) else None
-        drafter = s if isinstance(s, DrafterStats) else None
-        gpu = target.work.gpu if target else drafter.work.gpu if drafter else None
-        slots = target.plane.slots if target else None
-        return ProcessStatus(
-            role=ch.role,
-            rank=ch.rank,
-            pid=pid,
-            device=ch.device,
-            state="exited" if code is not None else ("done" if ch.done is not None else (vitals.state if vitals else "starting")),
-            uptime_s=max(0.0, now - ch.started) if ch.started else 0.0,
-            heartbeat_age_s=(now_m - ch.last_beat) if ch.last_beat is not None else None,
-            tokens_per_s=s.work.tokens_per_s if s is not None else 0.0,
-            slots=SlotCounts(free=slots.free, filling=slots.filling + slots.queued, ready=slots.ready, copying=0) if slots else None,
-            inflight_per_drafter=target.plane.inflight_per_drafter if target else None,
-            queue_depth=drafter.queue_depth if drafter else None,
-            step=drafter.work.step if drafter else None,
-            loss=drafter.work.loss if drafter else None,
-            gpu_mem_allocated_bytes=gpu.allocated_bytes if gpu else None,
-            gpu_mem_reserved_bytes=gpu.reserved_bytes if gpu else None,
-            rss_bytes=rss,
-            rejected_messages=vitals.rejected_messages if vitals else 0,
-            rejected_by_kind=dict(vitals.rejected_by_kind) if vitals else {},
-            busy_pct=target.work.busy_pct if target else None,
-            wait_pct=min(100.0, drafter.wait_pct) if drafter else None,
-            exit_code=code,
-        )
-
     def _lead_drafter(self) -> DrafterStats | None:
         """Drafter 0's latest figures: the step, loss and throughput of the whole run."""
         d0 = next((c for c in self.children if c.role == "drafter" and c.rank == 0), None)
@@ -523,7 +537,7 @@ class Supervisor:
     def snapshot(self) -> StatusSnapshot:
         now_m = time.monotonic()
         now = time.time()
-        procs = [self._process_status(ch, now, now_m) for ch in self.children]
+        procs = [process_status(ch, now, now_m) for ch in self.children]
         rss_total = psutil.Process().memory_info().rss + sum(p.rss_bytes or 0 for p in procs)
         lead = self._lead_drafter()
         step = lead.work.step if lead else 0
@@ -534,7 +548,8 @@ class Supervisor:
                         loss=lead.work.loss if lead else None, pipeline_rss_bytes=rss_total, eta_s=eta)
         return StatusSnapshot(schema=SCHEMA_VERSION, run_dir=str(self.run_dir), state=self.state, updated_unix=now,
                               supervisor_pid=os.getpid(), config=self.cfg.source, started_unix=min(self.started_unix, now),
-                              totals=totals, processes=procs, node=self.node_group.status())
+                              totals=totals, processes=procs, node=self.node_group.status(),
+                              supervisor_rejected_by_kind=dict(self.rejects.by_kind))
 
     def _write_status(self) -> None:
         self._last_snapshot = snap = self.snapshot()
@@ -569,25 +584,3 @@ class Supervisor:
         if self._progress_display is not None:
             self._progress_display.close()
             self._progress_display = None
-
-    def _final_summary(self) -> None:
-        lines = []
-        with_metrics = self.run_dir / "metrics.jsonl"
-        recs = []
-        if with_metrics.exists():
-            recs = [json.loads(x) for x in with_metrics.read_text().splitlines() if x.strip()]
-        s = self._summary
-        wall = time.time() - self.started_unix
-        if recs:
-            first = [r["loss"] for r in recs[:10] if r.get("loss") is not None]
-            lastl = [r["loss"] for r in recs[-10:] if r.get("loss") is not None]
-            toks = sum(r["tokens"] for r in recs)
-            train_s = recs[-1]["elapsed_s"] if recs[-1].get("elapsed_s") else wall
-            lines.append(f"steps {recs[-1]['step']}, loss {fmt(first[0] if first else None, '.4f')} -> {fmt(lastl[-1] if lastl else None, '.4f')}"
-                         f" (mean of first 10 {fmt(sum(first) / len(first) if first else None, '.4f')},"
-                         f" last 10 {fmt(sum(lastl) / len(lastl) if lastl else None, '.4f')})")
-            lines.append(f"trained on {toks} target tokens in {train_s:.1f} s: {toks / max(1e-9, train_s):.0f} tokens/s; wall {wall:.1f} s")
-        lines.append(f"checkpoint: {(s.checkpoint if s else None) or MISSING}")
-        lines.append(f"exported drafter: {(s.export if s else None) or MISSING}")
-        lines.append(f"metrics: {with_metrics}; status: dflash-ipc status --run-dir {self.run_dir}")
-        self.echo("[up] finished (" + (s.reason if s else "?") + ")\n  " + "\n  ".join(lines))

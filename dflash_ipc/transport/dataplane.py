@@ -15,6 +15,17 @@ Consumer side (per drafter)::
     SlotReady ─▶ held ── free local buffer? copy_out ─▶ copying ── ticket done ─▶ SlotFree
                                                                    └─▶ ready ─▶ take() ─▶ in use
     release(buffer) ─▶ buffer free again                      (every change: Load to all)
+
+Nothing is taken on trust. ``handle(msg, sender)`` is given the rank of the authenticated
+sender (``channels.PeerAuth``; None in the key-less benchmark): a message that names another
+consumer/producer than its sender is refused (``wrong_sender``). A SlotReady must carry the next
+sequence number of its (producer, consumer) stream (``bad_seq``: replays, gaps) and a slot this
+consumer does not hold yet; a producer's EndOfData carries the number of SlotReady it sent *to
+this consumer*, and the consumer accepts it only when it received exactly that many
+(``end_of_data_mismatch``; ZeroMQ keeps one sender's messages in order, so every SlotReady
+arrives before its EndOfData); a second EndOfData is refused. A SlotFree must name a slot in the
+READY state held by its sender. Every refusal is counted in the receiver's RejectCounter and
+changes no state.
 """
 
 from __future__ import annotations
@@ -127,7 +138,10 @@ class ProducerDataPlane:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def handle(self, msg: Message) -> None:
+    def handle(self, msg: Message, sender: int | None = None) -> None:
+        if isinstance(msg, (SlotFree, Load)) and sender is not None and msg.consumer != sender:
+            self.rejects.reject("wrong_sender", f"{type(msg).__name__} for consumer {msg.consumer} sent by drafter-{sender}")
+            return
         if isinstance(msg, SlotFree):
             if msg.producer != self.rank:
                 self.rejects.reject("wrong_producer", f"slot_free for producer {msg.producer} at {self.rank}")
@@ -169,7 +183,7 @@ class ProducerDataPlane:
             return
         self._end_sent = True
         for c in range(self.router.num_consumers):
-            self._send(c, EndOfData(producer=self.rank, batches_sent=self.batches_sent))
+            self._send(c, EndOfData(producer=self.rank, batches_sent=self.seq[c]))
 
     def all_returned(self) -> bool:
         return not self._waiting and self.table.counts()["ready"] == 0
@@ -231,8 +245,11 @@ class ConsumerDataPlane:
     def outstanding(self) -> int:
         return len(self.held) + len(self.copying) + len(self.ready) + self.in_use
 
-    def handle(self, msg: Message) -> None:
+    def handle(self, msg: Message, sender: int | None = None) -> None:
         now = time.monotonic_ns()
+        if isinstance(msg, (SlotReady, EndOfData)) and sender is not None and msg.producer != sender:
+            self.rejects.reject("wrong_sender", f"{type(msg).__name__} for producer {msg.producer} sent by target-{sender}")
+            return
         if isinstance(msg, SlotReady):
             if msg.producer >= self.num_producers:
                 self.rejects.reject("out_of_range", f"slot_ready from producer {msg.producer} of {self.num_producers}")
@@ -248,6 +265,12 @@ class ConsumerDataPlane:
             if key in self._held_keys:
                 self.rejects.reject("duplicate_slot_ready", f"slot {key} already held")
                 return
+            if self.ended[msg.producer]:
+                self.rejects.reject("after_end_of_data", f"slot_ready from producer {msg.producer} after its end_of_data")
+                return
+            if msg.seq != self.received[msg.producer]:
+                self.rejects.reject("bad_seq", f"slot_ready seq {msg.seq} from producer {msg.producer}, expected {self.received[msg.producer]}")
+                return
             self._held_keys.add(key)
             self.received[msg.producer] += 1
             if msg.sent_ns:
@@ -257,6 +280,13 @@ class ConsumerDataPlane:
         elif isinstance(msg, EndOfData):
             if msg.producer >= self.num_producers:
                 self.rejects.reject("out_of_range", f"end_of_data from producer {msg.producer}")
+                return
+            if self.ended[msg.producer]:
+                self.rejects.reject("duplicate_end_of_data", f"end_of_data from producer {msg.producer} again")
+                return
+            if msg.batches_sent != self.received[msg.producer]:
+                self.rejects.reject("end_of_data_mismatch",
+                                    f"end_of_data from producer {msg.producer} says {msg.batches_sent} sent here, {self.received[msg.producer]} received")
                 return
             self.ended[msg.producer] = True
             self.expected_total[msg.producer] = msg.batches_sent

@@ -1,0 +1,119 @@
+"""How the supervisor starts a child, and the first thing that child runs.
+
+``python -m dflash_ipc.runtime.launch ROLE --supervisor-pid P --key-fd N ...`` arms the
+parent-death signal and checks that its parent is still the supervisor that spawned it
+*before* importing the role (torch and the model code take seconds to import; a supervisor
+SIGKILLed meanwhile would otherwise leave the child running until its handshake timed out).
+The role's ``run_<role>_process`` then parses the same argv and checks again once its SIGTERM
+handler is installed (:func:`dflash_ipc.runtime.child.run_child`).
+
+The run key (:class:`dflash_ipc.control.channels.PeerAuth`) reaches the child through an
+inherited pipe (``--key-fd``): never in argv (world-readable in /proc), the environment, or a
+file an orphan of an earlier attempt could read later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int) -> None:
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def child_argv(role: str, supervisor_pid: int, key_fd: int) -> list[str]:
+    """The command line of a child, up to its role's own options."""
+    return [sys.executable, "-m", "dflash_ipc.runtime.launch", role, "--supervisor-pid", str(supervisor_pid), "--key-fd", str(key_fd)]
+
+
+def key_pipe(key: bytes) -> int:
+    """A pipe holding ``key`` (then closed for writing); returns the read end, for ``pass_fds``.
+    The caller closes it once the child is spawned."""
+    r, w = os.pipe()
+    try:
+        os.write(w, key)
+    finally:
+        os.close(w)
+    return r
+
+
+def read_key(fd: int) -> bytes | None:
+    """The run key from the inherited pipe (None when no fd was given: a child started by hand)."""
+    if fd < 0:
+        return None
+    chunks = []
+    with os.fdopen(fd, "rb", closefd=True) as f:
+        while chunk := f.read(4096):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _option(argv: Sequence[str], name: str) -> str | None:
+    for i, a in enumerate(argv[:-1]):
+        if a == name:
+            return argv[i + 1]
+    return None
+
+
+def supervisor_pid_from(argv: Sequence[str]) -> int:
+    value = _option(argv, "--supervisor-pid")
+    return int(value) if value else 0
+
+
+def remove_supervisor_sockets(run_dir: Path) -> None:
+    """The supervisor's socket files, once it was killed (SIGKILL leaves them): its children remove
+    them as they go, so a dead run leaves no socket behind."""
+    sock_dir = (run_dir / "sock").resolve()
+    for name in ("sup", "status"):
+        with contextlib.suppress(OSError):
+            (sock_dir / name).unlink()
+
+
+def _exit_with_supervisor(supervisor: int, run_dir: str | None):
+    """SIGTERM while importing: from the death signal, clean up after the supervisor; then die of it."""
+
+    def on_sigterm(signum, frame):  # noqa: ARG001
+        if run_dir and os.getppid() != supervisor:
+            remove_supervisor_sockets(Path(run_dir))
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return on_sigterm
+
+
+def main(argv: Sequence[str]) -> int:
+    if not argv:
+        print("usage: python -m dflash_ipc.runtime.launch ROLE [role options]", file=sys.stderr)
+        return 2
+    role, rest = argv[0], list(argv[1:])
+    supervisor = supervisor_pid_from(rest)
+    run_dir = _option(rest, "--run-dir")
+    # Until the role installs its own handler, SIGTERM ends the import at once.
+    signal.signal(signal.SIGTERM, _exit_with_supervisor(supervisor, run_dir))
+    set_parent_death_signal(signal.SIGTERM)
+    if supervisor and os.getppid() != supervisor:
+        print(f"{role}: supervisor (pid {supervisor}) is gone before this child started; exiting", file=sys.stderr)
+        if run_dir:
+            remove_supervisor_sockets(Path(run_dir))
+        return 1
+    module = importlib.import_module(f"dflash_ipc.procs.{role}")
+    return getattr(module, f"run_{role}_process")(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

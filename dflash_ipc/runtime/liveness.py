@@ -1,0 +1,99 @@
+"""What the supervisor knows about a child's life: how it exited, whether the kernel reports it
+stopped, which child to blame when heartbeats stop, and its line in the status snapshot."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from dflash_ipc.control.stats import DrafterStats, TargetStats
+from dflash_ipc.control.status import ProcessStatus, SlotCounts
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def is_stopped(popen: subprocess.Popen | None) -> bool:
+    """The kernel reports the process stopped (SIGSTOP/SIGTSTP or a tracer): state T or t."""
+    if popen is None or popen.poll() is not None:
+        return False
+    try:
+        return psutil.Process(popen.pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join("    " + ln for ln in text[-lines:])
+
+
+def silent_child(children: list, now: float, timeout: float) -> tuple[Any, str] | None:
+    """The child to blame when heartbeats stopped: one the kernel reports stopped (SIGSTOP)
+    first, else the one silent longest (its peers go quiet later, waiting for it)."""
+    overdue = [c for c in children if c.done is None and c.last_beat is not None and now - c.last_beat > timeout]
+    if not overdue:
+        return None
+    stopped = [c for c in children if c.done is None and is_stopped(c.popen)]
+    ch = stopped[0] if stopped else min(overdue, key=lambda c: c.last_beat)
+    age = now - ch.last_beat
+    why = " (stopped: state T, e.g. SIGSTOP)" if stopped else ""
+    others = [c.name for c in overdue if c is not ch]
+    text = f"{ch.name} (pid {ch.popen.pid}) stopped answering{why}: no heartbeat for {age:.1f} s (run.heartbeat_timeout_s = {timeout:g})"
+    return ch, text + (f"; silent since, waiting for it: {', '.join(others)}" if others else "")
+
+
+def process_status(ch: Any, now: float, now_m: float) -> ProcessStatus:
+    """One child's line in the status snapshot (``ch``: the supervisor's Child record)."""
+    s = ch.stats
+    vitals = s.vitals if s is not None else None
+    pid = ch.popen.pid if ch.popen else None
+    code = ch.popen.poll() if ch.popen else None
+    rss = vitals.rss_bytes if vitals else None
+    if pid and code is None:
+        try:
+            rss = psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            pass
+    target = s if isinstance(s, TargetStats) else None
+    drafter = s if isinstance(s, DrafterStats) else None
+    gpu = target.work.gpu if target else drafter.work.gpu if drafter else None
+    slots = target.plane.slots if target else None
+    return ProcessStatus(
+        role=ch.role,
+        rank=ch.rank,
+        pid=pid,
+        device=ch.device,
+        state="exited" if code is not None else ("done" if ch.done is not None else (vitals.state if vitals else "starting")),
+        uptime_s=max(0.0, now - ch.started) if ch.started else 0.0,
+        heartbeat_age_s=(now_m - ch.last_beat) if ch.last_beat is not None else None,
+        tokens_per_s=s.work.tokens_per_s if s is not None else 0.0,
+        slots=SlotCounts(free=slots.free, filling=slots.filling + slots.queued, ready=slots.ready, copying=0) if slots else None,
+        inflight_per_drafter=target.plane.inflight_per_drafter if target else None,
+        queue_depth=drafter.queue_depth if drafter else None,
+        step=drafter.work.step if drafter else None,
+        loss=drafter.work.loss if drafter else None,
+        gpu_mem_allocated_bytes=gpu.allocated_bytes if gpu else None,
+        gpu_mem_reserved_bytes=gpu.reserved_bytes if gpu else None,
+        rss_bytes=rss,
+        rejected_messages=vitals.rejected_messages if vitals else 0,
+        rejected_by_kind=dict(vitals.rejected_by_kind) if vitals else {},
+        busy_pct=target.work.busy_pct if target else None,
+        wait_pct=min(100.0, drafter.wait_pct) if drafter else None,
+        exit_code=code,
+    )
