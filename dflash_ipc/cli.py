@@ -34,12 +34,34 @@ def bench() -> None:
 @click.option("--slow-ms", type=float, default=None, help="Sleep per slot of the slow consumer (default: 4x a copy).")
 @click.option("--producer-device", default=None, help="cpu, or cuda:N (default by backend).")
 @click.option("--consumer-device", default=None, help="cpu, cuda:N, or 'same' (the producer's GPU).")
-@click.option("--max-outstanding", type=click.IntRange(1, 64), default=None,
-              help="Credits per consumer (default: 2 on cpu-shm; 3 on GPU, so copies queue behind each other).")
-@click.option("--prefetch", type=click.IntRange(1, 16), default=None,
-              help="Copied-out batches a consumer may hold beyond the one in use (default: 1 on cpu-shm, 2 on GPU).")
+@click.option(
+    "--max-outstanding",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="Credits per consumer (default: 2 on cpu-shm; 3 on GPU, so copies queue behind each other).",
+)
+@click.option(
+    "--prefetch",
+    type=click.IntRange(1, 16),
+    default=None,
+    help="Copied-out batches a consumer may hold beyond the one in use (default: 1 on cpu-shm, 2 on GPU).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
-def bench_transport_cmd(backend, producers, consumers, slots, slot_mib, seconds, slow_consumer, slow_ms, producer_device, consumer_device, max_outstanding, prefetch, as_json):
+def bench_transport_cmd(
+    backend,
+    producers,
+    consumers,
+    slots,
+    slot_mib,
+    seconds,
+    slow_consumer,
+    slow_ms,
+    producer_device,
+    consumer_device,
+    max_outstanding,
+    prefetch,
+    as_json,
+):
     """Move real data through the slot rings between real processes; verify every slot."""
     from dflash_ipc.bench.transport import BenchArgs, run_transport_bench
 
@@ -53,11 +75,22 @@ def bench_transport_cmd(backend, producers, consumers, slots, slot_mib, seconds,
         raise click.BadParameter(f"must be a consumer rank in [0, {consumers})", param_hint="--slow-consumer")
     if slow_ms is None:
         slow_ms = max(5.0, slot_mib / 64 * 40.0) if slow_consumer is not None else 0.0
-    args = BenchArgs(backend=backend, producers=producers, consumers=consumers, slots=slots, slot_mib=slot_mib, seconds=seconds,
-                     slow_consumer=slow_consumer, slow_ms=slow_ms, producer_device=producer_device, consumer_device=consumer_device,
-                     # On GPU a slot's round trip (SlotFree, next SlotReady, verify) is as long as a
-                     # 256 MiB copy: with two credits the link idles between copies.
-                     max_outstanding=max_outstanding or (3 if gpu else 2), prefetch=prefetch or (2 if gpu else 1))
+    args = BenchArgs(
+        backend=backend,
+        producers=producers,
+        consumers=consumers,
+        slots=slots,
+        slot_mib=slot_mib,
+        seconds=seconds,
+        slow_consumer=slow_consumer,
+        slow_ms=slow_ms,
+        producer_device=producer_device,
+        consumer_device=consumer_device,
+        # On GPU a slot's round trip (SlotFree, next SlotReady, verify) is as long as a
+        # 256 MiB copy: with two credits the link idles between copies.
+        max_outstanding=max_outstanding or (3 if gpu else 2),
+        prefetch=prefetch or (2 if gpu else 1),
+    )
     result = run_transport_bench(args, progress=lambda s: click.echo(s, err=as_json))
     if as_json:
         click.echo(json.dumps(result))
@@ -86,8 +119,12 @@ def bench_gpu_ring_cmd(out_path: str | None, quick: bool, as_json: bool) -> None
 @bench.command("pipeline")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--steps", type=click.IntRange(3), default=8, show_default=True, help="Optimizer steps per pipeline variant.")
-@click.option("--variants", default="forward-only,cuda-ipc,host-pinned,depth-2,depth-8", show_default=True,
-              help="Comma-separated, run in this order; put 'warmup' first on a machine whose Triton cache is cold.")
+@click.option(
+    "--variants",
+    default="forward-only,cuda-ipc,host-pinned,depth-2,depth-8",
+    show_default=True,
+    help="Comma-separated, run in this order; put 'warmup' first on a machine whose Triton cache is cold.",
+)
 @click.option("--peak-tflops", type=float, default=790.0, show_default=True, help="Peak for MFU (bf16 matmul measured on an H200).")
 @click.option("--out", "out_path", default=None, help="Append each variant's result to this file (JSON lines) as soon as it is done.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
@@ -140,18 +177,40 @@ def check_config(config_path: str, file_only: bool) -> None:
 @click.option("--run-dir", default=None, help="Run directory (default: run.run_dir or runs/<run.name>).")
 @click.option("--max-steps", type=click.IntRange(0), default=None, help="Override training.max_steps.")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the run directory (fresh if none).")
-@click.option("--max-restarts", type=click.IntRange(0), default=0, show_default=True, help="Restart the group from the last checkpoint after a failure, at most K times.")
-@click.option("--nnodes", type=int, default=None,
-              help="Nodes in the run, each running `up` with the same config (default: NNODES, else 1).")
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Restart the group from the last checkpoint after a failure, at most K times.",
+)
+@click.option(
+    "--nnodes", type=int, default=None, help="Nodes in the run, each running `up` with the same config (default: NNODES, else 1)."
+)
 @click.option("--node-rank", type=int, default=None, help="This node's rank in [0, nnodes) (default: NODE_RANK, else 0).")
 @click.option("--master-addr", default=None, help="Node 0's host, reachable from every node (default: MASTER_ADDR).")
-@click.option("--master-port", type=int, default=None,
-              help="Drafter rendezvous port on node 0; the supervisors use it +1 (default: MASTER_PORT).")
-@click.option("--shared-dir", default=None, type=click.Path(file_okay=False),
-              help="Checkpoints (with the batch ledger) and the export, written by global rank 0 and read by every node on --resume "
-                   "(default: the run dir; with several nodes put it on storage every node reads).")
-def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: bool, max_restarts: int, nnodes: int | None,
-       node_rank: int | None, master_addr: str | None, master_port: int | None, shared_dir: str | None) -> None:
+@click.option(
+    "--master-port", type=int, default=None, help="Drafter rendezvous port on node 0; the supervisors use it +1 (default: MASTER_PORT)."
+)
+@click.option(
+    "--shared-dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Checkpoints (with the batch ledger) and the export, written by global rank 0 and read by every node on --resume "
+    "(default: the run dir; with several nodes put it on storage every node reads).",
+)
+def up(
+    config_path: str,
+    run_dir: str | None,
+    max_steps: int | None,
+    resume: bool,
+    max_restarts: int,
+    nnodes: int | None,
+    node_rank: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+    shared_dir: str | None,
+) -> None:
     """Start the whole pipeline: one process per target and per drafter (per node, with --nnodes)."""
     import os
 
@@ -161,8 +220,10 @@ def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: boo
     try:  # before anything is created: a bad node option names itself and starts nothing
         node = resolve_node_spec(nnodes, node_rank, master_addr, master_port, shared_dir, os.environ)
         if node.multi and max_restarts:
-            raise NodeOptionError("--max-restarts is not supported with --nnodes > 1 yet (nodes do not restart together); "
-                                  "let the launcher (systemd Restart=, SLURM --requeue) restart every node with --resume")
+            raise NodeOptionError(
+                "--max-restarts is not supported with --nnodes > 1 yet (nodes do not restart together); "
+                "let the launcher (systemd Restart=, SLURM --requeue) restart every node with --resume"
+            )
     except NodeOptionError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -178,8 +239,9 @@ def up(config_path: str, run_dir: str | None, max_steps: int | None, resume: boo
         click.echo(f"warning: {config_path}: {w}", err=True)
     from dflash_ipc.runtime.supervisor import GroupFailed, Supervisor
 
-    sup = Supervisor(cfg, resolved_run_dir, resume=resume, max_restarts=max_restarts, echo=click.echo,
-                     live_progress=sys.stdout.isatty(), node=node)
+    sup = Supervisor(
+        cfg, resolved_run_dir, resume=resume, max_restarts=max_restarts, echo=click.echo, live_progress=sys.stdout.isatty(), node=node
+    )
     try:
         sup.prepare()
     except (GroupFailed, ValueError, OSError) as e:
@@ -223,10 +285,20 @@ def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
 
 @main.command("plan")
 @click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False))
-@click.option("--topology", "n_gpus", type=click.IntRange(2), default=None,
-              help="Instead: the target:drafter split of this many GPUs with the most tokens/s (needs --profile).")
-@click.option("--profile", "profile_path", default=None, type=click.Path(dir_okay=False),
-              help="Measured rates (JSON): a `bench pipeline` result, or {tokens_per_batch, target_batch_s, drafter_step_s}.")
+@click.option(
+    "--topology",
+    "n_gpus",
+    type=click.IntRange(2),
+    default=None,
+    help="Instead: the target:drafter split of this many GPUs with the most tokens/s (needs --profile).",
+)
+@click.option(
+    "--profile",
+    "profile_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Measured rates (JSON): a `bench pipeline` result, or {tokens_per_batch, target_batch_s, drafter_step_s}.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def plan(config_path: str | None, n_gpus: int | None, profile_path: str | None, as_json: bool) -> None:
     """Length-bucketed batch plan statistics for a config (no model is loaded), or with --topology
@@ -262,15 +334,25 @@ def _plan_topology(n_gpus: int | None, profile_path: str | None, as_json: bool) 
 
 @main.command("eval")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
-@click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False, exists=True),
-              help="An exported drafter (export/drafter: config.json + model.safetensors).")
+@click.option(
+    "--drafter",
+    "drafter_dir",
+    required=True,
+    type=click.Path(file_okay=False, exists=True),
+    help="An exported drafter (export/drafter: config.json + model.safetensors).",
+)
 @click.option("--prompts", "prompts_path", default=None, help="Chat records (JSONL, Parquet, saved dataset); default: data.paths.")
 @click.option("--n", type=click.IntRange(1), default=16, show_default=True, help="Prompts to decode.")
 @click.option("--max-new", type=click.IntRange(1), default=128, show_default=True, help="New tokens per prompt.")
 @click.option("--block-size", type=click.IntRange(0), default=0, help="Block size (1..the drafter's; default: the drafter's).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="Target and drafter dtype. float32 keeps the lossless check exact: bf16 flips near-ties between "
-                   "a block verification and one-token steps.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="Target and drafter dtype. float32 keeps the lossless check exact: bf16 flips near-ties between "
+    "a block verification and one-token steps.",
+)
 @click.option("--target-device", default=None, help="Default: topology.targets[0].")
 @click.option("--drafter-device", default=None, help="Default: topology.drafters[0].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
@@ -280,8 +362,18 @@ def eval_cmd(config_path, drafter_dir, prompts_path, n, max_new, block_size, dty
 
     cfg = _load_or_exit(config_path)
     try:
-        report = run_eval(cfg, drafter_dir, prompts_path=prompts_path, n=n, max_new=max_new, block_size=block_size, dtype=dtype,
-                          target_device=target_device, drafter_device=drafter_device, echo=lambda s: click.echo(s, err=True))
+        report = run_eval(
+            cfg,
+            drafter_dir,
+            prompts_path=prompts_path,
+            n=n,
+            max_new=max_new,
+            block_size=block_size,
+            dtype=dtype,
+            target_device=target_device,
+            drafter_device=drafter_device,
+            echo=lambda s: click.echo(s, err=True),
+        )
     except (ValueError, OSError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -310,10 +402,17 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str) -> None:
 
 @main.command("gen-data")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
-@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output JSONL (appended to; held-out split beside it).")
+@click.option(
+    "--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output JSONL (appended to; held-out split beside it)."
+)
 @click.option("--prompts", "prompts_path", default=None, help="Chat records (JSONL, Parquet, saved dataset); default: data.paths.")
-@click.option("--holdout-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
-              help="Share of ids (by hash) written to OUT.holdout.jsonl instead, for eval.")
+@click.option(
+    "--holdout-fraction",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=0.0,
+    show_default=True,
+    help="Share of ids (by hash) written to OUT.holdout.jsonl instead, for eval.",
+)
 @click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--max-new", type=click.IntRange(1), default=512, show_default=True, help="New tokens per answer.")
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0: greedy.")
@@ -322,15 +421,24 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="Default: topology.targets[0].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
-def gen_data_cmd(config_path, out_path, prompts_path, holdout_fraction, batch_size, max_new, temperature, top_p, limit, seed, device, as_json):
+def gen_data_cmd(
+    config_path, out_path, prompts_path, holdout_fraction, batch_size, max_new, temperature, top_p, limit, seed, device, as_json
+):
     """The target answers the first user turn of every chat record (resumable self-distillation data)."""
     from pathlib import Path
 
     from dflash_ipc.data.gen import GenOptions, run_gen_data
 
     cfg = _load_or_exit(config_path)
-    opts = GenOptions(batch_size=batch_size, max_new=max_new, temperature=temperature, top_p=top_p,
-                      holdout_fraction=holdout_fraction, limit=limit, seed=seed)
+    opts = GenOptions(
+        batch_size=batch_size,
+        max_new=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        holdout_fraction=holdout_fraction,
+        limit=limit,
+        seed=seed,
+    )
     try:
         result = run_gen_data(cfg, Path(out_path), opts, prompts_path=prompts_path, device=device, echo=lambda s: click.echo(s, err=True))
     except (ValueError, OSError) as e:

@@ -131,16 +131,16 @@ class TopologyConfig:
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
 
     def __post_init__(self) -> None:
-        _require(len(self.targets) >= 1, "targets", "needs at least one target device, e.g. [\"cuda:0\"]")
-        _require(len(self.drafters) >= 1, "drafters", "needs at least one drafter device, e.g. [\"cuda:1\"]")
+        _require(len(self.targets) >= 1, "targets", 'needs at least one target device, e.g. ["cuda:0"]')
+        _require(len(self.drafters) >= 1, "drafters", 'needs at least one drafter device, e.g. ["cuda:1"]')
         for name, devs in (("targets", self.targets), ("drafters", self.drafters)):
             for i, dev in enumerate(devs):
-                _require(_valid_device(dev), f"{name}[{i}]", f"{dev!r} is not a device; use \"cpu\" or \"cuda:N\"")
+                _require(_valid_device(dev), f"{name}[{i}]", f'{dev!r} is not a device; use "cpu" or "cuda:N"')
         uses_cuda = any(d.startswith("cuda") for d in self.targets + self.drafters)
         _require(
             not (self.dist_backend == "nccl" and any(d == "cpu" for d in self.drafters)),
             "dist_backend",
-            "nccl needs every drafter on a cuda device; use \"gloo\" or \"auto\"",
+            'nccl needs every drafter on a cuda device; use "gloo" or "auto"',
         )
         _require(
             not (uses_cuda and any(d == "cpu" for d in self.targets + self.drafters)),
@@ -154,8 +154,7 @@ class TopologyConfig:
                 _require(
                     index not in seen,
                     f"drafters[{i}]",
-                    f"{dev!r} is already drafters[{seen.get(index)}]: NCCL needs one GPU per drafter; "
-                    "give each drafter its own device",
+                    f"{dev!r} is already drafters[{seen.get(index)}]: NCCL needs one GPU per drafter; give each drafter its own device",
                 )
                 seen[index] = i
 
@@ -211,7 +210,7 @@ class DataConfig:
     builtin_samples: int = 2000
 
     def __post_init__(self) -> None:
-        _require(len(self.paths) >= 1, "paths", "needs at least one JSONL path or \"builtin:stdlib-docs\"")
+        _require(len(self.paths) >= 1, "paths", 'needs at least one JSONL path or "builtin:stdlib-docs"')
         _require(self.max_seq_len >= 8, "max_seq_len", "must be >= 8 tokens")
         _require(len(self.bucket_edges) >= 1, "bucket_edges", "needs at least one edge")
         _require(
@@ -393,12 +392,12 @@ class DFlashConfig:
 
     def __post_init__(self) -> None:
         if self.transport.backend == "cpu-shm":
-            _require(not self.topology.on_cuda, "transport.backend", "cpu-shm needs cpu devices; use \"auto\" on GPUs")
+            _require(not self.topology.on_cuda, "transport.backend", 'cpu-shm needs cpu devices; use "auto" on GPUs')
         if self.transport.backend in ("cuda-ipc", "host-pinned"):
             _require(
                 self.topology.on_cuda,
                 "transport.backend",
-                f"{self.transport.backend} needs cuda devices; use \"cpu-shm\" or \"auto\" on CPU",
+                f'{self.transport.backend} needs cuda devices; use "cpu-shm" or "auto" on CPU',
             )
         if self.training.kl_weight > 0:
             _require(

@@ -10,13 +10,12 @@ from pathlib import Path
 import torch
 
 from dflash_ipc.bench import transport as bench_transport
-from dflash_ipc.control import channels
-from dflash_ipc.control import handshake
-from dflash_ipc.transport.dataplane import ConsumerDataPlane
-from dflash_ipc.control.stats import ConsumerSummary
+from dflash_ipc.control import channels, handshake
 from dflash_ipc.control.protocol import Done, Hello, RejectCounter
-from dflash_ipc.transport.factory import open_consumer_ring
+from dflash_ipc.control.stats import ConsumerSummary
 from dflash_ipc.runtime.child import ChildSockets, place_process, setup_child_process
+from dflash_ipc.transport.dataplane import ConsumerDataPlane
+from dflash_ipc.transport.factory import open_consumer_ring
 
 
 def run_bench_consumer_process(a: argparse.Namespace) -> int:

@@ -10,13 +10,12 @@ from pathlib import Path
 import torch
 
 from dflash_ipc.bench import transport as bench_transport
-from dflash_ipc.control import channels
-from dflash_ipc.control import handshake
-from dflash_ipc.transport.dataplane import ProducerDataPlane
-from dflash_ipc.control.stats import ProducerPlaneStats, ProducerSummary, RoutedSlot, RoutingLog
+from dflash_ipc.control import channels, handshake
 from dflash_ipc.control.protocol import Done, Hello, RejectCounter
-from dflash_ipc.transport.factory import create_producer_ring
+from dflash_ipc.control.stats import ProducerPlaneStats, ProducerSummary, RoutedSlot, RoutingLog
 from dflash_ipc.runtime.child import ChildSockets, place_process, setup_child_process
+from dflash_ipc.transport.dataplane import ProducerDataPlane
+from dflash_ipc.transport.factory import create_producer_ring
 
 
 def run_bench_producer_process(a: argparse.Namespace) -> int:
@@ -28,8 +27,7 @@ def run_bench_producer_process(a: argparse.Namespace) -> int:
     try:
         layout = bench_transport.bench_layout(a.slot_bytes)
         ring = create_producer_ring(a.backend, layout, a.slots, run_id=a.run_id, producer_rank=a.rank, device=device)
-        hello = Hello(role="producer", rank=a.rank, pid=os.getpid(), device=a.device, ring=ring.descriptor(),
-                      endpoint=socks.pull_endpoint)
+        hello = Hello(role="producer", rank=a.rank, pid=os.getpid(), device=a.device, ring=ring.descriptor(), endpoint=socks.pull_endpoint)
         start = handshake.child_handshake(socks.dealer, hello, 120, rejects)
         socks.connect_peers(start.drafter_endpoints, "consumer")
         plane = ProducerDataPlane(a.rank, ring, len(socks.pushes), a.max_outstanding, socks.send_to_peer, rejects)
@@ -64,8 +62,9 @@ def run_bench_producer_process(a: argparse.Namespace) -> int:
                 for msg in channels.drain(socks.pull, rejects):
                     plane.handle(msg)
             plane.dispatch()
-        routing = RoutingLog(max_outstanding=a.max_outstanding,
-                             decisions=[RoutedSlot(consumer=d.consumer, loads=list(d.loads)) for d in plane.routing_log])
+        routing = RoutingLog(
+            max_outstanding=a.max_outstanding, decisions=[RoutedSlot(consumer=d.consumer, loads=list(d.loads)) for d in plane.routing_log]
+        )
         summary = ProducerSummary(batches=plane.batches_sent, rejected=rejects.total, plane=ProducerPlaneStats.of(plane), routing=routing)
         socks.send_to_supervisor(Done(role="producer", rank=a.rank, producer=summary))
         return 0

@@ -36,8 +36,16 @@ from dflash_ipc.transport.factory import open_consumer_ring
 def run_drafter_process(argv: list[str] | None = None) -> int:
     """One drafter process (started by `dflash-ipc up`): one data-parallel rank of the drafter."""
     # Done is the last thing a drafter sends; give it up to 2 s to leave before the sockets go.
-    return run_child("drafter", drafter_main, place=_placement, pull_endpoint=channels.drafter_endpoint, add_arguments=_add_arguments,
-                     argv=argv, description="dflash-ipc drafter process (started by `dflash-ipc up`)", socket_linger_ms=2000)
+    return run_child(
+        "drafter",
+        drafter_main,
+        place=_placement,
+        pull_endpoint=channels.drafter_endpoint,
+        add_arguments=_add_arguments,
+        argv=argv,
+        description="dflash-ipc drafter process (started by `dflash-ipc up`)",
+        socket_linger_ms=2000,
+    )
 
 
 def _add_arguments(ap) -> None:
@@ -46,8 +54,13 @@ def _add_arguments(ap) -> None:
 
 def _placement(args) -> Placement:
     cfg = load_resolved_config(Path(args.run_dir))
-    return Placement(cfg.topology.drafters[args.rank], len(cfg.topology.targets) + len(cfg.topology.drafters), cfg.run.log_level, cfg,
-                     compile_threads=cfg.run.compile_threads)
+    return Placement(
+        cfg.topology.drafters[args.rank],
+        len(cfg.topology.targets) + len(cfg.topology.drafters),
+        cfg.run.log_level,
+        cfg,
+        compile_threads=cfg.run.compile_threads,
+    )
 
 
 def drafter_main(child: ChildContext) -> int:
@@ -63,8 +76,14 @@ def drafter_main(child: ChildContext) -> int:
     log.info("drafter %d/%d on %s: %.2fM trainable params, step %d", rank, world.world_size, device, core.n_params / 1e6, core.step)
     if cfg.drafter.warm_up:  # before Hello: overlaps the targets' model load, and no target waits on our first step
         log.info("warm-up: one forward+backward on a dummy %d-token batch took %.1f s", cfg.data.token_budget, core.warm_up())
-    hello = Hello(role="drafter", rank=rank, pid=os.getpid(), device=str(device), endpoint=socks.pull_endpoint,
-                  info=ChildInfo(resume=core.resumed_from))
+    hello = Hello(
+        role="drafter",
+        rank=rank,
+        pid=os.getpid(),
+        device=str(device),
+        endpoint=socks.pull_endpoint,
+        info=ChildInfo(resume=core.resumed_from),
+    )
     start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested, socks.auth)
     rings = []
     for d in start.rings:
@@ -140,11 +159,24 @@ def drafter_main(child: ChildContext) -> int:
     return 0
 
 
-def drafter_stats(core: DrafterCore, plane: ConsumerDataPlane, proc: psutil.Process, rejects: RejectCounter, elapsed: float,
-                  wait_total: float, state: str = "running") -> DrafterStats:
-    return DrafterStats(Vitals.measure(state, elapsed, proc, rejects), core.stats(), queue_depth=len(plane.ready) + len(plane.held),
-                        outstanding=plane.outstanding, copying=len(plane.copying), wait_pct=100.0 * wait_total / max(1e-9, elapsed),
-                        slots_per_target=list(plane.slots_done))
+def drafter_stats(
+    core: DrafterCore,
+    plane: ConsumerDataPlane,
+    proc: psutil.Process,
+    rejects: RejectCounter,
+    elapsed: float,
+    wait_total: float,
+    state: str = "running",
+) -> DrafterStats:
+    return DrafterStats(
+        Vitals.measure(state, elapsed, proc, rejects),
+        core.stats(),
+        queue_depth=len(plane.ready) + len(plane.held),
+        outstanding=plane.outstanding,
+        copying=len(plane.copying),
+        wait_pct=100.0 * wait_total / max(1e-9, elapsed),
+        slots_per_target=list(plane.slots_done),
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,15 @@ from dflash_ipc.transport.factory import create_producer_ring
 
 def run_target_process(argv: list[str] | None = None) -> int:
     """One target process (started by `dflash-ipc up`): the run's config, its device, its ring."""
-    return run_child("target", target_main, place=_placement, pull_endpoint=channels.target_endpoint, add_arguments=_add_arguments,
-                     argv=argv, description="dflash-ipc target process (started by `dflash-ipc up`)")
+    return run_child(
+        "target",
+        target_main,
+        place=_placement,
+        pull_endpoint=channels.target_endpoint,
+        add_arguments=_add_arguments,
+        argv=argv,
+        description="dflash-ipc target process (started by `dflash-ipc up`)",
+    )
 
 
 def _add_arguments(ap) -> None:
@@ -41,8 +48,13 @@ def _add_arguments(ap) -> None:
 
 def _placement(args) -> Placement:
     cfg = load_resolved_config(Path(args.run_dir))
-    return Placement(cfg.topology.targets[args.rank], len(cfg.topology.targets) + len(cfg.topology.drafters), cfg.run.log_level, cfg,
-                     compile_threads=cfg.run.compile_threads)
+    return Placement(
+        cfg.topology.targets[args.rank],
+        len(cfg.topology.targets) + len(cfg.topology.drafters),
+        cfg.run.log_level,
+        cfg,
+        compile_threads=cfg.run.compile_threads,
+    )
 
 
 def target_main(child: ChildContext) -> int:
@@ -56,32 +68,55 @@ def target_main(child: ChildContext) -> int:
     child.closing.callback(core.close)
     fp = core.fast_path
     if fp.get("gated_delta_net_layers"):
-        log.info("target %d: %s, layers %s; GatedDeltaNet kernels: flash-linear-attention %s, causal-conv1d %s (%s)",
-                 rank, device, core.model.layer_ids, "active" if fp.get("fla") else "NOT active (slow torch fallback)",
-                 "active" if fp.get("causal_conv1d") else "not active (torch conv fallback)", fp.get("implementations"))
+        log.info(
+            "target %d: %s, layers %s; GatedDeltaNet kernels: flash-linear-attention %s, causal-conv1d %s (%s)",
+            rank,
+            device,
+            core.model.layer_ids,
+            "active" if fp.get("fla") else "NOT active (slow torch fallback)",
+            "active" if fp.get("causal_conv1d") else "not active (torch conv fallback)",
+            fp.get("implementations"),
+        )
     else:  # e.g. a Llama target: no linear-attention layers, so no kernels to report
-        log.info("target %d: %s, layers %s; %s, attention %s", rank, device, core.model.layer_ids,
-                 type(core.model.stack).__name__, cfg.target.attn_implementation)
+        log.info(
+            "target %d: %s, layers %s; %s, attention %s",
+            rank,
+            device,
+            core.model.layer_ids,
+            type(core.model.stack).__name__,
+            cfg.target.attn_implementation,
+        )
     log.info("data: %s", core.corpus.report.summary())
     backend = resolve_backend(cfg, rank, log)
     ring = create_producer_ring(
-        backend, core.layout, cfg.transport.ring_slots,
-        run_id=cfg_run_id(run_dir), producer_rank=rank, device=device,
+        backend,
+        core.layout,
+        cfg.transport.ring_slots,
+        run_id=cfg_run_id(run_dir),
+        producer_rank=rank,
+        device=device,
     )
     child.closing.callback(ring.close)
     # Closed again (it is idempotent), now before the ring: the packer thread writes into ring slots.
     child.closing.callback(core.close)
     log.info("ring: %s, %d slots x %.1f MiB", ring.backend, ring.num_slots, core.layout.slot_bytes / 2**20)
-    hello = Hello(role="target", rank=rank, pid=os.getpid(), device=str(device), ring=ring.descriptor(),
-                  endpoint=socks.pull_endpoint,
-                  info=ChildInfo(fast_path=FastPath(fla=bool(fp.get("fla")), causal_conv1d=bool(fp.get("causal_conv1d")))))
+    hello = Hello(
+        role="target",
+        rank=rank,
+        pid=os.getpid(),
+        device=str(device),
+        ring=ring.descriptor(),
+        endpoint=socks.pull_endpoint,
+        info=ChildInfo(fast_path=FastPath(fla=bool(fp.get("fla")), causal_conv1d=bool(fp.get("causal_conv1d")))),
+    )
     start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested, socks.auth)
     ledger = read_ledger(start.resume.checkpoint if start.resume else None)
     core.start(ledger)
-    log.info("schedule: %d batches planned, %d already consumed (ledger), %d to run", core.planned, core.skipped_ledgered, core.batches_left)
+    log.info(
+        "schedule: %d batches planned, %d already consumed (ledger), %d to run", core.planned, core.skipped_ledgered, core.batches_left
+    )
     socks.connect_peers(start.drafter_endpoints, "drafter")
-    plane = ProducerDataPlane(rank, ring, max(1, len(socks.pushes)), cfg.transport.max_outstanding_per_drafter,
-                              socks.send_to_peer, rejects)
+    plane = ProducerDataPlane(rank, ring, max(1, len(socks.pushes)), cfg.transport.max_outstanding_per_drafter, socks.send_to_peer, rejects)
     handshake.send_ready(socks.dealer, "target", rank, socks.auth)
     poller = socks.poller()
     # The pack already completed (observed on the host): record slot events on an idle
@@ -103,8 +138,9 @@ def target_main(child: ChildContext) -> int:
                 continue
             plane.enqueue(done.slot, b.id.to_wire(), b.bucket, b.n_tokens, b.batch_size, {"padded_len": b.padded_len})
         if forward_only and captured is None and (core.forwards >= forward_only or core.batches_left == 0) and core.packs_in_flight == 0:
-            stats = TargetStats(Vitals.measure("done", time.perf_counter() - t0, proc, rejects), core.stats(final=True),
-                                ProducerPlaneStats.of(plane))
+            stats = TargetStats(
+                Vitals.measure("done", time.perf_counter() - t0, proc, rejects), core.stats(final=True), ProducerPlaneStats.of(plane)
+            )
             socks.send_to_supervisor(Done(role="target", rank=rank, target=stats))
             log.info("forward-only done: %s", stats)
             break
@@ -122,7 +158,14 @@ def target_main(child: ChildContext) -> int:
                 poller.poll(5)
                 core.slot_wait_s += time.perf_counter() - w0
                 waited = True
-        if not forward_only and captured is None and core.batches_left == 0 and core.packs_in_flight == 0 and plane.waiting == 0 and not end_sent:
+        if (
+            not forward_only
+            and captured is None
+            and core.batches_left == 0
+            and core.packs_in_flight == 0
+            and plane.waiting == 0
+            and not end_sent
+        ):
             plane.end_of_data()
             end_sent = True
             log.info("end of data: %d batches sent", plane.batches_sent)
@@ -158,9 +201,16 @@ def cfg_run_id(run_dir: Path) -> str:
 
 
 def _log_pack_overlap(log, stats: TargetWork) -> None:
-    log.info("forward %.1f ms/batch; pack %.2f ms/batch off the critical path, %.1f%% of it while a forward ran "
-             "(exposed %.2f ms/batch over %d packs); handing a batch to the packer took %.2f ms",
-             stats.forward_ms, stats.pack_ms, stats.pack_overlap_pct, stats.pack_exposed_ms, stats.packs_measured, stats.pack_submit_ms)
+    log.info(
+        "forward %.1f ms/batch; pack %.2f ms/batch off the critical path, %.1f%% of it while a forward ran "
+        "(exposed %.2f ms/batch over %d packs); handing a batch to the packer took %.2f ms",
+        stats.forward_ms,
+        stats.pack_ms,
+        stats.pack_overlap_pct,
+        stats.pack_exposed_ms,
+        stats.packs_measured,
+        stats.pack_submit_ms,
+    )
 
 
 if __name__ == "__main__":

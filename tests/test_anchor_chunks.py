@@ -125,8 +125,12 @@ def _halves(seed: int) -> list[SlotViews]:
     n = sum(LENS)
 
     def part(lo, hi, seq):
-        return SlotViews(planes=full.planes[:, lo:hi], token_ids=full.token_ids[lo:hi], loss_mask=full.loss_mask[lo:hi],
-                         seq_lens=torch.tensor(seq, dtype=torch.int32))
+        return SlotViews(
+            planes=full.planes[:, lo:hi],
+            token_ids=full.token_ids[lo:hi],
+            loss_mask=full.loss_mask[lo:hi],
+            seq_lens=torch.tensor(seq, dtype=torch.int32),
+        )
 
     return [part(0, cut, LENS[:2]), part(cut, n, LENS[2:])]
 
@@ -137,8 +141,9 @@ def _dp_worker(rank: int, port: int, out_dir: str) -> None:
     world = init_distributed("gloo", 60.0)
     try:
         weights, stats, _, calls = _train(3, [_halves(s)[rank] for s in (3, 4)], {"world": world, "bucket_mb": 1e-4})
-        torch.save({"weights": weights, "weight": [s.global_weight for s in stats], "calls": calls},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(
+            {"weights": weights, "weight": [s.global_weight for s in stats], "calls": calls}, os.path.join(out_dir, f"rank{rank}.pt")
+        )
     finally:
         torch.distributed.destroy_process_group()
 

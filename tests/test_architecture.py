@@ -32,9 +32,7 @@ def package_modules() -> dict[str, Path]:
 
 
 def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _import_nodes(tree: ast.AST):
@@ -191,8 +189,17 @@ def test_import_reader_resolves_relative_function_level_and_procs_imports(tmp_pa
         "def f():\n"
         "    import dflash_ipc.procs.target\n"
     )
-    modules = {m: tmp_path for m in ("dflash_ipc.data.corpus", "dflash_ipc.data.tokenizer", "dflash_ipc.target.model",
-                                     "dflash_ipc.drafter.loss", "dflash_ipc.procs.target", "dflash_ipc.data")}
+    modules = {
+        m: tmp_path
+        for m in (
+            "dflash_ipc.data.corpus",
+            "dflash_ipc.data.tokenizer",
+            "dflash_ipc.target.model",
+            "dflash_ipc.drafter.loss",
+            "dflash_ipc.procs.target",
+            "dflash_ipc.data",
+        )
+    }
     got = imported_modules("dflash_ipc.data.corpus", src, modules)
     assert got == {"dflash_ipc.data.tokenizer", "dflash_ipc.target.model", "dflash_ipc.procs.target"}
 

@@ -13,14 +13,33 @@ REPO = Path(__file__).resolve().parents[1]
 def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
     text = (REPO / "configs" / "tiny-cpu.toml").read_text()
     text = text.replace("builtin_samples = 800", "builtin_samples = 300").replace("max_seq_len = 512", "max_seq_len = 256")
-    text = text.replace("bucket_edges = [64, 128, 256, 512]", "bucket_edges = [64, 128, 256]").replace("token_budget = 2048", "token_budget = 1024")
+    text = text.replace("bucket_edges = [64, 128, 256, 512]", "bucket_edges = [64, 128, 256]").replace(
+        "token_budget = 2048", "token_budget = 1024"
+    )
     cfg = tmp_path / "bench.toml"
     cfg.write_text(text)
     out = tmp_path / "variants.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_ipc.cli", "bench", "pipeline", "--config", str(cfg), "--steps", "4",
-         "--variants", "warmup,forward-only,cuda-ipc,depth-2", "--out", str(out), "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "dflash_ipc.cli",
+            "bench",
+            "pipeline",
+            "--config",
+            str(cfg),
+            "--steps",
+            "4",
+            "--variants",
+            "warmup,forward-only,cuda-ipc,depth-2",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -33,7 +52,9 @@ def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
     ipc = v["cuda-ipc"]
     assert ipc["tokens_per_s"] == min(ipc["target_tokens_per_s"], ipc["drafter_tokens_per_s"]) and ipc["bound_by"] in ("target", "drafter")
     # the tree's RSS, split by role process (titles set by setproctitle)
-    assert {"dflash-ipc:target:0", "dflash-ipc:target:1", "dflash-ipc:drafter:0", "dflash-ipc:drafter:1"} <= set(ipc["peak_host_rss_by_process_tree"])
+    assert {"dflash-ipc:target:0", "dflash-ipc:target:1", "dflash-ipc:drafter:0", "dflash-ipc:drafter:1"} <= set(
+        ipc["peak_host_rss_by_process_tree"]
+    )
     assert all(0 <= t["pack_overlap_pct"] <= 100 for t in ipc["targets"])
     assert set(v["cuda-ipc"]["drafter_step_split_s"]) >= {"wait_s", "copy_s", "forward_s", "backward_s", "optimizer_s"}
     assert v["forward-only"]["tokens_per_s"] > 0 and v["forward-only"]["capture_vs_bare"] > 0

@@ -19,7 +19,7 @@ import zmq
 from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.protocol import Dead, Ready, Shutdown
 
-ROLE_SCRIPT = '''
+ROLE_SCRIPT = """
 import sys
 from pathlib import Path
 from dflash_ipc.control import channels
@@ -52,7 +52,7 @@ def main_fn(child):
     return 0
 
 sys.exit(run_child("demo", main_fn, place=place, pull_endpoint=channels.target_endpoint, add_arguments=add_arguments))
-'''
+"""
 
 
 class FakeSupervisor:
@@ -85,8 +85,12 @@ def role(tmp_path):
     procs = []
 
     def start(mode: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, str(script), "--run-dir", str(run_dir), "--rank", "0", "--mode", mode],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            [sys.executable, str(script), "--run-dir", str(run_dir), "--rank", "0", "--mode", mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         procs.append(p)
         return p
 

@@ -177,7 +177,11 @@ def test_wrong_type_names_dotted_key(tmp_path, data, key, fragment):
         ({"training": {"lr": float("inf")}}, "training.lr", "finite"),
         ({"training": {"betas": [0.9]}}, "training.betas", "two numbers"),
         ({"drafter": {"block_size": 1}}, "drafter.block_size", "between 2 and 64"),
-        ({"data": {"max_seq_len": 512, "bucket_edges": [64, 128, 256], "token_budget": 1024}}, "data.bucket_edges", "last edge must equal data.max_seq_len"),
+        (
+            {"data": {"max_seq_len": 512, "bucket_edges": [64, 128, 256], "token_budget": 1024}},
+            "data.bucket_edges",
+            "last edge must equal data.max_seq_len",
+        ),
         ({"data": {"max_seq_len": 512, "bucket_edges": [128, 64, 512], "token_budget": 1024}}, "data.bucket_edges", "strictly increasing"),
         ({"data": {"max_seq_len": 512, "bucket_edges": [64, 512], "token_budget": 256}}, "data.token_budget", "data.max_seq_len"),
     ],
@@ -192,7 +196,11 @@ def test_impossible_value_names_dotted_key(tmp_path, data, key, fragment):
     "data, key, fragment",
     [
         # cpu shared memory cannot serve processes on GPUs
-        ({"topology": {"targets": ["cuda:0"], "drafters": ["cuda:1"]}, "transport": {"backend": "cpu-shm"}}, "transport.backend", "cpu-shm needs cpu devices"),
+        (
+            {"topology": {"targets": ["cuda:0"], "drafters": ["cuda:1"]}, "transport": {"backend": "cpu-shm"}},
+            "transport.backend",
+            "cpu-shm needs cpu devices",
+        ),
         ({"transport": {"backend": "cuda-ipc"}}, "transport.backend", "needs cuda devices"),
         ({"transport": {"backend": "host-pinned"}}, "transport.backend", "needs cuda devices"),
         ({"training": {"kl_weight": 0.1}}, "training.kl_weight", "target.capture_last_hidden"),

@@ -83,9 +83,7 @@ def test_builtin_tokenizer(tok, tmp_path):
     tok.save_pretrained(tmp_path / "tok")
     local = load_tokenizer(str(tmp_path / "tok"))
     assert local(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
-    assert local.apply_chat_template([{"role": "user", "content": "U"}], tokenize=False) == (
-        "<|im_start|>user\nU<|im_end|>\n"
-    )
+    assert local.apply_chat_template([{"role": "user", "content": "U"}], tokenize=False) == ("<|im_start|>user\nU<|im_end|>\n")
     assert mask_token_id(local) == mask_token_id(tok)
     assert type(load_tokenizer("builtin")).__name__ == type(tok).__name__
     with pytest.raises(TokenizerError, match="neither"):
@@ -275,7 +273,7 @@ def test_collate_right_pads(tok, tmp_path):
     corpus = load_corpus(cfg_for(path), tok, None)
     ids, mask, lens = corpus.collate([1, 0], tok.pad_token_id)
     assert ids.shape == (2, int(corpus.lengths.max())) and lens.tolist() == [int(corpus.lengths[1]), int(corpus.lengths[0])]
-    assert (ids[1, lens[1]:] == tok.pad_token_id).all() and not mask[1, lens[1]:].any()
+    assert (ids[1, lens[1] :] == tok.pad_token_id).all() and not mask[1, lens[1] :].any()
     assert torch.equal(ids[1, : lens[1]], corpus.sample(0)[0])
 
 

@@ -208,6 +208,7 @@ def test_mask_window_inside_block_and_invalid_blocks():
 
 def block_mask_tiles(bm):
     """(partial, full) bool [q_tiles, kv_tiles] from a BlockMask's index lists."""
+
     def dense(num, idx):
         num, idx = num[0, 0], idx[0, 0]
         out = torch.zeros(idx.shape, dtype=torch.bool)
@@ -461,10 +462,21 @@ def test_cuda_flex_matches_sdpa_loss_and_gradients():
     """On GPU the compiled flex kernel honours the analytic tile lists: same loss and gradients as SDPA."""
     dev = torch.device("cuda")
     cfg = DrafterModelConfig(
-        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        sliding_window=48, block_size=16, vocab_size=512, rms_norm_eps=1e-6, rope_theta=1e6,
-        max_position_embeddings=4096, target_layer_ids=[1, 2], mask_token_id=511,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=48,
+        block_size=16,
+        vocab_size=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+        target_layer_ids=[1, 2],
+        mask_token_id=511,
     )
     dc = DrafterConfig(num_layers=3, layer_types=cfg.layer_types, sliding_window=48, block_size=16, num_anchors=24)
     g = torch.Generator().manual_seed(0)
@@ -522,8 +534,12 @@ def test_a_batch_split_by_documents_gives_the_same_token_weighted_gradient():
     cut = lens[0] + lens[1]
 
     def half(lo, hi, seq):
-        return SlotViews(planes=full.planes[:, lo:hi], token_ids=full.token_ids[lo:hi], loss_mask=full.loss_mask[lo:hi],
-                         seq_lens=torch.tensor(seq, dtype=torch.int32))
+        return SlotViews(
+            planes=full.planes[:, lo:hi],
+            token_ids=full.token_ids[lo:hi],
+            loss_mask=full.loss_mask[lo:hi],
+            seq_lens=torch.tensor(seq, dtype=torch.int32),
+        )
 
     def grads(parts):
         model.zero_grad()

@@ -39,9 +39,7 @@ def target_config(**kw):
 def make_model(layer_types=None, *, block_size=4, window=6, attention="sdpa", seed=0, k=3):
     torch.manual_seed(seed)
     n_layers = len(layer_types) if layer_types else 2
-    dc = DrafterConfig(
-        num_layers=n_layers, layer_types=layer_types or [], block_size=block_size, sliding_window=window, num_anchors=8
-    )
+    dc = DrafterConfig(num_layers=n_layers, layer_types=layer_types or [], block_size=block_size, sliding_window=window, num_anchors=8)
     cfg = DrafterModelConfig.from_configs(dc, target_config(), list(range(1, 1 + 2 * k, 2)), V - 1)
     g = torch.Generator().manual_seed(seed + 100)
     emb = torch.randn(V, H, generator=g) * 0.5
@@ -264,9 +262,7 @@ def test_export_layout_and_round_trip(tmp_path):
 
     loaded = load_exported_drafter(out_dir, model.embed_weight.data, model.lm_head_weight.data, attention="sdpa")
     with torch.no_grad():
-        torch.testing.assert_close(
-            run(loaded, seq, planes, tokens, anchors), run(model, seq, planes, tokens, anchors), atol=0, rtol=0
-        )
+        torch.testing.assert_close(run(loaded, seq, planes, tokens, anchors), run(model, seq, planes, tokens, anchors), atol=0, rtol=0)
 
     bf = export_drafter(model, tmp_path / "bf16", dtype=torch.bfloat16)
     assert json.loads((bf / "config.json").read_text())["dtype"] == "bfloat16"

@@ -32,14 +32,25 @@ def batches(core: DrafterCore, n: int = 2) -> list[SlotViews]:
     lens = torch.tensor([300, 200, 124], dtype=torch.int32)
     t = int(lens.sum())
     k = core.model.config.num_context_planes
-    return [SlotViews(planes=torch.randn(k, t, core.target_hidden_size, generator=g),
-                      token_ids=torch.randint(0, core.model.config.vocab_size, (t,), generator=g),
-                      loss_mask=(torch.rand(t, generator=g) > 0.2).to(torch.uint8), seq_lens=lens) for _ in range(n)]
+    return [
+        SlotViews(
+            planes=torch.randn(k, t, core.target_hidden_size, generator=g),
+            token_ids=torch.randint(0, core.model.config.vocab_size, (t,), generator=g),
+            loss_mask=(torch.rand(t, generator=g) > 0.2).to(torch.uint8),
+            seq_lens=lens,
+        )
+        for _ in range(n)
+    ]
 
 
 def state(core: DrafterCore) -> dict:
-    return {"trainer": core.trainer.state_dict(), "generator": core.generator.get_state(), "rng": torch.get_rng_state(),
-            "step": core.step, "grads": core.trainer._grad_buf.clone()}
+    return {
+        "trainer": core.trainer.state_dict(),
+        "generator": core.generator.get_state(),
+        "rng": torch.get_rng_state(),
+        "step": core.step,
+        "grads": core.trainer._grad_buf.clone(),
+    }
 
 
 def assert_identical(a, b, path: str = "") -> None:

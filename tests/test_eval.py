@@ -158,16 +158,26 @@ def tiny_llama(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     d = tmp_path_factory.mktemp("llama")
-    conf = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3, tie_word_embeddings=True)
+    conf = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(conf).save_pretrained(d)
     return d
 
 
 def test_llama_checkpoint_crops_its_cache_and_stays_lossless(tiny_llama):
-    cfg = load_config(TINY, {"target.model_path": str(tiny_llama), "target.tokenizer": "builtin", "target.spec": {},
-                             "data.builtin_samples": 20})
+    cfg = load_config(
+        TINY, {"target.model_path": str(tiny_llama), "target.tokenizer": "builtin", "target.spec": {}, "data.builtin_samples": 20}
+    )
     tok = load_tokenizer(cfg.target.tokenizer)
     lm = build_target_lm(cfg.target, "cpu", dtype="float32")
     target = TargetLM(lm, resolve_layer_ids(cfg.target, 4))

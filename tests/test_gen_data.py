@@ -20,16 +20,23 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.toml"
 
 CHATS = [
-    {"id": f"q{i}", "conversations": [{"role": "user", "content": f"What does function number {i} do?"},
-                                      {"role": "assistant", "content": f"It returns {i}."},
-                                      {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "Nothing."}]}
+    {
+        "id": f"q{i}",
+        "conversations": [
+            {"role": "user", "content": f"What does function number {i} do?"},
+            {"role": "assistant", "content": f"It returns {i}."},
+            {"role": "user", "content": "And then?"},
+            {"role": "assistant", "content": "Nothing."},
+        ],
+    }
     for i in range(10)
 ]
 
 
 def _gen(out: Path, *extra: str) -> dict:
-    r = CliRunner().invoke(main, ["gen-data", "--config", str(TINY), "--out", str(out), "--max-new", "6", "--batch-size", "3",
-                                  "--json", *extra])
+    r = CliRunner().invoke(
+        main, ["gen-data", "--config", str(TINY), "--out", str(out), "--max-new", "6", "--batch-size", "3", "--json", *extra]
+    )
     assert r.exit_code == 0, r.output
     return json.loads(r.output.strip().splitlines()[-1])
 
@@ -40,7 +47,7 @@ def _lines(p: Path) -> list[dict]:
 
 def test_gen_data_resumes_without_repeating_and_splits_by_id_hash(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(c) + "\n" for c in CHATS) + "{\"text\": \"no prompt here\"}\n")
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in CHATS) + '{"text": "no prompt here"}\n')
     out = tmp_path / "gen.jsonl"
     first = _gen(out, "--prompts", str(prompts), "--limit", "4", "--holdout-fraction", "0.3")
     assert first["written"] + first["held_out"] == 4 and first["skipped_done"] == 0
@@ -67,10 +74,14 @@ def test_batched_greedy_answers_equal_one_at_a_time(tmp_path):
     prompts.write_text("".join(json.dumps(c) + "\n" for c in CHATS[:4]))
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     _gen(a, "--prompts", str(prompts))
-    r = CliRunner().invoke(main, ["gen-data", "--config", str(TINY), "--out", str(b), "--max-new", "6", "--batch-size", "1",
-                                  "--prompts", str(prompts)])
+    r = CliRunner().invoke(
+        main, ["gen-data", "--config", str(TINY), "--out", str(b), "--max-new", "6", "--batch-size", "1", "--prompts", str(prompts)]
+    )
     assert r.exit_code == 0, r.output
-    key = lambda rows: sorted((x["id"], x["conversations"][-1]["content"]) for x in rows)
+
+    def key(rows):
+        return sorted((x["id"], x["conversations"][-1]["content"]) for x in rows)
+
     assert key(_lines(a)) == key(_lines(b))
 
 

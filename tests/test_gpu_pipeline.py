@@ -42,7 +42,11 @@ def test_pipeline_end_to_end_on_gpu(tmp_path, target, drafter, backend):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(cfg), "--run-dir", str(run_dir), "--max-steps", "8"],
-        cwd=REPO, capture_output=True, text=True, timeout=540, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

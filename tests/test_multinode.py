@@ -102,8 +102,10 @@ class Node:
 
 def run_both(tmp: Path, config: Path, shared: Path, *extra: str, tag: str = "", env_only: bool = False) -> tuple[Node, Node]:
     port = free_port_pair()
-    return (Node(tmp, config, 0, port, shared, *extra, tag=tag, env_only=env_only),
-            Node(tmp, config, 1, port, shared, *extra, tag=tag, env_only=env_only))
+    return (
+        Node(tmp, config, 0, port, shared, *extra, tag=tag, env_only=env_only),
+        Node(tmp, config, 1, port, shared, *extra, tag=tag, env_only=env_only),
+    )
 
 
 def rank_records(*nodes: Node) -> list[dict]:

@@ -27,16 +27,19 @@ def test_single_node_ignores_launcher_master_variables() -> None:
     assert [e["RANK"] for e in envs] == ["0", "1"] and {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
 
 
-@pytest.mark.parametrize("args, env, names", [
-    ((2, 2, "h", 1000, None), {}, "--node-rank"),
-    ((2, -1, "h", 1000, None), {}, "--node-rank"),
-    ((0, 0, None, None, None), {}, "--nnodes"),
-    ((2, 0, None, 1000, None), {}, "--master-addr"),
-    ((2, 0, "h", None, None), {}, "--master-port"),
-    ((2, 0, "h", 65535, None), {}, "--master-port"),
-    ((None, None, None, None, None), {"NNODES": "two"}, "NNODES"),
-    ((2, None, "h", None, None), {"MASTER_PORT": "x"}, "MASTER_PORT"),
-])
+@pytest.mark.parametrize(
+    "args, env, names",
+    [
+        ((2, 2, "h", 1000, None), {}, "--node-rank"),
+        ((2, -1, "h", 1000, None), {}, "--node-rank"),
+        ((0, 0, None, None, None), {}, "--nnodes"),
+        ((2, 0, None, 1000, None), {}, "--master-addr"),
+        ((2, 0, "h", None, None), {}, "--master-port"),
+        ((2, 0, "h", 65535, None), {}, "--master-port"),
+        ((None, None, None, None, None), {"NNODES": "two"}, "NNODES"),
+        ((2, None, "h", None, None), {"MASTER_PORT": "x"}, "MASTER_PORT"),
+    ],
+)
 def test_bad_node_options_name_themselves(args, env, names) -> None:
     with pytest.raises(NodeOptionError, match=names):
         resolve_node_spec(*args, env)
@@ -55,9 +58,28 @@ def test_global_ranks_and_shards(tmp_path: Path) -> None:
 
 def test_up_refuses_bad_node_options_before_anything_starts(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(REPO / "configs" / "tiny-cpu.toml"),
-                        "--run-dir", str(run_dir), "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"],
-                       capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "MASTER_PORT": ""})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_ipc.cli",
+            "up",
+            "--config",
+            str(REPO / "configs" / "tiny-cpu.toml"),
+            "--run-dir",
+            str(run_dir),
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--master-addr",
+            "127.0.0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "MASTER_PORT": ""},
+    )
     assert r.returncode == 2, r.stderr
     assert "--master-port (MASTER_PORT)" in r.stderr
     assert not run_dir.exists()

@@ -254,15 +254,15 @@ def _host_pack(start: float, end: float) -> PackHandle:
 def test_overlap_meter_arithmetic():
     m = OverlapMeter("cpu")
     m.add_forward(0.0, 1.0)
-    m.add_pack(_host_pack(0.5, 1.5))   # half under forward 1, half in the gap
-    m.add_pack(_host_pack(2.2, 2.4))   # wholly under forward 2
+    m.add_pack(_host_pack(0.5, 1.5))  # half under forward 1, half in the gap
+    m.add_pack(_host_pack(2.2, 2.4))  # wholly under forward 2
     assert m.stats()["packs_measured"] == 0  # nothing settled before a forward ends after them
     m.add_forward(2.0, 3.0)
     st = m.stats()
     assert st["packs_measured"] == 2
     assert st["pack_overlap_pct"] == pytest.approx(100 * 0.7 / 1.2)
     assert st["pack_exposed_ms"] == pytest.approx(1e3 * 0.5 / 2)
-    m.add_pack(_host_pack(3.5, 3.6))   # the last pack: no forward after it
+    m.add_pack(_host_pack(3.5, 3.6))  # the last pack: no forward after it
     assert m.stats()["packs_measured"] == 2
     assert m.stats(final=True)["packs_measured"] == 3
 

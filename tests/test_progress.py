@@ -25,8 +25,15 @@ PROGRESS_LINE = re.compile(r"^\[up\] step ")
 
 
 def snap(**kw) -> ProgressSnapshot:
-    base = {"step": 3, "max_steps": 40, "loss": 2.5, "acc": 0.125, "tokens_per_s": 1000.0, "eta_s": 74.0,
-                "busy_pct": {"target-0": 80.0, "drafter-0": 60.0}}
+    base = {
+        "step": 3,
+        "max_steps": 40,
+        "loss": 2.5,
+        "acc": 0.125,
+        "tokens_per_s": 1000.0,
+        "eta_s": 74.0,
+        "busy_pct": {"target-0": 80.0, "drafter-0": 60.0},
+    }
     return ProgressSnapshot(**(base | kw))
 
 
@@ -84,9 +91,26 @@ def test_rich_progress_renders_the_bar_fields():
 @pytest.mark.slow
 def test_up_without_a_tty_never_repeats_a_progress_line(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(REPO / "configs" / "tiny-cpu.toml"),
-                           "--max-steps", "6", "--run-dir", str(run_dir)],
-                          check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_ipc.cli",
+            "up",
+            "--config",
+            str(REPO / "configs" / "tiny-cpu.toml"),
+            "--max-steps",
+            "6",
+            "--run-dir",
+            str(run_dir),
+        ],
+        check=False,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     progress = [ln for ln in proc.stdout.splitlines() if PROGRESS_LINE.match(ln)]
     assert progress, proc.stdout[-4000:]

@@ -53,33 +53,73 @@ from dflash_ipc.control.stats import (
 )
 
 DESCRIPTOR = RingDescriptor(
-    backend="cpu-shm", version=DESCRIPTOR_VERSION, run_id="abcd1234", producer_rank=0, producer_pid=4242, num_slots=4,
-    slot_bytes=4096, layout=SlotLayoutWire(num_planes=1, hidden_size=8, max_tokens=16, max_seqs=2, plane_dtype="float32"),
+    backend="cpu-shm",
+    version=DESCRIPTOR_VERSION,
+    run_id="abcd1234",
+    producer_rank=0,
+    producer_pid=4242,
+    num_slots=4,
+    slot_bytes=4096,
+    layout=SlotLayoutWire(num_planes=1, hidden_size=8, max_tokens=16, max_seqs=2, plane_dtype="float32"),
     shm=ShmSegment(name="dflash-ipc-abcd1234-target0"),
 )
 
 VITALS = Vitals(state="running", uptime_s=12.5, rss_bytes=123 << 20, rejected_messages=2, rejected_by_kind={"undecodable": 2})
 TARGET_STATS = TargetStats(
     vitals=VITALS,
-    work=TargetWork(forwards=7, forward_ms=12.5, pack_ms=1.25, pack_submit_ms=0.1, packs_measured=6, pack_overlap_pct=97.5,
-                    pack_exposed_ms=0.03, slot_wait_ms=4.0, busy_pct=88.0, tokens_per_s=9100.0, tokens=57344, batches_left=3,
-                    planned=10, skipped_ledgered=0, tflops=1.5, steady_tokens_per_s=9500.0, steady_tflops=1.6, steady_wall_s=6.0,
-                    steady_forward_s=5.5, steady_forward_tflops=1.75, bare_forward_s=0.0, bare_forwards=0, layers_run=4,
-                    gpu=GpuMemory(allocated_bytes=30 << 30, reserved_bytes=34 << 30, peak_bytes=31 << 30)),
-    plane=ProducerPlaneStats(slots=PlaneSlots(free=1, filling=1, queued=0, ready=2), inflight_per_drafter=[1, 1],
-                             routed_per_drafter=[4, 3], batches_sent=7),
+    work=TargetWork(
+        forwards=7,
+        forward_ms=12.5,
+        pack_ms=1.25,
+        pack_submit_ms=0.1,
+        packs_measured=6,
+        pack_overlap_pct=97.5,
+        pack_exposed_ms=0.03,
+        slot_wait_ms=4.0,
+        busy_pct=88.0,
+        tokens_per_s=9100.0,
+        tokens=57344,
+        batches_left=3,
+        planned=10,
+        skipped_ledgered=0,
+        tflops=1.5,
+        steady_tokens_per_s=9500.0,
+        steady_tflops=1.6,
+        steady_wall_s=6.0,
+        steady_forward_s=5.5,
+        steady_forward_tflops=1.75,
+        bare_forward_s=0.0,
+        bare_forwards=0,
+        layers_run=4,
+        gpu=GpuMemory(allocated_bytes=30 << 30, reserved_bytes=34 << 30, peak_bytes=31 << 30),
+    ),
+    plane=ProducerPlaneStats(
+        slots=PlaneSlots(free=1, filling=1, queued=0, ready=2), inflight_per_drafter=[1, 1], routed_per_drafter=[4, 3], batches_sent=7
+    ),
 )
 DRAFTER_STATS = DrafterStats(
     vitals=VITALS,
-    work=DrafterWork(step=5, loss=float("nan"), acc=None, tau=1.25, tokens_per_s=9000.0, tokens=40960, params=1_000_000,
-                     train_elapsed_s=4.5, gpu=None),
-    queue_depth=1, outstanding=2, copying=0, wait_pct=12.5, slots_per_target=[3, 2],
+    work=DrafterWork(
+        step=5, loss=float("nan"), acc=None, tau=1.25, tokens_per_s=9000.0, tokens=40960, params=1_000_000, train_elapsed_s=4.5, gpu=None
+    ),
+    queue_depth=1,
+    outstanding=2,
+    copying=0,
+    wait_pct=12.5,
+    slots_per_target=[3, 2],
 )
 DRAFTER_SUMMARY = DrafterSummary(final=DRAFTER_STATS, reason="max_steps 5", checkpoint="/run/checkpoints/step-5", export=None)
 PAYLOADS = [
-    TARGET_STATS, DRAFTER_STATS, DRAFTER_SUMMARY, VITALS,
-    ProducerSummary(batches=7, rejected=0, plane=TARGET_STATS.plane,
-                    routing=RoutingLog(max_outstanding=2, decisions=[RoutedSlot(consumer=1, loads=[2, 0])])),
+    TARGET_STATS,
+    DRAFTER_STATS,
+    DRAFTER_SUMMARY,
+    VITALS,
+    ProducerSummary(
+        batches=7,
+        rejected=0,
+        plane=TARGET_STATS.plane,
+        routing=RoutingLog(max_outstanding=2, decisions=[RoutedSlot(consumer=1, loads=[2, 0])]),
+    ),
     ConsumerSummary(slots=10, bytes=40960, verified=True, active_s=1.5, copy_s=0.25, handoff_ns=[1, 2, 3], rejected=0, per_producer=[10]),
     ChildInfo(resume=ResumePoint(checkpoint="/run/checkpoints/step-5", step=5)),
     ChildInfo(fast_path=FastPath(fla=True, causal_conv1d=False)),
@@ -109,7 +149,9 @@ SAMPLES: dict[type, list[protocol.Message]] = {
     Dead: [Dead(role="target", rank=0, error="RuntimeError: boom \u2603")],
     Shutdown: [Shutdown(reason="operator", checkpoint=True), Shutdown(reason="done")],
     SlotReady: [
-        SlotReady(producer=1, slot=3, batch_id=[0, 1, 17], bucket=2, n_tokens=1000, n_seqs=3, seq=5, sent_ns=123456789, meta={"padded_len": 512}),
+        SlotReady(
+            producer=1, slot=3, batch_id=[0, 1, 17], bucket=2, n_tokens=1000, n_seqs=3, seq=5, sent_ns=123456789, meta={"padded_len": 512}
+        ),
         SlotReady(producer=0, slot=0, batch_id=[0, 0, 0], bucket=0, n_tokens=0, n_seqs=0, seq=0),
     ],
     SlotFree: [SlotFree(producer=0, slot=2, consumer=1, outstanding=2, received=9)],
@@ -123,7 +165,17 @@ def frame(**fields) -> bytes:
 
 
 def good_slot_ready(**over) -> dict:
-    d = {"v": PROTOCOL_VERSION, "t": "slot_ready", "producer": 0, "slot": 1, "batch_id": [0, 0, 3], "bucket": 0, "n_tokens": 8, "n_seqs": 1, "seq": 0}
+    d = {
+        "v": PROTOCOL_VERSION,
+        "t": "slot_ready",
+        "producer": 0,
+        "slot": 1,
+        "batch_id": [0, 0, 3],
+        "bucket": 0,
+        "n_tokens": 8,
+        "n_seqs": 1,
+        "seq": 0,
+    }
     d.update(over)
     return d
 
@@ -158,7 +210,9 @@ def test_every_type_round_trips_with_defaults_filled():
     # the minimal frame (only required fields) decodes to the dataclass defaults
     for tag, cls in MESSAGE_TYPES.items():
         full = msgpack.unpackb(encode(SAMPLES[cls][0]), raw=False)
-        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        required = {
+            f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
         if cls in (Heartbeat, Done):
             required.add(full["role"])  # the role's payload field: optional by type, required by role
         minimal = {k: v for k, v in full.items() if k in required or k in ("v", "t")}
@@ -192,18 +246,44 @@ def _heartbeat_frame(role: str, payload) -> dict:
 @pytest.mark.parametrize(
     "role, payload, edit, expect",
     [
-        ("drafter", DRAFTER_STATS, lambda d: d["work"].update(steps=d["work"].pop("step")),
-         "missing_field: heartbeat.drafter.work.step missing"),
+        (
+            "drafter",
+            DRAFTER_STATS,
+            lambda d: d["work"].update(steps=d["work"].pop("step")),
+            "missing_field: heartbeat.drafter.work.step missing",
+        ),
         ("drafter", DRAFTER_STATS, lambda d: d["work"].update(step="5"), "bad_field_type: heartbeat.drafter.work.step = '5'"),
-        ("drafter", DRAFTER_STATS, lambda d: d["vitals"]["rejected_by_kind"].update(undecodable=1.5),
-         "bad_field_type: heartbeat.drafter.vitals.rejected_by_kind.undecodable = 1.5"),
+        (
+            "drafter",
+            DRAFTER_STATS,
+            lambda d: d["vitals"]["rejected_by_kind"].update(undecodable=1.5),
+            "bad_field_type: heartbeat.drafter.vitals.rejected_by_kind.undecodable = 1.5",
+        ),
         ("drafter", DRAFTER_STATS, lambda d: d.update(wait_pct=-1.0), "out_of_range: heartbeat.drafter.wait_pct = -1.0 < 0"),
-        ("target", TARGET_STATS, lambda d: d["plane"]["slots"].update(free=None), "bad_field_type: heartbeat.target.plane.slots.free = None"),
-        ("target", TARGET_STATS, lambda d: d["plane"]["slots"].update(fre=1),
-         "unknown_field: heartbeat.target.plane.slots has unknown fields ['fre']"),
-        ("target", TARGET_STATS, lambda d: d["work"]["gpu"].update(peak_bytes=-1), "out_of_range: heartbeat.target.work.gpu.peak_bytes = -1 < 0"),
-        ("target", TARGET_STATS, lambda d: d["plane"]["inflight_per_drafter"].append("x"),
-         "bad_field_type: heartbeat.target.plane.inflight_per_drafter[2] = 'x'"),
+        (
+            "target",
+            TARGET_STATS,
+            lambda d: d["plane"]["slots"].update(free=None),
+            "bad_field_type: heartbeat.target.plane.slots.free = None",
+        ),
+        (
+            "target",
+            TARGET_STATS,
+            lambda d: d["plane"]["slots"].update(fre=1),
+            "unknown_field: heartbeat.target.plane.slots has unknown fields ['fre']",
+        ),
+        (
+            "target",
+            TARGET_STATS,
+            lambda d: d["work"]["gpu"].update(peak_bytes=-1),
+            "out_of_range: heartbeat.target.work.gpu.peak_bytes = -1 < 0",
+        ),
+        (
+            "target",
+            TARGET_STATS,
+            lambda d: d["plane"]["inflight_per_drafter"].append("x"),
+            "bad_field_type: heartbeat.target.plane.inflight_per_drafter[2] = 'x'",
+        ),
     ],
 )
 def test_a_renamed_or_mistyped_nested_key_is_rejected_with_its_path(role, payload, edit, expect):
@@ -261,7 +341,16 @@ def test_random_bytes_fuzz_only_protocol_errors():
             continue
         # in the unlikely event random bytes form a valid frame, it must be a real message
         assert isinstance(msg, protocol.Message)
-    assert kinds <= {"undecodable", "not_a_map", "bad_version", "unknown_type", "missing_field", "bad_field_type", "unknown_field", "out_of_range"}
+    assert kinds <= {
+        "undecodable",
+        "not_a_map",
+        "bad_version",
+        "unknown_type",
+        "missing_field",
+        "bad_field_type",
+        "unknown_field",
+        "out_of_range",
+    }
 
 
 def test_mutated_valid_frames_fuzz_only_protocol_errors():
@@ -279,7 +368,7 @@ def test_mutated_valid_frames_fuzz_only_protocol_errors():
             data += bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 8)))
         else:  # splice two frames
             other = rng.choice(frames)
-            data = data[: rng.randrange(len(data) + 1)] + other[rng.randrange(len(other) + 1):]
+            data = data[: rng.randrange(len(data) + 1)] + other[rng.randrange(len(other) + 1) :]
         try:
             msg = decode(bytes(data))
         except ProtocolError:
@@ -414,7 +503,10 @@ def test_reject_counter_counts_and_logs_once_per_kind(caplog):
     assert len(records) == 3
     assert all(r.levelno == logging.WARNING and "consumer-0" in r.getMessage() for r in records)
     assert sorted(k for r in records for k in ("undecodable", "not_a_map", "out_of_range") if f"({k})" in r.getMessage()) == [
-        "not_a_map", "out_of_range", "undecodable"]
+        "not_a_map",
+        "out_of_range",
+        "undecodable",
+    ]
 
 
 def test_reject_counter_default_logger(caplog):

@@ -67,8 +67,9 @@ def test_tokenizer_defaults_to_the_checkpoint(tmp_path):
 
 def test_check_config_refuses_builtin_tokenizer_for_a_large_vocab_checkpoint(tmp_path):
     # A whole checkpoint (config and weights): the preflight refuses a folder without weights first.
-    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                 num_attention_heads=4)).save_pretrained(tmp_path / "m")
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4)
+    ).save_pretrained(tmp_path / "m")
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[target]\nmodel_path = "{tmp_path / "m"}"\ntokenizer = "builtin"\n')
     r = CliRunner().invoke(main, ["check-config", "--config", str(cfg)])

@@ -299,8 +299,17 @@ def test_killed_producer_leaves_segment_and_sweep_removes_it(run_id):
     assert path.exists() and list_run_shm(run_id) == [str(path)]
     # ...and its data is still there for anyone who maps it
     layout = SlotLayout(1, 8, 8, 1)
-    desc = RingDescriptor(backend="cpu-shm", version=DESCRIPTOR_VERSION, run_id=run_id, producer_rank=0, producer_pid=proc.pid,
-                          num_slots=2, slot_bytes=layout.slot_bytes, layout=layout.to_wire(), shm=ShmSegment(name=name))
+    desc = RingDescriptor(
+        backend="cpu-shm",
+        version=DESCRIPTOR_VERSION,
+        run_id=run_id,
+        producer_rank=0,
+        producer_pid=proc.pid,
+        num_slots=2,
+        slot_bytes=layout.slot_bytes,
+        layout=layout.to_wire(),
+        shm=ShmSegment(name=name),
+    )
     cons = open_consumer_ring(desc)
     assert int(cons.slot(1)[0]) == 7
     cons.close()
@@ -317,9 +326,12 @@ def test_ring_harness_two_processes_typed_messages_on_cpu():
     """The GPU harness (bench gpu-ring, tests/test_ring_cuda.py) on cpu-shm rings (device -1): two
     spawned processes, the descriptor and every message typed msgpack over pipes, every byte verified."""
     layout = SlotLayout(num_planes=2, hidden_size=32, max_tokens=64, max_seqs=4, plane_dtype="bfloat16")
-    scs = [gpu_ring.scenario("cpu random", "cpu-shm", -1, -1, layout, num_slots=3, iters=60, warmup=0, depth=2, sizes="random",
-                             verify="full", seed=7),
-           gpu_ring.handoff_scenario("cpu-shm", -1, -1, iters=20)]
+    scs = [
+        gpu_ring.scenario(
+            "cpu random", "cpu-shm", -1, -1, layout, num_slots=3, iters=60, warmup=0, depth=2, sizes="random", verify="full", seed=7
+        ),
+        gpu_ring.handoff_scenario("cpu-shm", -1, -1, iters=20),
+    ]
     results = gpu_ring.run_scenarios(scs, timeout=240)
     assert [r["name"] for r in results] == ["cpu random", "handoff cpu-shm cuda:-1->cuda:-1"]
     for r, sc in zip(results, scs, strict=True):

@@ -14,11 +14,6 @@ import msgpack
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs"),
-]
-
 from dflash_ipc.bench import gpu_ring as bg
 from dflash_ipc.bench.gpu_sigkill import run_sigkill_check
 from dflash_ipc.control import protocol
@@ -26,6 +21,8 @@ from dflash_ipc.control.ring_descriptor import RingDescriptor
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
 from dflash_ipc.transport.shm import new_run_id
 from dflash_ipc.transport.slots import SlotLayout
+
+pytestmark = pytest.mark.gpu  # skipped without CUDA by tests/conftest.py
 
 MIB = 1 << 20
 
@@ -46,24 +43,60 @@ def _consumer_device(where: str) -> int:
 def _integrity(backend: str, cd: int, iters: int = 1200) -> dict:
     # bf16 planes, random n_tokens / n_seqs per slot (edges included), every byte verified.
     layout = SlotLayout(num_planes=3, hidden_size=512, max_tokens=2048, max_seqs=16, plane_dtype="bfloat16")
-    return bg.scenario(f"integrity {backend} ->cuda:{cd}", backend, 0, cd, layout, num_slots=4, iters=iters, warmup=0,
-                       depth=3, sizes="random", verify="full", seed=11)
+    return bg.scenario(
+        f"integrity {backend} ->cuda:{cd}",
+        backend,
+        0,
+        cd,
+        layout,
+        num_slots=4,
+        iters=iters,
+        warmup=0,
+        depth=3,
+        sizes="random",
+        verify="full",
+        seed=11,
+    )
 
 
 def _race(backend: str, cd: int, slot_bytes: int = 64 * MIB, iters: int = 150, early_return: bool = False) -> dict:
     # Two slots, both held by the consumer: a returned slot is the only free one, and the
     # producer overwrites it the instant its SlotFree arrives. Every byte verified.
-    return bg.scenario(f"race {backend} ->cuda:{cd}{' early' if early_return else ''}", backend, 0, cd,
-                       bg.layout_for_bytes(slot_bytes), num_slots=2, iters=iters, warmup=0, depth=2, sizes="full",
-                       verify="full", early_return=early_return)
+    return bg.scenario(
+        f"race {backend} ->cuda:{cd}{' early' if early_return else ''}",
+        backend,
+        0,
+        cd,
+        bg.layout_for_bytes(slot_bytes),
+        num_slots=2,
+        iters=iters,
+        warmup=0,
+        depth=2,
+        sizes="full",
+        verify="full",
+        early_return=early_return,
+    )
 
 
 def _delayed(backend: str, cd: int, iters: int = 150) -> dict:
     # The producer's stream sleeps before each fill: SlotReady arrives before the data is
     # written, so the consumer's copy must be ordered after the fill on the GPU.
     layout = SlotLayout(num_planes=2, hidden_size=1024, max_tokens=1024, max_seqs=8, plane_dtype="bfloat16")
-    return bg.scenario(f"delayed {backend} ->cuda:{cd}", backend, 0, cd, layout, num_slots=3, iters=iters, warmup=0, depth=2,
-                       sizes="random", verify="full", seed=5, producer_delay_us=300)
+    return bg.scenario(
+        f"delayed {backend} ->cuda:{cd}",
+        backend,
+        0,
+        cd,
+        layout,
+        num_slots=3,
+        iters=iters,
+        warmup=0,
+        depth=2,
+        sizes="random",
+        verify="full",
+        seed=5,
+        producer_delay_us=300,
+    )
 
 
 def _check(results: list[dict]) -> None:
@@ -77,8 +110,9 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.parametrize("where", ["same", "other"], ids=["same-gpu", "other-gpu"])
 def test_cuda_ipc_integrity_and_race(where, expandable):
     cd = _consumer_device(where)
-    results = bg.run_scenarios([_integrity("cuda-ipc", cd), _race("cuda-ipc", cd), _delayed("cuda-ipc", cd)],
-                               env=EXPANDABLE[expandable], timeout=120)
+    results = bg.run_scenarios(
+        [_integrity("cuda-ipc", cd), _race("cuda-ipc", cd), _delayed("cuda-ipc", cd)], env=EXPANDABLE[expandable], timeout=120
+    )
     _check(results)
     assert results[0]["bytes"] > 0
     if cd == 0:
@@ -91,8 +125,11 @@ def test_cuda_ipc_integrity_and_race(where, expandable):
 def test_cuda_ipc_push_copies_from_the_ring_gpu():
     """DFLASH_IPC_CUDA_COPY=push: the copy runs on the ring's GPU (the fallback path)."""
     cd = _consumer_device("other")
-    results = bg.run_scenarios([_integrity("cuda-ipc", cd, iters=600), _race("cuda-ipc", cd), _delayed("cuda-ipc", cd)],
-                               env={"DFLASH_IPC_CUDA_COPY": "push"}, timeout=120)
+    results = bg.run_scenarios(
+        [_integrity("cuda-ipc", cd, iters=600), _race("cuda-ipc", cd), _delayed("cuda-ipc", cd)],
+        env={"DFLASH_IPC_CUDA_COPY": "push"},
+        timeout=120,
+    )
     _check(results)
     assert all(r["copy_mode"] == "push" for r in results)
 
@@ -109,8 +146,14 @@ def test_race_check_sees_an_early_return():
 @pytest.mark.parametrize("where", ["same", "other"], ids=["same-gpu", "other-gpu"])
 def test_host_pinned_integrity_and_race(where):
     cd = _consumer_device(where)
-    results = bg.run_scenarios([_integrity("host-pinned", cd, iters=1000), _race("host-pinned", cd, slot_bytes=32 * MIB, iters=60),
-                                _delayed("host-pinned", cd, iters=60)], timeout=120)
+    results = bg.run_scenarios(
+        [
+            _integrity("host-pinned", cd, iters=1000),
+            _race("host-pinned", cd, slot_bytes=32 * MIB, iters=60),
+            _delayed("host-pinned", cd, iters=60),
+        ],
+        timeout=120,
+    )
     _check(results)
 
 

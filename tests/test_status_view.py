@@ -123,8 +123,12 @@ def parse_exposition(text: str) -> dict[str, dict]:
 
 
 def test_parser_rejects_bad_text():
-    for bad in ("x 1\n", "# HELP a h\n# TYPE a gauge\na{b=\"1} 1\n", "# HELP a h\n# TYPE a gauge\na 1\na 2\n",
-                "# HELP a h\n# TYPE a gauge\na one\n"):
+    for bad in (
+        "x 1\n",
+        '# HELP a h\n# TYPE a gauge\na{b="1} 1\n',
+        "# HELP a h\n# TYPE a gauge\na 1\na 2\n",
+        "# HELP a h\n# TYPE a gauge\na one\n",
+    ):
         with pytest.raises(AssertionError):
             parse_exposition(bad)
 
@@ -208,8 +212,18 @@ def test_optional_fields_accept_null_and_ints_for_floats(status):
         for k in ("max_steps", "loss", "eta_s"):
             w["totals"][k] = None
         p = w["processes"][0]
-        for k in ("pid", "heartbeat_age_s", "slots", "inflight_per_drafter", "gpu_mem_allocated_bytes",
-                  "gpu_mem_reserved_bytes", "rss_bytes", "busy_pct", "wait_pct", "exit_code"):
+        for k in (
+            "pid",
+            "heartbeat_age_s",
+            "slots",
+            "inflight_per_drafter",
+            "gpu_mem_allocated_bytes",
+            "gpu_mem_reserved_bytes",
+            "rss_bytes",
+            "busy_pct",
+            "wait_pct",
+            "exit_code",
+        ):
             p[k] = None
         p["uptime_s"] = 5  # int where float is expected
         w["processes"][2]["loss"] = float("nan")  # a diverged loss is reportable
@@ -233,8 +247,7 @@ def test_unknown_keys_duplicates_and_non_objects(status):
 
 # --------------------------------------------------------------------------- prometheus
 
-TARGET_ONLY = {"process_slots_free", "process_slots_filling", "process_slots_ready", "process_slots_copying",
-               "process_inflight_slots"}
+TARGET_ONLY = {"process_slots_free", "process_slots_filling", "process_slots_ready", "process_slots_copying", "process_inflight_slots"}
 DRAFTER_ONLY = {"process_queue_depth", "process_step", "process_loss"}
 
 
@@ -250,11 +263,12 @@ def test_prometheus_parses_with_one_sample_per_process(status):
     per_process = [n for n in fams if n.startswith("dflash_ipc_process_") and n != "dflash_ipc_process_inflight_to_drafter"]
     assert len(per_process) >= 15
     for name in per_process:
-        short = name[len("dflash_ipc_"):]
+        short = name[len("dflash_ipc_") :]
         seen = [(s["role"], s["rank"], s["device"]) for s, _ in fams[name]["samples"]]
         assert len(seen) == len(set(seen)), name  # at most one sample per process
-        expected = {p for p in procs if not (short in TARGET_ONLY and p[0] == "drafter")
-                    and not (short in DRAFTER_ONLY and p[0] == "target")}
+        expected = {
+            p for p in procs if not (short in TARGET_ONLY and p[0] == "drafter") and not (short in DRAFTER_ONLY and p[0] == "target")
+        }
         if short == "process_exit_code":
             expected = set()  # nothing has exited
         assert set(seen) == expected, name
@@ -286,7 +300,7 @@ def test_prometheus_values_escapes_and_absent_samples(status):
     text = render_prometheus(s, extra_labels={"run": "my\\run"})
     fams = parse_exposition(text)
     lib = {f.name: f for f in text_string_to_metric_families(text)}
-    (info_labels, _), = fams["dflash_ipc_info"]["samples"]
+    ((info_labels, _),) = fams["dflash_ipc_info"]["samples"]
     assert info_labels["run_dir"] == 'C:\\runs\n"x"' and info_labels["run"] == "my\\run"
     assert lib["dflash_ipc_info"].samples[0].labels["run_dir"] == 'C:\\runs\n"x"'
     devices = {lbl["device"] for lbl, _ in fams["dflash_ipc_process_up"]["samples"]}
@@ -327,13 +341,26 @@ def test_table_fits_100_columns_in_the_worst_case():
     def change(w):
         w["config"] = "/very/long/path/" + "x" * 150 + ".toml"
         w["run_dir"] = "/runs/" + "y" * 200
-        w["totals"].update(tokens_per_s=987_654_321.0, step=12_345_678, max_steps=99_999_999, loss=1e-9,
-                           pipeline_rss_bytes=2**50, eta_s=9e7)
+        w["totals"].update(
+            tokens_per_s=987_654_321.0, step=12_345_678, max_steps=99_999_999, loss=1e-9, pipeline_rss_bytes=2**50, eta_s=9e7
+        )
         for p in w["processes"]:
-            p.update(pid=4_194_304, device="cuda:15", state="handshaking-forever", uptime_s=8.6e7,
-                     heartbeat_age_s=99_999.0, tokens_per_s=999_999.0, gpu_mem_allocated_bytes=140 * 2**30,
-                     gpu_mem_reserved_bytes=141 * 2**30, rss_bytes=1000 * 2**30, busy_pct=100.0, wait_pct=100.0,
-                     rejected_messages=10**9, rejected_by_kind={"undecodable": 10**9 - 1, "x" * 80: 1}, exit_code=-9)
+            p.update(
+                pid=4_194_304,
+                device="cuda:15",
+                state="handshaking-forever",
+                uptime_s=8.6e7,
+                heartbeat_age_s=99_999.0,
+                tokens_per_s=999_999.0,
+                gpu_mem_allocated_bytes=140 * 2**30,
+                gpu_mem_reserved_bytes=141 * 2**30,
+                rss_bytes=1000 * 2**30,
+                busy_pct=100.0,
+                wait_pct=100.0,
+                rejected_messages=10**9,
+                rejected_by_kind={"undecodable": 10**9 - 1, "x" * 80: 1},
+                exit_code=-9,
+            )
             if p["role"] == "target":
                 p.update(slots={"free": 64, "filling": 64, "ready": 64, "copying": 64}, inflight_per_drafter=[64] * 16)
             else:

@@ -58,17 +58,19 @@ def test_env_example_is_only_comments_or_assignments():
 def test_render_system_unit(tmp_path):
     exe = _fake_exec(tmp_path)
     paths = sd.render_units(
-        tmp_path / "out", exec_path=exe, config_dir=tmp_path / "cfg", runs_dir=tmp_path / "runs",
-        env_dir=tmp_path / "env", user_mode=False,
+        tmp_path / "out",
+        exec_path=exe,
+        config_dir=tmp_path / "cfg",
+        runs_dir=tmp_path / "runs",
+        env_dir=tmp_path / "env",
+        user_mode=False,
     )
     assert [p.name for p in paths] == ["dflash-ipc@.service", "dflash-ipc.env.example"]
     text = paths[0].read_text()
     assert "@" not in text.replace("dflash-ipc@", "").replace("%i", ""), "unfilled placeholder"
     v = _values(text)
     assert v["Type"] == ["notify"] and v["NotifyAccess"] == ["main"]
-    assert v["ExecStart"] == [
-        f"{exe} up --config {tmp_path}/cfg/%i.toml --run-dir {tmp_path}/runs/%i --resume $DFLASH_IPC_ARGS"
-    ]
+    assert v["ExecStart"] == [f"{exe} up --config {tmp_path}/cfg/%i.toml --run-dir {tmp_path}/runs/%i --resume $DFLASH_IPC_ARGS"]
     assert v["WatchdogSec"] == ["120s"] and v["TimeoutStopSec"] == ["600s"]
     assert v["Restart"] == ["on-failure"] and "RestartSec" in v
     assert v["KillSignal"] == ["SIGTERM"] and v["KillMode"] == ["mixed"]
@@ -84,8 +86,14 @@ def test_render_system_unit(tmp_path):
 def test_render_user_unit_and_options(tmp_path):
     exe = _fake_exec(tmp_path)
     (unit, _env) = sd.render_units(
-        tmp_path / "out", exec_path=exe, config_dir="cfg", runs_dir=tmp_path / "runs", env_dir=None,
-        user_mode=True, timeout_stop_s=1200, watchdog_s=0,
+        tmp_path / "out",
+        exec_path=exe,
+        config_dir="cfg",
+        runs_dir=tmp_path / "runs",
+        env_dir=None,
+        user_mode=True,
+        timeout_stop_s=1200,
+        watchdog_s=0,
     )
     v = _values(unit.read_text())
     assert v["WantedBy"] == ["default.target"]
@@ -135,8 +143,19 @@ def test_click_render_command(tmp_path):
     exe = _fake_exec(tmp_path)
     res = CliRunner().invoke(
         systemd_group,
-        ["render", "--out", str(tmp_path / "o"), "--runs-dir", str(tmp_path / "r"), "--exec", str(exe),
-         "--timeout-stop", "900", "--service-user", "train"],
+        [
+            "render",
+            "--out",
+            str(tmp_path / "o"),
+            "--runs-dir",
+            str(tmp_path / "r"),
+            "--exec",
+            str(exe),
+            "--timeout-stop",
+            "900",
+            "--service-user",
+            "train",
+        ],
     )
     assert res.exit_code == 0, res.output
     v = _values((tmp_path / "o" / sd.UNIT_NAME).read_text())
@@ -153,8 +172,12 @@ def test_click_render_command(tmp_path):
 def test_rendered_units_pass_systemd_analyze_verify(tmp_path, user_mode):
     exe = _fake_exec(tmp_path)
     (unit, _) = sd.render_units(
-        tmp_path / "out", exec_path=exe, config_dir=tmp_path / "cfg", runs_dir=tmp_path / "runs",
-        env_dir=tmp_path / "env", user_mode=user_mode,
+        tmp_path / "out",
+        exec_path=exe,
+        config_dir=tmp_path / "cfg",
+        runs_dir=tmp_path / "runs",
+        env_dir=tmp_path / "env",
+        user_mode=user_mode,
     )
     rc, problems = sd.verify_unit(unit, "tiny-cpu", user_mode=user_mode)
     assert rc == 0 and problems == "", problems
@@ -172,7 +195,9 @@ def test_default_render_passes_verify(tmp_path):
 def test_awkward_paths_pass_verify(tmp_path):
     """Spaces, '%' and '$' in paths are quoted/escaped; the module form of ExecStart."""
     (unit, _) = sd.render_units(
-        tmp_path, exec_path=[sys.executable, "-m", "dflash_ipc.cli"], runs_dir=tmp_path / "my runs %x $y",
+        tmp_path,
+        exec_path=[sys.executable, "-m", "dflash_ipc.cli"],
+        runs_dir=tmp_path / "my runs %x $y",
         config_dir=tmp_path / "c fg",
     )
     text = unit.read_text()

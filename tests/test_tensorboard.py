@@ -24,9 +24,11 @@ def _config_with_tensorboard(tmp_path: Path) -> Path:
 def test_config_refuses_tensorboard_without_the_package(tmp_path):
     config = _config_with_tensorboard(tmp_path)
     # The package made unimportable for this interpreter only, as on an install without the extra.
-    code = ("import sys; sys.modules['tensorboard'] = None\n"
-            "from dflash_ipc.cli import main\n"
-            f"main(['check-config', '--config', {str(config)!r}])\n")
+    code = (
+        "import sys; sys.modules['tensorboard'] = None\n"
+        "from dflash_ipc.cli import main\n"
+        f"main(['check-config', '--config', {str(config)!r}])\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert f"{config}: run.tensorboard:" in proc.stderr
@@ -48,9 +50,26 @@ def test_tiny_run_writes_tensorboard_scalars_that_read_back(tmp_path):
 
     run_dir = tmp_path / "run"
     steps = 4
-    proc = subprocess.run([sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(_config_with_tensorboard(tmp_path)),
-                           "--max-steps", str(steps), "--run-dir", str(run_dir)],
-                          check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_ipc.cli",
+            "up",
+            "--config",
+            str(_config_with_tensorboard(tmp_path)),
+            "--max-steps",
+            str(steps),
+            "--run-dir",
+            str(run_dir),
+        ],
+        check=False,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     events = sorted(run_dir.glob("events.out.tfevents.*"))
     assert len(events) == 1, events  # rank 0 only

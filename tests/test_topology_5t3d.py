@@ -31,8 +31,13 @@ def test_five_targets_three_drafters_route_and_train_in_step(tmp_path):
     cfg = write_toml(tmp_path / "5t3d.toml", raw)
     run = tmp_path / "run"
     steps = 6
-    proc = subprocess.run([sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(cfg), "--run-dir", str(run), "--max-steps", str(steps)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(cfg), "--run-dir", str(run), "--max-steps", str(steps)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, steps + 1))

@@ -57,12 +57,21 @@ def test_bad_profiles_are_refused_with_the_key():
 def test_plan_topology_cli(tmp_path):
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"tokens_per_batch": 49152, "target_batch_s": 4.8, "drafter_step_s": 0.87}))
-    out = subprocess.run([sys.executable, "-m", "dflash_ipc.cli", "plan", "--topology", "8", "--profile", str(prof), "--json"],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_ipc.cli", "plan", "--topology", "8", "--profile", str(prof), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     res = json.loads(out.strip().splitlines()[-1])
     assert (res["best"]["targets"], res["best"]["drafters"]) == (6, 2) and len(res["splits"]) == 7
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
-    proc = subprocess.run([sys.executable, "-m", "dflash_ipc.cli", "plan", "--topology", "8", "--profile", str(bad)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_ipc.cli", "plan", "--topology", "8", "--profile", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "a profile is a JSON object" in proc.stderr

@@ -77,9 +77,9 @@ def test_single_process_matches_plain_adamw():
     assert tr.single_copy and len(tr._bucket_bounds) > 1
     ps = [p for p in ref.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        [{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1},
-         {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}],
-        lr=CFG.lr, betas=tuple(CFG.betas),
+        [{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1}, {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}],
+        lr=CFG.lr,
+        betas=tuple(CFG.betas),
     )
     for i, seed in enumerate(STEP_SEEDS):
         batch = make_batch(N_TOK, seed)
@@ -150,16 +150,20 @@ def test_schedule_warmup_fraction():
     assert TrainingConfig(warmup_steps=5).resolved_warmup_steps(1000) == 5
     from dflash_ipc.config import DFlashConfig
 
-    assert "training.warmup_steps is ignored because training.warmup_fraction is set" in DFlashConfig(
-        training=cfg).ignored_value_warnings()
+    assert "training.warmup_steps is ignored because training.warmup_fraction is set" in DFlashConfig(training=cfg).ignored_value_warnings()
     assert not any("warmup" in w for w in DFlashConfig(training=TrainingConfig(warmup_fraction=0.04)).ignored_value_warnings())
 
 
 @pytest.mark.parametrize(
     ("kwargs", "key"),
-    [({"warmup_fraction": 1.0}, "warmup_fraction"), ({"warmup_fraction": -0.1}, "warmup_fraction"),
-     ({"weight_decay": -0.01}, "weight_decay"), ({"weight_decay": float("nan")}, "weight_decay"),
-     ({"betas": [0.9]}, "betas"), ({"betas": [0.9, 1.0]}, "betas")],
+    [
+        ({"warmup_fraction": 1.0}, "warmup_fraction"),
+        ({"warmup_fraction": -0.1}, "warmup_fraction"),
+        ({"weight_decay": -0.01}, "weight_decay"),
+        ({"weight_decay": float("nan")}, "weight_decay"),
+        ({"betas": [0.9]}, "betas"),
+        ({"betas": [0.9, 1.0]}, "betas"),
+    ],
 )
 def test_recipe_knobs_validated(kwargs, key, tmp_path):
     from dflash_ipc.config import ConfigError, load_config
@@ -217,8 +221,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     world = init_distributed("gloo", 60.0)
     assert world.is_distributed and world.world_size == 2
     res: dict = {}
@@ -323,8 +326,7 @@ def test_distinfo_single_defaults():
 
 
 def _nccl_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     world = init_distributed("nccl", 120.0)
     assert world.device == torch.device("cuda", rank)
     res: dict = {}

@@ -29,8 +29,19 @@ from dflash_ipc.transport.shm import list_run_shm, new_run_id, sweep_run_shm
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED_KEYS = {
-    "backend", "producers", "consumers", "slots", "slot_bytes", "gbps", "baseline", "baseline_gbps", "ratio",
-    "handoff_us_p50", "handoff_us_p99", "per_consumer_slots", "verified",
+    "backend",
+    "producers",
+    "consumers",
+    "slots",
+    "slot_bytes",
+    "gbps",
+    "baseline",
+    "baseline_gbps",
+    "ratio",
+    "handoff_us_p50",
+    "handoff_us_p99",
+    "per_consumer_slots",
+    "verified",
 }
 
 
@@ -130,9 +141,33 @@ def test_cli_bench_transport_json_slow_consumer():
     try:
         env = dict(os.environ, TMPDIR=tmp, DFIT_RUN_IDS=str(ids_file))
         proc = subprocess.run(
-            [sys.executable, "-c", CLI_SHIM, "bench", "transport", "--backend", "cpu-shm", "--producers", "2",
-             "--consumers", "2", "--slot-mib", "1", "--seconds", "1", "--slow-consumer", "1", "--slow-ms", "20", "--json"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+            [
+                sys.executable,
+                "-c",
+                CLI_SHIM,
+                "bench",
+                "transport",
+                "--backend",
+                "cpu-shm",
+                "--producers",
+                "2",
+                "--consumers",
+                "2",
+                "--slot-mib",
+                "1",
+                "--seconds",
+                "1",
+                "--slow-consumer",
+                "1",
+                "--slow-ms",
+                "20",
+                "--json",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         run_ids = ids_file.read_text().split() if ids_file.exists() else []
         leftover = [list_run_shm(rid) for rid in run_ids]  # looked at before anything cleans up
@@ -203,8 +238,13 @@ class Children:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, endpoint: str, role: str, rank: int, mode: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", HELLO_CHILD, endpoint, role, str(rank), mode],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        p = subprocess.Popen(
+            [sys.executable, "-c", HELLO_CHILD, endpoint, role, str(rank), mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
         self.procs[f"{role}-{rank}"] = p
         assert p.stdout.readline().strip() == "sent"
         return p
@@ -323,8 +363,11 @@ def test_malformed_frames_into_running_processes_are_counted(short_tmp):
     router = channels.bind(ctx, zmq.ROUTER, channels.supervisor_endpoint(run_dir))
     common = ["--run-dir", str(run_dir), "--backend", "cpu-shm", "--producers", "1", "--consumers", "1", "--rank", "0"]
     procs = {
-        ("producer", 0): _spawn_bench("dflash_ipc.procs.bench_producer", common + ["--run-id", run_id, "--slots", "3", "--slot-bytes", str(1 << 16),
-                                                                          "--seconds", "2.5", "--max-outstanding", "2"], run_dir / "p0.out"),
+        ("producer", 0): _spawn_bench(
+            "dflash_ipc.procs.bench_producer",
+            common + ["--run-id", run_id, "--slots", "3", "--slot-bytes", str(1 << 16), "--seconds", "2.5", "--max-outstanding", "2"],
+            run_dir / "p0.out",
+        ),
         ("consumer", 0): _spawn_bench("dflash_ipc.procs.bench_consumer", common, run_dir / "c0.out"),
     }
     push_c = push_p = None
@@ -375,8 +418,10 @@ def test_malformed_frames_into_running_processes_are_counted(short_tmp):
                     summaries[(msg.role, msg.rank)] = msg.summary
             elif dead() and len(summaries) < 2 and all(p.poll() is not None for p in procs.values()):
                 break
-        assert set(summaries) == set(procs), (summaries, (run_dir / "logs").iterdir() and [
-            (p.name, p.read_text()[-1500:]) for p in (run_dir / "logs").iterdir()])
+        assert set(summaries) == set(procs), (
+            summaries,
+            (run_dir / "logs").iterdir() and [(p.name, p.read_text()[-1500:]) for p in (run_dir / "logs").iterdir()],
+        )
         for p in procs.values():
             assert p.wait(timeout=60) == 0
         assert list_run_shm(run_id) == []  # the producer unlinked its own segment on the way out

@@ -34,8 +34,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "dflash_ipc.cli"]
 RUN_TIMEOUT_S = 240  # safety net per `up` invocation, never expected to be reached
-METRIC_KEYS = {"step", "loss", "tokens", "tokens_per_s", "lr", "acc",
-               "wait_s", "copy_s", "forward_s", "backward_s", "optimizer_s"}
+METRIC_KEYS = {"step", "loss", "tokens", "tokens_per_s", "lr", "acc", "wait_s", "copy_s", "forward_s", "backward_s", "optimizer_s"}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -65,8 +64,12 @@ class Up:
         self.run_dir = run_dir
         self.out_path = run_dir.parent / f"{run_dir.name}.{name}.out"
         self._out = open(self.out_path, "wb")
-        self.proc = subprocess.Popen([*CLI, "up", "--config", str(config), "--run-dir", str(run_dir), *extra],
-                                     stdout=self._out, stderr=subprocess.STDOUT, cwd=run_dir.parent)
+        self.proc = subprocess.Popen(
+            [*CLI, "up", "--config", str(config), "--run-dir", str(run_dir), *extra],
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            cwd=run_dir.parent,
+        )
 
     @property
     def output(self) -> str:
@@ -253,8 +256,7 @@ def test_status_after_the_run_reads_status_json(full_run):
     decode_status(snap)  # every field present and well typed
     assert snap["state"] == "finished"
     assert snap["totals"]["step"] == FULL_STEPS
-    assert sorted((p["role"], p["rank"]) for p in snap["processes"]) == [
-        ("drafter", 0), ("drafter", 1), ("target", 0), ("target", 1)]
+    assert sorted((p["role"], p["rank"]) for p in snap["processes"]) == [("drafter", 0), ("drafter", 1), ("target", 0), ("target", 1)]
     assert all(p["exit_code"] == 0 for p in snap["processes"]), snap["processes"]
 
 
@@ -282,9 +284,18 @@ def stopped_and_resumed(work, started):
     second = Up(cfg, run_dir, "--resume", name="second")
     started.append(second)
     second_code = second.wait()
-    return dict(first=first, second=second, first_code=first_code, second_code=second_code, live_json=live_json,
-                live_prom=live_prom, first_metrics=first_metrics, ckpt1=ckpt1, ledger1=ledger1,
-                first_target_logs=first_target_logs)
+    return dict(
+        first=first,
+        second=second,
+        first_code=first_code,
+        second_code=second_code,
+        live_json=live_json,
+        live_prom=live_prom,
+        first_metrics=first_metrics,
+        ckpt1=ckpt1,
+        ledger1=ledger1,
+        first_target_logs=first_target_logs,
+    )
 
 
 def test_status_while_running(stopped_and_resumed):
@@ -302,8 +313,10 @@ def test_status_while_running(stopped_and_resumed):
 
     fams = {f.name: f for f in text_string_to_metric_families(r["live_prom"])}
     assert {s.labels["state"]: s.value for s in fams["dflash_ipc_state"].samples}["running"] == 1.0
-    by_proc = {name: {(s.labels["role"], int(s.labels["rank"])): s.value for s in fams[name].samples}
-               for name in ("dflash_ipc_process_up", "dflash_ipc_process_pid")}
+    by_proc = {
+        name: {(s.labels["role"], int(s.labels["rank"])): s.value for s in fams[name].samples}
+        for name in ("dflash_ipc_process_up", "dflash_ipc_process_pid")
+    }
     for role, rank in procs:
         assert by_proc["dflash_ipc_process_up"][(role, rank)] == 1.0
         assert [int(by_proc["dflash_ipc_process_pid"][(role, rank)])] == pids[f"{role}-{rank}"]
@@ -339,7 +352,7 @@ def test_sigterm_checkpoints_and_resume_consumes_every_batch_once(stopped_and_re
 
     # every target skipped exactly the ledgered batches of its shard
     for rank in range(2):
-        log = (run_dir / "logs" / f"target-{rank}.log").read_text()[len(r["first_target_logs"][rank]):]
+        log = (run_dir / "logs" / f"target-{rank}.log").read_text()[len(r["first_target_logs"][rank]) :]
         m = re.findall(r"schedule: (\d+) batches planned, (\d+) already consumed \(ledger\), (\d+) to run", log)
         assert len(m) == 1, log
         planned, consumed, to_run = map(int, m[0])
@@ -372,7 +385,7 @@ def test_child_killed_fails_the_run_and_cleans_up(work, started):
     code = up.wait()
     out = up.output
     assert code != 0, out
-    failed = out[out.index("[up] FAILED"):]
+    failed = out[out.index("[up] FAILED") :]
     assert failed.startswith(f"[up] FAILED: target-0 (pid {victim}) killed by signal SIGKILL\n"), failed
     # the tail of its log
     assert f"last lines of {up.run_dir}/logs/target-0.log" in failed
@@ -390,8 +403,7 @@ def test_max_restarts_restarts_from_the_last_checkpoint(work, started):
     cfg = write_config(work / "restart.toml", training__checkpoint_every=2)
     up = Up(cfg, work / "restart", "--max-steps", str(steps), "--max-restarts", "1")
     started.append(up)
-    up.wait_until(lambda: read_latest_pointer(up.run_dir / "checkpoints") is not None and up.steps_logged() >= 3,
-                  "a checkpoint and step 3")
+    up.wait_until(lambda: read_latest_pointer(up.run_dir / "checkpoints") is not None and up.steps_logged() >= 3, "a checkpoint and step 3")
     victim = up.child_pids()["drafter-1"][0]
     os.kill(victim, signal.SIGKILL)
     code = up.wait()
@@ -405,8 +417,11 @@ def test_max_restarts_restarts_from_the_last_checkpoint(work, started):
     assert f"[up] finished (max_steps {steps})" in out
     assert checkpoint_step(latest_checkpoint(up.run_dir)) == steps
     # the restarted targets skipped what the checkpoint had consumed
-    consumed = [int(n) for r in range(2) for n in re.findall(
-        r"(\d+) already consumed \(ledger\)", (up.run_dir / "logs" / f"target-{r}.log").read_text())]
+    consumed = [
+        int(n)
+        for r in range(2)
+        for n in re.findall(r"(\d+) already consumed \(ledger\)", (up.run_dir / "logs" / f"target-{r}.log").read_text())
+    ]
     assert len(consumed) == 4 and consumed[0] == consumed[2] == 0 and consumed[1] + consumed[3] > 0, consumed
     # metrics of steps trained after that checkpoint and lost with the crash are not kept twice
     assert [m["step"] for m in read_metrics(up.run_dir)] == list(range(1, steps + 1))
@@ -416,15 +431,19 @@ def test_max_restarts_restarts_from_the_last_checkpoint(work, started):
 # --------------------------------------------------------------------------- 6. bad configs
 
 
-@pytest.mark.parametrize("section, key, value, expect", [
-    ("transport", "ring_slotz", 4, "unknown key; did you mean 'ring_slots'?"),
-    ("data", "token_budget", "lots", "must be an integer"),
-])
+@pytest.mark.parametrize(
+    "section, key, value, expect",
+    [
+        ("transport", "ring_slotz", 4, "unknown key; did you mean 'ring_slots'?"),
+        ("data", "token_budget", "lots", "must be an integer"),
+    ],
+)
 def test_bad_config_is_refused_before_anything_starts(tmp_path, section, key, value, expect):
     cfg = write_config(tmp_path / "bad.toml", raw_overrides={section: {key: value}})
     run_dir = tmp_path / "run"
-    r = subprocess.run([*CLI, "up", "--config", str(cfg), "--run-dir", str(run_dir)],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run(
+        [*CLI, "up", "--config", str(cfg), "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"{cfg}: {section}.{key}: " in r.stderr and expect in r.stderr, r.stderr
     assert not run_dir.exists()
@@ -491,11 +510,21 @@ def test_metrics_endpoint_and_json_last_line_during_a_run(work, started):
     assert [s.value for s in fams["dflash_ipc_supervisor_pid"].samples] == [float(up.proc.pid)]
 
     # the shell idiom the README promises: the last line is the whole JSON object
-    r = subprocess.run(f"{sys.executable} -m dflash_ipc.cli status --run-dir {work / 'metrics'} --json | tail -1",
-                       shell=True, capture_output=True, text=True, timeout=60, check=True)
+    r = subprocess.run(
+        f"{sys.executable} -m dflash_ipc.cli status --run-dir {work / 'metrics'} --json | tail -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     snap = decode_status(json.loads(r.stdout))
     assert snap.state == "running" and sorted((p.role, p.rank) for p in snap.processes) == [
-        ("drafter", 0), ("drafter", 1), ("target", 0), ("target", 1)]
+        ("drafter", 0),
+        ("drafter", 1),
+        ("target", 0),
+        ("target", 1),
+    ]
 
     up.proc.send_signal(signal.SIGTERM)
     assert up.wait() == 0, up.output

@@ -53,8 +53,15 @@ def llama_target() -> TargetModel:
 
     torch.manual_seed(0)
     conf = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attn_implementation="sdpa",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
     )
     return TargetModel(LlamaModel(conf), conf, [0, 2, 3], "cpu", torch.float32, capture_last_hidden=True, varlen=True)
 

@@ -3,6 +3,7 @@
 A 200 ms sleep kernel is queued on the compute stream first; the pack's side stream waits for
 it. An asynchronous submit returns in well under 200 ms; one that synchronizes takes >= 200 ms.
 """
+
 import time
 
 import torch
@@ -52,7 +53,10 @@ for _ in range(2):
         for ids_dev in (False, True):
             p = AsyncPacker(layout, dev)
             meta = BatchMeta(seq_lens=lens, token_ids=ids_cpu.to(dev) if ids_dev else ids_cpu, loss_mask=mask_cpu)
-            timed(f"AsyncPacker.submit inference={inf} ids_on_gpu={ids_dev}", lambda: p.submit(planes_inf if inf else planes, meta, 0, slot))
+            timed(
+                f"AsyncPacker.submit inference={inf} ids_on_gpu={ids_dev}",
+                lambda p=p, inf=inf, meta=meta: p.submit(planes_inf if inf else planes, meta, 0, slot),
+            )
             p.close()
 
 # The fix: the target prepares the real-token ids / mask on the host while its forward runs
@@ -64,5 +68,8 @@ for _ in range(3):
     for inf in (False, True):
         p = AsyncPacker(layout, dev)
         meta = BatchMeta(seq_lens=lens, token_ids=flat_ids, loss_mask=flat_mask)
-        timed(f"AsyncPacker.submit flat pinned meta, inference={inf}", lambda: p.submit(planes_inf if inf else planes, meta, 0, slot))
+        timed(
+            f"AsyncPacker.submit flat pinned meta, inference={inf}",
+            lambda p=p, inf=inf, meta=meta: p.submit(planes_inf if inf else planes, meta, 0, slot),
+        )
         p.close()

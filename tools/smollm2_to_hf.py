@@ -67,10 +67,19 @@ def convert(gguf: Path, out: Path, dtype_name: str = "bfloat16") -> dict:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    return {"out": str(out), "bytes": size, "seconds": round(time.perf_counter() - t0, 1), "dtype": dtype_name,
-            "vocab_size": int(config.vocab_size), "layers": int(config.num_hidden_layers), "hidden_size": int(config.hidden_size),
-            "pad_token": tok.pad_token, "pad_token_id": tok.pad_token_id, "eos_token_id": eos,
-            "chat_template": bool(tok.chat_template)}
+    return {
+        "out": str(out),
+        "bytes": size,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "dtype": dtype_name,
+        "vocab_size": int(config.vocab_size),
+        "layers": int(config.num_hidden_layers),
+        "hidden_size": int(config.hidden_size),
+        "pad_token": tok.pad_token,
+        "pad_token_id": tok.pad_token_id,
+        "eos_token_id": eos,
+        "chat_template": bool(tok.chat_template),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

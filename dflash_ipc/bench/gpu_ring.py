@@ -59,8 +59,6 @@ def _pct(vals: list[float], q: float) -> float | None:
     return s[k]
 
 
-
-
 # --------------------------------------------------------------------------- layouts & patterns
 
 
@@ -162,17 +160,40 @@ def scenario(
     ``fill="none"``: the producer writes nothing (and nothing is verified): transport alone.
     mode "lockstep": one slot in flight (handoff latency). ``early_return`` (a negative
     control) returns each slot right after enqueueing its copy: the verifier must see it."""
-    return Scenario(name=name, backend=backend, producer_device=producer_device, consumer_device=consumer_device,
-                    layout=layout.to_wire(), num_slots=num_slots, iters=iters, warmup=warmup, depth=depth, mode=mode, sizes=sizes,
-                    verify="none" if fill == "none" else verify, early_return=early_return, seed=seed,
-                    producer_delay_us=float(producer_delay_us), fill=fill)
+    return Scenario(
+        name=name,
+        backend=backend,
+        producer_device=producer_device,
+        consumer_device=consumer_device,
+        layout=layout.to_wire(),
+        num_slots=num_slots,
+        iters=iters,
+        warmup=warmup,
+        depth=depth,
+        mode=mode,
+        sizes=sizes,
+        verify="none" if fill == "none" else verify,
+        early_return=early_return,
+        seed=seed,
+        producer_delay_us=float(producer_delay_us),
+        fill=fill,
+    )
 
 
 def handoff_scenario(backend: str, producer_device: int, consumer_device: int, *, iters: int = 2000) -> Scenario:
     """Tiny (4 KiB) slots, one in flight: commit -> copy complete at the consumer, and round trip."""
-    return scenario(f"handoff {backend} cuda:{producer_device}->cuda:{consumer_device}", backend, producer_device,
-                    consumer_device, SlotLayout(1, 1024, 4, 1, "uint8"), num_slots=2, iters=iters, warmup=50,
-                    mode="lockstep", verify="full")
+    return scenario(
+        f"handoff {backend} cuda:{producer_device}->cuda:{consumer_device}",
+        backend,
+        producer_device,
+        consumer_device,
+        SlotLayout(1, 1024, 4, 1, "uint8"),
+        num_slots=2,
+        iters=iters,
+        warmup=50,
+        mode="lockstep",
+        verify="full",
+    )
 
 
 # --------------------------------------------------------------------------- producer side
@@ -242,9 +263,14 @@ def _produce(sc: Scenario, conn, rank: int) -> ProducerFigures:
         ring.close()
         if sc.backend in ("host-pinned", "cpu-shm"):
             sweep_run_shm(run_id)
-    return ProducerFigures(create_s=create_s, stray_frees=stray, commit_us_p50=(_pct(commit_ns, 50) or 0) / 1e3,
-                           roundtrip_us_p50=(_pct(rt_ns, 50) or 0) / 1e3, roundtrip_us_p99=(_pct(rt_ns, 99) or 0) / 1e3,
-                           consumer=consumer)
+    return ProducerFigures(
+        create_s=create_s,
+        stray_frees=stray,
+        commit_us_p50=(_pct(commit_ns, 50) or 0) / 1e3,
+        roundtrip_us_p50=(_pct(rt_ns, 50) or 0) / 1e3,
+        roundtrip_us_p99=(_pct(rt_ns, 99) or 0) / 1e3,
+        consumer=consumer,
+    )
 
 
 # --------------------------------------------------------------------------- consumer side
@@ -342,8 +368,14 @@ def _consume(sc: Scenario, conn) -> None:
         gbps = sum(done_bytes[w + 1 :]) / dt / 1e9 if dt > 0 else None
     hand = handoff_ns[w:]
     figures = ConsumerFigures(
-        copy_mode=getattr(ring, "copy_mode", ring.backend), open_s=open_s, slots=len(done_t), bytes=sum(done_bytes), errors=errors,
-        gbps=gbps, handoff_us_p50=(_pct(hand, 50) or 0) / 1e3, handoff_us_p99=(_pct(hand, 99) or 0) / 1e3,
+        copy_mode=getattr(ring, "copy_mode", ring.backend),
+        open_s=open_s,
+        slots=len(done_t),
+        bytes=sum(done_bytes),
+        errors=errors,
+        gbps=gbps,
+        handoff_us_p50=(_pct(hand, 50) or 0) / 1e3,
+        handoff_us_p99=(_pct(hand, 99) or 0) / 1e3,
         copy_out_call_us_p50=(_pct(issue_ns, 50) or 0) / 1e3,
     )
     send(conn, ConsumerClosed(figures))
@@ -444,18 +476,48 @@ def run_scenarios(scenarios: list[Scenario], *, env: dict | None = None, timeout
     for sc, r in zip(scenarios, got["producer"].results, strict=True):
         figures = dataclasses.asdict(r)
         consumer = figures.pop("consumer")
-        out.append({"name": sc.name, "backend": sc.backend, "producer_device": sc.producer_device, "consumer_device": sc.consumer_device,
-                    "slot_bytes": SlotLayout.from_wire(sc.layout).slot_bytes, "num_slots": sc.num_slots, "iters": sc.iters,
-                    "depth": sc.depth, "mode": sc.mode, **figures, **consumer})
+        out.append(
+            {
+                "name": sc.name,
+                "backend": sc.backend,
+                "producer_device": sc.producer_device,
+                "consumer_device": sc.consumer_device,
+                "slot_bytes": SlotLayout.from_wire(sc.layout).slot_bytes,
+                "num_slots": sc.num_slots,
+                "iters": sc.iters,
+                "depth": sc.depth,
+                "mode": sc.mode,
+                **figures,
+                **consumer,
+            }
+        )
     return out
 
 
-def measure_ring(backend: str, producer_device: int, consumer_device: int, slot_bytes: int, *, num_slots: int = 4,
-                 iters: int = 100, warmup: int = 10, depth: int = 3, env: dict | None = None) -> dict:
+def measure_ring(
+    backend: str,
+    producer_device: int,
+    consumer_device: int,
+    slot_bytes: int,
+    *,
+    num_slots: int = 4,
+    iters: int = 100,
+    warmup: int = 10,
+    depth: int = 3,
+    env: dict | None = None,
+) -> dict:
     """Two-process ring throughput (GB/s over the steady-state slots) with sampled verification."""
-    sc = scenario(f"{backend} {slot_bytes >> 20} MiB cuda:{producer_device}->cuda:{consumer_device}", backend,
-                  producer_device, consumer_device, layout_for_bytes(slot_bytes), num_slots=num_slots, iters=iters,
-                  warmup=warmup, depth=depth)
+    sc = scenario(
+        f"{backend} {slot_bytes >> 20} MiB cuda:{producer_device}->cuda:{consumer_device}",
+        backend,
+        producer_device,
+        consumer_device,
+        layout_for_bytes(slot_bytes),
+        num_slots=num_slots,
+        iters=iters,
+        warmup=warmup,
+        depth=depth,
+    )
     return run_scenarios([sc], env=env)[0]
 
 

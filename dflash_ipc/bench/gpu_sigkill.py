@@ -109,8 +109,15 @@ def _kill_consumer_main(peer, parent, device: int) -> None:
         raise
 
 
-def run_sigkill_check(producer_device: int, consumer_device: int, *, slot_bytes: int = 256 * MIB, num_slots: int = 4,
-                      env: dict | None = None, timeout: float = 180.0) -> dict:
+def run_sigkill_check(
+    producer_device: int,
+    consumer_device: int,
+    *,
+    slot_bytes: int = 256 * MIB,
+    num_slots: int = 4,
+    env: dict | None = None,
+    timeout: float = 180.0,
+) -> dict:
     """Kill a consumer with SIGKILL while it holds the ring's mappings; then close the producer's
     ring. Returns the producer's free-memory readings, its exit code and the consumer's."""
     ctx = spawn_context()
@@ -123,6 +130,7 @@ def run_sigkill_check(producer_device: int, consumer_device: int, *, slot_bytes:
         prod.start()
         cons.start()
     try:
+
         def expect(conn, what: str, proc, want: type[T]) -> T:
             end = time.monotonic() + timeout
             while time.monotonic() < end:
@@ -143,7 +151,12 @@ def run_sigkill_check(producer_device: int, consumer_device: int, *, slot_bytes:
         send(pp, CloseRing())
         closed = expect(pp, "producer", prod, RingClosed)
         prod.join(timeout=60)
-        return {**dataclasses.asdict(p_hold), **dataclasses.asdict(closed), "consumer_copy_errors": c_hold.errors,
-                "consumer_exitcode": cons.exitcode, "producer_exitcode": prod.exitcode}
+        return {
+            **dataclasses.asdict(p_hold),
+            **dataclasses.asdict(closed),
+            "consumer_copy_errors": c_hold.errors,
+            "consumer_exitcode": cons.exitcode,
+            "producer_exitcode": prod.exitcode,
+        }
     finally:
         stop_processes([prod, cons])

@@ -67,8 +67,11 @@ def run_bench(quick: bool = False, progress=print) -> dict:
     if n == 0:
         raise RuntimeError("no CUDA device")
     other = 1 if n > 1 else 0
-    out: dict = {"torch": torch.__version__, "devices": [torch.cuda.get_device_name(i) for i in range(n)],
-                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    out: dict = {
+        "torch": torch.__version__,
+        "devices": [torch.cuda.get_device_name(i) for i in range(n)],
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+    }
     if n > 1:
         out["peer_access"] = torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0)
         out["auto"] = list(choose_backend(0, [1]))
@@ -79,8 +82,13 @@ def run_bench(quick: bool = False, progress=print) -> dict:
         progress(f"[ref] {label}: cuda:0->cuda:{other} {ref[f'peer_{label}']:.1f} GB/s, cuda:0->cuda:0 {ref[f'same_{label}']:.1f} GB/s")
     pin = measure_pinned_reference_gbps(0, 256 * MIB)
     pin1 = measure_pinned_reference_gbps(other, 256 * MIB)
-    ref["pinned_256MiB"] = {"d2h_0": pin["d2h"], "h2d_0": pin["h2d"], "d2h_other": pin1["d2h"], "h2d_other": pin1["h2d"],
-                            "min": min(pin["d2h"], pin1["h2d"])}
+    ref["pinned_256MiB"] = {
+        "d2h_0": pin["d2h"],
+        "h2d_0": pin["h2d"],
+        "d2h_other": pin1["d2h"],
+        "h2d_other": pin1["h2d"],
+        "min": min(pin["d2h"], pin1["h2d"]),
+    }
     progress(f"[ref] pinned 256 MiB: D2H {pin['d2h']:.1f}, H2D(other) {pin1['h2d']:.1f} GB/s")
     out["reference_gbps"] = ref
     it = (lambda x: max(20, x // 4)) if quick else (lambda x: x)
@@ -90,11 +98,21 @@ def run_bench(quick: bool = False, progress=print) -> dict:
         scenario("cuda-ipc 1GiB same", "cuda-ipc", 0, 0, layout_for_bytes(GIB), num_slots=4, iters=it(150), warmup=10),
         scenario("cuda-ipc 256MiB same", "cuda-ipc", 0, 0, layout_for_bytes(256 * MIB), num_slots=4, iters=it(400), warmup=20),
         scenario("host-pinned 256MiB other", "host-pinned", 0, other, layout_for_bytes(256 * MIB), num_slots=4, iters=it(60), warmup=5),
-        scenario("cuda-ipc 256MiB other nofill", "cuda-ipc", 0, other, layout_for_bytes(256 * MIB), num_slots=4, iters=it(400),
-                 warmup=20, fill="none"),
+        scenario(
+            "cuda-ipc 256MiB other nofill",
+            "cuda-ipc",
+            0,
+            other,
+            layout_for_bytes(256 * MIB),
+            num_slots=4,
+            iters=it(400),
+            warmup=20,
+            fill="none",
+        ),
         scenario("cuda-ipc 1GiB same nofill", "cuda-ipc", 0, 0, layout_for_bytes(GIB), num_slots=4, iters=it(150), warmup=10, fill="none"),
-        scenario("cuda-ipc 256MiB same nofill", "cuda-ipc", 0, 0, layout_for_bytes(256 * MIB), num_slots=4, iters=it(400), warmup=20,
-                 fill="none"),
+        scenario(
+            "cuda-ipc 256MiB same nofill", "cuda-ipc", 0, 0, layout_for_bytes(256 * MIB), num_slots=4, iters=it(400), warmup=20, fill="none"
+        ),
         handoff_scenario("cuda-ipc", 0, other, iters=it(2000)),
         handoff_scenario("cuda-ipc", 0, 0, iters=it(2000)),
         handoff_scenario("host-pinned", 0, other, iters=it(1000)),
@@ -109,11 +127,16 @@ def run_bench(quick: bool = False, progress=print) -> dict:
                 refv = ref["pinned_256MiB"]["min"]
             r["reference_gbps"] = refv
             r["ratio"] = r["gbps"] / refv if r["gbps"] and refv else None
-            progress(f"[ring] {r['name']} ({r['copy_mode']}): {r['gbps']:.1f} GB/s ({100 * (r['ratio'] or 0):.1f}% of {refv:.1f}), "
-                     f"{r['slots']} slots, errors {r['errors']}, open {r['open_s'] * 1e3:.0f} ms")
+            progress(
+                f"[ring] {r['name']} ({r['copy_mode']}): {r['gbps']:.1f} GB/s ({100 * (r['ratio'] or 0):.1f}% of {refv:.1f}), "
+                f"{r['slots']} slots, errors {r['errors']}, open {r['open_s'] * 1e3:.0f} ms"
+            )
         else:
-            progress(f"[handoff] {r['name']} ({r['copy_mode']}): commit->copied p50 {r['handoff_us_p50']:.0f} us p99 {r['handoff_us_p99']:.0f} us, "
-                     f"round trip p50 {r['roundtrip_us_p50']:.0f} us p99 {r['roundtrip_us_p99']:.0f} us, errors {r['errors']}")
+            progress(
+                f"[handoff] {r['name']} ({r['copy_mode']}): "
+                f"commit->copied p50 {r['handoff_us_p50']:.0f} us p99 {r['handoff_us_p99']:.0f} us, "
+                f"round trip p50 {r['roundtrip_us_p50']:.0f} us p99 {r['roundtrip_us_p99']:.0f} us, errors {r['errors']}"
+            )
     out["rings"] = rings
     if n > 1 and not quick:
         variants = {
@@ -123,20 +146,26 @@ def run_bench(quick: bool = False, progress=print) -> dict:
         for key, env in variants.items():
             scs2 = [
                 scenario(f"cuda-ipc 1GiB other {key}", "cuda-ipc", 0, other, layout_for_bytes(GIB), num_slots=4, iters=100, warmup=10),
-                scenario(f"cuda-ipc 256MiB other {key}", "cuda-ipc", 0, other, layout_for_bytes(256 * MIB), num_slots=4, iters=300, warmup=20),
+                scenario(
+                    f"cuda-ipc 256MiB other {key}", "cuda-ipc", 0, other, layout_for_bytes(256 * MIB), num_slots=4, iters=300, warmup=20
+                ),
             ]
             if key == "push":
                 scs2.append(handoff_scenario("cuda-ipc", 0, other, iters=1000))
             rs2 = run_scenarios(scs2, env=env, timeout=300)
             for r in rs2:
                 if r["mode"] != "stream":
-                    progress(f"[handoff] {r['name']} {key} ({r['copy_mode']}): commit->copied p50 {r['handoff_us_p50']:.0f} us "
-                             f"p99 {r['handoff_us_p99']:.0f} us, errors {r['errors']}")
+                    progress(
+                        f"[handoff] {r['name']} {key} ({r['copy_mode']}): commit->copied p50 {r['handoff_us_p50']:.0f} us "
+                        f"p99 {r['handoff_us_p99']:.0f} us, errors {r['errors']}"
+                    )
                     continue
                 refv = ref["peer_1GiB" if r["slot_bytes"] >= GIB else "peer_256MiB"]
                 r["reference_gbps"] = refv
                 r["ratio"] = r["gbps"] / refv if r["gbps"] else None
-                progress(f"[ring] {r['name']} ({r['copy_mode']}): {r['gbps']:.1f} GB/s ({100 * (r['ratio'] or 0):.1f}% of {refv:.1f}), "
-                         f"errors {r['errors']}")
+                progress(
+                    f"[ring] {r['name']} ({r['copy_mode']}): {r['gbps']:.1f} GB/s ({100 * (r['ratio'] or 0):.1f}% of {refv:.1f}), "
+                    f"errors {r['errors']}"
+                )
             out[f"rings_{key}"] = rs2
     return out

@@ -177,8 +177,23 @@ class RingClosed(Struct):
 
 MESSAGES: dict[str, type[Struct]] = {
     cls.__name__: cls
-    for cls in (ScenarioList, RingOpen, RingOpened, SlotFilled, SlotReturned, EndOfSlots, ConsumerClosed, ProducerDone, ConsumerDone,
-                ChildFailed, Copied, ConsumerHolding, ProducerHolding, CloseRing, RingClosed)
+    for cls in (
+        ScenarioList,
+        RingOpen,
+        RingOpened,
+        SlotFilled,
+        SlotReturned,
+        EndOfSlots,
+        ConsumerClosed,
+        ProducerDone,
+        ConsumerDone,
+        ChildFailed,
+        Copied,
+        ConsumerHolding,
+        ProducerHolding,
+        CloseRing,
+        RingClosed,
+    )
 }
 
 

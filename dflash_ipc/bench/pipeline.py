@@ -142,8 +142,14 @@ def _steady(recs: list[dict], skip: int = 2) -> list[dict]:
 def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, echo) -> dict:
     probe = load_config(config_path)
     overrides, fwd = _variant_overrides(name, probe.topology.on_cuda)
-    overrides.update({"training.max_steps": steps, "training.checkpoint_every": 0, "training.checkpoint_on_finish": False,
-                      "training.export_on_finish": False})
+    overrides.update(
+        {
+            "training.max_steps": steps,
+            "training.checkpoint_every": 0,
+            "training.checkpoint_on_finish": False,
+            "training.export_on_finish": False,
+        }
+    )
     n_targets = len(probe.topology.targets)
     forward_only = max(2, -(-steps * len(probe.topology.drafters) // n_targets)) if fwd else 0
     if name == "warmup":
@@ -158,12 +164,18 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
     with TreeSampler(sup) as sampler:
         code = sup.run()
     wall = time.perf_counter() - t0
-    out: dict = {"variant": name, "exit_code": code, "wall_s": round(wall, 1), "run_dir": str(run_dir),
-                 "backend": cfg.transport.backend, "ring_slots": cfg.transport.ring_slots,
-                 "peak_host_rss_bytes": sampler.peak_rss,
-                 "peak_host_rss_by_process_tree": sampler.peak_rss_by_tree,
-                 "processes_by_tree": sampler.peak_procs_by_tree,
-                 "slot_occupancy_mean": round(sum(sampler.occupancy) / len(sampler.occupancy), 3) if sampler.occupancy else None}
+    out: dict = {
+        "variant": name,
+        "exit_code": code,
+        "wall_s": round(wall, 1),
+        "run_dir": str(run_dir),
+        "backend": cfg.transport.backend,
+        "ring_slots": cfg.transport.ring_slots,
+        "peak_host_rss_bytes": sampler.peak_rss,
+        "peak_host_rss_by_process_tree": sampler.peak_rss_by_tree,
+        "processes_by_tree": sampler.peak_procs_by_tree,
+        "slot_occupancy_mean": round(sum(sampler.occupancy) / len(sampler.occupancy), 3) if sampler.occupancy else None,
+    }
     targets = [c for c in sup.children if c.role == "target"]
     drafters = [c for c in sup.children if c.role == "drafter"]
     # every target's final figures (forward-only: its Done) or its last heartbeat's
@@ -172,10 +184,27 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
         raise RuntimeError(f"{len(targets) - len(tstats)} target(s) reported no figures (see their logs in {run_dir}/logs)")
     works = [ts.work for ts in tstats]
     out["targets"] = [
-        {**{k: getattr(w, k) for k in ("forwards", "forward_ms", "pack_ms", "pack_overlap_pct", "pack_exposed_ms", "pack_submit_ms",
-                                         "slot_wait_ms", "busy_pct", "steady_tokens_per_s", "steady_tflops", "steady_forward_tflops",
-                                         "layers_run")},
-         "gpu_mem_peak_bytes": w.gpu.peak_bytes if w.gpu else None, "routed_per_drafter": ts.plane.routed_per_drafter}
+        {
+            **{
+                k: getattr(w, k)
+                for k in (
+                    "forwards",
+                    "forward_ms",
+                    "pack_ms",
+                    "pack_overlap_pct",
+                    "pack_exposed_ms",
+                    "pack_submit_ms",
+                    "slot_wait_ms",
+                    "busy_pct",
+                    "steady_tokens_per_s",
+                    "steady_tflops",
+                    "steady_forward_tflops",
+                    "layers_run",
+                )
+            },
+            "gpu_mem_peak_bytes": w.gpu.peak_bytes if w.gpu else None,
+            "routed_per_drafter": ts.plane.routed_per_drafter,
+        }
         for ts, w in zip(tstats, works)
     ]
     gpu_peaks: dict[str, int] = {}
@@ -225,8 +254,10 @@ def _warmup_overrides(probe) -> dict:
     """The first four decoder layers of the configured target (same widths, both layer types)."""
     spec = dict(probe.target.spec)
     if not spec:
-        raise ValueError("the warmup variant needs a target built from target.spec (a checkpoint's own layers "
-                         "cannot be cut); leave 'warmup' out of --variants")
+        raise ValueError(
+            "the warmup variant needs a target built from target.spec (a checkpoint's own layers "
+            "cannot be cut); leave 'warmup' out of --variants"
+        )
     n = min(4, int(spec.get("num_hidden_layers", 4)))
     spec["num_hidden_layers"] = n
     if isinstance(spec.get("layer_types"), list):
@@ -234,8 +265,9 @@ def _warmup_overrides(probe) -> dict:
     return {"target.spec": spec, "target.layer_ids": [1, n - 1] if n > 2 else [n - 1]}
 
 
-def run_pipeline_bench(config_path: str, steps: int, variants: list[str], peak_tflops: float = 790.0, echo=print,
-                       out_path: str | None = None) -> dict:
+def run_pipeline_bench(
+    config_path: str, steps: int, variants: list[str], peak_tflops: float = 790.0, echo=print, out_path: str | None = None
+) -> dict:
     """``out_path``: each variant's result is appended there as one JSON line the moment it is
     known, so a run cut short by a time limit keeps the variants it finished."""
     results = {}
@@ -266,7 +298,9 @@ def run_pipeline_bench(config_path: str, steps: int, variants: list[str], peak_t
     if ipc:
         summary.update(_topology_advice(config_path, results))
     if results.get("depth-2") and results.get("depth-8"):
-        summary["host_rss_depth8_over_depth2"] = round(results["depth-8"]["peak_host_rss_bytes"] / max(1, results["depth-2"]["peak_host_rss_bytes"]), 4)
+        summary["host_rss_depth8_over_depth2"] = round(
+            results["depth-8"]["peak_host_rss_bytes"] / max(1, results["depth-2"]["peak_host_rss_bytes"]), 4
+        )
     return summary
 
 
@@ -275,8 +309,10 @@ def _topology_advice(config_path: str, results: dict) -> dict:
     cfg = load_config(config_path)
     ipc = results["cuda-ipc"]
     ceiling = results.get("forward-only", ipc)
-    profile = Profile(ceiling["target_tokens_per_s"] / len(cfg.topology.targets), ipc["drafter_busy_tokens_per_s_per_gpu"],
-                      source=f"bench pipeline {config_path}")
+    profile = Profile(
+        ceiling["target_tokens_per_s"] / len(cfg.topology.targets),
+        ipc["drafter_busy_tokens_per_s_per_gpu"],
+        source=f"bench pipeline {config_path}",
+    )
     n = len(cfg.topology.targets) + len(cfg.topology.drafters)
-    return {"profile": asdict(profile),
-            "topology": {str(g): asdict(best_split(profile, g)) for g in sorted({n, 8}) if g >= 2}}
+    return {"profile": asdict(profile), "topology": {str(g): asdict(best_split(profile, g)) for g in sorted({n, 8}) if g >= 2}}

@@ -51,8 +51,10 @@ class Profile:
             return cls(raw["target_tokens_per_s"], raw["drafter_tokens_per_s"], raw.get("source", source))
         if all(k in raw for k in ("tokens_per_batch", "target_batch_s", "drafter_step_s")):
             return cls.from_step_times(raw["tokens_per_batch"], raw["target_batch_s"], raw["drafter_step_s"], raw.get("source", source))
-        raise ValueError("profile: expected target_tokens_per_s and drafter_tokens_per_s, or tokens_per_batch, target_batch_s "
-                         f"and drafter_step_s (found keys {sorted(raw)})")
+        raise ValueError(
+            "profile: expected target_tokens_per_s and drafter_tokens_per_s, or tokens_per_batch, target_batch_s "
+            f"and drafter_step_s (found keys {sorted(raw)})"
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -92,6 +94,7 @@ def splits(profile: Profile, n_gpus: int) -> list[Split]:
 
 def best_split(profile: Profile, n_gpus: int) -> Split:
     """The split with the most tokens/s; among equals, the one whose GPUs idle least in total."""
+
     def rank(s: Split) -> tuple[float, float]:
         return round(s.tokens_per_s, 6), -(s.target_idle_pct * s.targets + s.drafter_idle_pct * s.drafters)
 
@@ -106,11 +109,14 @@ def advice(profile: Profile, n_gpus: int) -> dict:
 
 def format_table(profile: Profile, n_gpus: int) -> str:
     best = best_split(profile, n_gpus)
-    lines = [f"{n_gpus} GPUs; one target {profile.target_tokens_per_s:,.0f} tok/s, "
-             f"one drafter {profile.drafter_tokens_per_s:,.0f} tok/s busy",
-             f"{'targets+drafters':>17} {'tokens/s':>10} {'bound by':>9} {'target idle':>12} {'drafter idle':>13}"]
+    lines = [
+        f"{n_gpus} GPUs; one target {profile.target_tokens_per_s:,.0f} tok/s, one drafter {profile.drafter_tokens_per_s:,.0f} tok/s busy",
+        f"{'targets+drafters':>17} {'tokens/s':>10} {'bound by':>9} {'target idle':>12} {'drafter idle':>13}",
+    ]
     for s in splits(profile, n_gpus):
         mark = "  <- best" if s == best else ""
-        lines.append(f"{f'{s.targets}+{s.drafters}':>17} {s.tokens_per_s:>10,.0f} {s.bound_by:>9} {s.target_idle_pct:>11.1f}% "
-                     f"{s.drafter_idle_pct:>12.1f}%{mark}")
+        lines.append(
+            f"{f'{s.targets}+{s.drafters}':>17} {s.tokens_per_s:>10,.0f} {s.bound_by:>9} {s.target_idle_pct:>11.1f}% "
+            f"{s.drafter_idle_pct:>12.1f}%{mark}"
+        )
     return "\n".join(lines)

@@ -31,9 +31,7 @@ from typing import Any
 import torch
 import zmq
 
-from dflash_ipc.control import channels
-from dflash_ipc.control import handshake
-from dflash_ipc.control import protocol
+from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.protocol import Done, RejectCounter
 from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
@@ -107,16 +105,33 @@ def run_ring(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
         for p in range(args.producers):
             procs[("producer", p)] = _spawn(
                 "dflash_ipc.procs.bench_producer",
-                common + ["--rank", str(p), "--run-id", run_id, "--slots", str(args.slots), "--slot-bytes", str(slot_bytes),
-                          "--seconds", str(seconds), "--device", args.producer_device, "--max-outstanding", str(args.max_outstanding)],
-                run_dir, f"producer-{p}",
+                common
+                + [
+                    "--rank",
+                    str(p),
+                    "--run-id",
+                    run_id,
+                    "--slots",
+                    str(args.slots),
+                    "--slot-bytes",
+                    str(slot_bytes),
+                    "--seconds",
+                    str(seconds),
+                    "--device",
+                    args.producer_device,
+                    "--max-outstanding",
+                    str(args.max_outstanding),
+                ],
+                run_dir,
+                f"producer-{p}",
             )
         for c in range(args.consumers):
             slow = args.slow_ms if args.slow_consumer == c else 0.0
             procs[("consumer", c)] = _spawn(
                 "dflash_ipc.procs.bench_consumer",
                 common + ["--rank", str(c), "--slow-ms", str(slow), "--device", args.consumer_device, "--prefetch", str(args.prefetch)],
-                run_dir, f"consumer-{c}",
+                run_dir,
+                f"consumer-{c}",
             )
         rejects = RejectCounter("bench")
 
@@ -235,8 +250,14 @@ def run_baseline(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
     out = ctx.Queue()
     finished = ctx.Event()
     tokens = bench_layout(slot_bytes).max_tokens
-    prods = [ctx.Process(target=_baseline_producer, args=(q, finished, p, tokens, seconds, args.consumers, args.producer_device)) for p in range(args.producers)]
-    cons = [ctx.Process(target=_baseline_consumer, args=(q, out, c, tokens, args.producers, args.consumer_device)) for c in range(args.consumers)]
+    prods = [
+        ctx.Process(target=_baseline_producer, args=(q, finished, p, tokens, seconds, args.consumers, args.producer_device))
+        for p in range(args.producers)
+    ]
+    cons = [
+        ctx.Process(target=_baseline_consumer, args=(q, out, c, tokens, args.producers, args.consumer_device))
+        for c in range(args.consumers)
+    ]
     for pr in prods + cons:
         pr.start()
     results = []
@@ -257,7 +278,11 @@ def run_baseline(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
                 pr.kill()
     bytes_total = sum(r["bytes"] for r in results)
     active = max(r["active_s"] for r in results)
-    return {"gbps": bytes_total / active / 1e9 if active > 0 else 0.0, "verified": all(r["verified"] for r in results), "slots": sum(r["slots"] for r in results)}
+    return {
+        "gbps": bytes_total / active / 1e9 if active > 0 else 0.0,
+        "verified": all(r["verified"] for r in results),
+        "slots": sum(r["slots"] for r in results),
+    }
 
 
 # --------------------------------------------------------------------------- entry
@@ -266,7 +291,10 @@ def run_baseline(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
 def run_transport_bench(args: BenchArgs, progress=print) -> dict:
     slot_bytes = int(args.slot_mib * (1 << 20))
     layout = bench_layout(slot_bytes)
-    progress(f"[bench] ring: backend={args.backend} producers={args.producers} consumers={args.consumers} slots={args.slots} slot={layout.slot_bytes / 2**20:.1f} MiB, {args.seconds:g} s")
+    progress(
+        f"[bench] ring: backend={args.backend} producers={args.producers} consumers={args.consumers} slots={args.slots}"
+        f" slot={layout.slot_bytes / 2**20:.1f} MiB, {args.seconds:g} s"
+    )
     ring = _ring_result(run_ring(args, slot_bytes, args.seconds), args)
     progress(f"[bench] ring: {ring['gbps']:.2f} GB/s, per consumer {ring['per_consumer_slots']}, verified={ring['verified']}")
     progress(f"[bench] baseline: torch.multiprocessing queue, {args.seconds:g} s")
@@ -274,8 +302,18 @@ def run_transport_bench(args: BenchArgs, progress=print) -> dict:
     progress(f"[bench] baseline: {base['gbps']:.2f} GB/s, verified={base['verified']}")
     # Control-plane cost alone: one producer, one consumer, one slot in flight (a ping-pong), so
     # the latency is send -> wake -> decode, not time spent queued behind other slots' copies.
-    tiny = BenchArgs(**{**args.__dict__, "slot_mib": 4 / 1024, "slow_consumer": None, "seconds": min(2.0, args.seconds),
-                        "producers": 1, "consumers": 1, "slots": 2, "max_outstanding": 1})
+    tiny = BenchArgs(
+        **{
+            **args.__dict__,
+            "slot_mib": 4 / 1024,
+            "slow_consumer": None,
+            "seconds": min(2.0, args.seconds),
+            "producers": 1,
+            "consumers": 1,
+            "slots": 2,
+            "max_outstanding": 1,
+        }
+    )
     progress("[bench] handoff: 4 KiB slots, one in flight")
     hand = _ring_result(run_ring(tiny, 4096, tiny.seconds), tiny)
     result = {
@@ -286,7 +324,8 @@ def run_transport_bench(args: BenchArgs, progress=print) -> dict:
         "slot_bytes": layout.slot_bytes,
         "seconds": args.seconds,
         "gbps": round(ring["gbps"], 3),
-        "baseline": "torch.multiprocessing.Queue of fresh tensors" + (" staged through host memory" if args.producer_device != "cpu" else ""),
+        "baseline": "torch.multiprocessing.Queue of fresh tensors"
+        + (" staged through host memory" if args.producer_device != "cpu" else ""),
         "baseline_gbps": round(base["gbps"], 3),
         "ratio": round(ring["gbps"] / base["gbps"], 3) if base["gbps"] > 0 else None,
         "handoff_us_p50": round(_percentile(hand["handoff_ns"], 50) / 1e3, 1),
@@ -308,4 +347,3 @@ def run_transport_bench(args: BenchArgs, progress=print) -> dict:
 
 def main_json(result: dict) -> str:
     return json.dumps(result, sort_keys=False)
-

@@ -23,7 +23,7 @@ supervisor serves status and notices SIGTERM there).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 

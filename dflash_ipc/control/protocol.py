@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 class Message:
     TAG: ClassVar[str] = ""
     NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset(
-        {"rank", "slot", "producer", "consumer", "n_tokens", "n_seqs", "seq", "outstanding", "received", "bucket", "batches_sent"})
+        {"rank", "slot", "producer", "consumer", "n_tokens", "n_seqs", "seq", "outstanding", "received", "bucket", "batches_sent"}
+    )
 
 
 @dataclass(frozen=True)
@@ -186,9 +187,9 @@ class EndOfData(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TAG: cls
-    for cls in (Hello, Start, Ready, Heartbeat, Done, Dead, Shutdown, SlotReady, SlotFree, Load, EndOfData)
+    cls.TAG: cls for cls in (Hello, Start, Ready, Heartbeat, Done, Dead, Shutdown, SlotReady, SlotFree, Load, EndOfData)
 }
+
 
 def encode(msg: Message) -> bytes:
     d = {"v": PROTOCOL_VERSION, "t": msg.TAG}
@@ -221,5 +222,3 @@ def decode(frame: bytes) -> Message:
         if len(bid) != 3 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in bid):
             raise ProtocolError("bad_field_type", f"slot_ready.batch_id = {bid!r}")
     return msg
-
-

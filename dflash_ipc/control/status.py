@@ -62,8 +62,9 @@ class SlotCounts(Struct):
 class ProcessStatus(Struct):
     """One target or drafter process."""
 
-    NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset({
-        "rank", "queue_depth", "step", "gpu_mem_allocated_bytes", "gpu_mem_reserved_bytes", "rss_bytes", "rejected_messages"})
+    NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset(
+        {"rank", "queue_depth", "step", "gpu_mem_allocated_bytes", "gpu_mem_reserved_bytes", "rss_bytes", "rejected_messages"}
+    )
     role: str  # "target" | "drafter"
     rank: int  # index within its role; (role, rank) is unique
     pid: int | None  # None: not started (yet)
@@ -183,20 +184,67 @@ def example_status(n_targets: int = 1, n_drafters: int = 1, *, now: float | None
     procs: list[ProcessStatus] = []
     common: dict[str, Any] = {"state": "running", "rejected_messages": 0, "rejected_by_kind": {}, "exit_code": None}
     for r in range(n_targets):
-        procs.append(ProcessStatus(
-            role="target", rank=r, pid=20000 + r, device=f"cuda:{r}", uptime_s=3725.0, heartbeat_age_s=0.4,
-            tokens_per_s=9100.0 + r, slots=SlotCounts(free=1, filling=1, ready=1, copying=1),
-            inflight_per_drafter=[1] * n_drafters, queue_depth=None, step=None, loss=None,
-            gpu_mem_allocated_bytes=30 * 2**30, gpu_mem_reserved_bytes=34 * 2**30, rss_bytes=6 * 2**30,
-            busy_pct=91.0, wait_pct=6.5, **common))
+        procs.append(
+            ProcessStatus(
+                role="target",
+                rank=r,
+                pid=20000 + r,
+                device=f"cuda:{r}",
+                uptime_s=3725.0,
+                heartbeat_age_s=0.4,
+                tokens_per_s=9100.0 + r,
+                slots=SlotCounts(free=1, filling=1, ready=1, copying=1),
+                inflight_per_drafter=[1] * n_drafters,
+                queue_depth=None,
+                step=None,
+                loss=None,
+                gpu_mem_allocated_bytes=30 * 2**30,
+                gpu_mem_reserved_bytes=34 * 2**30,
+                rss_bytes=6 * 2**30,
+                busy_pct=91.0,
+                wait_pct=6.5,
+                **common,
+            )
+        )
     for r in range(n_drafters):
-        procs.append(ProcessStatus(
-            role="drafter", rank=r, pid=21000 + r, device=f"cuda:{n_targets + r}", uptime_s=3724.0, heartbeat_age_s=0.7,
-            tokens_per_s=18200.0 / n_drafters, slots=None, inflight_per_drafter=None, queue_depth=1, step=1234, loss=2.3456,
-            gpu_mem_allocated_bytes=41 * 2**30, gpu_mem_reserved_bytes=52 * 2**30, rss_bytes=5 * 2**30,
-            busy_pct=84.0, wait_pct=12.0, **common))
-    totals = Totals(tokens_per_s=18200.0, step=1234, max_steps=10000, loss=2.3456,
-                    pipeline_rss_bytes=sum(p.rss_bytes or 0 for p in procs) + 2**29, eta_s=11520.0)
-    return StatusSnapshot(schema=SCHEMA_VERSION, run_dir="/var/lib/dflash-ipc/runs/example", state="running", updated_unix=now,
-                          supervisor_pid=19999, config="/etc/dflash-ipc/example.toml", started_unix=now - 3730.0,
-                          totals=totals, processes=procs)
+        procs.append(
+            ProcessStatus(
+                role="drafter",
+                rank=r,
+                pid=21000 + r,
+                device=f"cuda:{n_targets + r}",
+                uptime_s=3724.0,
+                heartbeat_age_s=0.7,
+                tokens_per_s=18200.0 / n_drafters,
+                slots=None,
+                inflight_per_drafter=None,
+                queue_depth=1,
+                step=1234,
+                loss=2.3456,
+                gpu_mem_allocated_bytes=41 * 2**30,
+                gpu_mem_reserved_bytes=52 * 2**30,
+                rss_bytes=5 * 2**30,
+                busy_pct=84.0,
+                wait_pct=12.0,
+                **common,
+            )
+        )
+    totals = Totals(
+        tokens_per_s=18200.0,
+        step=1234,
+        max_steps=10000,
+        loss=2.3456,
+        pipeline_rss_bytes=sum(p.rss_bytes or 0 for p in procs) + 2**29,
+        eta_s=11520.0,
+    )
+    return StatusSnapshot(
+        schema=SCHEMA_VERSION,
+        run_dir="/var/lib/dflash-ipc/runs/example",
+        state="running",
+        updated_unix=now,
+        supervisor_pid=19999,
+        config="/etc/dflash-ipc/example.toml",
+        started_unix=now - 3730.0,
+        totals=totals,
+        processes=procs,
+    )

@@ -83,7 +83,9 @@ def wire_fields(cls: type) -> tuple[_Field, ...]:
     hints = typing.get_type_hints(cls)
     extra = getattr(cls, "NON_NEGATIVE", frozenset())
     return tuple(
-        _Field(f.name, _spec_of(hints[f.name]), f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f.name in extra)
+        _Field(
+            f.name, _spec_of(hints[f.name]), f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f.name in extra
+        )
         for f in dataclasses.fields(cls)
         if f.init
     )

@@ -53,8 +53,7 @@ def stdlib_doc_entries() -> tuple[DocEntry, ...]:
         raise DataError(f"{BUILTIN_STDLIB_DOCS}: could not collect the standard library docs: {e}") from None
     if proc.returncode != 0:
         raise DataError(
-            f"{BUILTIN_STDLIB_DOCS}: doc collector failed (exit {proc.returncode}): "
-            f"{proc.stderr.decode(errors='replace')[-2000:]}"
+            f"{BUILTIN_STDLIB_DOCS}: doc collector failed (exit {proc.returncode}): {proc.stderr.decode(errors='replace')[-2000:]}"
         )
     data = json.loads(proc.stdout.decode("utf-8"))
     entries = tuple(DocEntry(*e) for e in data["entries"])

@@ -45,9 +45,9 @@ from typing import Any
 import torch
 
 from dflash_ipc.config import DataConfig
-from dflash_ipc.data.readers import is_table_source, iter_table_records
 from dflash_ipc.data.builtin_corpus import BUILTIN_STDLIB_DOCS, builtin_conversations
 from dflash_ipc.data.errors import DataError
+from dflash_ipc.data.readers import is_table_source, iter_table_records
 from dflash_ipc.data.records import BadRecord, parse_record
 from dflash_ipc.data.tokenizer import IM_END, tokenizer_identity
 
@@ -258,7 +258,7 @@ class _Builder:
     def bad(self, where: str, reason: str) -> None:
         msg = f"{where}: {reason}"
         if self.cfg.on_bad_line == "error":
-            raise DataError(f"{msg} (data.on_bad_line = \"error\"; fix the line or set on_bad_line = \"skip\")")
+            raise DataError(f'{msg} (data.on_bad_line = "error"; fix the line or set on_bad_line = "skip")')
         r = self.report
         r.num_bad_lines += 1
         if len(r.bad_lines) < MAX_REPORTED_BAD_LINES:
@@ -444,9 +444,7 @@ def load_corpus(cfg: DataConfig, tokenizer, cache_dir: Path | None) -> Corpus:
             r.loaded_from_cache = True
             r.cache_path = str(cache_path)
             if cfg.on_bad_line == "error" and r.num_bad_lines:
-                raise DataError(
-                    f"{r.bad_lines[0]} (data.on_bad_line = \"error\"; fix the line or set on_bad_line = \"skip\")"
-                )
+                raise DataError(f'{r.bad_lines[0]} (data.on_bad_line = "error"; fix the line or set on_bad_line = "skip")')
             log.info("data: %s", r.summary())
             return corpus
 

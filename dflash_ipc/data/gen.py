@@ -130,8 +130,15 @@ class _Progress:
             self.bar.stop()
 
 
-def run_gen_data(cfg: DFlashConfig, out: Path, opts: GenOptions, *, prompts_path: str | None = None, device: str | None = None,
-                 echo: Callable[[str], None] = lambda s: None) -> dict:
+def run_gen_data(
+    cfg: DFlashConfig,
+    out: Path,
+    opts: GenOptions,
+    *,
+    prompts_path: str | None = None,
+    device: str | None = None,
+    echo: Callable[[str], None] = lambda s: None,
+) -> dict:
     """Answer the prompts with the target; returns counts (written, skipped as done, held out)."""
     from dflash_ipc.data.tokenizer import (
         check_target_tokenizer,
@@ -172,8 +179,17 @@ def run_gen_data(cfg: DFlashConfig, out: Path, opts: GenOptions, *, prompts_path
         pending.append((rid, msgs, tokenizer(text, add_special_tokens=False)["input_ids"][: cfg.data.max_seq_len]))
         if opts.limit and len(pending) + skipped_done >= opts.limit:
             break
-    result = {"out": str(out), "holdout": str(hold), "to_generate": len(pending), "skipped_done": skipped_done,
-              "no_prompt": no_prompt, "duplicate_ids": duplicates, "written": 0, "held_out": 0, "new_tokens": 0}
+    result = {
+        "out": str(out),
+        "holdout": str(hold),
+        "to_generate": len(pending),
+        "skipped_done": skipped_done,
+        "no_prompt": no_prompt,
+        "duplicate_ids": duplicates,
+        "written": 0,
+        "held_out": 0,
+        "new_tokens": 0,
+    }
     echo(f"gen-data: {len(pending)} prompts to answer ({skipped_done} already done, {no_prompt} records without a user turn)")
     if not pending:
         return result
@@ -194,8 +210,9 @@ def run_gen_data(cfg: DFlashConfig, out: Path, opts: GenOptions, *, prompts_path
                 for (rid, msgs, _), (ids, finish) in zip(batch, answers):
                     new_tokens += len(ids)
                     text = tokenizer.decode(ids, skip_special_tokens=True)
-                    line = json.dumps({"id": rid, "conversations": msgs + [{"role": "assistant", "content": text}], "finish": finish},
-                                      ensure_ascii=False)
+                    line = json.dumps(
+                        {"id": rid, "conversations": msgs + [{"role": "assistant", "content": text}], "finish": finish}, ensure_ascii=False
+                    )
                     held = is_holdout(rid, opts.holdout_fraction)
                     (f_hold if held else f_out).write(line + "\n")
                     result["held_out" if held else "written"] += 1
@@ -216,8 +233,8 @@ def _generate(lm, prompts: list[list[int]], pad_id: int, stops: set[int], opts: 
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     sample = opts.temperature > 0
     kwargs = {"do_sample": sample}
     if sample:
@@ -225,8 +242,14 @@ def _generate(lm, prompts: list[list[int]], pad_id: int, stops: set[int], opts: 
         kwargs.update(temperature=opts.temperature, top_p=opts.top_p, top_k=0)
     else:
         kwargs.update(temperature=None, top_p=None, top_k=None)
-    gen = lm.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=opts.max_new, eos_token_id=sorted(stops),
-                      pad_token_id=pad_id, **kwargs)
+    gen = lm.generate(
+        input_ids=ids.to(dev),
+        attention_mask=mask.to(dev),
+        max_new_tokens=opts.max_new,
+        eos_token_id=sorted(stops),
+        pad_token_id=pad_id,
+        **kwargs,
+    )
     out = []
     for row in gen[:, width:].tolist():
         cut = next((k for k, t in enumerate(row) if t in stops), None)

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-                 "bot": "assistant", "system": "system"}
-
+ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "system": "system",
+}
 
 
 class BadRecord(Exception):
@@ -21,9 +27,9 @@ def parse_record(obj: Any) -> tuple[str, Any]:
     if key is not None:
         turns = obj[key]
         if not isinstance(turns, list):
-            raise BadRecord(f"\"{key}\" must be a list of messages, got {type(turns).__name__}")
+            raise BadRecord(f'"{key}" must be a list of messages, got {type(turns).__name__}')
         if not turns:
-            raise BadRecord(f"\"{key}\" is empty")
+            raise BadRecord(f'"{key}" is empty')
         messages = []
         for j, m in enumerate(turns):
             if not isinstance(m, dict):
@@ -35,11 +41,11 @@ def parse_record(obj: Any) -> tuple[str, Any]:
                 role, content = m.get("from"), m.get("value")
                 rk, ck = "from", "value"
             if role is None:
-                raise BadRecord(f"{key}[{j}] has no \"role\"")
+                raise BadRecord(f'{key}[{j}] has no "role"')
             if not isinstance(role, str) or not role:
                 raise BadRecord(f"{key}[{j}].{rk} must be a non-empty string, got {role!r}")
             if content is None:
-                raise BadRecord(f"{key}[{j}] has no \"content\"")
+                raise BadRecord(f'{key}[{j}] has no "content"')
             if not isinstance(content, str):
                 raise BadRecord(f"{key}[{j}].{ck} must be a string, got {type(content).__name__}")
             msg = {k: v for k, v in m.items() if k not in ("from", "value")}
@@ -50,8 +56,8 @@ def parse_record(obj: Any) -> tuple[str, Any]:
     if "text" in obj:
         text = obj["text"]
         if not isinstance(text, str):
-            raise BadRecord(f"\"text\" must be a string, got {type(text).__name__}")
+            raise BadRecord(f'"text" must be a string, got {type(text).__name__}')
         if not text.strip():
-            raise BadRecord("\"text\" is empty")
+            raise BadRecord('"text" is empty')
         return "text", text
-    raise BadRecord("missing field: expected \"conversations\", \"messages\" or \"text\"")
+    raise BadRecord('missing field: expected "conversations", "messages" or "text"')

@@ -41,9 +41,7 @@ VOCAB_SIZE = BPE_VOCAB_SIZE + len(SPECIAL_TOKENS)
 
 # Qwen2/Qwen3 pre-tokenizer split: letters with one leading non-letter, single digits, punctuation
 # runs, newlines, whitespace.
-SPLIT_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 # Qwen-style ChatML (without tool calls / thinking blocks): every turn is
 # "<|im_start|>{role}\n{content}<|im_end|>\n".
@@ -68,8 +66,7 @@ def build_builtin_tokenizer() -> PreTrainedTokenizerFast:
     path = asset_path()
     if not path.is_file():
         raise TokenizerError(
-            f"built-in tokenizer asset {path} is missing; reinstall dflash-ipc or run "
-            "`python -m dflash_ipc.data.tokenizer_asset`"
+            f"built-in tokenizer asset {path} is missing; reinstall dflash-ipc or run `python -m dflash_ipc.data.tokenizer_asset`"
         )
     tok = PreTrainedTokenizerFast(
         tokenizer_file=str(path),
@@ -101,7 +98,7 @@ def load_tokenizer(spec: str, cache_dir: Path | None = None) -> PreTrainedTokeni
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise TokenizerError(
-            f"target.tokenizer: {spec!r} is neither \"builtin\" nor a local directory; "
+            f'target.tokenizer: {spec!r} is neither "builtin" nor a local directory; '
             "point it at a directory holding tokenizer.json/tokenizer_config.json (no downloads are made)"
         )
     try:

@@ -47,9 +47,7 @@ def document_index(seq_lens: torch.Tensor, n: int | None = None) -> DocumentInde
     return DocumentIndex(doc_of_token, doc_start, doc_end, position_ids)
 
 
-def valid_anchor_mask(
-    loss_mask: torch.Tensor, seq_lens: torch.Tensor, doc: DocumentIndex | None = None
-) -> torch.Tensor:
+def valid_anchor_mask(loss_mask: torch.Tensor, seq_lens: torch.Tensor, doc: DocumentIndex | None = None) -> torch.Tensor:
     """``[n]`` bool: ``loss_mask[i] & loss_mask[i+1]`` with ``i+1`` in the same document."""
     lm = loss_mask.bool()
     n = lm.numel()

@@ -37,9 +37,10 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,7 +98,7 @@ class BatchLedger:
     def add_one(self, bid: Sequence[int]) -> None:
         self._ids.add(self._norm(bid))
 
-    def merge(self, other: "BatchLedger | Iterable[Sequence[int]]") -> "BatchLedger":
+    def merge(self, other: BatchLedger | Iterable[Sequence[int]]) -> BatchLedger:
         if isinstance(other, BatchLedger):
             self._ids |= other._ids
         else:
@@ -122,7 +123,7 @@ class BatchLedger:
     def __repr__(self) -> str:
         return f"BatchLedger({len(self._ids)} ids)"
 
-    def copy(self) -> "BatchLedger":
+    def copy(self) -> BatchLedger:
         out = BatchLedger()
         out._ids = set(self._ids)
         return out
@@ -132,7 +133,7 @@ class BatchLedger:
         return {"format": LEDGER_FORMAT, "ids": [list(t) for t in sorted(self._ids)]}
 
     @classmethod
-    def from_wire(cls, wire: dict[str, Any] | list) -> "BatchLedger":
+    def from_wire(cls, wire: dict[str, Any] | list) -> BatchLedger:
         if isinstance(wire, dict):
             fmt = wire.get("format")
             if fmt != LEDGER_FORMAT:
@@ -151,9 +152,7 @@ def gather_ledger(local_new_ids: Iterable[Sequence[int]], world: Any = None) -> 
     ``world`` is a :class:`dflash_ipc.drafter.trainer.DistInfo` (or None for a single process).
     """
     local = sorted({BatchLedger._norm(b) for b in local_new_ids})
-    distributed = (
-        world is not None and getattr(world, "world_size", 1) > 1 and dist.is_available() and dist.is_initialized()
-    )
+    distributed = world is not None and getattr(world, "world_size", 1) > 1 and dist.is_available() and dist.is_initialized()
     if not distributed:
         return local
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -187,8 +186,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if cuda is not None and torch.cuda.is_available():
         n = torch.cuda.device_count()
         if len(cuda) != n:
-            log.warning("checkpoint has CUDA RNG state for %d devices, this process sees %d; restoring the overlap",
-                        len(cuda), n)
+            log.warning("checkpoint has CUDA RNG state for %d devices, this process sees %d; restoring the overlap", len(cuda), n)
         for i, s in enumerate(cuda[:n]):
             torch.cuda.set_rng_state(s, i)
 
@@ -562,10 +560,7 @@ def load_latest_checkpoint(
         if pointer is not None and path.name != pointer:
             notes.append(f"{LATEST_FILE} says {pointer!r}; using newer complete checkpoint {path.name}")
         if expected_config_hash is not None and ckpt.config_hash != expected_config_hash:
-            notes.append(
-                f"{path.name} was written with config hash {ckpt.config_hash!r}, the current config is "
-                f"{expected_config_hash!r}"
-            )
+            notes.append(f"{path.name} was written with config hash {ckpt.config_hash!r}, the current config is {expected_config_hash!r}")
         ckpt.notes = notes
         for n in notes:
             log.info("checkpoint: %s", n)

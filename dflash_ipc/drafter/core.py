@@ -26,6 +26,10 @@ from pathlib import Path
 
 import torch
 
+from dflash_ipc.config import DFlashConfig
+from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
+from dflash_ipc.data.tokenizer import choose_mask_token, load_tokenizer
+from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.drafter.checkpoint import (
     BatchLedger,
     config_hash,
@@ -35,25 +39,26 @@ from dflash_ipc.drafter.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash_ipc.config import DFlashConfig
-from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
-from dflash_ipc.fsutil import write_text_atomic
-from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
-from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.drafter.export import export_drafter
+from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, num_parameters
-from dflash_ipc.transport.slots import SlotViews
+from dflash_ipc.drafter.trainer import DistInfo, DrafterTrainer
+from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.runtime.nodes import read_node_spec
 from dflash_ipc.target.heads import target_head_weights
 from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, text_config
-from dflash_ipc.data.tokenizer import choose_mask_token, load_tokenizer
-from dflash_ipc.drafter.trainer import DistInfo, DrafterTrainer
-from dflash_ipc.runtime.nodes import read_node_spec
+from dflash_ipc.transport.slots import SlotViews
 
 log = logging.getLogger(__name__)
 
 #: (metrics.jsonl key, TensorBoard tag) of the scalars written per step when run.tensorboard is on
-TENSORBOARD_SCALARS = (("loss", "train/loss"), ("acc", "train/acc"), ("tau", "train/tau"),
-                       ("tokens_per_s", "train/tokens_per_s"), ("lr", "train/lr"))
+TENSORBOARD_SCALARS = (
+    ("loss", "train/loss"),
+    ("acc", "train/acc"),
+    ("tau", "train/tau"),
+    ("tokens_per_s", "train/tokens_per_s"),
+    ("lr", "train/lr"),
+)
 
 
 def build_drafter(cfg: DFlashConfig, device: torch.device | str, *, log_mask_token: bool = True) -> DFlashDrafter:

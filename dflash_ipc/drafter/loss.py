@@ -48,9 +48,7 @@ __all__ = [
 # --------------------------------------------------------------------------- context
 
 
-def concat_context(
-    planes: torch.Tensor, noise_std: float = 0.0, generator: torch.Generator | None = None
-) -> torch.Tensor:
+def concat_context(planes: torch.Tensor, noise_std: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """``[k, n, H]`` -> ``[n, k*H]``, layer-major (plane 0's H features, then plane 1's, ...).
 
     Adds ``N(0, noise_std^2)`` noise when ``noise_std > 0`` (``generator`` must live on the
@@ -160,9 +158,7 @@ def chunked_lm_loss(
     weight = lm_head_weight.to(hidden.dtype)
     row_w = row_weights.to(torch.float32)
     th = target_hidden.to(hidden.dtype) if (target_hidden is not None and kl_weight > 0) else None
-    total, ce_sum, kl_sum, pred = _ChunkedLMLoss.apply(
-        hidden, weight, labels.to(torch.int64), row_w, th, float(kl_weight), int(chunk_rows)
-    )
+    total, ce_sum, kl_sum, pred = _ChunkedLMLoss.apply(hidden, weight, labels.to(torch.int64), row_w, th, float(kl_weight), int(chunk_rows))
     return ChunkedLossResult(total, ce_sum, kl_sum, pred)
 
 
@@ -232,14 +228,11 @@ def compute_loss(
     planes = views.planes
     k = mcfg.num_context_planes
     if planes.dim() != 3 or planes.shape[0] not in (k, k + 1):
-        raise ValueError(
-            f"planes must be [k or k+1, n, H] with k={k} context planes, got {tuple(planes.shape)}"
-        )
+        raise ValueError(f"planes must be [k or k+1, n, H] with k={k} context planes, got {tuple(planes.shape)}")
     use_kl = training_cfg.kl_weight > 0
     if use_kl and planes.shape[0] != k + 1:
         raise ValueError(
-            "training.kl_weight > 0 needs the target's last hidden state as an extra plane "
-            "(target.capture_last_hidden = true)"
+            "training.kl_weight > 0 needs the target's last hidden state as an extra plane (target.capture_last_hidden = true)"
         )
     n = planes.shape[1]
     dev = planes.device
@@ -273,13 +266,21 @@ def compute_loss(
         part = BlockLabels(*(t[s:e] for t in lab))
         layout = build_block_layout(seq_lens, anchors[s:e], anchor_doc[s:e], bs, block_valid=part.valid.any(dim=1), doc=doc)
         masks = build_attention_masks(layout, mcfg.layer_types, mcfg.sliding_window, backend)
-        hidden = model(context, layout.context_position_ids, model.block_input_ids(token_ids[anchors[s:e]]),
-                       layout.block_position_ids, masks)
+        hidden = model(
+            context, layout.context_position_ids, model.block_input_ids(token_ids[anchors[s:e]]), layout.block_position_ids, masks
+        )
         rows = part.valid.reshape(-1).nonzero().squeeze(1)
         labels = part.labels.reshape(-1)[rows]
         target_hidden = planes[k][part.label_pos.reshape(-1)[rows] - 1] if use_kl else None
-        res = chunked_lm_loss(hidden[rows], model.lm_head_weight, labels, part.weights.reshape(-1)[rows],
-                              training_cfg.ce_chunk_tokens, target_hidden=target_hidden, kl_weight=training_cfg.kl_weight)
+        res = chunked_lm_loss(
+            hidden[rows],
+            model.lm_head_weight,
+            labels,
+            part.weights.reshape(-1)[rows],
+            training_cfg.ce_chunk_tokens,
+            target_hidden=target_hidden,
+            kl_weight=training_cfg.kl_weight,
+        )
         slot = rows % bs
         correct.index_add_(0, slot, (res.pred == labels).to(torch.float32))
         count.index_add_(0, slot, torch.ones(rows.numel(), dtype=torch.float32, device=dev))

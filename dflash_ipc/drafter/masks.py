@@ -38,9 +38,7 @@ FLEX_TILE = 128  # flex_attention's default sparse block size
 # --------------------------------------------------------------------------- masks
 
 
-def mask_values(
-    idx: MaskIndex, q: torch.Tensor, kv: torch.Tensor, *, causal: bool, window: int | None
-) -> torch.Tensor:
+def mask_values(idx: MaskIndex, q: torch.Tensor, kv: torch.Tensor, *, causal: bool, window: int | None) -> torch.Tensor:
     """The DFlash visibility rule, element-wise on broadcastable query/key indices."""
     kv_block = idx.kv_block[kv]
     kv_pos = idx.kv_pos[kv]

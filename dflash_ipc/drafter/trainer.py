@@ -65,7 +65,7 @@ class DistInfo:
     backend: str = "gloo"
 
     @classmethod
-    def single(cls, device: str | torch.device = "cpu") -> "DistInfo":
+    def single(cls, device: str | torch.device = "cpu") -> DistInfo:
         """A world of one, no process group."""
         device = torch.device(device)
         return cls(0, 1, 0, device, "nccl" if device.type == "cuda" else "gloo")
@@ -140,8 +140,10 @@ def init_distributed(
         return info
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
-            raise RuntimeError(f"a process group already exists with rank {dist.get_rank()}/{dist.get_world_size()}, "
-                               f"but the environment says {rank}/{world_size}")
+            raise RuntimeError(
+                f"a process group already exists with rank {dist.get_rank()}/{dist.get_world_size()}, "
+                f"but the environment says {rank}/{world_size}"
+            )
         return info
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(var):
@@ -176,8 +178,9 @@ def tcp_store(host: str, port: int, is_server: bool, timeout: timedelta, *, worl
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         bind_host = "127.0.0.1" if host == "localhost" else host
         listen_fd = socket.create_server((bind_host, port), family=family, backlog=max(128, world_size or 1)).detach()
-    return dist.TCPStore(host, port, world_size, is_server, timeout=timeout, master_listen_fd=listen_fd,
-                         wait_for_workers=world_size is not None)
+    return dist.TCPStore(
+        host, port, world_size, is_server, timeout=timeout, master_listen_fd=listen_fd, wait_for_workers=world_size is not None
+    )
 
 
 def destroy_distributed() -> None:
@@ -324,9 +327,7 @@ class DrafterTrainer:
             opt_kwargs["fused"] = True
         self.optimizer = torch.optim.AdamW(groups, **opt_kwargs)
 
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
-        ]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
         self._relink_warned = False
         if self.world.is_distributed:
             self._check_layout()
@@ -352,8 +353,7 @@ class DrafterTrainer:
         self.total_steps = self._resolve_total_steps(total_steps)
 
     def _check_layout(self) -> None:
-        t = torch.tensor([self.numel, -self.numel, len(self.params), -len(self.params)], dtype=torch.int64,
-                         device=self.world.comm_device)
+        t = torch.tensor([self.numel, -self.numel, len(self.params), -len(self.params)], dtype=torch.int64, device=self.world.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if int(t[0]) != -int(t[1]) or int(t[2]) != -int(t[3]):
             raise RuntimeError(
@@ -428,8 +428,11 @@ class DrafterTrainer:
         for i, (p, cv) in enumerate(zip(self.params, self._compute_views)):
             if p.data_ptr() != cv.data_ptr() or p.dtype != cv.dtype or p.shape != cv.shape:
                 if not self._relink_warned:
-                    log.warning("trainable parameter %s was replaced outside the trainer; re-linking it to the "
-                                "master weights (its new values are discarded)", self.names[i])
+                    log.warning(
+                        "trainable parameter %s was replaced outside the trainer; re-linking it to the "
+                        "master weights (its new values are discarded)",
+                        self.names[i],
+                    )
                     self._relink_warned = True
                 p.data = cv
                 if self.single_copy:

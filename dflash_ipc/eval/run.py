@@ -84,10 +84,14 @@ def run_eval(
     target = TargetLM(lm, dcfg.target_layer_ids)
     stops = stop_token_ids(tokenizer, getattr(lm, "generation_config", None))
     if dcfg.mask_token_id in stops:
-        echo(f"warning: the drafter's mask token {dcfg.mask_token_id} is a stop token; a serving engine that scans "
-             "drafts for stop tokens stops early with it (retrain: the default mask token is never a stop token)")
-    echo(f"eval: {len(prompts)} prompts, block {bs}, max_new {max_new}, {dtype}, target {tdev} (cache rollback: "
-         f"{target.rollback}), drafter {ddev}, mask token {dcfg.mask_token_id}, stop ids {sorted(stops)}")
+        echo(
+            f"warning: the drafter's mask token {dcfg.mask_token_id} is a stop token; a serving engine that scans "
+            "drafts for stop tokens stops early with it (retrain: the default mask token is never a stop token)"
+        )
+    echo(
+        f"eval: {len(prompts)} prompts, block {bs}, max_new {max_new}, {dtype}, target {tdev} (cache rollback: "
+        f"{target.rollback}), drafter {ddev}, mask token {dcfg.mask_token_id}, stop ids {sorted(stops)}"
+    )
     try:
         # one untimed warm-up of each path (kernel selection, allocator)
         greedy_generate(target, prompts[0], min(4, max_new), stops)
@@ -96,11 +100,22 @@ def run_eval(
         for i, p in enumerate(prompts):
             plain.append(greedy_generate(target, p, max_new, stops))
             spec.append(speculative_generate(target, DrafterProposer(drafter), p, max_new, stops, bs, ddev))
-            echo(f"  prompt {i + 1}/{len(prompts)}: {len(spec[-1].tokens)} tokens, tau {spec[-1].tau:.2f}, "
-                 f"{'same as greedy' if spec[-1].tokens == plain[-1].tokens else 'DIFFERS from greedy'}")
+            echo(
+                f"  prompt {i + 1}/{len(prompts)}: {len(spec[-1].tokens)} tokens, tau {spec[-1].tau:.2f}, "
+                f"{'same as greedy' if spec[-1].tokens == plain[-1].tokens else 'DIFFERS from greedy'}"
+            )
     finally:
         target.close()
     report = summarize(spec, plain, bs)
-    report.update({"dtype": dtype, "target_device": str(tdev), "drafter_device": str(ddev), "drafter": str(drafter_dir),
-                   "cache_rollback": target.rollback, "max_new": max_new, "mask_token_id": dcfg.mask_token_id})
+    report.update(
+        {
+            "dtype": dtype,
+            "target_device": str(tdev),
+            "drafter_device": str(ddev),
+            "drafter": str(drafter_dir),
+            "cache_rollback": target.rollback,
+            "max_new": max_new,
+            "mask_token_id": dcfg.mask_token_id,
+        }
+    )
     return report

@@ -50,9 +50,7 @@ class DrafterProposer:
         d = self.drafter
         n, bs = context.shape[0], num_drafts + 1
         dev = self.device
-        layout = build_block_layout(
-            torch.tensor([n], device=dev), torch.tensor([n], device=dev), torch.tensor([0], device=dev), bs, n=n
-        )
+        layout = build_block_layout(torch.tensor([n], device=dev), torch.tensor([n], device=dev), torch.tensor([0], device=dev), bs, n=n)
         masks = build_attention_masks(layout, d.config.layer_types, d.config.sliding_window, "sdpa")
         ids = torch.full((1, bs), d.config.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0] = anchor

@@ -33,7 +33,9 @@ class StepResult:
     kept_positions: int
 
 
-def verify_block(drafts: Sequence[int], target_argmax: Sequence[int], stop_ids: Collection[int] = (), remaining: int | None = None) -> StepResult:
+def verify_block(
+    drafts: Sequence[int], target_argmax: Sequence[int], stop_ids: Collection[int] = (), remaining: int | None = None
+) -> StepResult:
     """Accept the longest prefix of ``drafts`` that matches the target, then the bonus token.
 
     ``drafts``: ``B-1`` draft tokens (may be empty: block size 1). ``target_argmax``: the

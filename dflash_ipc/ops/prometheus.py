@@ -46,15 +46,21 @@ def _slot(key: str) -> Callable[[ProcessStatus], int | None]:
 
 # name, help, getter. One sample per process (when the value is not None).
 PROCESS_METRICS: list[tuple[str, str, Callable[[ProcessStatus], Any]]] = [
-    ("process_up", "1 while the process runs (has a pid and no exit code), else 0.",
-     lambda p: int(p.pid is not None and p.exit_code is None)),
+    (
+        "process_up",
+        "1 while the process runs (has a pid and no exit code), else 0.",
+        lambda p: int(p.pid is not None and p.exit_code is None),
+    ),
     ("process_pid", "OS process id.", lambda p: p.pid),
     ("process_uptime_seconds", "Seconds since the process started.", lambda p: p.uptime_s),
     ("process_heartbeat_age_seconds", "Seconds since the process's last heartbeat.", lambda p: p.heartbeat_age_s),
     ("process_tokens_per_second", "Tokens per second through this process.", lambda p: p.tokens_per_s),
     *[(f"process_slots_{k}", f"Ring slots in state {k} (targets).", _slot(k)) for k in SLOT_STATES],
-    ("process_inflight_slots", "Slots outstanding at all drafters (targets).",
-     lambda p: None if p.inflight_per_drafter is None else sum(p.inflight_per_drafter)),
+    (
+        "process_inflight_slots",
+        "Slots outstanding at all drafters (targets).",
+        lambda p: None if p.inflight_per_drafter is None else sum(p.inflight_per_drafter),
+    ),
     ("process_queue_depth", "Batches waiting to be trained on (drafters).", lambda p: p.queue_depth),
     ("process_step", "Optimizer steps done (drafters).", lambda p: p.step),
     ("process_loss", "Latest training loss (drafters).", lambda p: p.loss),
@@ -75,8 +81,7 @@ RUN_METRICS: list[tuple[str, str, Callable[[StatusSnapshot], Any]]] = [
     ("step", "Optimizer steps done.", lambda s: s.totals.step),
     ("max_steps", "Steps the run will stop at (absent: until the data is exhausted).", lambda s: s.totals.max_steps),
     ("loss", "Latest training loss.", lambda s: s.totals.loss),
-    ("pipeline_resident_memory_bytes", "Resident set size of the supervisor and all its processes.",
-     lambda s: s.totals.pipeline_rss_bytes),
+    ("pipeline_resident_memory_bytes", "Resident set size of the supervisor and all its processes.", lambda s: s.totals.pipeline_rss_bytes),
     ("eta_seconds", "Estimated seconds until the run finishes.", lambda s: s.totals.eta_s),
 ]
 
@@ -117,18 +122,31 @@ class StatusCollector(Collector):
             return [("role", p.role), ("rank", p.rank), ("device", p.device)]
 
         families = [
-            self._family("state", "1 for the run's current state, 0 for the others.",
-                         [([("state", s)], int(s == status.state)) for s in RUN_STATES]),
-            self._family("info", "Constant 1; labels name the config and run directory.",
-                         [([("config", status.config), ("run_dir", status.run_dir)], 1)]),
+            self._family(
+                "state", "1 for the run's current state, 0 for the others.", [([("state", s)], int(s == status.state)) for s in RUN_STATES]
+            ),
+            self._family(
+                "info",
+                "Constant 1; labels name the config and run directory.",
+                [([("config", status.config), ("run_dir", status.run_dir)], 1)],
+            ),
             *(self._family(name, help_text, [([], get(status))]) for name, help_text, get in RUN_METRICS),
-            self._family("process_state", "Constant 1; the state label is the process's current state.",
-                         [(plabels(p) + [("state", p.state)], 1) for p in procs]),
+            self._family(
+                "process_state",
+                "Constant 1; the state label is the process's current state.",
+                [(plabels(p) + [("state", p.state)], 1) for p in procs],
+            ),
             *(self._family(name, help_text, [(plabels(p), get(p)) for p in procs]) for name, help_text, get in PROCESS_METRICS),
-            self._family("process_rejected_by_kind", "Control messages refused, by kind of fault.",
-                         [(plabels(p) + [("kind", k)], n) for p in procs for k, n in sorted(p.rejected_by_kind.items())]),
-            self._family("process_inflight_to_drafter", "Slots a target has outstanding at one drafter.",
-                         [(plabels(p) + [("drafter", j)], n) for p in procs for j, n in enumerate(p.inflight_per_drafter or [])]),
+            self._family(
+                "process_rejected_by_kind",
+                "Control messages refused, by kind of fault.",
+                [(plabels(p) + [("kind", k)], n) for p in procs for k, n in sorted(p.rejected_by_kind.items())],
+            ),
+            self._family(
+                "process_inflight_to_drafter",
+                "Slots a target has outstanding at one drafter.",
+                [(plabels(p) + [("drafter", j)], n) for p in procs for j, n in enumerate(p.inflight_per_drafter or [])],
+            ),
         ]
         yield from (f for f in families if f is not None)
 

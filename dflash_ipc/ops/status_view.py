@@ -104,7 +104,7 @@ def _fit(text: str, width: int) -> str:
     if width < 16:
         return text[: width - 1] + "~" if width > 1 else text[:width]
     keep = width - 3
-    return text[: keep // 2] + "..." + text[len(text) - (keep - keep // 2):]
+    return text[: keep // 2] + "..." + text[len(text) - (keep - keep // 2) :]
 
 
 def _work(p: ProcessStatus) -> str:

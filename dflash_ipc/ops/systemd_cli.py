@@ -26,25 +26,50 @@ def _path_opt(name: str, help_text: str):
 
 
 @systemd_group.command("render")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Directory to write dflash-ipc@.service and dflash-ipc.env.example into.")
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory to write dflash-ipc@.service and dflash-ipc.env.example into.",
+)
 @click.option("--user", "user_mode", is_flag=True, help="Render a user unit (systemctl --user) instead of a system unit.")
 @_path_opt("--config-dir", "Directory of NAME.toml configs [/etc/dflash-ipc; --user: ~/.config/dflash-ipc].")
 @_path_opt("--runs-dir", "Parent of the run directories [/var/lib/dflash-ipc/runs; --user: ~/.local/share/dflash-ipc/runs].")
 @_path_opt("--env-dir", "Directory of the optional NAME.env files [the config dir].")
 @_path_opt("--working-dir", "Working directory of the service [parent of the runs dir].")
-@click.option("--exec", "exec_cmd", default=None,
-              help="Command that runs dflash-ipc [the dflash-ipc script next to this Python].")
+@click.option("--exec", "exec_cmd", default=None, help="Command that runs dflash-ipc [the dflash-ipc script next to this Python].")
 @click.option("--service-user", default=None, help="System units only: run as this user (User=).")
-@click.option("--timeout-start", type=click.IntRange(min=1), default=DEFAULT_TIMEOUT_START_S, show_default=True,
-              help="Seconds allowed from start to READY (model loading, handshakes).")
-@click.option("--timeout-stop", type=click.IntRange(min=1), default=DEFAULT_TIMEOUT_STOP_S, show_default=True,
-              help="Seconds allowed for the shutdown checkpoint before SIGKILL.")
-@click.option("--watchdog", type=click.IntRange(min=0), default=DEFAULT_WATCHDOG_S, show_default=True,
-              help="WatchdogSec in seconds; 0 disables it.")
-def render_cmd(out: Path, user_mode: bool, config_dir: Path | None, runs_dir: Path | None, env_dir: Path | None,
-               working_dir: Path | None, exec_cmd: str | None, service_user: str | None, timeout_start: int,
-               timeout_stop: int, watchdog: int) -> None:
+@click.option(
+    "--timeout-start",
+    type=click.IntRange(min=1),
+    default=DEFAULT_TIMEOUT_START_S,
+    show_default=True,
+    help="Seconds allowed from start to READY (model loading, handshakes).",
+)
+@click.option(
+    "--timeout-stop",
+    type=click.IntRange(min=1),
+    default=DEFAULT_TIMEOUT_STOP_S,
+    show_default=True,
+    help="Seconds allowed for the shutdown checkpoint before SIGKILL.",
+)
+@click.option(
+    "--watchdog", type=click.IntRange(min=0), default=DEFAULT_WATCHDOG_S, show_default=True, help="WatchdogSec in seconds; 0 disables it."
+)
+def render_cmd(
+    out: Path,
+    user_mode: bool,
+    config_dir: Path | None,
+    runs_dir: Path | None,
+    env_dir: Path | None,
+    working_dir: Path | None,
+    exec_cmd: str | None,
+    service_user: str | None,
+    timeout_start: int,
+    timeout_stop: int,
+    watchdog: int,
+) -> None:
     """Render the dflash-ipc@.service template unit for this install."""
     try:
         render_command_impl(

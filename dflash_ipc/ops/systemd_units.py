@@ -121,7 +121,6 @@ ENV_EXAMPLE = """\
 """
 
 
-
 def default_paths(user_mode: bool) -> dict[str, Path]:
     """Default install locations: ``config_dir``, ``runs_dir``, ``env_dir``,
     ``working_dir`` and ``unit_dir`` (where the unit file is installed)."""
@@ -210,8 +209,13 @@ def render_unit_text(
     runs = _abs(runs_dir) if runs_dir is not None else defaults["runs_dir"]
     envd = _abs(env_dir) if env_dir is not None else (cfg if config_dir is not None else defaults["env_dir"])
     work = _abs(working_dir) if working_dir is not None else runs.parent
-    for what, val in (("exec_path", " ".join(cmd)), ("config_dir", str(cfg)), ("runs_dir", str(runs)),
-                      ("env_dir", str(envd)), ("working_dir", str(work))):
+    for what, val in (
+        ("exec_path", " ".join(cmd)),
+        ("config_dir", str(cfg)),
+        ("runs_dir", str(runs)),
+        ("env_dir", str(envd)),
+        ("working_dir", str(work)),
+    ):
         _check_chars(val, what)
     if int(timeout_start_s) < 1:
         raise ValueError(f"timeout_start_s must be >= 1 (got {timeout_start_s})")
@@ -240,7 +244,9 @@ def render_unit_text(
         "WATCHDOG": f"{int(watchdog_s)}s" if int(watchdog_s) else "0",
         "WANTED_BY": "default.target" if user_mode else "multi-user.target",
         # A user manager has no network-online.target / remote-fs.target.
-        "UNIT_DEPS": "" if user_mode else (
+        "UNIT_DEPS": ""
+        if user_mode
+        else (
             "# Datasets or checkpoints may live on network filesystems.\n"
             "Wants=network-online.target\n"
             "After=network-online.target remote-fs.target"
@@ -350,7 +356,7 @@ def install_instructions(unit_path: Path, *, user_mode: bool, instance: str = "m
         f"{sc} enable --now dflash-ipc@{instance}",
     ]
     if user_mode:
-        lines.append("loginctl enable-linger \"$USER\"   # keep it running without a login session")
+        lines.append('loginctl enable-linger "$USER"   # keep it running without a login session')
     lines.append(f"journalctl {'--user ' if user_mode else ''}-u dflash-ipc@{instance} -f")
     return "\n".join(lines)
 
@@ -426,10 +432,7 @@ def verify_unit(
         cmd += ["verify", "--man=no", str(d / inst_name)]
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=timeout_s)
         output = proc.stdout + proc.stderr
-        ours = [
-            line for line in output.splitlines()
-            if str(d) in line or "dflash-ipc@" in line or "dflash\\x2dipc" in line
-        ]
+        ours = [line for line in output.splitlines() if str(d) in line or "dflash-ipc@" in line or "dflash\\x2dipc" in line]
         problems = "\n".join(ours)
         if proc.returncode != 0 and not problems:
             problems = output.strip()

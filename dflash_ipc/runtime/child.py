@@ -327,8 +327,19 @@ def run_child(
         device = place_process(placement.device, args.cpus, placement.processes_on_host)
         log.info("TorchInductor compile workers capped at %d", placement.compile_threads)
         socks = ChildSockets(run_dir, role, args.rank, pull_endpoint(run_dir, args.rank), key)
-        child = ChildContext(role=role, rank=args.rank, run_dir=run_dir, args=args, config=placement.config, log=log, stop=stop,
-                             parent_pid=parent_pid, device=device, socks=socks, rejects=RejectCounter(f"{role}-{args.rank}", log))
+        child = ChildContext(
+            role=role,
+            rank=args.rank,
+            run_dir=run_dir,
+            args=args,
+            config=placement.config,
+            log=log,
+            stop=stop,
+            parent_pid=parent_pid,
+            device=device,
+            socks=socks,
+            rejects=RejectCounter(f"{role}-{args.rank}", log),
+        )
         with child.closing:
             try:
                 code = main_fn(child)

@@ -70,15 +70,19 @@ class NodeSpec(Struct):
         if not 1 <= self.nnodes <= MAX_NODES:
             raise NodeOptionError(f"--nnodes (NNODES) must be in [1, {MAX_NODES}] (got {self.nnodes})")
         if not 0 <= self.node_rank < self.nnodes:
-            raise NodeOptionError(f"--node-rank (NODE_RANK) must be in [0, {self.nnodes}) for --nnodes {self.nnodes} "
-                                  f"(got {self.node_rank})")
+            raise NodeOptionError(
+                f"--node-rank (NODE_RANK) must be in [0, {self.nnodes}) for --nnodes {self.nnodes} (got {self.node_rank})"
+            )
         if self.nnodes > 1:
             if not self.master_addr:
-                raise NodeOptionError("--master-addr (MASTER_ADDR) is required with --nnodes > 1: "
-                                      "the host of node 0, reachable from every node")
+                raise NodeOptionError(
+                    "--master-addr (MASTER_ADDR) is required with --nnodes > 1: the host of node 0, reachable from every node"
+                )
             if not 1 <= self.master_port <= 65534:
-                raise NodeOptionError(f"--master-port (MASTER_PORT) must be in [1, 65534] with --nnodes > 1 (got {self.master_port}); "
-                                      "the supervisors use MASTER_PORT+1 too")
+                raise NodeOptionError(
+                    f"--master-port (MASTER_PORT) must be in [1, 65534] with --nnodes > 1 (got {self.master_port}); "
+                    "the supervisors use MASTER_PORT+1 too"
+                )
 
     @property
     def multi(self) -> bool:
@@ -110,8 +114,14 @@ def _int_option(option: str, env_var: str, value: int | None, env: Mapping[str, 
         raise NodeOptionError(f"{option}: environment variable {env_var}={raw!r} is not an integer") from None
 
 
-def resolve_node_spec(nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None,
-                      shared_dir: str | None, env: Mapping[str, str]) -> NodeSpec:
+def resolve_node_spec(
+    nnodes: int | None,
+    node_rank: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+    shared_dir: str | None,
+    env: Mapping[str, str],
+) -> NodeSpec:
     """The node options, each from its command-line option or else its torchrun-style variable.
 
     A single node (NNODES unset or 1) ignores MASTER_ADDR/MASTER_PORT from the environment: the
@@ -137,8 +147,16 @@ def drafter_envs(spec: NodeSpec, per_node: int) -> list[dict[str, str]]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             addr, port = "127.0.0.1", s.getsockname()[1]
-    return [dict(MASTER_ADDR=addr, MASTER_PORT=str(port), WORLD_SIZE=str(spec.nnodes * per_node),
-                 RANK=str(spec.global_rank(local, per_node)), LOCAL_RANK=str(local)) for local in range(per_node)]
+    return [
+        dict(
+            MASTER_ADDR=addr,
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(spec.nnodes * per_node),
+            RANK=str(spec.global_rank(local, per_node)),
+            LOCAL_RANK=str(local),
+        )
+        for local in range(per_node)
+    ]
 
 
 def write_node_spec(run_dir: Path, spec: NodeSpec) -> None:
@@ -164,12 +182,17 @@ class SingleNode:
     """The node group of a single-node run: nothing to meet, watch or tell."""
 
     def start_watch(self) -> None: ...
-    def failure(self) -> str | None: return None
+    def failure(self) -> str | None:
+        return None
+
     def publish_step(self, step: int) -> None: ...
-    def report_failure(self, text: str) -> str: return text
+    def report_failure(self, text: str) -> str:
+        return text
+
     def finish(self) -> None: ...
     def close(self) -> None: ...
-    def status(self) -> NodeStatus | None: return None
+    def status(self) -> NodeStatus | None:
+        return None
 
 
 def join_node_group(spec: NodeSpec, cfg, plan: dict, echo=print) -> NodeGroup | SingleNode:
@@ -226,22 +249,28 @@ class NodeGroup:
                 self._store = self._connect(timeout_s)
         except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError/DistStoreError
             role = "serve" if me == 0 else "reach node 0's"
-            raise RuntimeError(f"node {me}: cannot {role} supervisor store on {self.where} within {timeout_s:g} s ({e}); "
-                               "check --master-addr/--master-port (MASTER_PORT+1 is used too) and that node 0 is up") from None
+            raise RuntimeError(
+                f"node {me}: cannot {role} supervisor store on {self.where} within {timeout_s:g} s ({e}); "
+                "check --master-addr/--master-port (MASTER_PORT+1 is used too) and that node 0 is up"
+            ) from None
         self._store.set(f"cfg/{me}", digest)
         deadline = time.monotonic() + timeout_s
         keys = [f"cfg/{r}" for r in range(n)]
         while not self._store.check(keys):
             if time.monotonic() > deadline:
                 missing = [r for r in range(n) if not self._store.check([f"cfg/{r}"])]
-                raise RuntimeError(f"node {me}: node(s) {', '.join(map(str, missing))} did not join within {timeout_s:g} s "
-                                   "(run.handshake_timeout_s); start `dflash-ipc up` on every node")
+                raise RuntimeError(
+                    f"node {me}: node(s) {', '.join(map(str, missing))} did not join within {timeout_s:g} s "
+                    "(run.handshake_timeout_s); start `dflash-ipc up` on every node"
+                )
             time.sleep(0.1)
         for r in range(n):
             theirs = self._store.get(f"cfg/{r}").decode()
             if theirs != digest:
-                raise RuntimeError(f"node {r} runs another config or data plan (digest {theirs}, node {me}: {digest}); "
-                                   "every node must run the same config on the same data")
+                raise RuntimeError(
+                    f"node {r} runs another config or data plan (digest {theirs}, node {me}: {digest}); "
+                    "every node must run the same config on the same data"
+                )
 
     def start_watch(self) -> None:
         self._stop.clear()
@@ -296,8 +325,10 @@ class NodeGroup:
                     if beats != seen[r][0]:
                         seen[r] = (beats, now)
                     elif now - seen[r][1] > self.heartbeat_timeout_s:
-                        self._fail(f"node {r} missed heartbeats for {now - seen[r][1]:.0f} s (run.heartbeat_timeout_s = "
-                                   f"{self.heartbeat_timeout_s:g}): its supervisor hangs, was killed, or lost the network")
+                        self._fail(
+                            f"node {r} missed heartbeats for {now - seen[r][1]:.0f} s (run.heartbeat_timeout_s = "
+                            f"{self.heartbeat_timeout_s:g}): its supervisor hangs, was killed, or lost the network"
+                        )
                         return
                 if store.check(["step/0"]):
                     self.group_step = int(store.get("step/0").decode())

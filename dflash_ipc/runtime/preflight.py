@@ -31,8 +31,9 @@ from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, load_co
 RUN_DIR_MARKERS = ("run_id", "logs", "checkpoints")
 
 
-def validate_for_up(config_path: str | Path, run_dir_override: str | None = None, *, resume: bool = False,
-                    overrides: dict[str, Any] | None = None) -> tuple[DFlashConfig, Path]:
+def validate_for_up(
+    config_path: str | Path, run_dir_override: str | None = None, *, resume: bool = False, overrides: dict[str, Any] | None = None
+) -> tuple[DFlashConfig, Path]:
     """Everything ``up`` checks before it touches the run directory; returns (config, run dir)."""
     cfg = load_config(config_path, overrides)
     run_dir = cfg.run_dir(run_dir_override).absolute()
@@ -67,11 +68,17 @@ def check_devices(topology: TopologyConfig, n_cuda: int, source: str) -> None:
             if n_cuda == 0:
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES")
                 hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-                _fail(source, f"topology.{role}[{i}]", f"{dev!r} but no CUDA device is visible on this machine{hint}; "
-                      "use \"cpu\" devices or run on a GPU host")
+                _fail(
+                    source,
+                    f"topology.{role}[{i}]",
+                    f'{dev!r} but no CUDA device is visible on this machine{hint}; use "cpu" devices or run on a GPU host',
+                )
             if index >= n_cuda:
-                _fail(source, f"topology.{role}[{i}]", f"{dev!r} but only {n_cuda} CUDA device(s) are visible "
-                      f"(cuda:0..cuda:{n_cuda - 1}); pick one of those")
+                _fail(
+                    source,
+                    f"topology.{role}[{i}]",
+                    f"{dev!r} but only {n_cuda} CUDA device(s) are visible (cuda:0..cuda:{n_cuda - 1}); pick one of those",
+                )
 
 
 # --------------------------------------------------------------------------- data
@@ -110,37 +117,61 @@ def _check_model(cfg: DFlashConfig) -> None:
     t_heads = int(tc.num_attention_heads)
     t_kv = int(getattr(tc, "num_key_value_heads", None) or t_heads)
     if t_heads % t_kv:
-        _fail(src, f"{shape_key}.num_attention_heads" if shape_key == "target.spec" else shape_key,
-              f"the target's num_attention_heads ({t_heads}) must be a multiple of its num_key_value_heads ({t_kv})")
+        _fail(
+            src,
+            f"{shape_key}.num_attention_heads" if shape_key == "target.spec" else shape_key,
+            f"the target's num_attention_heads ({t_heads}) must be a multiple of its num_key_value_heads ({t_kv})",
+        )
     linear_k, linear_v = getattr(tc, "linear_num_key_heads", None), getattr(tc, "linear_num_value_heads", None)
     if "linear_attention" in (getattr(tc, "layer_types", None) or []) and linear_k and linear_v and linear_v % linear_k:
-        _fail(src, f"{shape_key}.linear_num_value_heads" if shape_key == "target.spec" else shape_key,
-              f"the target's linear_num_value_heads ({linear_v}) must be a multiple of its linear_num_key_heads ({linear_k})")
+        _fail(
+            src,
+            f"{shape_key}.linear_num_value_heads" if shape_key == "target.spec" else shape_key,
+            f"the target's linear_num_value_heads ({linear_v}) must be a multiple of its linear_num_key_heads ({linear_k})",
+        )
     if len(tokenizer) > vocab:
-        _fail(src, "target.tokenizer", f"has {len(tokenizer)} ids but the target's vocabulary has {vocab}; "
-              "use the tokenizer that belongs to the model")
+        _fail(
+            src,
+            "target.tokenizer",
+            f"has {len(tokenizer)} ids but the target's vocabulary has {vocab}; use the tokenizer that belongs to the model",
+        )
 
     if target.layer_ids:
         bad = [i for i in target.layer_ids if i >= n_layers]
         if bad:
             _fail(src, "target.layer_ids", f"{bad} outside the target's {n_layers} decoder layers (0..{n_layers - 1})")
     elif target.num_capture_layers > n_layers:
-        _fail(src, "target.num_capture_layers", f"{target.num_capture_layers} layers cannot be captured from a "
-              f"{n_layers}-layer target; use at most {n_layers} (DFlash uses 5)")
+        _fail(
+            src,
+            "target.num_capture_layers",
+            f"{target.num_capture_layers} layers cannot be captured from a {n_layers}-layer target; use at most {n_layers} (DFlash uses 5)",
+        )
     layer_ids = list(target.layer_ids) or default_layer_ids(n_layers, target.num_capture_layers)
 
     drafter = cfg.drafter
     if drafter.mask_token_id >= vocab:
-        _fail(src, "drafter.mask_token_id", f"{drafter.mask_token_id} is outside the target's vocabulary [0, {vocab}); "
-              "use -1 (the tokenizer's mask token) or an id below the vocabulary size")
+        _fail(
+            src,
+            "drafter.mask_token_id",
+            f"{drafter.mask_token_id} is outside the target's vocabulary [0, {vocab}); "
+            "use -1 (the tokenizer's mask token) or an id below the vocabulary size",
+        )
     mask_id = drafter.mask_token_id if drafter.mask_token_id >= 0 else mask_token_id(tokenizer)
     if drafter.hidden_size and drafter.hidden_size != hidden:
-        _fail(src, "drafter.hidden_size", f"must equal the target's hidden_size ({hidden}) or be 0: the drafter "
-              f"reads the target's embedding and LM head (got {drafter.hidden_size})")
+        _fail(
+            src,
+            "drafter.hidden_size",
+            f"must equal the target's hidden_size ({hidden}) or be 0: the drafter "
+            f"reads the target's embedding and LM head (got {drafter.hidden_size})",
+        )
     heads = drafter.num_attention_heads or t_heads
     if drafter.num_key_value_heads and heads % drafter.num_key_value_heads:
-        _fail(src, "drafter.num_key_value_heads", f"{drafter.num_key_value_heads} does not divide the drafter's "
-              f"{heads} attention heads" + ("" if drafter.num_attention_heads else " (the target's; drafter.num_attention_heads = 0)"))
+        _fail(
+            src,
+            "drafter.num_key_value_heads",
+            f"{drafter.num_key_value_heads} does not divide the drafter's "
+            f"{heads} attention heads" + ("" if drafter.num_attention_heads else " (the target's; drafter.num_attention_heads = 0)"),
+        )
     _check_drafter_resolves(cfg, hf_config, layer_ids, mask_id)
 
 
@@ -158,13 +189,16 @@ def _checkpoint_config(source: str, model_path: str) -> Any:
     path = Path(model_path).expanduser()
     key = "target.model_path"
     if not path.is_dir():
-        _fail(source, key, f"{model_path}: not a directory; point it at a Hugging Face checkpoint directory "
-              "(config.json + *.safetensors), or leave it empty for a random-weight target from target.spec")
+        _fail(
+            source,
+            key,
+            f"{model_path}: not a directory; point it at a Hugging Face checkpoint directory "
+            "(config.json + *.safetensors), or leave it empty for a random-weight target from target.spec",
+        )
     if not (path / "config.json").is_file():
         _fail(source, key, f"{model_path}: no config.json in this directory; is it a Hugging Face checkpoint directory?")
     if not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
-        _fail(source, key, f"{model_path}: no model.safetensors or model.safetensors.index.json; "
-              "dflash-ipc loads safetensors checkpoints")
+        _fail(source, key, f"{model_path}: no model.safetensors or model.safetensors.index.json; dflash-ipc loads safetensors checkpoints")
     from transformers import AutoConfig
 
     try:
@@ -220,8 +254,12 @@ def check_run_dir(cfg: DFlashConfig, run_dir: Path, *, resume: bool, key: str = 
     if st.st_uid != os.getuid():
         _fail(src, key, f"{run_dir} belongs to another user (uid {st.st_uid}); use a directory of your own")
     if any(run_dir.iterdir()) and not any((run_dir / m).exists() for m in RUN_DIR_MARKERS):
-        _fail(src, key, f"{run_dir} holds files but is not a dflash-ipc run directory (no {', '.join(RUN_DIR_MARKERS)}); "
-              "use a new or empty directory (up makes it private, mode 0700)")
+        _fail(
+            src,
+            key,
+            f"{run_dir} holds files but is not a dflash-ipc run directory (no {', '.join(RUN_DIR_MARKERS)}); "
+            "use a new or empty directory (up makes it private, mode 0700)",
+        )
     if not resume and (run_dir / "checkpoints" / "latest").exists():
         _fail(src, key, f"{run_dir} already holds checkpoints; pass --resume to continue that run, or use another run directory")
 

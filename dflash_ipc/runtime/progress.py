@@ -85,8 +85,10 @@ class ProgressLines:
 
     def line(self, snap: ProgressSnapshot) -> str:
         busy = busy_text(snap)
-        return (f"{self.prefix}step {step_text(snap)} loss {fmt(snap.loss, '.4f')} acc {fmt(snap.acc, '.4f')} "
-                f"tok/s {fmt(snap.tokens_per_s, '.0f')} ETA {fmt_duration(snap.eta_s)}" + (f" | busy {busy}" if busy else ""))
+        return (
+            f"{self.prefix}step {step_text(snap)} loss {fmt(snap.loss, '.4f')} acc {fmt(snap.acc, '.4f')} "
+            f"tok/s {fmt(snap.tokens_per_s, '.0f')} ETA {fmt_duration(snap.eta_s)}" + (f" | busy {busy}" if busy else "")
+        )
 
     def update(self, snap: ProgressSnapshot) -> str | None:
         """The line to print for ``snap``, or None when it would repeat the last one's progress."""
@@ -134,9 +136,14 @@ class RichProgress:
         from rich.text import Text
 
         top = Table.grid(padding=(0, 1))
-        top.add_row(Text(f"step {step_text(snap)}", style="bold"), ProgressBar(total=snap.max_steps, completed=snap.step, width=24),
-                    Text(f"loss {fmt(snap.loss, '.4f')}  acc {fmt(snap.acc, '.4f')}  tok/s {fmt(snap.tokens_per_s, '.0f')}  "
-                         f"ETA {fmt_duration(snap.eta_s)}"))
+        top.add_row(
+            Text(f"step {step_text(snap)}", style="bold"),
+            ProgressBar(total=snap.max_steps, completed=snap.step, width=24),
+            Text(
+                f"loss {fmt(snap.loss, '.4f')}  acc {fmt(snap.acc, '.4f')}  tok/s {fmt(snap.tokens_per_s, '.0f')}  "
+                f"ETA {fmt_duration(snap.eta_s)}"
+            ),
+        )
         busy = busy_text(snap)
         return Group(top, Text(f"busy {busy}", style="dim")) if busy else top
 
@@ -161,9 +168,11 @@ def finished_summary(run_dir: Path, summary: DrafterSummary | None, wall_s: floa
         lastl = [r["loss"] for r in recs[-10:] if r.get("loss") is not None]
         toks = sum(r["tokens"] for r in recs)
         train_s = recs[-1]["elapsed_s"] if recs[-1].get("elapsed_s") else wall_s
-        lines.append(f"steps {recs[-1]['step']}, loss {fmt(first[0] if first else None, '.4f')} -> {fmt(lastl[-1] if lastl else None, '.4f')}"
-                     f" (mean of first 10 {fmt(sum(first) / len(first) if first else None, '.4f')},"
-                     f" last 10 {fmt(sum(lastl) / len(lastl) if lastl else None, '.4f')})")
+        lines.append(
+            f"steps {recs[-1]['step']}, loss {fmt(first[0] if first else None, '.4f')} -> {fmt(lastl[-1] if lastl else None, '.4f')}"
+            f" (mean of first 10 {fmt(sum(first) / len(first) if first else None, '.4f')},"
+            f" last 10 {fmt(sum(lastl) / len(lastl) if lastl else None, '.4f')})"
+        )
         lines.append(f"trained on {toks} target tokens in {train_s:.1f} s: {toks / max(1e-9, train_s):.0f} tokens/s; wall {wall_s:.1f} s")
     lines.append(f"checkpoint: {(summary.checkpoint if summary else None) or MISSING}")
     lines.append(f"exported drafter: {(summary.export if summary else None) or MISSING}")

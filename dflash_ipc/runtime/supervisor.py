@@ -44,21 +44,19 @@ from pathlib import Path
 import psutil
 import zmq
 
-from dflash_ipc.control import channels
-from dflash_ipc.control import handshake
-from dflash_ipc.control.channels import PeerAuth
-from dflash_ipc.control import protocol
-from dflash_ipc.ops import sdnotify
 from dflash_ipc.config import DFlashConfig, write_resolved_config
+from dflash_ipc.control import channels, handshake, protocol
+from dflash_ipc.control.channels import PeerAuth
 from dflash_ipc.control.handshake import HandshakeError
 from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown, to_wire
 from dflash_ipc.control.stats import DrafterStats, DrafterSummary, TargetStats
 from dflash_ipc.control.status import SCHEMA_VERSION, StatusSnapshot, Totals
 from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
-from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.launch import child_argv, key_pipe
 from dflash_ipc.runtime.liveness import describe_exit, is_stopped, log_tail, process_status, silent_child
+from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.progress import PlainProgress, ProgressSnapshot, RichProgress, eta_seconds, finished_summary, progress_display
 from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 
@@ -107,8 +105,18 @@ def cpu_shares_for(n_children: int) -> list[list[int]] | None:
 
 
 class Supervisor:
-    def __init__(self, cfg: DFlashConfig, run_dir: Path, *, resume: bool = False, max_restarts: int = 0, echo=print,
-                 forward_only: int = 0, live_progress: bool = False, node: NodeSpec | None = None):
+    def __init__(
+        self,
+        cfg: DFlashConfig,
+        run_dir: Path,
+        *,
+        resume: bool = False,
+        max_restarts: int = 0,
+        echo=print,
+        forward_only: int = 0,
+        live_progress: bool = False,
+        node: NodeSpec | None = None,
+    ):
         self.cfg = cfg
         # This node's place in a run of several (runtime/nodes.py); a single node by default.
         self.node = node or NodeSpec()
@@ -154,7 +162,9 @@ class Supervisor:
             if swept:
                 self.echo(f"[up] swept {len(swept)} leftover shared-memory segment(s) of the previous run")
         if not self.resume and (self.node.checkpoint_root(run_dir) / "latest").exists():
-            raise GroupFailed(f"{self.node.shared_root(run_dir)} already holds checkpoints; pass --resume to continue that run, or use another --run-dir")
+            raise GroupFailed(
+                f"{self.node.shared_root(run_dir)} already holds checkpoints; pass --resume to continue that run, or use another --run-dir"
+            )
         if not self.resume and (run_dir / "metrics.jsonl").exists():
             (run_dir / "metrics.jsonl").unlink()
         self.run_id = new_run_id()
@@ -175,8 +185,14 @@ class Supervisor:
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
         corpus = load_corpus(cfg.data, tok, data_dir)
         n_shards = self.node.nnodes * len(cfg.topology.targets)  # every target of every node: one global shard each
-        per_shard = [sum(len(plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, e, n_shards, s)) for e in range(cfg.data.num_epochs)) for s in range(n_shards)]
-        self.echo(f"[up] data: {corpus.report.summary()} ({time.perf_counter() - t0:.1f} s); plan: {sum(per_shard)} batches over {n_shards} target shard(s)")
+        per_shard = [
+            sum(len(plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, e, n_shards, s)) for e in range(cfg.data.num_epochs))
+            for s in range(n_shards)
+        ]
+        self.echo(
+            f"[up] data: {corpus.report.summary()} ({time.perf_counter() - t0:.1f} s);"
+            f" plan: {sum(per_shard)} batches over {n_shards} target shard(s)"
+        )
         return {"n_batches_total": sum(per_shard), "n_batches_per_shard": per_shard, "samples": corpus.num_samples}
 
     # ------------------------------------------------------------------ run
@@ -248,7 +264,9 @@ class Supervisor:
                     argv.append("--resume")
             out = open(self.run_dir / "logs" / f"{ch.name}.stdout", "ab")
             try:
-                ch.popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False, pass_fds=(key_fd,))
+                ch.popen = subprocess.Popen(
+                    argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False, pass_fds=(key_fd,)
+                )
             finally:
                 out.close()
                 os.close(key_fd)
@@ -278,13 +296,24 @@ class Supervisor:
         try:
             self._spawn(resume)
             self.node_group.start_watch()
-            self.echo(f"[up] started {len(self.children)} processes: " + ", ".join(f"{c.name}@{c.device} pid {c.popen.pid}" for c in self.children))
+            self.echo(
+                f"[up] started {len(self.children)} processes: "
+                + ", ".join(f"{c.name}@{c.device} pid {c.popen.pid}" for c in self.children)
+            )
             self._write_status()
             t0 = time.perf_counter()
             try:
-                handshake.coordinate(router, [c.key for c in self.children], self.cfg.run.handshake_timeout_s, self.rejects,
-                                     lambda: self._dead_child() or self._node_failure(), on_other=self._on_decoded, auth=self._auth,
-                                     pids={c.key: c.popen.pid for c in self.children}, tick=lambda: self._starting_tick(status_sock))
+                handshake.coordinate(
+                    router,
+                    [c.key for c in self.children],
+                    self.cfg.run.handshake_timeout_s,
+                    self.rejects,
+                    lambda: self._dead_child() or self._node_failure(),
+                    on_other=self._on_decoded,
+                    auth=self._auth,
+                    pids={c.key: c.popen.pid for c in self.children},
+                    tick=lambda: self._starting_tick(status_sock),
+                )
             except HandshakeError as e:
                 raise GroupFailed(self._failure_text(str(e))) from None
             except StoppedDuringStart as e:
@@ -353,7 +382,11 @@ class Supervisor:
     def _remove_socket_files(self) -> None:
         """The bound ipc socket files of this run (children killed by a signal leave theirs)."""
         sock_dir = channels.socket_dir(self.run_dir)
-        for name in ["sup", "status"] + [f"t{r}" for r in range(len(self.cfg.topology.targets))] + [f"d{r}" for r in range(len(self.cfg.topology.drafters))]:
+        for name in (
+            ["sup", "status"]
+            + [f"t{r}" for r in range(len(self.cfg.topology.targets))]
+            + [f"d{r}" for r in range(len(self.cfg.topology.drafters))]
+        ):
             try:
                 (sock_dir / name).unlink()
             except FileNotFoundError:
@@ -363,6 +396,7 @@ class Supervisor:
         def on_signal(signum, frame):  # noqa: ARG001
             if not self.stop_requested:
                 self.stop_requested = signal.Signals(signum).name
+
         return {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _restore_signals(self, old) -> None:
@@ -435,7 +469,9 @@ class Supervisor:
                 if all(c.popen.poll() is not None for c in targets):
                     bad = [c for c in targets if c.popen.returncode != 0]
                     if bad:
-                        raise GroupFailed(self._failure_text(f"{bad[0].name} {describe_exit(bad[0].popen.returncode)} while stopping", bad[0]))
+                        raise GroupFailed(
+                            self._failure_text(f"{bad[0].name} {describe_exit(bad[0].popen.returncode)} while stopping", bad[0])
+                        )
                     for c in drafters:
                         c.popen.wait(timeout=max(5.0, cfg.run.teardown_grace_s))
                     self.state = "finished"
@@ -461,7 +497,9 @@ class Supervisor:
                 self._on_decoded(*got)
 
     def _beats_fresh(self, now: float) -> bool:
-        return all(c.done is not None or (c.last_beat is not None and now - c.last_beat < self.cfg.run.heartbeat_timeout_s) for c in self.children)
+        return all(
+            c.done is not None or (c.last_beat is not None and now - c.last_beat < self.cfg.run.heartbeat_timeout_s) for c in self.children
+        )
 
     def _on_decoded(self, ident: bytes, msg: protocol.Message) -> None:
         by_ident = {handshake.identity(c.role, c.rank): c for c in self.children}
@@ -544,12 +582,27 @@ class Supervisor:
         max_steps = self.cfg.training.max_steps or None
         elapsed = lead.work.train_elapsed_s if lead else None
         eta = max(0.0, (max_steps - step) * elapsed / step) if (max_steps and step and elapsed) else None
-        totals = Totals(tokens_per_s=lead.work.tokens_per_s if lead else 0.0, step=step, max_steps=max_steps,
-                        loss=lead.work.loss if lead else None, pipeline_rss_bytes=rss_total, eta_s=eta)
-        return StatusSnapshot(schema=SCHEMA_VERSION, run_dir=str(self.run_dir), state=self.state, updated_unix=now,
-                              supervisor_pid=os.getpid(), config=self.cfg.source, started_unix=min(self.started_unix, now),
-                              totals=totals, processes=procs, node=self.node_group.status(),
-                              supervisor_rejected_by_kind=dict(self.rejects.by_kind))
+        totals = Totals(
+            tokens_per_s=lead.work.tokens_per_s if lead else 0.0,
+            step=step,
+            max_steps=max_steps,
+            loss=lead.work.loss if lead else None,
+            pipeline_rss_bytes=rss_total,
+            eta_s=eta,
+        )
+        return StatusSnapshot(
+            schema=SCHEMA_VERSION,
+            run_dir=str(self.run_dir),
+            state=self.state,
+            updated_unix=now,
+            supervisor_pid=os.getpid(),
+            config=self.cfg.source,
+            started_unix=min(self.started_unix, now),
+            totals=totals,
+            processes=procs,
+            node=self.node_group.status(),
+            supervisor_rejected_by_kind=dict(self.rejects.by_kind),
+        )
 
     def _write_status(self) -> None:
         self._last_snapshot = snap = self.snapshot()
@@ -572,8 +625,15 @@ class Supervisor:
                 busy[c.name] = 100.0 - min(100.0, c.stats.wait_pct)
             else:
                 busy[c.name] = None
-        return ProgressSnapshot(step=w.step, max_steps=max_steps, loss=w.loss, acc=w.acc, tokens_per_s=w.tokens_per_s,
-                                eta_s=eta_seconds(w.step, max_steps, w.train_elapsed_s), busy_pct=busy)
+        return ProgressSnapshot(
+            step=w.step,
+            max_steps=max_steps,
+            loss=w.loss,
+            acc=w.acc,
+            tokens_per_s=w.tokens_per_s,
+            eta_s=eta_seconds(w.step, max_steps, w.train_elapsed_s),
+            busy_pct=busy,
+        )
 
     def _progress(self) -> None:
         snap = self._progress_snapshot()

@@ -224,7 +224,9 @@ class TargetCore:
         """Per-process figures; ``final`` also settles packs no later forward has followed."""
         wall = max(1e-9, time.perf_counter() - self.t_start)
         pk = self.packer.stats() if self.packer else {"packs": 0, "pending": 0, "pack_s_mean": 0.0}
-        overlap = self.overlap.stats(final=final) if self.overlap else {"packs_measured": 0, "pack_overlap_pct": 0.0, "pack_exposed_ms": 0.0}
+        overlap = (
+            self.overlap.stats(final=final) if self.overlap else {"packs_measured": 0, "pack_overlap_pct": 0.0, "pack_exposed_ms": 0.0}
+        )
         steady_wall = max(1e-9, time.perf_counter() - self.t_first_done - self.bare_forward_s) if self.t_first_done else 0.0
         return TargetWork(
             forwards=self.forwards,

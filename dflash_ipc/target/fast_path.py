@@ -95,7 +95,11 @@ def fast_path_report(model: Any) -> dict[str, Any]:
                     break
         impl = resolve_impl(fn)
         origins[role] = impl_origin(impl)
-        impls[role] = f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', getattr(impl, '__name__', '?'))}" if impl is not None else "none"
+        impls[role] = (
+            f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', getattr(impl, '__name__', '?'))}"
+            if impl is not None
+            else "none"
+        )
     # older layout: attribute explicitly None when the package is missing
     if hasattr(layer, "causal_conv1d_fn") and layer.causal_conv1d_fn is None:
         origins["causal_conv1d_fn"] = "torch"

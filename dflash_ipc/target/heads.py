@@ -78,9 +78,7 @@ def _pick_embed_key(names: Iterable[str]) -> str:
     cands = [
         n
         for n in names
-        if n.endswith("embed_tokens.weight")
-        and not n.startswith("mtp")
-        and not any(p in n for p in ("visual", "vision", "audio", ".mtp"))
+        if n.endswith("embed_tokens.weight") and not n.startswith("mtp") and not any(p in n for p in ("visual", "vision", "audio", ".mtp"))
     ]
     if not cands:
         cands = [n for n in names if n.endswith(("wte.weight", "word_embeddings.weight", "tok_embeddings.weight"))]

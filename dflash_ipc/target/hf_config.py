@@ -48,7 +48,6 @@ def resolve_layer_ids(cfg: TargetConfig, num_layers: int) -> list[int]:
     return ids
 
 
-
 # --------------------------------------------------------------------------- specs
 
 

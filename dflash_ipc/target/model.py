@@ -111,7 +111,14 @@ def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> Ta
         stack.embed_tokens.weight.copy_(embed)
     del embed
     return TargetModel(
-        stack, hf_config, layer_ids, device, dtype, capture_last_hidden=cfg.capture_last_hidden, varlen=cfg.varlen, attn_implementation=cfg.attn_implementation
+        stack,
+        hf_config,
+        layer_ids,
+        device,
+        dtype,
+        capture_last_hidden=cfg.capture_last_hidden,
+        varlen=cfg.varlen,
+        attn_implementation=cfg.attn_implementation,
     )
 
 
@@ -142,7 +149,14 @@ def _build_from_checkpoint(cfg: TargetConfig, device: torch.device, dtype: torch
     if getattr(stack, "config", None) is not None:
         stack.config.use_cache = False
     return TargetModel(
-        stack, hf_config, layer_ids, device, dtype, capture_last_hidden=cfg.capture_last_hidden, varlen=cfg.varlen, attn_implementation=cfg.attn_implementation
+        stack,
+        hf_config,
+        layer_ids,
+        device,
+        dtype,
+        capture_last_hidden=cfg.capture_last_hidden,
+        varlen=cfg.varlen,
+        attn_implementation=cfg.attn_implementation,
     )
 
 
@@ -207,7 +221,9 @@ class TargetModel:
             raise ValueError(f"input_ids must be [B, L] (got shape {tuple(input_ids.shape)})")
         return self._run_captured({"input_ids": input_ids.to(self.device)}, capture_last_hidden)
 
-    def capture_packed(self, input_ids: torch.Tensor, seq_lens: Sequence[int], capture_last_hidden: bool | None = None) -> list[torch.Tensor]:
+    def capture_packed(
+        self, input_ids: torch.Tensor, seq_lens: Sequence[int], capture_last_hidden: bool | None = None
+    ) -> list[torch.Tensor]:
         """Run the documents of ``input_ids`` (flat [n] or [1, n], back to back, lengths
         ``seq_lens``) as one packed row, no padding computed (see :mod:`~dflash_ipc.target.varlen`),
         and return the captured planes as [1, n, H] in the same order: the slot's layout."""

@@ -220,7 +220,7 @@ class PackHandle:
             self._finish()
         return ok
 
-    def wait(self, timeout: float | None = None) -> "PackHandle":
+    def wait(self, timeout: float | None = None) -> PackHandle:
         if not self._finished:
             ev = self._event
             if isinstance(ev, threading.Event):
@@ -352,9 +352,15 @@ class AsyncPacker:
     def stats(self) -> dict[str, float]:
         self._reap(block_until=None)
         mean = self._total_s / self._count if self._count else 0.0
-        return {"packs": self._count, "pack_s_total": self._total_s, "pack_s_mean": mean, "pack_s_max": self._max_s, "pending": len(self._pending)}
+        return {
+            "packs": self._count,
+            "pack_s_total": self._total_s,
+            "pack_s_mean": mean,
+            "pack_s_max": self._max_s,
+            "pending": len(self._pending),
+        }
 
-    def __enter__(self) -> "AsyncPacker":
+    def __enter__(self) -> AsyncPacker:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -77,7 +77,12 @@ class PackedDocs:
         """Extra stack-forward kwargs for the full-attention layers (besides ``position_ids``)."""
         if not attn_implementation.startswith("flash_attention"):
             return {}  # sdpa / eager / flex: the packed mask comes from position_ids
-        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.max_len, "max_length_k": self.max_len}
+        return {
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_len,
+            "max_length_k": self.max_len,
+        }
 
     def padded_index(self) -> torch.Tensor:
         """Flat position ``d * max_len + t`` of every packed token in a right-padded [D, max_len] batch."""

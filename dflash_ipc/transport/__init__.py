@@ -1,1 +1,2 @@
-"""Data plane: slot layout, shared-memory helpers, the cpu-shm / cuda-ipc / host-pinned rings and their one set of factories, producer/consumer cores."""
+"""Data plane: slot layout, shared-memory helpers, the cpu-shm / cuda-ipc / host-pinned rings and
+their one set of factories, producer/consumer cores."""

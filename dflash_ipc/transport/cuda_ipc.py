@@ -91,9 +91,13 @@ class CudaIpcProducerRing(SlotRingBase):
             event_handles = [bytes(ev.ipc_handle()) for ev in self._events]
             torch.cuda.synchronize(self.device)
         self._descriptor = describe(
-            self, run_id, producer_rank,
+            self,
+            run_id,
+            producer_rank,
             gpu=GpuIdentity(index=int(self.device.index), uuid=device_uuid(self.device.index)),
-            cuda_ipc=CudaIpcMemory(mem_handle=bytes(mem_handle), offset=int(mem_offset), nbytes=int(mem_nbytes), event_handles=event_handles),
+            cuda_ipc=CudaIpcMemory(
+                mem_handle=bytes(mem_handle), offset=int(mem_offset), nbytes=int(mem_nbytes), event_handles=event_handles
+            ),
         )
 
     # The packer writes straight into the GPU slot on its side stream.
@@ -141,9 +145,7 @@ def _import_ring(device: torch.device, args: tuple, nbytes: int) -> torch.Tensor
     exporting; every slot has its own event)."""
     handle, mem_nbytes, mem_offset = args
     with torch.cuda.device(device):
-        storage = torch.UntypedStorage._new_shared_cuda(
-            device.index, handle, mem_nbytes, mem_offset, _NO_REFCOUNT, 0, bytes(64), False
-        )
+        storage = torch.UntypedStorage._new_shared_cuda(device.index, handle, mem_nbytes, mem_offset, _NO_REFCOUNT, 0, bytes(64), False)
         return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
 
 
@@ -188,8 +190,12 @@ class CudaIpcConsumerRing(SlotRingBase):
                 except Exception as e:
                     if mode == "pull":
                         raise
-                    log.warning("cuda-ipc: mapping the ring of %s into %s failed (%s); copying from the ring's GPU (push)",
-                                self.ring_device, self.local_device, e)
+                    log.warning(
+                        "cuda-ipc: mapping the ring of %s into %s failed (%s); copying from the ring's GPU (push)",
+                        self.ring_device,
+                        self.local_device,
+                        e,
+                    )
             if self._buffer is None:
                 self._buffer = _import_ring(self.ring_device, args, nbytes)
                 self.copy_mode = "push"

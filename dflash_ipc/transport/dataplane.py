@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -191,7 +191,12 @@ class ProducerDataPlane:
     def stats(self) -> dict:
         counts = self.table.counts()
         return {
-            "slots": {"free": counts["free"], "filling": counts["filling"] - len(self._waiting), "queued": len(self._waiting), "ready": counts["ready"]},
+            "slots": {
+                "free": counts["free"],
+                "filling": counts["filling"] - len(self._waiting),
+                "queued": len(self._waiting),
+                "ready": counts["ready"],
+            },
             "inflight_per_drafter": [len(self.table.held_by(c)) for c in range(self.router.num_consumers)],
             "routed_per_drafter": list(self.router.routed_total),
             "batches_sent": self.batches_sent,
@@ -269,7 +274,9 @@ class ConsumerDataPlane:
                 self.rejects.reject("after_end_of_data", f"slot_ready from producer {msg.producer} after its end_of_data")
                 return
             if msg.seq != self.received[msg.producer]:
-                self.rejects.reject("bad_seq", f"slot_ready seq {msg.seq} from producer {msg.producer}, expected {self.received[msg.producer]}")
+                self.rejects.reject(
+                    "bad_seq", f"slot_ready seq {msg.seq} from producer {msg.producer}, expected {self.received[msg.producer]}"
+                )
                 return
             self._held_keys.add(key)
             self.received[msg.producer] += 1
@@ -285,8 +292,10 @@ class ConsumerDataPlane:
                 self.rejects.reject("duplicate_end_of_data", f"end_of_data from producer {msg.producer} again")
                 return
             if msg.batches_sent != self.received[msg.producer]:
-                self.rejects.reject("end_of_data_mismatch",
-                                    f"end_of_data from producer {msg.producer} says {msg.batches_sent} sent here, {self.received[msg.producer]} received")
+                self.rejects.reject(
+                    "end_of_data_mismatch",
+                    f"end_of_data from producer {msg.producer} says {msg.batches_sent} sent here, {self.received[msg.producer]} received",
+                )
                 return
             self.ended[msg.producer] = True
             self.expected_total[msg.producer] = msg.batches_sent
@@ -332,7 +341,9 @@ class ConsumerDataPlane:
         # The slot goes back only now: the copy out of it has completed.
         self._send(
             msg.producer,
-            SlotFree(producer=msg.producer, slot=msg.slot, consumer=self.rank, outstanding=self.outstanding, received=self.received[msg.producer]),
+            SlotFree(
+                producer=msg.producer, slot=msg.slot, consumer=self.rank, outstanding=self.outstanding, received=self.received[msg.producer]
+            ),
         )
 
     def take(self) -> ReceivedBatch | None:

@@ -47,8 +47,10 @@ def create_producer_ring(
 def open_consumer_ring(descriptor: RingDescriptor, local_device: DeviceLike = "cpu") -> ConsumerRing:
     """Import a producer's ring once; keep the returned object for the consumer's life."""
     if descriptor.version != DESCRIPTOR_VERSION:
-        raise ValueError(f"ring descriptor version {descriptor.version}, this build reads {DESCRIPTOR_VERSION}: "
-                         "run every process of a run from the same install")
+        raise ValueError(
+            f"ring descriptor version {descriptor.version}, this build reads {DESCRIPTOR_VERSION}: "
+            "run every process of a run from the same install"
+        )
     backend = descriptor.backend
     if backend == "cpu-shm":
         return CpuShmConsumerRing(descriptor)

@@ -128,8 +128,13 @@ class HostPinnedProducerRing(SlotRingBase):
         self._staging_owner[k] = None
 
     def descriptor(self) -> RingDescriptor:
-        return describe(self, self._run_id, self._rank, shm=ShmSegment(name=self.name),
-                        gpu=GpuIdentity(index=int(self.device.index), uuid=device_uuid(self.device.index)))
+        return describe(
+            self,
+            self._run_id,
+            self._rank,
+            shm=ShmSegment(name=self.name),
+            gpu=GpuIdentity(index=int(self.device.index), uuid=device_uuid(self.device.index)),
+        )
 
     def _unmap(self) -> None:
         if self._buffer is not None and self._registered:

@@ -83,9 +83,7 @@ class SlotTable:
         if not 0 <= slot < self.num_slots:
             raise SlotStateError(f"slot {slot} outside ring of {self.num_slots}")
         if self.state[slot] is not SlotState.READY or self.holder[slot] != consumer:
-            raise SlotStateError(
-                f"slot {slot} is {self.state[slot].value} (holder {self.holder[slot]}), not held by consumer {consumer}"
-            )
+            raise SlotStateError(f"slot {slot} is {self.state[slot].value} (holder {self.holder[slot]}), not held by consumer {consumer}")
         self.state[slot] = SlotState.FREE
         self.holder[slot] = None
         self._free.append(slot)
@@ -197,6 +195,14 @@ def layout_from_descriptor(d: RingDescriptor) -> tuple[SlotLayout, int]:
 
 def describe(ring: SlotRingBase, run_id: str, producer_rank: int, **parts) -> RingDescriptor:
     """The descriptor of a producer's ring: the common fields plus its backend's parts."""
-    return RingDescriptor(backend=ring.backend, version=DESCRIPTOR_VERSION, run_id=str(run_id), producer_rank=int(producer_rank),
-                          producer_pid=os.getpid(), num_slots=ring.num_slots, slot_bytes=ring.slot_bytes,
-                          layout=ring.layout.to_wire(), **parts)
+    return RingDescriptor(
+        backend=ring.backend,
+        version=DESCRIPTOR_VERSION,
+        run_id=str(run_id),
+        producer_rank=int(producer_rank),
+        producer_pid=os.getpid(),
+        num_slots=ring.num_slots,
+        slot_bytes=ring.slot_bytes,
+        layout=ring.layout.to_wire(),
+        **parts,
+    )

@@ -57,8 +57,12 @@ class Up:
         self.run_dir = run_dir
         self.out_path = run_dir.parent / f"{run_dir.name}.{name}.out"
         self._out = open(self.out_path, "wb")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen([*CLI, "up", "--config", str(config), "--run-dir", str(run_dir), *extra],
-                                     stdout=self._out, stderr=subprocess.STDOUT, cwd=run_dir.parent)
+        self.proc = subprocess.Popen(
+            [*CLI, "up", "--config", str(config), "--run-dir", str(run_dir), *extra],
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            cwd=run_dir.parent,
+        )
 
     @property
     def output(self) -> str:

@@ -52,7 +52,6 @@ def apply(raw: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-
 # --------------------------------------------------------------------------- the corpus
 
 
@@ -91,12 +90,19 @@ CASES = [
     Case("run-unknown-key", "run.nmae", "did you mean 'name'", {"run.nmae": "x"}),
     # topology: devices
     Case("device-not-a-device", "topology.targets[1]", "not a device", {"topology.targets": ["cpu", "gpu1"]}),
-    Case("device-mixed", "topology.targets", "mixing cpu and cuda",
-         {"topology.targets": ["cuda:0"], "topology.drafters": ["cpu"], "transport.backend": "auto"}),
-    Case("device-duplicate-drafters", "topology.drafters[1]", "one GPU per drafter",
-         {**CUDA_ON_TWO_GPUS, "topology.drafters": ["cuda:1", "cuda:1"]}),
-    Case("device-absent", "topology.targets[0]", "'cuda:99'",
-         {**CUDA_ON_TWO_GPUS, "topology.targets": ["cuda:99"]}),
+    Case(
+        "device-mixed",
+        "topology.targets",
+        "mixing cpu and cuda",
+        {"topology.targets": ["cuda:0"], "topology.drafters": ["cpu"], "transport.backend": "auto"},
+    ),
+    Case(
+        "device-duplicate-drafters",
+        "topology.drafters[1]",
+        "one GPU per drafter",
+        {**CUDA_ON_TWO_GPUS, "topology.drafters": ["cuda:1", "cuda:1"]},
+    ),
+    Case("device-absent", "topology.targets[0]", "'cuda:99'", {**CUDA_ON_TWO_GPUS, "topology.targets": ["cuda:99"]}),
     Case("kl-without-last-hidden", "training.kl_weight", "capture_last_hidden", {"training.kl_weight": 0.5}),
     # transport, data, training
     Case("ring-slots-one", "transport.ring_slots", ">= 2", {"transport.ring_slots": 1}),
@@ -107,32 +113,57 @@ CASES = [
     Case("unknown-section", "trainer", "unknown section", {"trainer.lr": 1.0}),
     # target: model directory
     Case("model-path-missing", "target.model_path", "not a directory", {"target.model_path": "/nonexistent/model"}),
-    Case("model-path-no-config", "target.model_path", "no config.json",
-         setup=lambda tmp: {"target.model_path": _model_dir(tmp, config_json=None, weights=True)}),
-    Case("model-path-no-weights", "target.model_path", "safetensors",
-         setup=lambda tmp: {"target.model_path": _model_dir(tmp, config_json="{}", weights=False)}),
-    Case("model-path-bad-config-json", "target.model_path", "cannot be read",
-         setup=lambda tmp: {"target.model_path": _model_dir(tmp, config_json="{not json", weights=True)}),
+    Case(
+        "model-path-no-config",
+        "target.model_path",
+        "no config.json",
+        setup=lambda tmp: {"target.model_path": _model_dir(tmp, config_json=None, weights=True)},
+    ),
+    Case(
+        "model-path-no-weights",
+        "target.model_path",
+        "safetensors",
+        setup=lambda tmp: {"target.model_path": _model_dir(tmp, config_json="{}", weights=False)},
+    ),
+    Case(
+        "model-path-bad-config-json",
+        "target.model_path",
+        "cannot be read",
+        setup=lambda tmp: {"target.model_path": _model_dir(tmp, config_json="{not json", weights=True)},
+    ),
     # target: shape against the model's config
     Case("layer-ids-beyond-model", "target.layer_ids", "outside the target's 6 decoder layers", {"target.layer_ids": [1, 50]}),
     Case("capture-100-layers", "target.num_capture_layers", "6-layer target", {"target.num_capture_layers": 100}),
     Case("layer-ids-negative", "target.layer_ids", ">= 0", {"target.layer_ids": [-1, 2]}),
     Case("spec-typo", "target.spec.hidden_sise", "did you mean 'hidden_size'", {"target.spec.hidden_sise": 64}),
     Case("spec-removed-field", "target.spec.rope_theta", "unknown Qwen3_5TextConfig field", {"target.spec.rope_theta": 1e4}),
-    Case("spec-heads-vs-kv", "target.spec.num_attention_heads", "multiple of its num_key_value_heads",
-         {"target.spec.num_key_value_heads": 3}),
-    Case("spec-linear-heads", "target.spec.linear_num_value_heads", "multiple of its linear_num_key_heads",
-         {"target.spec.linear_num_value_heads": 3}),
+    Case(
+        "spec-heads-vs-kv", "target.spec.num_attention_heads", "multiple of its num_key_value_heads", {"target.spec.num_key_value_heads": 3}
+    ),
+    Case(
+        "spec-linear-heads",
+        "target.spec.linear_num_value_heads",
+        "multiple of its linear_num_key_heads",
+        {"target.spec.linear_num_value_heads": 3},
+    ),
     Case("spec-layer-types-length", "target.spec", "layer_types", {"target.spec.num_hidden_layers": 4}),
     Case("spec-wrong-type", "target.spec", "hidden_size", {"target.spec.hidden_size": "64"}),
-    Case("tokenizer-missing", "target.tokenizer", "neither \"builtin\" nor a local directory", {"target.tokenizer": "/nonexistent/tok"}),
+    Case("tokenizer-missing", "target.tokenizer", 'neither "builtin" nor a local directory', {"target.tokenizer": "/nonexistent/tok"}),
     # drafter against the target
     Case("mask-token-out-of-vocab", "drafter.mask_token_id", "outside the target's vocabulary [0, 1024)", {"drafter.mask_token_id": 5000}),
     Case("mask-token-negative", "drafter.mask_token_id", "-1", {"drafter.mask_token_id": -7}),
-    Case("drafter-heads-vs-kv", "drafter.num_attention_heads", "multiple of drafter.num_key_value_heads",
-         {"drafter.num_attention_heads": 6, "drafter.num_key_value_heads": 4}),
-    Case("drafter-kv-vs-target-heads", "drafter.num_key_value_heads", "does not divide the drafter's 4 attention heads",
-         {"drafter.num_key_value_heads": 3}),
+    Case(
+        "drafter-heads-vs-kv",
+        "drafter.num_attention_heads",
+        "multiple of drafter.num_key_value_heads",
+        {"drafter.num_attention_heads": 6, "drafter.num_key_value_heads": 4},
+    ),
+    Case(
+        "drafter-kv-vs-target-heads",
+        "drafter.num_key_value_heads",
+        "does not divide the drafter's 4 attention heads",
+        {"drafter.num_key_value_heads": 3},
+    ),
     Case("drafter-hidden-size", "drafter.hidden_size", "must equal the target's hidden_size (64)", {"drafter.hidden_size": 128}),
     Case("drafter-odd-head-dim", "drafter.head_dim", "even", {"drafter.head_dim": 15}),
 ]
@@ -280,7 +311,7 @@ def test_cli_up_existing_run_dir_untouched_when_refused(tmp_path):
 
 def test_cli_non_utf8_config(tmp_path):
     path = tmp_path / "latin1.toml"
-    path.write_bytes(b"[run]\nname = \"caf\xe9\"\n")
+    path.write_bytes(b'[run]\nname = "caf\xe9"\n')
     for cmd in (["up", "--run-dir", str(tmp_path / "run")], ["check-config"]):
         proc = cli(*cmd, "--config", str(path))
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: {path}: not UTF-8 text"), proc.stderr

@@ -37,11 +37,14 @@ def deep(depth: int) -> str:
     return "[" * depth + "]" * depth
 
 
-@pytest.mark.parametrize("nested", [
-    '{"text": ' + deep(100_000) + "}",  # fails in the JSON decoder
-    deep(50_000),  # a bare array, nested
-    '{"conversations": [{"role": "user", "content": "hi", "meta": ' + deep(100_000) + "}]}",
-])
+@pytest.mark.parametrize(
+    "nested",
+    [
+        '{"text": ' + deep(100_000) + "}",  # fails in the JSON decoder
+        deep(50_000),  # a bare array, nested
+        '{"conversations": [{"role": "user", "content": "hi", "meta": ' + deep(100_000) + "}]}",
+    ],
+)
 def test_deeply_nested_json_is_a_bad_line(tmp_path, tok, nested):
     path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD), nested, json.dumps(GOOD)])
     corpus = load_corpus(data_cfg(path), tok, None)

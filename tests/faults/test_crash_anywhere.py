@@ -47,8 +47,11 @@ def _wait_moment(up: Up, moment: str, rng: random.Random) -> None:
     elif moment == "handshake":
         # a target has created its ring: it is in (or just before) the handshake
         logs = up.run_dir / "logs"
-        up.wait_until(lambda: any("ring:" in p.read_text(errors="replace") for p in logs.glob("target-*.log")) or _ready(up),
-                      "a target ring", poll_s=0.01)
+        up.wait_until(
+            lambda: any("ring:" in p.read_text(errors="replace") for p in logs.glob("target-*.log")) or _ready(up),
+            "a target ring",
+            poll_s=0.01,
+        )
         time.sleep(rng.uniform(0.0, 0.3))
     else:  # mid-step / mid-checkpoint: a random step of training
         k = rng.randint(1, 8)
@@ -86,7 +89,7 @@ def child_kill_trial(tmp_path, victim: str, moment: str, seed: int) -> float:
         up.close()
     report(f"SIGKILL {victim} at {moment} (seed {seed}): exit {code}, named after {detect:.2f} s, group gone after {ended:.1f} s")
     assert code == 1, out[-3000:]
-    failed = out[out.index("[up] FAILED"):]
+    failed = out[out.index("[up] FAILED") :]
     assert re.search(rf"{victim} \(pid {pids[victim]}\) killed by signal SIGKILL", failed), failed[:2000]
     assert leftovers(up, pids) == []
     return detect
@@ -135,10 +138,12 @@ def sigstop_trial(tmp_path, victim: str, seed: int) -> float:
             except ProcessLookupError:
                 pass
         up.close()
-    report(f"SIGSTOP {victim} (seed {seed}): exit {code}, named after {detect:.2f} s (heartbeat timeout {HEARTBEAT_TIMEOUT_S:g} s), "
-           f"group gone after {torn_down:.1f} s")
+    report(
+        f"SIGSTOP {victim} (seed {seed}): exit {code}, named after {detect:.2f} s (heartbeat timeout {HEARTBEAT_TIMEOUT_S:g} s), "
+        f"group gone after {torn_down:.1f} s"
+    )
     assert code == 1, out[-3000:]
-    failed = out[out.index("[up] FAILED"):]
+    failed = out[out.index("[up] FAILED") :]
     assert failed.startswith(f"[up] FAILED: {victim} (pid {pids[victim]}) stopped answering (stopped: state T"), failed[:1000]
     assert leftovers(up, pids) == []
     return detect

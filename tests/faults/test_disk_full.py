@@ -35,8 +35,9 @@ def run_dir(tmp_path):
     mnt.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES},mode=0700", "tmpfs", str(mnt)],
-                          check=False, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES},mode=0700", "tmpfs", str(mnt)], check=False, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     try:
@@ -47,9 +48,14 @@ def run_dir(tmp_path):
 
 def save(root: Path, step: int, *, model_floats: int = 25_000, rng: object = None) -> Path:
     torch.manual_seed(step)
-    return save_checkpoint(root, step, model_state={"w": torch.randn(model_floats)},
-                           trainer_state={"step": step, "exp_avg": torch.randn(25_000)}, rng_state=rng,
-                           ledger=BatchLedger([(0, 0, i) for i in range(step)]))
+    return save_checkpoint(
+        root,
+        step,
+        model_state={"w": torch.randn(model_floats)},
+        trainer_state={"step": step, "exp_avg": torch.randn(25_000)},
+        rng_state=rng,
+        ledger=BatchLedger([(0, 0, i) for i in range(step)]),
+    )
 
 
 def assert_previous_intact(root: Path) -> None:

@@ -69,9 +69,11 @@ def test_hostile_frames_into_every_socket_are_counted_and_the_run_trains_every_b
     final = json.loads((run_dir / "status.json").read_text())
     rejected = rejected_total(final)
     sup_kinds = final["supervisor_rejected_by_kind"]
-    report(f"hostile peers (seed {seed}): {peer.sent} frames sent, {rejected} rejected and counted "
-           f"(supervisor {sum(sup_kinds.values())}: {sup_kinds}; processes: "
-           f"{ {p['role'] + '-' + str(p['rank']): p['rejected_messages'] for p in final['processes']} })")
+    report(
+        f"hostile peers (seed {seed}): {peer.sent} frames sent, {rejected} rejected and counted "
+        f"(supervisor {sum(sup_kinds.values())}: {sup_kinds}; processes: "
+        f"{ {p['role'] + '-' + str(p['rank']): p['rejected_messages'] for p in final['processes']} })"
+    )
     assert peer.sent >= 10000 or "finished" in out
     # the supervisor refused them all: no intruder holds a member's routing identity (derived
     # from the run key), so every frame, whatever its shape, is from an unexpected peer

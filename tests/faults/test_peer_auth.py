@@ -85,16 +85,16 @@ def test_handshake_survives_hostile_frames_and_refuses_orphans(ctx, tmp_path):
             # sealed, from the member's connection, but a pid the coordinator did not spawn / another's name
             member.send_multipart(auth.seal(protocol.encode(Hello(role="consumer", rank=0, pid=1, device="cpu"))))
             member.send_multipart(auth.seal(protocol.encode(Dead(role="consumer", rank=1, error="not me"))))
-            start = handshake.child_handshake(member, Hello(role="consumer", rank=0, pid=os.getpid(), device="cpu"), 30, RejectCounter("c"),
-                                              auth=auth)
+            start = handshake.child_handshake(
+                member, Hello(role="consumer", rank=0, pid=os.getpid(), device="cpu"), 30, RejectCounter("c"), auth=auth
+            )
             assert isinstance(start, protocol.Start)
             handshake.send_ready(member, "consumer", 0, auth)
 
         t = threading.Thread(target=child)
         t.start()
         rejects = RejectCounter("sup")
-        hellos = handshake.coordinate(router, [("consumer", 0)], 30, rejects, auth=sup_auth,
-                                      pids={("consumer", 0): os.getpid()})
+        hellos = handshake.coordinate(router, [("consumer", 0)], 30, rejects, auth=sup_auth, pids={("consumer", 0): os.getpid()})
         t.join(30)
         assert hellos[("consumer", 0)].pid == os.getpid()
         assert rejects.by_kind == {"unexpected_peer": 5, "not_our_child": 1, "wrong_sender": 1}

@@ -38,14 +38,24 @@ def test_two_drafter_gloo_rendezvous_listens_on_loopback_only():
     port = _free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
     env.pop("GLOO_SOCKET_IFNAME", None)
-    procs = [subprocess.Popen([sys.executable, "-c", JOIN], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", JOIN],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     try:
         lines = [p.stdout.readline().strip() for p in procs]
         assert lines == ["joined 0 2", "joined 1 2"], [p.stderr.read() for p in procs if p.poll() is not None]
-        listening = {r: [c.laddr for c in psutil.Process(p.pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
-                     for r, p in enumerate(procs)}
+        listening = {
+            r: [c.laddr for c in psutil.Process(p.pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+            for r, p in enumerate(procs)
+        }
         assert any(a.port == port for a in listening[0]), listening  # the store is rank 0's
         for rank, addrs in listening.items():
             assert addrs and all(a.ip in LOOPBACK for a in addrs), (rank, addrs)

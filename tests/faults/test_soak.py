@@ -55,9 +55,12 @@ def _soak(tmp_path, steps: int) -> dict[str, float]:
         base = statistics.median(xs[n // 4 : n // 2])
         last = statistics.median(xs[3 * n // 4 :])
         drift[name] = 100.0 * (last - base) / base
-    report(f"soak {steps} steps: {min(len(x) for x in rss.values())} RSS samples per process; drift after warm-up % "
-           + ", ".join(f"{k} {v:+.2f}" for k, v in sorted(drift.items()))
-           + "; RSS MiB " + ", ".join(f"{k} {statistics.median(v[-5:]) / 2**20:.0f}" for k, v in sorted(rss.items())))
+    report(
+        f"soak {steps} steps: {min(len(x) for x in rss.values())} RSS samples per process; drift after warm-up % "
+        + ", ".join(f"{k} {v:+.2f}" for k, v in sorted(drift.items()))
+        + "; RSS MiB "
+        + ", ".join(f"{k} {statistics.median(v[-5:]) / 2**20:.0f}" for k, v in sorted(rss.items()))
+    )
     assert up.steps_logged() == steps
     assert leftovers(up) == []
     return drift
