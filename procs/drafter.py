@@ -27,7 +27,7 @@ from dflash_ipc.control import channels, handshake
 from dflash_ipc.control.protocol import Done, Heartbeat, Hello, RejectCounter
 from dflash_ipc.control.stats import ChildInfo, DrafterStats, DrafterSummary, Vitals
 from dflash_ipc.drafter.core import DrafterCore
-from dflash_ipc.drafter.trainer import destroy_distributed, init_distributed
+from dflash_ipc.drafter.distributed import destroy_distributed, init_distributed
 from dflash_ipc.runtime.child import ChildContext, Placement, run_child
 from dflash_ipc.transport.dataplane import ConsumerDataPlane
 from dflash_ipc.transport.factory import open_consumer_ring

@@ -19,7 +19,8 @@ from test_dflash_loss import packed_views, tiny_model
 
 from dflash_ipc.config import DrafterConfig, TrainingConfig
 from dflash_ipc.drafter import loss as L
-from dflash_ipc.drafter.trainer import DrafterTrainer, init_distributed
+from dflash_ipc.drafter.distributed import init_distributed
+from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.transport.slots import SlotViews
 
 LAYERS = ["sliding_attention", "full_attention"]

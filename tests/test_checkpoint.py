@@ -30,7 +30,8 @@ from dflash_ipc.drafter.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash_ipc.drafter.trainer import DrafterTrainer, init_distributed
+from dflash_ipc.drafter.distributed import init_distributed
+from dflash_ipc.drafter.trainer import DrafterTrainer
 
 CFG = TrainingConfig(lr=1e-2, warmup_steps=2, max_steps=50, grad_clip=0.5)
 

@@ -15,7 +15,7 @@ from conftest import tiny_cpu_config, write_toml
 
 from dflash_ipc.config import load_config
 from dflash_ipc.drafter.core import DrafterCore
-from dflash_ipc.drafter.trainer import DistInfo
+from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.transport.slots import SlotViews
 
 

@@ -13,8 +13,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
+from dflash_ipc.drafter.distributed import DistInfo, init_distributed
 from dflash_ipc.drafter.schedule import lr_at
-from dflash_ipc.drafter.trainer import DistInfo, DrafterTrainer, init_distributed
+from dflash_ipc.drafter.trainer import DrafterTrainer
 
 VOCAB, DIM, CLASSES = 11, 8, 5
 

@@ -76,6 +76,13 @@ def socket_dir(run_dir: Path) -> Path:
     return Path(os.readlink(link)) if link.is_symlink() else link
 
 
+def remove_socket_files(run_dir: Path, n_targets: int, n_drafters: int) -> None:
+    """The bound ipc socket files of a run (children killed by a signal leave theirs)."""
+    sock_dir = socket_dir(run_dir)
+    for name in ["sup", "status", *(f"t{r}" for r in range(n_targets)), *(f"d{r}" for r in range(n_drafters))]:
+        (sock_dir / name).unlink(missing_ok=True)
+
+
 def endpoint(run_dir: Path, name: str) -> str:
     return f"ipc://{socket_dir(run_dir) / name}"
 

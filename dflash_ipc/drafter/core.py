@@ -39,10 +39,11 @@ from dflash_ipc.drafter.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, num_parameters
-from dflash_ipc.drafter.trainer import DistInfo, DrafterTrainer
+from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.runtime.nodes import read_node_spec
 from dflash_ipc.target.heads import target_head_weights

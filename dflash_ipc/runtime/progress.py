@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_ipc.control.stats import DrafterSummary
+from dflash_ipc.control.stats import DrafterStats, DrafterSummary, TargetStats
 
 MISSING = "-"
 
@@ -178,3 +178,25 @@ def finished_summary(run_dir: Path, summary: DrafterSummary | None, wall_s: floa
     lines.append(f"exported drafter: {(summary.export if summary else None) or MISSING}")
     lines.append(f"metrics: {metrics}; status: dflash-ipc status --run-dir {run_dir}")
     return "[up] finished (" + (summary.reason if summary else "?") + ")\n  " + "\n  ".join(lines)
+
+
+def progress_snapshot(lead: DrafterStats, children: list, max_steps: int | None) -> ProgressSnapshot:
+    """What the progress display shows: drafter 0's step, loss, acc and rate, every process's busy %."""
+    w = lead.work
+    busy: dict[str, float | None] = {}
+    for c in children:
+        if isinstance(c.stats, TargetStats):
+            busy[c.name] = c.stats.work.busy_pct
+        elif isinstance(c.stats, DrafterStats):  # a drafter that is not waiting for data is training
+            busy[c.name] = 100.0 - min(100.0, c.stats.wait_pct)
+        else:
+            busy[c.name] = None
+    return ProgressSnapshot(
+        step=w.step,
+        max_steps=max_steps,
+        loss=w.loss,
+        acc=w.acc,
+        tokens_per_s=w.tokens_per_s,
+        eta_s=eta_seconds(w.step, max_steps, w.train_elapsed_s),
+        busy_pct=busy,
+    )

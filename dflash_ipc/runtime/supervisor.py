@@ -54,10 +54,11 @@ from dflash_ipc.control.status import SCHEMA_VERSION, StatusSnapshot, Totals
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
+from dflash_ipc.ops.status_server import serve_status_requests
 from dflash_ipc.runtime.launch import child_argv, key_pipe
 from dflash_ipc.runtime.liveness import describe_exit, is_stopped, log_tail, process_status, silent_child
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
-from dflash_ipc.runtime.progress import PlainProgress, ProgressSnapshot, RichProgress, eta_seconds, finished_summary, progress_display
+from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
 from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 
 log = logging.getLogger(__name__)
@@ -341,7 +342,7 @@ class Supervisor:
             status_sock.close()
             ctx.term()
             sweep_run_shm(self.run_id)
-            self._remove_socket_files()
+            channels.remove_socket_files(self.run_dir, len(self.cfg.topology.targets), len(self.cfg.topology.drafters))
             self._restore_signals(old_handlers)
 
     def _node_failure(self) -> str | None:
@@ -355,42 +356,11 @@ class Supervisor:
         if self.stop_requested:
             raise StoppedDuringStart(self.stop_requested)
         if status_sock.poll(0):
-            self._serve_status(status_sock)
+            serve_status_requests(status_sock, self.snapshot, self.rejects)
         now = time.monotonic()
         if now >= self._next_status:
             self._next_status = now + 1.0
             self._write_status()
-
-    def _serve_status(self, status_sock: zmq.Socket) -> None:
-        """One REP exchange: a request is exactly one part, b"status"; anything else gets an error
-        reply (REP must answer every request it read) and is counted."""
-        for _ in range(100):
-            try:
-                parts = status_sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if parts == [b"status"]:
-                reply = json.dumps(to_wire(self.snapshot())).encode()
-            else:
-                self.rejects.reject("bad_status_request", f"{len(parts)} part(s), first {parts[0][:40]!r}")
-                reply = json.dumps({"error": "a status request is one frame, b'status'"}).encode()
-            try:
-                status_sock.send(reply, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return
-
-    def _remove_socket_files(self) -> None:
-        """The bound ipc socket files of this run (children killed by a signal leave theirs)."""
-        sock_dir = channels.socket_dir(self.run_dir)
-        for name in (
-            ["sup", "status"]
-            + [f"t{r}" for r in range(len(self.cfg.topology.targets))]
-            + [f"d{r}" for r in range(len(self.cfg.topology.drafters))]
-        ):
-            try:
-                (sock_dir / name).unlink()
-            except FileNotFoundError:
-                pass
 
     def _install_signals(self):
         def on_signal(signum, frame):  # noqa: ARG001
@@ -426,7 +396,7 @@ class Supervisor:
             if router in events:
                 self._drain_router(router)
             if status_sock in events:
-                self._serve_status(status_sock)
+                serve_status_requests(status_sock, self.snapshot, self.rejects)
             if self.stop_requested and not stop_sent:
                 stop_sent = True
                 self.state = "stopping"
@@ -580,8 +550,7 @@ class Supervisor:
         lead = self._lead_drafter()
         step = lead.work.step if lead else 0
         max_steps = self.cfg.training.max_steps or None
-        elapsed = lead.work.train_elapsed_s if lead else None
-        eta = max(0.0, (max_steps - step) * elapsed / step) if (max_steps and step and elapsed) else None
+        eta = eta_seconds(step, max_steps, lead.work.train_elapsed_s if lead else None)
         totals = Totals(
             tokens_per_s=lead.work.tokens_per_s if lead else 0.0,
             step=step,
@@ -611,32 +580,9 @@ class Supervisor:
         except OSError as e:
             log.warning("could not write status.json: %s", e)
 
-    def _progress_snapshot(self) -> ProgressSnapshot | None:
-        lead = self._lead_drafter()
-        if lead is None:
-            return None
-        w = lead.work
-        max_steps = self.cfg.training.max_steps or None
-        busy: dict[str, float | None] = {}
-        for c in self.children:
-            if isinstance(c.stats, TargetStats):
-                busy[c.name] = c.stats.work.busy_pct
-            elif isinstance(c.stats, DrafterStats):  # a drafter that is not waiting for data is training
-                busy[c.name] = 100.0 - min(100.0, c.stats.wait_pct)
-            else:
-                busy[c.name] = None
-        return ProgressSnapshot(
-            step=w.step,
-            max_steps=max_steps,
-            loss=w.loss,
-            acc=w.acc,
-            tokens_per_s=w.tokens_per_s,
-            eta_s=eta_seconds(w.step, max_steps, w.train_elapsed_s),
-            busy_pct=busy,
-        )
-
     def _progress(self) -> None:
-        snap = self._progress_snapshot()
+        lead = self._lead_drafter()
+        snap = progress_snapshot(lead, self.children, self.cfg.training.max_steps or None) if lead else None
         if snap is not None and self._progress_display is not None:
             self._progress_display.update(snap)
 
