@@ -11,7 +11,7 @@ import ipaddress
 import logging
 import os
 import socket
-from dataclasses import field
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
 class DistInfo:
     """Where this process sits in the drafter data-parallel group."""
 
@@ -152,6 +153,3 @@ def tcp_store(host: str, port: int, is_server: bool, timeout: timedelta, *, worl
 def destroy_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-# --------------------------------------------------------------------------- trainer

@@ -47,10 +47,9 @@ _ALIGN_ELEMS = 16  # each parameter's slot starts on a 64-byte boundary (fp32)
 _STATE_FORMAT = 1
 
 
-# --------------------------------------------------------------------------- process group
+# --------------------------------------------------------------------------- trainer
 
 
-@dataclass(frozen=True)
 @dataclass
 class StepStats:
     step: int  # optimizer steps taken after this call
