@@ -110,6 +110,10 @@ def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> Ta
     with torch.no_grad():
         stack.embed_tokens.weight.copy_(embed)
     del embed
+    return _target_model(cfg, stack, hf_config, layer_ids, device, dtype)
+
+
+def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids: list[int], device, dtype) -> TargetModel:
     return TargetModel(
         stack,
         hf_config,
@@ -148,16 +152,7 @@ def _build_from_checkpoint(cfg: TargetConfig, device: torch.device, dtype: torch
         stack.to(device)
     if getattr(stack, "config", None) is not None:
         stack.config.use_cache = False
-    return TargetModel(
-        stack,
-        hf_config,
-        layer_ids,
-        device,
-        dtype,
-        capture_last_hidden=cfg.capture_last_hidden,
-        varlen=cfg.varlen,
-        attn_implementation=cfg.attn_implementation,
-    )
+    return _target_model(cfg, stack, hf_config, layer_ids, device, dtype)
 
 
 # --------------------------------------------------------------------------- the model
