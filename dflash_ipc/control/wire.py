@@ -130,14 +130,13 @@ def _check(spec: tuple, value: Any, path: str) -> Any:
     if kind == "dict":
         if type(value) is not dict:
             raise ProtocolError("bad_field_type", f"{path} is {type(value).__name__}, not a map")
-        return {k: _check(arg, v, f"{path}.{k}") for k, v in value.items() if type(k) is str or _bad_key(path, k)}
+        bad = [k for k in value if type(k) is not str]
+        if bad:
+            raise ProtocolError("bad_field_type", f"{path} has a non-string key {bad[0]!r:.40}")
+        return {k: _check(arg, v, f"{path}.{k}") for k, v in value.items()}
     if type(value) is not dict:  # struct
         raise ProtocolError("bad_field_type", f"{path} is {type(value).__name__}, not a {arg.__name__} map")
     return build_struct(arg, dict(value), path)
-
-
-def _bad_key(path: str, key: Any) -> bool:
-    raise ProtocolError("bad_field_type", f"{path} has a non-string key {key!r:.40}")
 
 
 def build_struct(cls: type, d: dict, path: str) -> Any:
