@@ -49,10 +49,10 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def write_config(path: Path, **training) -> Path:
+def write_config(path: Path, *, num_epochs: int = 1, **training) -> Path:
     raw = tiny_cpu_config(
         topology={"targets": ["cpu"], "drafters": ["cpu"]},
-        data={"builtin_samples": 80, "max_seq_len": 128, "bucket_edges": [64, 128], "token_budget": 512},
+        data={"builtin_samples": 80, "max_seq_len": 128, "bucket_edges": [64, 128], "token_budget": 512, "num_epochs": num_epochs},
         run={"teardown_grace_s": 3.0, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S},
         training={"checkpoint_every": 0, "max_steps": 0, "warmup_steps": 1} | training,
     )
@@ -147,7 +147,9 @@ def test_two_nodes_one_run(tmp_path: Path) -> None:
 
 
 def test_node_failure_ends_every_node_then_resume(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "two-nodes.toml", checkpoint_every=2, max_steps=400)
+    # Enough epochs that training is still running when the kill comes (one epoch is 10 steps,
+    # about 3 s here: it could end before the first checkpoint was seen).
+    config = write_config(tmp_path / "two-nodes.toml", num_epochs=40, checkpoint_every=2, max_steps=400)
     shared = tmp_path / "shared"
     n0, n1 = run_both(tmp_path, config, shared)
     deadline = time.monotonic() + RUN_TIMEOUT_S
