@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -68,3 +70,9 @@ def tiny_cpu_config(**sections: dict[str, Any]) -> dict[str, Any]:
     for section, table in sections.items():
         raw.setdefault(section, {}).update(table)
     return raw
+
+
+def run_up(config: Path, run_dir: Path, max_steps: int, cwd: Path) -> subprocess.CompletedProcess:
+    """`dflash-ipc up` to completion in a subprocess (not a TTY), its output captured as text."""
+    argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(config), "--max-steps", str(max_steps), "--run-dir", str(run_dir)]
+    return subprocess.run(argv, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=cwd)

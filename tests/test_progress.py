@@ -5,11 +5,10 @@ from __future__ import annotations
 import io
 import itertools
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_up
 from rich.console import Console
 
 from dflash_ipc.runtime.progress import (
@@ -91,26 +90,7 @@ def test_rich_progress_renders_the_bar_fields():
 @pytest.mark.slow
 def test_up_without_a_tty_never_repeats_a_progress_line(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_ipc.cli",
-            "up",
-            "--config",
-            str(REPO / "configs" / "tiny-cpu.toml"),
-            "--max-steps",
-            "6",
-            "--run-dir",
-            str(run_dir),
-        ],
-        check=False,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
+    proc = run_up(REPO / "configs" / "tiny-cpu.toml", run_dir, 6, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:]
     progress = [ln for ln in proc.stdout.splitlines() if PROGRESS_LINE.match(ln)]
     assert progress, proc.stdout[-4000:]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_up
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,26 +51,7 @@ def test_tiny_run_writes_tensorboard_scalars_that_read_back(tmp_path):
 
     run_dir = tmp_path / "run"
     steps = 4
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_ipc.cli",
-            "up",
-            "--config",
-            str(_config_with_tensorboard(tmp_path)),
-            "--max-steps",
-            str(steps),
-            "--run-dir",
-            str(run_dir),
-        ],
-        check=False,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
+    proc = run_up(_config_with_tensorboard(tmp_path), run_dir, steps, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:]
     events = sorted(run_dir.glob("events.out.tfevents.*"))
     assert len(events) == 1, events  # rank 0 only
