@@ -123,17 +123,23 @@ def bench_gpu_ring_cmd(out_path: str | None, quick: bool, as_json: bool) -> None
     "--variants",
     default="forward-only,cuda-ipc,host-pinned,depth-2,depth-8",
     show_default=True,
-    help="Comma-separated, run in this order; put 'warmup' first on a machine whose Triton cache is cold.",
+    help="Comma-separated, run in this order: forward-only, cuda-ipc, host-pinned, padded, depth-N, anchors-N, warmup "
+    "(put 'warmup' first on a machine whose Triton cache is cold).",
 )
 @click.option("--peak-tflops", type=float, default=790.0, show_default=True, help="Peak for MFU (bf16 matmul measured on an H200).")
 @click.option("--out", "out_path", default=None, help="Append each variant's result to this file (JSON lines) as soon as it is done.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def bench_pipeline_cmd(config_path: str, steps: int, variants: str, peak_tflops: float, out_path: str | None, as_json: bool) -> None:
     """Run the pipeline in several variants (transport, ceiling, ring depth) and compare them."""
-    from dflash_ipc.bench.pipeline import run_pipeline_bench
+    from dflash_ipc.bench.pipeline import run_pipeline_bench, variant_overrides
 
     _load_or_exit(config_path, check_environment=True)
     names = [v.strip() for v in variants.split(",") if v.strip()]
+    for name in names:  # a misspelt variant is refused before any process starts
+        try:
+            variant_overrides(name, on_cuda=False)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--variants") from None
     result = run_pipeline_bench(config_path, steps, names, peak_tflops, echo=lambda s: click.echo(s, err=as_json), out_path=out_path)
     click.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 

@@ -8,6 +8,12 @@ Variants (each a fresh run directory and a fresh process group):
                     for the pipeline; every batch also runs once through the bare transformers
                     stack (no hooks, no capture), the baseline for the target's own overhead;
 * ``depth-2`` / ``depth-8``  cuda-ipc with 2 and 8 ring slots: host memory must not grow;
+* ``padded``        forward-only with ``target.varlen = false`` (batches padded per row, the
+                    layout before the varlen forward): summary ``ratio_varlen_to_padded`` on the
+                    same batches;
+* ``anchors-N``     cuda-ipc with N anchors per batch, micro-batched in chunks of the config's
+                    ``drafter.anchor_chunk`` (or, unset, its ``max_anchors_per_batch``: what one
+                    forward held before): drafter wait, step split and peak GPU memory at N;
 * ``warmup``        forward-only over the same batches through the first four decoder layers
                     (both layer types, the target's real widths): compiles every Triton (fla)
                     kernel the measured variants will call into the on-disk cache, cheaply, so
@@ -57,7 +63,7 @@ from dflash_ipc.runtime.supervisor import Supervisor
 # kernels inside its own forwards (so its ceiling reads low), and no later variant does; put
 # "warmup" before it to keep the compilation out of every measured variant.
 DEFAULT_VARIANTS = ("forward-only", "cuda-ipc", "host-pinned", "depth-2", "depth-8")
-KNOWN_VARIANTS = (*DEFAULT_VARIANTS, "warmup")
+KNOWN_VARIANTS = (*DEFAULT_VARIANTS, "warmup", "padded")
 
 
 class TreeSampler:
@@ -121,8 +127,9 @@ class TreeSampler:
             self._stop.wait(self.period_s)
 
 
-def _variant_overrides(name: str, on_cuda: bool) -> tuple[dict, int]:
-    """(config overrides, forward_only batches) for one variant."""
+def variant_overrides(name: str, on_cuda: bool, anchor_chunk: int = 0, max_anchors: int = 0) -> tuple[dict, int]:
+    """(config overrides, forward_only batches) for one variant; ``anchor_chunk`` and
+    ``max_anchors`` are the config's own drafter settings (the anchors-N variants chunk by them)."""
     base_backend = "cuda-ipc" if on_cuda else "cpu-shm"
     if name == "cuda-ipc":
         return {"transport.backend": base_backend}, 0
@@ -130,9 +137,22 @@ def _variant_overrides(name: str, on_cuda: bool) -> tuple[dict, int]:
         return {"transport.backend": "host-pinned" if on_cuda else "cpu-shm"}, 0
     if name in ("forward-only", "warmup"):
         return {"transport.backend": base_backend}, -1
+    if name == "padded":  # the forward-only ceiling with today's padded batches: what varlen gains
+        return {"transport.backend": base_backend, "target.varlen": False}, -1
     if name.startswith("depth-"):
-        return {"transport.backend": base_backend, "transport.ring_slots": int(name.split("-")[1])}, 0
-    raise ValueError(f"unknown variant {name!r}; use {', '.join(KNOWN_VARIANTS)}")
+        return {"transport.backend": base_backend, "transport.ring_slots": _variant_number(name)}, 0
+    if name.startswith("anchors-"):
+        # more anchors per batch, in chunks of what one forward held before (the configured cap)
+        chunk = anchor_chunk or max_anchors or 2048
+        return {"transport.backend": base_backend, "drafter.max_anchors_per_batch": _variant_number(name), "drafter.anchor_chunk": chunk}, 0
+    raise ValueError(f"unknown variant {name!r}; use {', '.join(KNOWN_VARIANTS)}, depth-N or anchors-N")
+
+
+def _variant_number(name: str) -> int:
+    tail = name.split("-", 1)[1]
+    if not tail.isdigit() or int(tail) < 1:
+        raise ValueError(f"variant {name!r}: expected a positive integer after '-' (e.g. depth-8, anchors-6144)")
+    return int(tail)
 
 
 def _steady(recs: list[dict], skip: int = 2) -> list[dict]:
@@ -141,7 +161,7 @@ def _steady(recs: list[dict], skip: int = 2) -> list[dict]:
 
 def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, echo) -> dict:
     probe = load_config(config_path)
-    overrides, fwd = _variant_overrides(name, probe.topology.on_cuda)
+    overrides, fwd = variant_overrides(name, probe.topology.on_cuda, probe.drafter.anchor_chunk, probe.drafter.max_anchors_per_batch)
     overrides.update(
         {
             "training.max_steps": steps,
@@ -297,6 +317,13 @@ def run_pipeline_bench(
         summary["ratio_pipeline_to_forward_only_steady"] = round(ipc["steady_tokens_per_s"] / ceiling, 4)
     if ipc:
         summary.update(_topology_advice(config_path, results))
+    if results.get("forward-only") and results.get("padded"):
+        fo, pad = results["forward-only"], results["padded"]
+        summary["ratio_varlen_to_padded"] = round(fo["target_tokens_per_s"] / max(1e-9, pad["target_tokens_per_s"]), 4)
+        summary["target_mfu_varlen_padded"] = [fo["target_mfu"], pad["target_mfu"]]
+    for name, r in results.items():
+        if name.startswith("anchors-") and ipc:
+            summary[f"ratio_{name}_to_cuda_ipc"] = round(r["tokens_per_s"] / max(1e-9, ipc["tokens_per_s"]), 4)
     if results.get("depth-2") and results.get("depth-8"):
         summary["host_rss_depth8_over_depth2"] = round(
             results["depth-8"]["peak_host_rss_bytes"] / max(1, results["depth-2"]["peak_host_rss_bytes"]), 4
