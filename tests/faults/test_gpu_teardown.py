@@ -47,7 +47,6 @@ def test_sigkilled_drafter_holding_ipc_mappings_frees_every_gpu(tmp_path):
         target={"dtype": "bfloat16"},
         drafter={"dtype": "bfloat16", "attention": "auto"},
         data={"num_epochs": 50},
-        run={"heartbeat_timeout_s": 10.0},
     )
     up = Up(cfg, tmp_path / "run")
     try:
