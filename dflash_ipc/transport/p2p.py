@@ -32,6 +32,7 @@ slot's capacity.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -138,6 +139,13 @@ class RecvTicket:
         if not self._done:
             wait_works(self._works, lambda: f"receiving slot {self._slot}", self._timeout_s, self._device)
             self._done = True
+
+    def stream_wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Order later work on ``stream`` (default: the current one) after the receives, without
+        waiting on the host (an NCCL work's ``wait`` does exactly that)."""
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for w in self._works:
+                w.wait()
 
 
 class P2PProducerRing(SlotRingBase):
