@@ -34,7 +34,6 @@ from typing import Any, Literal
 from dflash_ipc.config_fields import ConfigError, _build, _did_you_mean, _FieldError, _require
 from dflash_ipc.fsutil import write_text_atomic
 
-
 # --------------------------------------------------------------------------- components
 
 
