@@ -24,7 +24,7 @@ def bench() -> None:
 
 
 @bench.command("transport")
-@click.option("--backend", type=click.Choice(["cpu-shm", "cuda-ipc", "host-pinned"]), default="cpu-shm", show_default=True)
+@click.option("--backend", type=click.Choice(["cpu-shm", "cuda-ipc", "host-pinned", "nccl"]), default="cpu-shm", show_default=True)
 @click.option("--producers", type=click.IntRange(1, 16), default=2, show_default=True)
 @click.option("--consumers", type=click.IntRange(1, 16), default=2, show_default=True)
 @click.option("--slots", type=click.IntRange(2, 64), default=4, show_default=True)

@@ -23,33 +23,16 @@ Values that are valid but ignored by the component that would read them (for exa
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import ipaddress
 import math
+import re
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash_ipc.config_fields import ConfigError, _build, _did_you_mean, _FieldError, _require
 from dflash_ipc.fsutil import write_text_atomic
-
-
-class ConfigError(ValueError):
-    """A configuration problem, already phrased as ``FILE: dotted.key: what to change``."""
-
-
-def _require(cond: bool, key: str, message: str) -> None:
-    if not cond:
-        raise _FieldError(key, message)
-
-
-class _FieldError(ValueError):
-    def __init__(self, key: str, message: str):
-        super().__init__(message)
-        self.key = key
-        self.message = message
-
 
 # --------------------------------------------------------------------------- components
 
@@ -84,6 +67,12 @@ class RunConfig:
     # core, up to 32), which held 15.7 GB in one drafter's tree. 1 compiles in the process itself:
     # slower only for the first compile, which the drafter's handshake warm-up already hides.
     compile_threads: int = 1
+    # Control plane transport: "ipc" (Unix sockets in the 0700 run dir) or "tcp" (ZeroMQ over TCP
+    # on control_host, every peer authenticated with the run's CURVE keys; only with
+    # transport.backend = "nccl", the layout where a target and its drafters may be on different
+    # hosts). control_host is also where a target's nccl rendezvous listens.
+    control: Literal["ipc", "tcp"] = "ipc"
+    control_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         _require(
@@ -111,6 +100,30 @@ class RunConfig:
             f"must be >= 0 and <= {MAX_TIMEOUT_S:g} seconds (got {self.teardown_grace_s:g})",
         )
         _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a TCP port in 1..65535, or 0 for no /metrics endpoint")
+        _require(
+            _valid_host(self.control_host),
+            "control_host",
+            f"must be one address or host name of this host, e.g. 127.0.0.1 or 10.0.0.5 (got {self.control_host!r}); "
+            "a wildcard would listen on every interface",
+        )
+        _require(
+            self.control != "tcp" or _zmq_has_curve(),
+            "control",
+            'is "tcp" but this pyzmq/libzmq has no CURVE support, so peers could not be authenticated; use "ipc"',
+        )
+
+
+def _valid_host(host: str) -> bool:
+    try:
+        return not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", host) is not None
+
+
+def _zmq_has_curve() -> bool:
+    import zmq
+
+    return bool(zmq.has("curve"))
 
 
 def _tensorboard_installed() -> bool:
@@ -178,7 +191,9 @@ def _valid_device(dev: str) -> bool:
 
 @dataclass
 class TransportConfig:
-    backend: Literal["auto", "cpu-shm", "host-pinned", "cuda-ipc"] = "auto"
+    # "nccl": slots sent point to point over torch.distributed (NCCL on GPU, gloo on CPU), for
+    # drafters on other hosts; never chosen by "auto".
+    backend: Literal["auto", "cpu-shm", "host-pinned", "cuda-ipc", "nccl"] = "auto"
     ring_slots: int = 4
     # Credits: at most this many slots outstanding at one drafter (held or queued), from all targets.
     max_outstanding_per_drafter: int = 3
@@ -399,6 +414,11 @@ class DFlashConfig:
                 "transport.backend",
                 f'{self.transport.backend} needs cuda devices; use "cpu-shm" or "auto" on CPU',
             )
+        _require(
+            self.run.control == "ipc" or self.transport.backend == "nccl",
+            "run.control",
+            'is "tcp", which is for targets and drafters on different hosts: set transport.backend = "nccl" too, or use "ipc"',
+        )
         if self.training.kl_weight > 0:
             _require(
                 self.target.capture_last_hidden,
@@ -490,88 +510,6 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> DFlashConfi
         return DFlashConfig(**built, source=source)
     except _FieldError as e:
         raise ConfigError(f"{source}: {e.key}: {e.message}") from None
-
-
-def _build(cls: type, table: dict[str, Any], prefix: str, source: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in table.items():
-        dotted = f"{prefix}.{key}"
-        if key not in fields:
-            raise ConfigError(f"{source}: {dotted}: unknown key{_did_you_mean(key, fields)}")
-        try:
-            kwargs[key] = _coerce(value, hints[key], dotted)
-        except _FieldError as e:
-            raise ConfigError(f"{source}: {e.key}: {e.message}") from None
-    try:
-        return cls(**kwargs)
-    except _FieldError as e:
-        raise ConfigError(f"{source}: {prefix}.{e.key}: {e.message}") from None
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (list,):
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    if origin is dict:
-        return "table"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, dotted: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise _FieldError(dotted, f"must be one of {', '.join(repr(c) for c in choices)} (got {value!r})")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise _FieldError(dotted, f"must be a {_type_name(tp)} (got {type(value).__name__} {value!r})")
-        (item_tp,) = typing.get_args(tp)
-        return [_coerce(v, item_tp, f"{dotted}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _FieldError(dotted, f"must be a table (got {type(value).__name__})")
-        return dict(value)
-    if origin in (typing.Union, types.UnionType):
-        for alt in typing.get_args(tp):
-            try:
-                return _coerce(value, alt, dotted)
-            except _FieldError:
-                continue
-        raise _FieldError(dotted, f"must be {_type_name(tp)} (got {value!r})")
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _FieldError(dotted, f"must be true or false (got {value!r})")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _FieldError(dotted, f"must be an integer (got {type(value).__name__} {value!r})")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _FieldError(dotted, f"must be a number (got {type(value).__name__} {value!r})")
-        if not math.isfinite(value):
-            raise _FieldError(dotted, f"must be a finite number (got {value!r})")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise _FieldError(dotted, f"must be a string (got {type(value).__name__} {value!r})")
-        return value
-    raise _FieldError(dotted, f"unsupported type {tp}")
-
-
-def _did_you_mean(key: str, valid: Any) -> str:
-    close = difflib.get_close_matches(key, list(valid), n=1)
-    valid_list = ", ".join(sorted(valid))
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"{hint} (valid: {valid_list})"
 
 
 RESOLVED_CONFIG_FILE = "config.json"

@@ -24,10 +24,11 @@ def run_bench_consumer_process(a: argparse.Namespace) -> int:
     device = place_process(a.device, None, a.producers + a.consumers)
     socks = ChildSockets(run_dir, "consumer", a.rank, channels.drafter_endpoint(run_dir, a.rank))
     rejects = RejectCounter(f"consumer-{a.rank}", log)
+    rings = []
     try:
         hello = Hello(role="consumer", rank=a.rank, pid=os.getpid(), device=a.device, endpoint=socks.pull_endpoint)
         start = handshake.child_handshake(socks.dealer, hello, 120, rejects)
-        rings = [open_consumer_ring(d, device) for d in start.rings]
+        rings = [open_consumer_ring(d, device, consumer_rank=a.rank) for d in start.rings]
         socks.connect_peers(start.target_endpoints, "producer")
         slot_bytes = max(r.layout.slot_bytes for r in rings)
         buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(a.prefetch + 1)]

@@ -24,6 +24,7 @@ def run_bench_producer_process(a: argparse.Namespace) -> int:
     device = place_process(a.device, None, a.producers + a.consumers)
     socks = ChildSockets(run_dir, "producer", a.rank, channels.target_endpoint(run_dir, a.rank))
     rejects = RejectCounter(f"producer-{a.rank}", log)
+    ring = None
     try:
         layout = bench_transport.bench_layout(a.slot_bytes)
         ring = create_producer_ring(a.backend, layout, a.slots, run_id=a.run_id, producer_rank=a.rank, device=device)

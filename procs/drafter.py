@@ -87,7 +87,7 @@ def drafter_main(child: ChildContext) -> int:
     start = handshake.child_handshake(socks.dealer, hello, cfg.run.handshake_timeout_s, rejects, lambda: stop.requested, socks.auth)
     rings = []
     for d in start.rings:
-        rings.append(open_consumer_ring(d, device))
+        rings.append(open_consumer_ring(d, device, consumer_rank=rank, timeout_s=cfg.run.handshake_timeout_s))
         child.closing.callback(rings[-1].close)
     socks.connect_peers(start.target_endpoints, "target")
     slot_bytes = max(r.layout.slot_bytes for r in rings)

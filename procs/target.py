@@ -95,6 +95,8 @@ def target_main(child: ChildContext) -> int:
         run_id=cfg_run_id(run_dir),
         producer_rank=rank,
         device=device,
+        host=cfg.run.control_host,
+        timeout_s=cfg.run.handshake_timeout_s,
     )
     child.closing.callback(ring.close)
     # Closed again (it is idempotent), now before the ring: the packer thread writes into ring slots.

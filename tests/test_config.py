@@ -207,6 +207,11 @@ def test_impossible_value_names_dotted_key(tmp_path, data, key, fragment):
         ({"topology": {"targets": ["cuda:0"], "drafters": ["cpu"]}}, "topology.targets", "mixing cpu and cuda"),
         ({"topology": {"dist_backend": "nccl"}}, "topology.dist_backend", "nccl needs every drafter on a cuda device"),
         ({"drafter": {"num_layers": 3, "layer_types": ["full_attention"]}}, "drafter.layer_types", "exactly drafter.num_layers"),
+        # a TCP control plane is only for the off-host (nccl) transport
+        ({"run": {"control": "tcp"}}, "run.control", 'set transport.backend = "nccl"'),
+        ({"run": {"control": "tcp", "control_host": "0.0.0.0"}, "transport": {"backend": "nccl"}}, "run.control_host", "wildcard"),
+        ({"run": {"control_host": "host name"}}, "run.control_host", "one address or host name"),
+        ({"run": {"control": "udp"}}, "run.control", "must be one of 'ipc', 'tcp'"),
     ],
 )
 def test_impossible_combination_names_dotted_key(tmp_path, data, key, fragment):
@@ -241,3 +246,11 @@ def test_ignored_value_warnings(tmp_path):
 def test_no_spec_warning_without_model_path(tmp_path):
     cfg = load_config(write(tmp_path, "[target.spec]\nhidden_size = 64\n"))
     assert not any("target.spec" in w for w in cfg.ignored_value_warnings())
+
+
+def test_nccl_transport_and_tcp_control_load_on_cpu(tmp_path):
+    """nccl is valid on CPU (gloo carries it) and is never what "auto" resolves to."""
+    cfg = load_config(write(tmp_path, {"transport": {"backend": "nccl"}, "run": {"control": "tcp", "control_host": "10.0.0.5"}}))
+    assert cfg.transport.backend == "nccl" and cfg.resolved_backend() == "nccl"
+    assert cfg.run.control == "tcp" and cfg.run.control_host == "10.0.0.5"
+    assert load_config(write(tmp_path, {}, name="d.toml")).resolved_backend() == "cpu-shm"

@@ -350,3 +350,20 @@ def test_ring_harness_two_processes_typed_messages_on_cpu():
         gpu_wire.unpack(b"\xc1", gpu_wire.SlotFilled)
     with pytest.raises(ValueError, match="verify='none'"):
         gpu_wire.Scenario("x", "cpu-shm", -1, -1, layout.to_wire(), fill="none")
+
+
+def test_ring_harness_nccl_backend_over_gloo_on_cpu():
+    """The ``nccl`` ring on CPU (gloo, the same code path): two spawned processes, a two-rank pair
+    group from the producer's store, random batch sizes (edges included), three slots reused 20
+    times each, every byte verified after the receive completed; then the one-in-flight handoff."""
+    layout = SlotLayout(num_planes=2, hidden_size=32, max_tokens=64, max_seqs=4, plane_dtype="bfloat16")
+    scs = [
+        gpu_ring.scenario(
+            "cpu nccl random", "nccl", -1, -1, layout, num_slots=3, iters=60, warmup=0, depth=2, sizes="random", verify="full", seed=7
+        ),
+        gpu_ring.handoff_scenario("nccl", -1, -1, iters=20),
+    ]
+    results = gpu_ring.run_scenarios(scs, timeout=240)
+    for r, sc in zip(results, scs, strict=True):
+        assert r["slots"] == sc.iters and r["errors"] == 0 and r["stray_frees"] == 0, r
+        assert r["copy_mode"] == "nccl" and r["bytes"] > 0, r

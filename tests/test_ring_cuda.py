@@ -204,3 +204,31 @@ def test_choose_backend():
         peer = torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0)
         backend, reason = choose_backend(0, [0, 1])
         assert backend == ("cuda-ipc" if peer else "host-pinned"), reason
+
+
+@pytest.mark.gpu(2)
+def test_nccl_integrity_race_and_ordering_on_two_gpus():
+    """The ``nccl`` ring between two GPUs (two processes, one two-rank NCCL pair group): random
+    sizes with every byte verified, two slots overwritten the instant they come back, and a
+    producer whose fill is still queued when SlotReady arrives (the send must wait for it)."""
+    results = bg.run_scenarios([_integrity("nccl", 1), _race("nccl", 1), _delayed("nccl", 1)], timeout=180)
+    _check(results)
+    assert all(r["copy_mode"] == "nccl" and r["bytes"] > 0 for r in results), results
+    print([(r["name"], r["slots"], r["errors"], r.get("gbps")) for r in results])
+
+
+@pytest.mark.gpu(2)
+def test_nccl_descriptor_carries_the_pair_rendezvous():
+    layout = SlotLayout(num_planes=1, hidden_size=256, max_tokens=64, max_seqs=4, plane_dtype="bfloat16")
+    ring = create_producer_ring("nccl", layout, 3, run_id=new_run_id(), producer_rank=0, device="cuda:0")
+    try:
+        d = ring.descriptor()
+        wire = msgpack.packb(protocol.to_wire(d), use_bin_type=True)
+        assert protocol.from_wire(RingDescriptor, msgpack.unpackb(wire, raw=False)) == d
+        assert d.pair is not None and d.pair.host == "127.0.0.1" and d.pair.device_type == "cuda" and d.pair.port > 0
+        assert d.shm is None and d.gpu is None and d.cuda_ipc is None
+        with pytest.raises(ValueError, match="holds slots on cuda"):
+            open_consumer_ring(d, "cpu", consumer_rank=0)
+    finally:
+        ring.close()
+        ring.close()  # idempotent

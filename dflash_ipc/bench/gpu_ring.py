@@ -209,6 +209,7 @@ def _produce(sc: Scenario, conn, rank: int) -> ProducerFigures:
     ring = create_producer_ring(sc.backend, layout, sc.num_slots, run_id=run_id, producer_rank=rank, device=dev)
     try:
         create_s = time.perf_counter() - t0
+        ring.attach_consumers(1)
         send(conn, RingOpen(ring.descriptor()))
         recv(conn, RingOpened, timeout=120)
         stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
@@ -230,6 +231,7 @@ def _produce(sc: Scenario, conn, rank: int) -> ProducerFigures:
             except SlotStateError:
                 stray += 1
                 return
+            ring.slot_returned(m.slot)
             rt_ns.append(time.perf_counter_ns() - sent_ns.pop(m.seq))
 
         seq = 0
@@ -253,6 +255,7 @@ def _produce(sc: Scenario, conn, rank: int) -> ProducerFigures:
             table.publish(slot, 0)
             sent_ns[seq] = c0
             send(conn, SlotFilled(slot=slot, seq=seq, n_tokens=n, n_seqs=b, committed_ns=c0))
+            ring.hand_over(slot, 0, n, b)
             seq += 1
             # Take any SlotFree already here before filling the next slot.
             while conn.poll(0):
@@ -283,7 +286,7 @@ def _consume(sc: Scenario, conn) -> None:
     if cuda:
         torch.cuda.set_device(dev)
     t0 = time.perf_counter()
-    ring = open_consumer_ring(opened.descriptor, dev)
+    ring = open_consumer_ring(opened.descriptor, dev, consumer_rank=0)
     open_s = time.perf_counter() - t0
     layout = ring.layout
     depth = 1 if sc.mode == "lockstep" else sc.depth
@@ -334,7 +337,7 @@ def _consume(sc: Scenario, conn) -> None:
         d = dsts[k]
         n, b = m.n_tokens, m.n_seqs
         i0 = time.perf_counter_ns()
-        if cuda:
+        if cuda and ring.backend != "nccl":
             ticket = ring.copy_out(m.slot, n, b, d, after=dst_free[k])
         else:
             ticket = ring.copy_out(m.slot, n, b, d)
@@ -347,13 +350,14 @@ def _consume(sc: Scenario, conn) -> None:
         if early:
             send(conn, SlotReturned(slot=m.slot, seq=m.seq))
         if verify != "none" and cuda:
-            vstream.wait_event(ticket.event)
+            ticket.stream_wait(vstream)
             with torch.cuda.stream(vstream):
                 verify_slot(layout.views(d, n, b), layout, m.seq, base, err, verify)
             ev = torch.cuda.Event()
             ev.record(vstream)
             dst_free[k] = ev
         elif verify != "none":
+            ticket.wait()  # host rings copy before copy_out returns; an nccl ring over gloo receives in the background
             verify_slot(layout.views(d, n, b), layout, m.seq, base, err, verify)
     _sync(dev)
     errors = int(err.item())

@@ -336,7 +336,7 @@ def run_transport_bench(args: BenchArgs, progress=print) -> dict:
         "rejected_messages": ring["rejected"],
         "verified": bool(ring["verified"] and base["verified"] and hand["verified"]),
     }
-    if args.backend in ("cuda-ipc", "host-pinned") and torch.cuda.is_available():
+    if args.backend in ("cuda-ipc", "host-pinned", "nccl") and args.producer_device != "cpu" and torch.cuda.is_available():
         from dflash_ipc.bench.gpu_suite import measure_reference_gbps
 
         ref = measure_reference_gbps(args.producer_device, args.consumer_device, layout.planes_bytes)

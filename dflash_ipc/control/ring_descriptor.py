@@ -10,6 +10,10 @@ shape; one nested part per backend carries what only that backend needs::
     host-pinned   segment name  producer's GPU (staging)     -
     cuda-ipc      -             the ring's GPU               memory handle, offset, size, event handles
 
+    backend       pair
+    nccl          the producer's TCPStore (host, port) and the device type: each consumer joins
+                  its own two-rank group there (rank 0 producer, rank 1 consumer)
+
 :meth:`RingDescriptor.__post_init__` refuses a descriptor whose parts do not match its backend, so
 a decoded descriptor is complete for its backend. ``version`` is :data:`DESCRIPTOR_VERSION` of the
 build that made it; a consumer refuses any other. This module imports only ``control.protocol``
@@ -24,8 +28,8 @@ from typing import ClassVar
 from dflash_ipc.control.wire import Struct
 
 # Bumped whenever a descriptor field changes meaning; consumers refuse any other version.
-DESCRIPTOR_VERSION = 2
-BACKENDS = ("cpu-shm", "cuda-ipc", "host-pinned")
+DESCRIPTOR_VERSION = 3
+BACKENDS = ("cpu-shm", "cuda-ipc", "host-pinned", "nccl")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,24 @@ class CudaIpcMemory(Struct):
 
 
 @dataclass(frozen=True)
+class PairRendezvous(Struct):
+    """Where a ``nccl`` ring's consumers meet its producer: the producer's TCPStore, and whether the
+    slots live on a GPU (NCCL) or in host memory (gloo)."""
+
+    host: str
+    port: int
+    device_type: str
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("pair rendezvous host is empty")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"pair rendezvous port {self.port} outside 1..65535")
+        if self.device_type not in ("cpu", "cuda"):
+            raise ValueError(f"pair rendezvous device_type {self.device_type!r}; expected 'cpu' or 'cuda'")
+
+
+@dataclass(frozen=True)
 class RingDescriptor(Struct):
     NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset({"producer_rank", "producer_pid", "num_slots", "slot_bytes"})
     backend: str
@@ -86,14 +108,15 @@ class RingDescriptor(Struct):
     shm: ShmSegment | None = None
     gpu: GpuIdentity | None = None
     cuda_ipc: CudaIpcMemory | None = None
+    pair: PairRendezvous | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown transport backend {self.backend!r}; use one of {', '.join(BACKENDS)}")
         if self.num_slots < 1:
             raise ValueError(f"ring descriptor num_slots is {self.num_slots}; a ring has at least one slot")
-        needs = {"cpu-shm": ("shm",), "host-pinned": ("shm", "gpu"), "cuda-ipc": ("gpu", "cuda_ipc")}[self.backend]
-        for part in ("shm", "gpu", "cuda_ipc"):
+        needs = {"cpu-shm": ("shm",), "host-pinned": ("shm", "gpu"), "cuda-ipc": ("gpu", "cuda_ipc"), "nccl": ("pair",)}[self.backend]
+        for part in ("shm", "gpu", "cuda_ipc", "pair"):
             present = getattr(self, part) is not None
             if present != (part in needs):
                 raise ValueError(f"a {self.backend} ring descriptor {'needs' if part in needs else 'carries no'} `{part}` part")

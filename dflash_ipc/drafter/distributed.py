@@ -7,16 +7,16 @@ Every drafter of every node joins one torch.distributed group (NCCL on GPU, gloo
 from __future__ import annotations
 
 import inspect
-import ipaddress
 import logging
 import os
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dflash_ipc.transport.rendezvous import is_loopback, tcp_store
 
 log = logging.getLogger(__name__)
 
@@ -129,25 +129,6 @@ def init_distributed(
     dist.init_process_group(**kwargs)
     log.debug("joined %s process group: rank %d/%d on %s", backend, rank, world_size, device)
     return info
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def tcp_store(host: str, port: int, is_server: bool, timeout: timedelta, *, world_size: int | None = None) -> dist.TCPStore:
-    """A TCPStore client or (``is_server``) its server; on a loopback ``host`` the server listens on it only."""
-    listen_fd = None
-    if is_server and is_loopback(host):  # the store takes the bound socket over and closes it: detach it from Python
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        bind_host = "127.0.0.1" if host == "localhost" else host
-        listen_fd = socket.create_server((bind_host, port), family=family, backlog=max(128, world_size or 1)).detach()
-    return dist.TCPStore(
-        host, port, world_size, is_server, timeout=timeout, master_listen_fd=listen_fd, wait_for_workers=world_size is not None
-    )
 
 
 def destroy_distributed() -> None:

@@ -233,13 +233,13 @@ class NodeGroup:
         return f"{self.spec.master_addr}:{self.port}"
 
     def _connect(self, timeout_s: float):
-        from dflash_ipc.drafter.distributed import tcp_store
+        from dflash_ipc.transport.rendezvous import tcp_store
 
         return tcp_store(self.spec.master_addr, self.port, False, timedelta(seconds=timeout_s))
 
     def join(self, digest: str, timeout_s: float) -> None:
         """Meet every node's supervisor; refuse a node whose config or plan differs (before any process starts)."""
-        from dflash_ipc.drafter.distributed import tcp_store
+        from dflash_ipc.transport.rendezvous import tcp_store
 
         me, n = self.spec.node_rank, self.spec.nnodes
         try:

@@ -84,6 +84,7 @@ class ProducerDataPlane:
     def __init__(self, rank: int, ring: ProducerRing, num_consumers: int, max_outstanding: int, send: Send, rejects: RejectCounter):
         self.rank = rank
         self.ring = ring
+        ring.attach_consumers(num_consumers)
         self.table = SlotTable(ring.num_slots)
         self.router = LeastBusyRouter(num_consumers, max_outstanding)
         self._send = send
@@ -129,6 +130,8 @@ class ProducerDataPlane:
             self.seq[consumer] += 1
             self.router.on_sent(consumer)
             self._send(consumer, msg)
+            # After SlotReady: a ring that sends the bytes (nccl) must not make its consumer wait for them.
+            self.ring.hand_over(f.slot, consumer, f.n_tokens, f.n_seqs)
             self.batches_sent += 1
             sent += 1
         self._maybe_send_end()
@@ -154,6 +157,7 @@ class ProducerDataPlane:
             except SlotStateError as e:
                 self.rejects.reject("bad_slot_free", str(e))
                 return
+            self.ring.slot_returned(msg.slot)
             self.slot_free_received += 1
             self.router.on_report(msg.consumer, msg.outstanding, msg.received)
         elif isinstance(msg, Load):

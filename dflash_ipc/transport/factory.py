@@ -22,6 +22,7 @@ from dflash_ipc.transport.host_pinned import (
     HostPinnedConsumerRing,
     HostPinnedProducerRing,
 )
+from dflash_ipc.transport.p2p import PAIR_TIMEOUT_S, P2PConsumerRing, P2PProducerRing
 from dflash_ipc.transport.ring import ConsumerRing, ProducerRing
 from dflash_ipc.transport.slots import SlotLayout
 
@@ -34,18 +35,26 @@ def create_producer_ring(
     run_id: str,
     producer_rank: int,
     device: DeviceLike = "cpu",
+    host: str = "127.0.0.1",
+    timeout_s: float = PAIR_TIMEOUT_S,
 ) -> ProducerRing:
+    """``host``/``timeout_s``: where an ``nccl`` ring's consumers meet it, and how long they may take."""
     if backend == "cpu-shm":
         return CpuShmProducerRing(layout, num_slots, run_id, producer_rank)
     if backend == "cuda-ipc":
         return CudaIpcProducerRing(layout, num_slots, run_id, producer_rank, cuda_device(device))
     if backend == "host-pinned":
         return HostPinnedProducerRing(layout, num_slots, run_id, producer_rank, cuda_device(device))
+    if backend == "nccl":
+        return P2PProducerRing(layout, num_slots, run_id, producer_rank, as_device(device), host, timeout_s)
     raise ValueError(f"unknown transport backend {backend!r}; use one of {', '.join(BACKENDS)}")
 
 
-def open_consumer_ring(descriptor: RingDescriptor, local_device: DeviceLike = "cpu") -> ConsumerRing:
-    """Import a producer's ring once; keep the returned object for the consumer's life."""
+def open_consumer_ring(
+    descriptor: RingDescriptor, local_device: DeviceLike = "cpu", *, consumer_rank: int | None = None, timeout_s: float = PAIR_TIMEOUT_S
+) -> ConsumerRing:
+    """Import a producer's ring once; keep the returned object for the consumer's life. An
+    ``nccl`` ring needs ``consumer_rank`` (it joins the pair's group as that consumer)."""
     if descriptor.version != DESCRIPTOR_VERSION:
         raise ValueError(
             f"ring descriptor version {descriptor.version}, this build reads {DESCRIPTOR_VERSION}: "
@@ -58,13 +67,18 @@ def open_consumer_ring(descriptor: RingDescriptor, local_device: DeviceLike = "c
         return CudaIpcConsumerRing(descriptor, cuda_device(local_device))
     if backend == "host-pinned":
         return HostPinnedConsumerRing(descriptor, cuda_device(local_device))
+    if backend == "nccl":
+        if consumer_rank is None:
+            raise ValueError("opening an nccl ring needs the consumer's rank")
+        return P2PConsumerRing(descriptor, consumer_rank, as_device(local_device), timeout_s)
     raise ValueError(f"unknown transport backend {backend!r}; use one of {', '.join(BACKENDS)}")
 
 
 def choose_backend(producer_device: DeviceLike, consumer_devices: Sequence[DeviceLike]) -> tuple[str, str]:
     """``transport.backend = "auto"``: (backend, reason). cuda-ipc when every consumer GPU is the
     producer's GPU or has peer access with it both ways, host-pinned otherwise; cpu-shm when
-    the producer or a consumer is not on a GPU. The caller logs the reason."""
+    the producer or a consumer is not on a GPU. Never ``nccl``: that one is for consumers on
+    other hosts and is asked for by name. The caller logs the reason."""
     pd = as_device(producer_device)
     cds = [as_device(d) for d in consumer_devices]
     if pd.type != "cuda":

@@ -12,9 +12,12 @@ lifecycle, the producer's slot table and the ring interfaces. Backends:
                   D2H by the producer, H2D by the consumer (``transport.host_pinned``).
 * ``cuda-ipc``    one GPU allocation plus one interprocess CUDA event per slot, shared through
                   CUDA IPC handles (``transport.cuda_ipc``).
+* ``nccl``        nothing shared: the producer sends each slot's used bytes to the consumer it
+                  routed it to, point to point over torch.distributed (NCCL on GPU, gloo on
+                  CPU; ``transport.p2p``), so consumers may live on other hosts.
 
 Module graph (no cycles): ``shm``, ``slots`` <- ``ring`` <- ``cpu_shm``, ``cuda_common`` <-
-``cuda_ipc``, ``host_pinned`` <- ``factory`` (the one place that dispatches on the backend).
+``cuda_ipc``, ``host_pinned``, ``p2p`` <- ``factory`` (the one place that dispatches on the backend).
 
 Slot lifecycle and who owns each transition::
 
@@ -32,6 +35,10 @@ A SlotFree for a slot that is not READY at that consumer is rejected and counted
 how duplicates and stray frees are caught. A slot is never handed out while READY, so a
 consumer's early return is the only way data could be overwritten while being read — the
 consumer returns a slot only after its copy completed (``CopyTicket.wait``).
+
+Rings that move bytes themselves (``nccl``) hear of each transition through three hooks the
+data plane calls, no-ops for shared memory: ``attach_consumers`` (the consumers are known),
+``hand_over`` (READY(d): send the slot to d) and ``slot_returned`` (FREE again).
 """
 
 from __future__ import annotations
@@ -140,6 +147,12 @@ class ProducerRing(Protocol):
 
     def descriptor(self) -> RingDescriptor: ...
 
+    def attach_consumers(self, num_consumers: int) -> None: ...
+
+    def hand_over(self, index: int, consumer: int, n_tokens: int, n_seqs: int) -> None: ...
+
+    def slot_returned(self, index: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -180,6 +193,16 @@ class SlotRingBase:
 
     def views(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews:
         return self.layout.views(self.slot(index), n_tokens, n_seqs)
+
+    # A shared ring's consumers read the slot itself: nothing to do per consumer or per slot.
+    def attach_consumers(self, num_consumers: int) -> None:
+        return None
+
+    def hand_over(self, index: int, consumer: int, n_tokens: int, n_seqs: int) -> None:
+        return None
+
+    def slot_returned(self, index: int) -> None:
+        return None
 
     @property
     def closed(self) -> bool:
