@@ -359,10 +359,16 @@ def _plan_topology(n_gpus: int | None, profile_path: str | None, as_json: bool) 
     help="Target and drafter dtype. float32 keeps the lossless check exact: bf16 flips near-ties between "
     "a block verification and one-token steps.",
 )
-@click.option("--target-device", default=None, help="Default: topology.targets[0].")
-@click.option("--drafter-device", default=None, help="Default: topology.drafters[0].")
+@click.option("--target-device", default=None, help="Default: topology.targets[0]; a comma-separated list spreads the workers.")
+@click.option("--drafter-device", default=None, help="Default: topology.drafters[0] (several target devices: each worker's own).")
+@click.option("--workers", type=click.IntRange(1), default=1, show_default=True, help="Decoding processes per target device.")
+@click.option(
+    "--speed-prompts", type=click.IntRange(1), default=4, show_default=True, help="With workers: prompts decoded alone to time speed."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
-def eval_cmd(config_path, drafter_dir, prompts_path, n, max_new, block_size, dtype, target_device, drafter_device, as_json) -> None:
+def eval_cmd(
+    config_path, drafter_dir, prompts_path, n, max_new, block_size, dtype, target_device, drafter_device, workers, speed_prompts, as_json
+) -> None:
     """Greedy DFlash speculative decoding with an exported drafter: tau, acceptance, speed, lossless."""
     from dflash_ipc.eval.run import run_eval
 
@@ -378,6 +384,8 @@ def eval_cmd(config_path, drafter_dir, prompts_path, n, max_new, block_size, dty
             dtype=dtype,
             target_device=target_device,
             drafter_device=drafter_device,
+            workers=workers,
+            speed_prompts=speed_prompts,
             echo=lambda s: click.echo(s, err=True),
         )
     except (ValueError, OSError) as e:

@@ -56,8 +56,7 @@ class RunConfig:
     # "auto": on GPU hosts give each process its own share of the CPU cores, so one process's
     # compile workers or data loading cannot starve another's kernel launches. "off": inherit.
     cpu_affinity: Literal["auto", "off"] = "auto"
-    # TensorBoard event files beside metrics.jsonl (drafter rank 0): loss, acc, tau, tokens/s, lr
-    # per step. Needs the optional extra: pip install "dflash-ipc[tensorboard]".
+    # TensorBoard events beside metrics.jsonl (drafter 0): loss, acc, tau, tau_holdout, ...; pip install "dflash-ipc[tensorboard]".
     tensorboard: bool = False
     # Serve the live status snapshot as Prometheus metrics on http://127.0.0.1:PORT/metrics
     # (loopback only: scrape through an SSH tunnel or a local Prometheus). 0: no endpoint.
@@ -223,6 +222,7 @@ class DataConfig:
     cache_dir: str = ""  # empty: RUN_DIR/data
     # Built-in corpus size (number of conversations); ignored for file paths.
     builtin_samples: int = 2000
+    holdout_paths: list[str] = field(default_factory=list)  # held-out chat data (gen-data's OUT.holdout.jsonl), never trained on
 
     def __post_init__(self) -> None:
         _require(len(self.paths) >= 1, "paths", 'needs at least one JSONL path or "builtin:stdlib-docs"')
@@ -359,8 +359,12 @@ class TrainingConfig:
     export_on_finish: bool = True
     # Write a checkpoint when training ends (benchmarks turn it off: at 27B shapes it is ~20 GB).
     checkpoint_on_finish: bool = True
+    holdout_every: int = 0  # ~every N steps a pass over data.holdout_paths measures tau_holdout (docs/EVAL.md); 0: off
+    holdout_batches: int = 4  # batches per held-out pass; 0: all of them
 
     def __post_init__(self) -> None:
+        for key in ("holdout_every", "holdout_batches"):
+            _require(getattr(self, key) >= 0, key, "must be >= 0 (0: off / every held-out batch in a pass)")
         _require(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
         _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
@@ -425,6 +429,9 @@ class DFlashConfig:
                 "training.kl_weight",
                 "needs target.capture_last_hidden = true (the KL loss reads the target's last hidden state)",
             )
+        _require(self.training.holdout_every == 0 or bool(self.data.holdout_paths), "training.holdout_every", "needs data.holdout_paths")
+        shared = set(self.data.holdout_paths) & set(self.data.paths)
+        _require(not shared, "data.holdout_paths", f"{sorted(shared)} also in data.paths: held-out data is never trained on")
 
     def resolved_backend(self) -> str:
         """The transport backend, with "auto" resolved where no GPU probing is needed."""

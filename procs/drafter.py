@@ -110,6 +110,10 @@ def drafter_main(child: ChildContext) -> int:
         child.read_control()
         plane.pump()
         batch = plane.take()
+        if batch is not None and batch.msg.holdout:  # drafter 0 only; local, no collective, never trained on
+            core.evaluate_holdout(batch.views, batch.msg.batch_id, batch.msg.holdout_pass_batches)
+            plane.release(batch)
+            continue
         if batch is None and not plane.all_ended() and not stop.requested:
             w0 = time.perf_counter()
             if plane.copying:

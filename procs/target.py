@@ -138,7 +138,8 @@ def target_main(child: ChildContext) -> int:
             if forward_only:
                 plane.table.abort_filling(done.slot)
                 continue
-            plane.enqueue(done.slot, b.id.to_wire(), b.bucket, b.n_tokens, b.batch_size, {"padded_len": b.padded_len})
+            meta = {"padded_len": b.padded_len}
+            plane.enqueue(done.slot, done.wire_id, b.bucket, b.n_tokens, b.batch_size, meta, done.holdout_pass_batches)
         if forward_only and captured is None and (core.forwards >= forward_only or core.batches_left == 0) and core.packs_in_flight == 0:
             stats = TargetStats(
                 Vitals.measure("done", time.perf_counter() - t0, proc, rejects), core.stats(final=True), ProducerPlaneStats.of(plane)

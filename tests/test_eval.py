@@ -206,3 +206,60 @@ def test_export_untrained_matches_the_trained_layout_and_evals_lossless(tmp_path
     rep = json.loads(r.output.strip().splitlines()[-1])
     assert rep["lossless"] is True and rep["prompts"] == 2
     assert 1.0 <= rep["tau"] < 2.0  # a random drafter: the floor
+
+
+def test_cached_context_keys_values_give_the_drafts_of_a_full_recompute(tiny, tmp_path):
+    from dflash_ipc.drafter.blocks import build_block_layout
+    from dflash_ipc.drafter.export import load_exported_drafter
+    from dflash_ipc.drafter.masks import build_attention_masks
+    from dflash_ipc.eval.spec import DrafterProposer
+
+    cfg, tok, target, prompts, stops = tiny
+    hf = load_hf_config(cfg.target, vocab_size=len(tok))
+    embed, head = target_head_weights(cfg.target, hf, "cpu", torch.float32)
+    drafter = load_exported_drafter(_drafter(cfg, tok, tmp_path / "d", seed=3), embed, head, attention="sdpa", device="cpu").eval()
+    bs = drafter.config.block_size
+
+    def full(context, anchor):  # every step projects the whole context again (the decoder before the cache)
+        n = context.shape[0]
+        t = torch.tensor
+        layout = build_block_layout(t([n]), t([n]), t([0]), bs, n=n)
+        masks = build_attention_masks(layout, drafter.config.layer_types, drafter.config.sliding_window, "sdpa")
+        ids = torch.full((1, bs), drafter.config.mask_token_id, dtype=torch.long)
+        ids[0, 0] = anchor
+        with torch.no_grad():
+            return drafter(context, layout.context_position_ids, ids, layout.block_position_ids, masks)[1:]
+
+    for p in prompts:
+        cached = DrafterProposer(drafter)
+        calls = []
+
+        def both(context, anchor, k, cached=cached, calls=calls):
+            drafts = cached(context, anchor, k)
+            ref = drafter.compute_logits(full(context, anchor)).argmax(-1).tolist()
+            calls.append((context.shape[0], drafts == ref))
+            return drafts
+
+        res = speculative_generate(target, both, p, 24, stops, bs)
+        assert res.tokens == greedy_generate(target, p, 24, stops).tokens
+        assert len(calls) >= 3 and len({n for n, _ in calls}) == len(calls)  # the context grew every step
+        assert all(same for _, same in calls), calls
+    with pytest.raises(ValueError, match="one DrafterProposer per prompt"):
+        cached(torch.zeros(1, embed.shape[1] * len(drafter.config.target_layer_ids)), 1, bs - 1)
+
+
+def test_eval_workers_merge_exactly_and_time_speed_alone(tiny, tmp_path):
+    cfg, tok, *_ = tiny
+    d = _drafter(cfg, tok, tmp_path / "drafter", seed=1)
+    reports = []
+    for workers in ("1", "2"):
+        argv = ["eval", "--config", str(TINY), "--drafter", str(d), "--n", "3", "--max-new", "12", "--workers", workers, "--json"]
+        r = CliRunner().invoke(main, [*argv, "--speed-prompts", "1"])
+        assert r.exit_code == 0, r.output
+        reports.append(json.loads(r.output.strip().splitlines()[-1]))
+    one, two = reports
+    for key in ("tau", "tau_per_prompt", "verify_steps", "acceptance_per_position", "tokens", "lossless", "target_forwards_spec"):
+        assert two[key] == one[key], key
+    assert (one["workers"], two["workers"]) == (1, 2)
+    assert (one["speed_prompts"], two["speed_prompts"]) == (3, 1) and "alone" in two["speed_measured"]
+    assert two["lossless"] is True and two["speedup"] > 0

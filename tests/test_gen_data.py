@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from dflash_ipc.cli import main
 from dflash_ipc.config import load_config
 from dflash_ipc.data.corpus import DataError, load_corpus
-from dflash_ipc.data.gen import holdout_path, is_holdout
+from dflash_ipc.data.gen import holdout_path, is_holdout, prompt_key
 from dflash_ipc.data.readers import iter_records
 from dflash_ipc.data.tokenizer import load_tokenizer
 
@@ -45,7 +45,11 @@ def _lines(p: Path) -> list[dict]:
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
 
-def test_gen_data_resumes_without_repeating_and_splits_by_id_hash(tmp_path):
+def _held(chat: dict, fraction: float) -> bool:
+    return is_holdout(prompt_key(chat["conversations"][:1]), fraction)
+
+
+def test_gen_data_resumes_without_repeating_and_splits_by_prompt_hash(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(c) + "\n" for c in CHATS) + '{"text": "no prompt here"}\n')
     out = tmp_path / "gen.jsonl"
@@ -59,7 +63,7 @@ def test_gen_data_resumes_without_repeating_and_splits_by_id_hash(tmp_path):
     train, held = _lines(out), _lines(holdout_path(out))
     ids = [r["id"] for r in train + held]
     assert sorted(ids) == sorted(c["id"] for c in CHATS)  # every prompt exactly once
-    assert {r["id"] for r in held} == {c["id"] for c in CHATS if is_holdout(c["id"], 0.3)}
+    assert {r["id"] for r in held} == {c["id"] for c in CHATS if _held(c, 0.3)}
     for r in train + held:
         conv = r["conversations"]
         assert [m["role"] for m in conv] == ["user", "assistant"]  # the first user turn only
@@ -67,6 +71,29 @@ def test_gen_data_resumes_without_repeating_and_splits_by_id_hash(tmp_path):
         assert r["finish"] in ("stop", "length")
     # a third run has nothing left to do
     assert _gen(out, "--prompts", str(prompts), "--holdout-fraction", "0.3")["to_generate"] == 0
+
+
+def test_repeated_prompts_are_answered_once_and_never_on_both_sides(tmp_path):
+    # the same first user turn under other ids (the built-in corpus repeats questions), one with another later turn
+    dupes = [{"id": f"dup{i}", "conversations": c["conversations"][:2]} for i, c in enumerate(CHATS)]
+    system = [{"id": "sys0", "conversations": [{"role": "system", "content": "Be brief."}] + CHATS[0]["conversations"][:2]}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in CHATS[:6] + dupes + system))
+    out = tmp_path / "gen.jsonl"
+    first = _gen(out, "--prompts", str(prompts), "--holdout-fraction", "0.4")
+    # dup0..dup5 repeat q0..q5; dup6..dup9 are new prompts; a system message makes another prompt
+    assert first["duplicate_prompts"] == 6 and first["written"] + first["held_out"] == 11
+    train, held = _lines(out), _lines(holdout_path(out))
+    keys = [prompt_key(r["conversations"][:-1]) for r in train + held]
+    assert len(keys) == len(set(keys))
+    assert {prompt_key(r["conversations"][:-1]) for r in train}.isdisjoint(prompt_key(r["conversations"][:-1]) for r in held)
+    assert {r["id"] for r in held} == {c["id"] for c in CHATS[:6] + dupes[6:] + system if _held(c, 0.4)}
+    assert held and train  # 0.4 of 11 prompts: both sides used (fixed by the hash)
+    # resuming with the repeats listed first: prompts answered under another id count as done
+    fresh = [{"id": f"new{i}", "conversations": [{"role": "user", "content": "A brand new question?"}]} for i in range(2)]
+    prompts.write_text("".join(json.dumps(c) + "\n" for c in dupes + CHATS + fresh))
+    again = _gen(out, "--prompts", str(prompts), "--holdout-fraction", "0.4")
+    assert (again["to_generate"], again["skipped_done"], again["duplicate_prompts"]) == (1, 20, 1)
 
 
 def test_batched_greedy_answers_equal_one_at_a_time(tmp_path):
@@ -86,6 +113,7 @@ def test_batched_greedy_answers_equal_one_at_a_time(tmp_path):
 
 
 def test_holdout_split_is_deterministic_and_near_the_fraction():
+    assert prompt_key([{"role": "user", "content": "x"}]) != prompt_key([{"role": "system", "content": "s"}, {"role": "user", "content": "x"}])
     ids = [f"doc-{i}" for i in range(4000)]
     share = sum(is_holdout(i, 0.1) for i in ids) / len(ids)
     assert 0.085 < share < 0.115

@@ -6,7 +6,8 @@
 #   DRY_RUN=1 bash tools/gpu_smollm2.sh      # the same chain on CPU at tiny sizes (configs/tiny-cpu.toml)
 # Expects /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf and the gguf package (or its wheel in .whl/).
 # Knobs (env): BUDGET_S, N_PROMPTS, HOLDOUT, GEN_BS, GEN_MAX_NEW, TRAIN_S, STEP_S, MAX_STEPS, EPOCHS,
-# EVAL_N, EVAL_MAX_NEW, EVAL_S_PER_PROMPT, EXTRA (more section.key=JSON overrides for the training config),
+# EVAL_N, EVAL_MAX_NEW, EVAL_S_PER_PROMPT, EVAL_WORKERS (per GPU), SPEED_PROMPTS, HOLDOUT_EVERY, HOLDOUT_BATCHES,
+# EXTRA (more section.key=JSON overrides for the training config),
 # ONE_GPU=1 (target and drafter both on cuda:0, for a one-GPU machine).
 set -u -o pipefail
 T0=$(date +%s)
@@ -25,6 +26,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   N_PROMPTS=${N_PROMPTS:-24}; HOLDOUT=${HOLDOUT:-0.25}; GEN_BS=${GEN_BS:-8}; GEN_MAX_NEW=${GEN_MAX_NEW:-16}
   TRAIN_S=${TRAIN_S:-8}; STEP_S=${STEP_S:-2}; EPOCHS=${EPOCHS:-4}
   EVAL_N=${EVAL_N:-2}; EVAL_MAX_NEW=${EVAL_MAX_NEW:-12}; FLOOR_N=2; FLOOR_MAX_NEW=12
+  EVAL_WORKERS=${EVAL_WORKERS:-2}; SPEED_PROMPTS=${SPEED_PROMPTS:-1}; HOLDOUT_EVERY=${HOLDOUT_EVERY:-2}; HOLDOUT_BATCHES=${HOLDOUT_BATCHES:-1}
   TOPO=('topology.targets=["cpu"]' 'topology.drafters=["cpu"]')
 else
   BUDGET_S=${BUDGET_S:-565}; W=${WORK:-/root/work-smollm2}
@@ -34,6 +36,9 @@ else
   # the train stage prints the rate it measured, feed it back here.
   TRAIN_S=${TRAIN_S:-200}; STEP_S=${STEP_S:-0.2}; EPOCHS=${EPOCHS:-100}
   EVAL_N=${EVAL_N:-64}; EVAL_MAX_NEW=${EVAL_MAX_NEW:-256}; FLOOR_N=16; FLOOR_MAX_NEW=128
+  # 6 eval processes per GPU; speed is timed on SPEED_PROMPTS prompts decoded alone first.
+  # Held-out tau in training: a pass of HOLDOUT_BATCHES batches of gen.holdout.jsonl every HOLDOUT_EVERY steps.
+  EVAL_WORKERS=${EVAL_WORKERS:-6}; SPEED_PROMPTS=${SPEED_PROMPTS:-4}; HOLDOUT_EVERY=${HOLDOUT_EVERY:-50}; HOLDOUT_BATCHES=${HOLDOUT_BATCHES:-0}
   TOPO=()
   if [ "${ONE_GPU:-0}" = 1 ]; then  # one H200: target and drafter share cuda:0
     DEV1=cuda:0; TOPO=('topology.drafters=["cuda:0"]')
@@ -52,19 +57,27 @@ if [ -n "$MODEL" ] && [ ! -f "$MODEL/config.json" ]; then
 fi
 MODEL_OV=(); [ -n "$MODEL" ] && MODEL_OV=("target.model_path=\"$MODEL\"")
 
-# -- 2. gen-data: the built-in questions in two shards, one per device, then joined (held-out split by id hash)
+# -- 2. gen-data: the built-in questions, repeats dropped, in two shards, one per device, then joined (held-out split by prompt hash)
 stage "gen-data ($N_PROMPTS prompts, batch $GEN_BS, max-new $GEN_MAX_NEW)"
 python3 tools/derive_config.py "$BASE" "$W/gen.toml" "${MODEL_OV[@]}" "data.builtin_samples=$N_PROMPTS" "${TOPO[@]}" \
   | tee "$OUT/derive.log" || exit 1
 python3 - "$W" "$N_PROMPTS" <<'EOF' || exit 1
 import json, sys
 from dflash_ipc.data.corpus import builtin_conversations
+from dflash_ipc.data.gen import prompt_key
+from dflash_ipc.data.readers import prompt_messages
 w, n = sys.argv[1], int(sys.argv[2])
-recs = builtin_conversations(n)
+seen, recs = set(), []
+for i, r in enumerate(builtin_conversations(n)):
+    key = prompt_key(prompt_messages(r) or [])
+    if key not in seen:  # the corpus repeats questions: one shard each, so no prompt is answered twice
+        seen.add(key)
+        recs.append((i, r))
+print(f"prompts: {len(recs)} distinct of {n}")
 for s in range(2):
     with open(f"{w}/prompts{s}.jsonl", "w") as f:
-        for i in range(s, n, 2):
-            f.write(json.dumps({"id": f"builtin-{i}", "conversations": recs[i]["conversations"]}) + "\n")
+        for i, r in recs[s::2]:
+            f.write(json.dumps({"id": f"builtin-{i}", "conversations": r["conversations"]}) + "\n")
 EOF
 GEN_T=$(( $(left) - 330 ))
 for s in 0 1; do
@@ -83,7 +96,8 @@ echo "gen-data: $(wc -l < "$W/gen.jsonl") train, $(wc -l < "$W/gen.holdout.jsonl
 stage "train (max_steps $MAX_STEPS, ~${TRAIN_S}s)"
 rm -rf "$W/run"
 python3 tools/derive_config.py "$BASE" "$W/train.toml" "${MODEL_OV[@]}" "data.paths=[\"$W/gen.jsonl\"]" "data.num_epochs=$EPOCHS" \
-  "run.run_dir=\"$W/run\"" "training.max_steps=$MAX_STEPS" "${TOPO[@]}" ${EXTRA:-} | tee -a "$OUT/derive.log" || exit 1
+  "run.run_dir=\"$W/run\"" "training.max_steps=$MAX_STEPS" "data.holdout_paths=[\"$W/gen.holdout.jsonl\"]" \
+  "training.holdout_every=$HOLDOUT_EVERY" "training.holdout_batches=$HOLDOUT_BATCHES" "${TOPO[@]}" ${EXTRA:-} | tee -a "$OUT/derive.log" || exit 1
 cp "$W/train.toml" "$OUT/"
 TRAIN_T=$(( $(left) - 120 ))
 timeout -s INT -k 60 $TRAIN_T $DF up --config "$W/train.toml" 2>&1 | tee "$OUT/up.log" | grep -v "^\[up\] step" | tail -n 25
@@ -100,6 +114,8 @@ k = min(len(m) // 2, 10)  # skip the first steps (compile, warm-up) when timing
 dt = m[-1]["elapsed_s"] - m[k]["elapsed_s"]
 rate = (m[-1]["step"] - m[k]["step"]) / dt if dt > 0 else float("nan")
 tail = m[-20:]
+held = [(r["holdout_step"], r["tau_holdout"], r["tau_holdout_blocks"]) for r in m if "tau_holdout" in r]
+print("tau_holdout (step, tau, blocks):", held)
 per_epoch = plan.get("n_batches_total", 0) / epochs
 print(json.dumps({"train_steps": m[-1]["step"], "steps_per_s": round(rate, 2), "step_s": round(1 / rate, 4) if rate > 0 else None,
                   "train_elapsed_s": round(m[-1]["elapsed_s"], 1), "loss_last20": round(sum(r["loss"] for r in tail) / len(tail), 4),
@@ -114,12 +130,15 @@ EOF
 stage "export-untrained"
 $DF export-untrained --config "$W/train.toml" --out "$W/untrained" 2>&1 | tail -n 3 | tee "$OUT/export_untrained.log"
 
-# -- 5. eval on the held-out prompts: trained on the first device, the floor (fewer prompts) on the second, at once
+# -- 5. eval on the held-out prompts: trained on the first device (EVAL_WORKERS processes), the floor on the second, at once.
+# EVAL_S_PER_PROMPT: one prompt decoded both ways alone (~15 s at 256 new tokens on an H200 before the drafter's context cache).
 L=$(left)
-N=$(python3 -c "print(max(2, min($EVAL_N, int(($L - 40) / ${EVAL_S_PER_PROMPT:-3}))))")
+SPP=${EVAL_S_PER_PROMPT:-15}
+N=$(python3 -c "print(max(2, min($EVAL_N, int(($L - 60 - $SPEED_PROMPTS * $SPP) * $EVAL_WORKERS / $SPP))))")
 stage "eval (trained: n $N max-new $EVAL_MAX_NEW; untrained: n $FLOOR_N max-new $FLOOR_MAX_NEW; $L s left)"
 timeout $(( L - 10 )) $DF eval --config "$W/train.toml" --drafter "$W/run/export/drafter" --prompts "$W/gen.holdout.jsonl" \
-  --n $N --max-new $EVAL_MAX_NEW --target-device $DEV0 --drafter-device $DEV0 --json > "$OUT/eval_trained.json" 2> "$OUT/eval_trained.log" &
+  --n $N --max-new $EVAL_MAX_NEW --target-device $DEV0 --drafter-device $DEV0 --workers $EVAL_WORKERS --speed-prompts $SPEED_PROMPTS \
+  --json > "$OUT/eval_trained.json" 2> "$OUT/eval_trained.log" &
 timeout $(( L - 10 )) $DF eval --config "$W/train.toml" --drafter "$W/untrained" --prompts "$W/gen.holdout.jsonl" \
   --n $FLOOR_N --max-new $FLOOR_MAX_NEW --target-device $DEV1 --drafter-device $DEV1 --json > "$OUT/eval_untrained.json" 2> "$OUT/eval_untrained.log" &
 wait
@@ -136,5 +155,6 @@ for name in ("untrained", "trained"):
     except (IndexError, ValueError):
         print(f"{name}: no eval result (see eval_{name}.log)")
         continue
-    print(f"{name}: tau {r['tau']} lossless {str(r['lossless']).lower()} speedup {r.get('speedup')} prompts {r['prompts']}")
+    print(f"{name}: tau {r['tau']} lossless {str(r['lossless']).lower()} speedup {r.get('speedup')} prompts {r['prompts']}"
+          f" workers {r.get('workers')} (speed: {r.get('speed_measured')})")
 EOF

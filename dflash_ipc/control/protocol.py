@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 class Message:
     TAG: ClassVar[str] = ""
     NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset(
-        {"rank", "slot", "producer", "consumer", "n_tokens", "n_seqs", "seq", "outstanding", "received", "bucket", "batches_sent"}
+        {"rank", "slot", "producer", "consumer", "n_tokens", "n_seqs", "seq", "outstanding", "received", "bucket", "batches_sent", "holdout_pass_batches"}
     )
 
 
@@ -159,6 +159,10 @@ class SlotReady(Message):
     seq: int  # per (producer, consumer) sequence number, for load accounting
     sent_ns: int = 0  # producer's time.monotonic_ns() at send, for hand-off latency
     meta: dict = field(default_factory=dict)
+    # A held-out batch (training.holdout_every), batch_id [pass, producer, index]: drafter 0 measures tau on it,
+    # never trains on it; holdout_pass_batches: how many batches, of all producers, make up its pass.
+    holdout: bool = False
+    holdout_pass_batches: int = 0
 
 
 @dataclass(frozen=True)
@@ -221,4 +225,6 @@ def decode(frame: bytes) -> Message:
         bid = msg.batch_id
         if len(bid) != 3 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in bid):
             raise ProtocolError("bad_field_type", f"slot_ready.batch_id = {bid!r}")
+        if msg.holdout != (msg.holdout_pass_batches > 0):
+            raise ProtocolError("bad_field_type", f"slot_ready.holdout {msg.holdout} with holdout_pass_batches {msg.holdout_pass_batches}")
     return msg

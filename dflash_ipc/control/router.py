@@ -61,6 +61,10 @@ class LeastBusyRouter:
                 best, best_load = c, load
         return best
 
+    def has_credit(self, consumer: int) -> bool:
+        """A batch that must go to ``consumer`` (held-out batches: drafter 0) waits until it has credit."""
+        return self.alive[consumer] and self.estimate(consumer) < self.max_outstanding
+
     def on_sent(self, consumer: int) -> None:
         self.sent[consumer] += 1
         self.routed_total[consumer] += 1

@@ -133,6 +133,9 @@ class DrafterWork(Struct):
     train_elapsed_s: float | None  # training wall time up to the latest step
     gpu: GpuMemory | None
     warmup_s: float | None = None  # the handshake warm-up (first-step compile) on a dummy batch; None: not run
+    tau_holdout: float | None = None  # the last held-out pass's tau (eval's rule; training.holdout_every), drafter 0
+    tau_holdout_blocks: int = 0
+    holdout_step: int | None = None  # the step whose weights that pass measured
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,13 @@ Output, one JSON object per line (the corpus's chat format, so it trains as is):
     {"id": "...", "conversations": [..prompt.., {"role": "assistant", "content": "<target's answer>"}],
      "finish": "stop" | "length"}
 
-Records whose id hashes below ``holdout_fraction`` (sha256 of the id, so the split is the same
-on every run and every machine) go to ``OUT.holdout.jsonl`` beside ``OUT``: prompts for
-``dflash-ipc eval --prompts``, never trained on. Resuming appends to both files and skips the
-ids already in either (a torn last line of an interrupted run is ignored and redone).
+The held-out split is by the *prompt* (:func:`prompt_key`: the system message and first user turn,
+canonical JSON): prompts whose sha256 falls below ``holdout_fraction`` go to ``OUT.holdout.jsonl``
+beside ``OUT`` (prompts for ``dflash-ipc eval --prompts`` and ``data.holdout_paths``), the same on
+every run and machine. A prompt already seen (the built-in corpus repeats questions: 20,000 records
+hold 10,705 distinct first user turns) is skipped and counted (``duplicate_prompts``), so no
+held-out prompt is ever trained on. Resuming appends to both files and skips the ids and prompts
+already in either (a torn last line of an interrupted run is ignored and redone).
 
 Generation is batched (left-padded, sorted by prompt length) with transformers' ``generate``
 on the target's device: greedy, or sampled with temperature / top-p, up to ``max_new``
@@ -37,7 +40,7 @@ from dflash_ipc.data.readers import iter_records, prompt_messages, record_id
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenOptions", "done_ids", "holdout_path", "is_holdout", "run_gen_data"]
+__all__ = ["GenOptions", "done_ids", "holdout_path", "is_holdout", "prompt_key", "run_gen_data"]
 
 
 @dataclass(frozen=True)
@@ -69,27 +72,35 @@ def holdout_path(out: Path) -> Path:
     return out.with_name(out.stem + ".holdout" + (out.suffix or ".jsonl"))
 
 
-def is_holdout(record_id: str, fraction: float) -> bool:
-    """Deterministic split: the first 8 bytes of sha256(id) as a fraction of 2**64."""
+def prompt_key(messages: list[dict]) -> str:
+    """A prompt's identity for dedup and the split: its messages (system + first user turn) as canonical JSON."""
+    return json.dumps([{"role": m.get("role"), "content": m.get("content")} for m in messages], ensure_ascii=False, sort_keys=True)
+
+
+def is_holdout(key: str, fraction: float) -> bool:
+    """Deterministic split: the first 8 bytes of sha256(key) as a fraction of 2**64 (gen-data: key = prompt_key)."""
     if fraction <= 0:
         return False
-    h = int.from_bytes(hashlib.sha256(record_id.encode()).digest()[:8], "big")
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
     return h / 2**64 < fraction
 
 
-def done_ids(*paths: Path) -> set[str]:
-    """Ids of complete lines already written (a torn or foreign line is ignored)."""
+def done_ids(*paths: Path) -> tuple[set[str], set[str]]:
+    """Ids and prompt keys of complete lines already written (a torn or foreign line is ignored)."""
     ids: set[str] = set()
+    prompts: set[str] = set()
     for p in paths:
         if not p.exists():
             continue
         with open(p, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
-                    ids.add(str(json.loads(line)["id"]))
-                except (ValueError, KeyError, TypeError):
+                    rec = json.loads(line)
+                    ids.add(str(rec["id"]))
+                    prompts.add(prompt_key(rec["conversations"][:-1]))
+                except (ValueError, KeyError, TypeError, AttributeError):
                     continue
-    return ids
+    return ids, prompts
 
 
 def _truncate_torn_tail(path: Path) -> None:
@@ -152,7 +163,7 @@ def run_gen_data(
     out.parent.mkdir(parents=True, exist_ok=True)
     for p in (out, hold):
         _truncate_torn_tail(p)
-    done = done_ids(out, hold)
+    done, done_prompts = done_ids(out, hold)
     tokenizer = load_tokenizer(cfg.target.tokenizer)
     check_target_tokenizer(cfg.target, tokenizer)
     paths = [prompts_path] if prompts_path else list(cfg.data.paths)
@@ -161,7 +172,8 @@ def run_gen_data(
         raise ValueError(f"the prompts ({clash[0]}) are the output file; pass --prompts (e.g. builtin:stdlib-docs) or another --out")
     pending: list[tuple[str, list[dict], list[int]]] = []
     seen: set[str] = set()
-    skipped_done = no_prompt = duplicates = 0
+    seen_prompts: set[str] = set()
+    skipped_done = no_prompt = duplicates = duplicate_prompts = 0
     for where, rec in iter_records(paths, cfg.data.builtin_samples, cfg.data.max_seq_len):
         rid = record_id(where, rec)
         if rid in seen:
@@ -175,6 +187,14 @@ def run_gen_data(
         if msgs is None:
             no_prompt += 1
             continue
+        key = prompt_key(msgs)
+        if key in done_prompts:  # answered already, under another id
+            skipped_done += 1
+            continue
+        if key in seen_prompts:
+            duplicate_prompts += 1
+            continue
+        seen_prompts.add(key)
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         pending.append((rid, msgs, tokenizer(text, add_special_tokens=False)["input_ids"][: cfg.data.max_seq_len]))
         if opts.limit and len(pending) + skipped_done >= opts.limit:
@@ -186,11 +206,15 @@ def run_gen_data(
         "skipped_done": skipped_done,
         "no_prompt": no_prompt,
         "duplicate_ids": duplicates,
+        "duplicate_prompts": duplicate_prompts,
         "written": 0,
         "held_out": 0,
         "new_tokens": 0,
     }
-    echo(f"gen-data: {len(pending)} prompts to answer ({skipped_done} already done, {no_prompt} records without a user turn)")
+    echo(
+        f"gen-data: {len(pending)} prompts to answer ({skipped_done} already done, {duplicate_prompts} repeated prompts skipped, "
+        f"{no_prompt} records without a user turn)"
+    )
     if not pending:
         return result
     dev = torch.device(device or cfg.topology.targets[0])
@@ -213,7 +237,7 @@ def run_gen_data(
                     line = json.dumps(
                         {"id": rid, "conversations": msgs + [{"role": "assistant", "content": text}], "finish": finish}, ensure_ascii=False
                     )
-                    held = is_holdout(rid, opts.holdout_fraction)
+                    held = is_holdout(prompt_key(msgs), opts.holdout_fraction)
                     (f_hold if held else f_out).write(line + "\n")
                     result["held_out" if held else "written"] += 1
                 f_out.flush()

@@ -17,6 +17,7 @@ on resume targets skip exactly those, so no consumed batch repeats and none is s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -59,6 +60,8 @@ TENSORBOARD_SCALARS = (
     ("tau", "train/tau"),
     ("tokens_per_s", "train/tokens_per_s"),
     ("lr", "train/lr"),
+    ("tau_holdout", "holdout/tau"),
+    ("loss_holdout", "holdout/loss"),
 )
 
 
@@ -115,6 +118,10 @@ class DrafterCore:
         self.n_params = num_parameters(self.model)
         self.target_hidden_size = self.model.config.hidden_size  # equal to the target's (DrafterModelConfig.from_configs)
         self.warmup_s: float | None = None
+        # Held-out passes (training.holdout_every; drafter 0 only): per pass [accept_len_sum, blocks, ce_sum, weight_sum, batches]
+        self._holdout_sums: dict[int, list[float]] = {}
+        self._holdout_unlogged: dict = {}  # the last completed pass, for the next metrics record
+        self.holdout_last: dict = {}
         if resume:
             self._resume()
         self._tensorboard = self._open_tensorboard() if (cfg.run.tensorboard and world.is_main) else None
@@ -258,9 +265,46 @@ class DrafterCore:
             "elapsed_s": elapsed,
             "skipped": stats.skipped,
         }
+        if self._holdout_unlogged:
+            rec.update(self._holdout_unlogged)
+            self._holdout_unlogged = {}
         self.last = rec
         if self.world.is_main:
             self._write_metrics(rec)
+        return rec
+
+    # -- held-out passes
+    @torch.no_grad()
+    def evaluate_holdout(self, views: SlotViews, batch_id: list, pass_batches: int) -> dict | None:
+        """tau by eval's rule on a held-out batch: no gradient, no optimizer step, no ledger, no collective.
+
+        Noise off; anchors as in training (uniform over supervised positions, ``drafter.num_anchors``
+        per document), drawn from a generator seeded by the batch's index, so every pass scores the
+        same blocks and the training RNG stream is untouched. Returns the pass's record once its
+        ``pass_batches``-th batch is in (logged with the next step's metrics), else None.
+        """
+        pass_id, _, index = batch_id
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(self.cfg.run.seed * 1_000_003 + 7919 + index)
+        drafter_cfg = dataclasses.replace(self.cfg.drafter, noise_std=0.0)
+        out = compute_loss(self.model, views, drafter_cfg, self.cfg.training, generator)
+        sums = self._holdout_sums.setdefault(pass_id, [0.0] * 5)
+        got = torch.stack([out.accept_len_sum, out.accept_blocks, out.ce_sum, out.weight_sum]).double().tolist()
+        for j, v in enumerate(got + [1.0]):
+            sums[j] += v
+        if sums[4] < pass_batches:
+            return None
+        del self._holdout_sums[pass_id]
+        rec = {
+            "tau_holdout": round(sums[0] / sums[1], 4) if sums[1] > 0 else None,
+            "tau_holdout_blocks": int(sums[1]),
+            "loss_holdout": round(sums[2] / sums[3], 4) if sums[3] > 0 else None,
+            "holdout_pass": pass_id,
+            "holdout_step": self.step,  # the weights it was measured on: after this many optimizer steps
+        }
+        self.holdout_last = self._holdout_unlogged = rec
+        log.info("held-out pass %d at step %d: tau %s over %d blocks, loss %s", pass_id, self.step, rec["tau_holdout"],
+                 rec["tau_holdout_blocks"], rec["loss_holdout"])
         return rec
 
     def _write_metrics(self, rec: dict) -> None:
@@ -339,4 +383,7 @@ class DrafterCore:
             train_elapsed_s=last["elapsed_s"] if last else None,
             gpu=GpuMemory.of(self.device),
             warmup_s=self.warmup_s,
+            tau_holdout=self.holdout_last.get("tau_holdout"),
+            tau_holdout_blocks=self.holdout_last.get("tau_holdout_blocks", 0),
+            holdout_step=self.holdout_last.get("holdout_step"),
         )

@@ -251,15 +251,26 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any):
         """x ``[Q, H]`` block tokens, ctx ``[n, H]`` projected context; cos/sin ``[n+Q, hd]``."""
-        nq, n = x.shape[0], ctx.shape[0]
-        hd = self.head_dim
+        n = ctx.shape[0]
+        k, v = self.project_kv(torch.cat([ctx, x], dim=0), cos, sin)  # keys/values: [context | blocks]
+        return self._attend(x, k, v, cos[n:], sin[n:], mask)
+
+    def forward_cached(self, x: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, mask: Any):
+        """:meth:`forward` with the context's keys/values from :meth:`project_kv`; cos/sin ``[Q, hd]`` of the blocks only."""
+        k, v = self.project_kv(x, cos, sin)
+        return self._attend(x, torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2), cos, sin, mask)
+
+    def project_kv(self, inp: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, RoPE) and values ``[1, kv_heads, L, hd]`` of ``L`` rows; a row's depend on that row alone."""
+        n, hd = inp.shape[0], self.head_dim
+        k = self.k_norm(self.k_proj(inp).view(n, self.num_kv_heads, hd)).transpose(0, 1)
+        v = self.v_proj(inp).view(n, self.num_kv_heads, hd).transpose(0, 1)
+        return _apply_rope(k, cos, sin).unsqueeze(0), v.unsqueeze(0)
+
+    def _attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, mask: Any):
+        nq, hd = x.shape[0], self.head_dim
         q = self.q_norm(self.q_proj(x).view(nq, self.num_heads, hd)).transpose(0, 1)
-        kv_in = torch.cat([ctx, x], dim=0)  # keys/values: [context | blocks]
-        k = self.k_norm(self.k_proj(kv_in).view(n + nq, self.num_kv_heads, hd)).transpose(0, 1)
-        v = self.v_proj(kv_in).view(n + nq, self.num_kv_heads, hd).transpose(0, 1)
-        q = _apply_rope(q, cos[n:], sin[n:]).unsqueeze(0)
-        k = _apply_rope(k, cos, sin).unsqueeze(0)
-        v = v.unsqueeze(0)
+        q = _apply_rope(q, cos_q, sin_q).unsqueeze(0)
         if BlockMask is not None and isinstance(mask, BlockMask):
             out = _flex(q, k, v, mask, self.scale)
         elif isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
@@ -290,8 +301,9 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DFlashMLP(cfg)
 
-    def forward(self, x, ctx, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
+    def forward(self, x, ctx, cos, sin, mask, cached: bool = False):
+        attn = self.self_attn.forward_cached if cached else self.self_attn
+        x = x + attn(self.input_layernorm(x), ctx, cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -421,6 +433,24 @@ class DFlashDrafter(nn.Module):
         cos, sin = _rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for layer in self.layers:
             x = layer(x, ctx, cos, sin, masks[layer.layer_type])
+        return self.norm(x)
+
+    def context_kv(self, context: torch.Tensor, context_position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values ``[1, kv_heads, n, hd]`` the context rows give every block. A
+        row's depend on that row and its position alone, so a decoder whose context only grows computes
+        each row's once and appends (``eval.spec.DrafterProposer``) instead of re-projecting the whole
+        context every step."""
+        ctx = self.project_context(context)
+        cos, sin = _rope_cos_sin(context_position_ids.reshape(-1), self.config.head_dim, self.config.rope_theta, ctx.dtype)
+        return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+
+    def forward_blocks(self, context_kv, block_input_ids: torch.Tensor, block_position_ids: torch.Tensor, masks: Mapping[str, Any]):
+        """:meth:`forward` on the context's keys/values from :meth:`context_kv` (masks over the same keys)."""
+        cfg = self.config
+        x = self.embed(block_input_ids.reshape(-1))
+        cos, sin = _rope_cos_sin(block_position_ids.reshape(-1), cfg.head_dim, cfg.rope_theta, x.dtype)
+        for layer, kv in zip(self.layers, context_kv):
+            x = layer(x, kv, cos, sin, masks[layer.layer_type], cached=True)
         return self.norm(x)
 
 

@@ -39,22 +39,34 @@ Proposer = Callable[[torch.Tensor, int, int], list[int]]
 
 
 class DrafterProposer:
-    """Drafts from an exported DFlash drafter: one forward over [anchor, MASK...] on the context."""
+    """Drafts from an exported DFlash drafter: one forward over [anchor, MASK...] on the context.
+
+    One instance per prompt: the context only grows (the verified tokens' features are appended),
+    so each context row's keys and values are computed once (``DFlashDrafter.context_kv``) and
+    kept, instead of projecting the whole context again every step."""
 
     def __init__(self, drafter: DFlashDrafter):
         self.drafter = drafter
         self.device = drafter.device
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rows = 0
 
     @torch.no_grad()
     def __call__(self, context: torch.Tensor, anchor: int, num_drafts: int) -> list[int]:
         d = self.drafter
         n, bs = context.shape[0], num_drafts + 1
         dev = self.device
+        if n < self._rows:
+            raise ValueError(f"the context shrank ({self._rows} -> {n} rows): use one DrafterProposer per prompt")
+        if n > self._rows:
+            new = d.context_kv(context[self._rows :].to(dev), torch.arange(self._rows, n, device=dev))
+            self._kv = new if not self._kv else [(torch.cat([k, k2], 2), torch.cat([v, v2], 2)) for (k, v), (k2, v2) in zip(self._kv, new)]
+            self._rows = n
         layout = build_block_layout(torch.tensor([n], device=dev), torch.tensor([n], device=dev), torch.tensor([0], device=dev), bs, n=n)
         masks = build_attention_masks(layout, d.config.layer_types, d.config.sliding_window, "sdpa")
         ids = torch.full((1, bs), d.config.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0] = anchor
-        hidden = d(context.to(dev), layout.context_position_ids, ids, layout.block_position_ids, masks)
+        hidden = d.forward_blocks(self._kv, ids, layout.block_position_ids, masks)
         return d.compute_logits(hidden[1:]).float().argmax(-1).tolist()
 
 

@@ -14,6 +14,7 @@ At most one forward runs ahead of the free slots, so slot waits are bounded and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -25,11 +26,11 @@ import torch
 
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.control.stats import GpuMemory, TargetWork
-from dflash_ipc.data.corpus import load_corpus
+from dflash_ipc.data.corpus import Corpus, load_corpus
 from dflash_ipc.data.plan import PlannedBatch, plan_epoch
 from dflash_ipc.data.tokenizer import load_tokenizer
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, BatchLedger
-from dflash_ipc.runtime.nodes import read_node_spec
+from dflash_ipc.runtime.nodes import NodeSpec, read_node_spec
 from dflash_ipc.target.fast_path import fast_path_report
 from dflash_ipc.target.model import TargetModel, build_target
 from dflash_ipc.target.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta
@@ -61,6 +62,8 @@ class Captured:
     planes: list[torch.Tensor]
     meta: BatchMeta
     forward_s: float
+    wire_id: list[int]  # SlotReady.batch_id: the plan's id, or [pass, rank, index] for a held-out batch
+    holdout_pass_batches: int = 0  # > 0: a held-out batch (SlotReady.holdout_pass_batches)
 
 
 @dataclass
@@ -68,6 +71,54 @@ class _Packing:
     handle: PackHandle
     slot: int
     batch: PlannedBatch
+    wire_id: list[int]
+    holdout_pass_batches: int
+
+
+class HoldoutSchedule:
+    """When one target forwards held-out batches (``training.holdout_every``) and which.
+
+    Every target plans the same held-out batches (epoch 0 of ``data.holdout_paths``, unsharded); a
+    pass is their first ``training.holdout_batches`` (0: all), the same batches in every pass so
+    passes compare; target ``r`` forwards those whose index ``i % targets == r``. A pass starts
+    before the first training batch (the untrained floor), again each time this target forwarded
+    ``interval`` more training batches, and once more when its training data ran out. ``interval``
+    = holdout_every x drafters / targets (all nodes): about holdout_every optimizer steps. Only
+    node 0's targets run passes; their held-out batches go to drafter 0 (global rank 0).
+    """
+
+    def __init__(self, corpus: Corpus, batches: list[tuple[int, PlannedBatch]], pass_batches: int, interval: int):
+        self.corpus = corpus
+        self.batches = batches
+        self.pass_batches = pass_batches
+        self.interval = interval
+        self.queue: deque[tuple[list[int], PlannedBatch]] = deque()
+        self.passes = 0
+        self.next_at = 0
+        self.last_at = -1
+
+    def start_pass_if_due(self, trained: int, training_left: bool, rank: int) -> None:
+        if self.queue or not (trained >= self.next_at or (not training_left and trained > self.last_at)):
+            return
+        self.queue.extend(([self.passes, rank, i], b) for i, b in self.batches)
+        self.passes += 1
+        self.last_at, self.next_at = trained, trained + self.interval
+
+    @classmethod
+    def build(cls, cfg: DFlashConfig, node: NodeSpec, rank: int, tokenizer, data_dir: Path) -> HoldoutSchedule | None:
+        t = cfg.training
+        if t.holdout_every == 0 or node.node_rank != 0:
+            return None
+        corpus = load_corpus(dataclasses.replace(cfg.data, paths=list(cfg.data.holdout_paths)), tokenizer, data_dir)
+        planned = plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, 0, 1, 0)
+        chosen = planned[: t.holdout_batches] if t.holdout_batches else planned
+        n_targets = len(cfg.topology.targets)
+        mine = [(i, b) for i, b in enumerate(chosen) if i % n_targets == rank]
+        if not mine:
+            return None
+        interval = max(1, round(t.holdout_every * len(cfg.topology.drafters) / n_targets))
+        log.info("held-out: %d of %d held-out batches per pass here, a pass every %d training batches", len(mine), len(chosen), interval)
+        return cls(corpus, mine, len(chosen), interval)
 
 
 class TargetCore:
@@ -83,6 +134,8 @@ class TargetCore:
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data"
         self.corpus = load_corpus(cfg.data, self.tokenizer, data_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.holdout = HoldoutSchedule.build(cfg, node, rank, self.tokenizer, data_dir)
+        self.trained_forwards = 0  # training batches forwarded (held-out ones not counted)
         self.model = build_target(cfg.target, device, vocab_size=len(self.tokenizer))
         self.fast_path = fast_path_report(self.model.stack)
         self.layout = slot_layout_for(cfg, self.model)
@@ -125,7 +178,20 @@ class TargetCore:
 
     @property
     def batches_left(self) -> int:
-        return len(self._schedule)
+        return len(self._schedule) + (len(self.holdout.queue) if self.holdout else 0)
+
+    def _next_batch(self) -> tuple[PlannedBatch, Corpus, list[int], int] | None:
+        h = self.holdout
+        if h is not None:
+            h.start_pass_if_due(self.trained_forwards, bool(self._schedule), self.rank)
+            if h.queue:
+                wire_id, batch = h.queue.popleft()
+                return batch, h.corpus, wire_id, h.pass_batches
+        if not self._schedule:
+            return None
+        self.trained_forwards += 1
+        batch = self._schedule.popleft()
+        return batch, self.corpus, batch.id.to_wire(), 0
 
     def forward_next(self, bare_baseline: bool = False) -> Captured | None:
         """Forward the next batch with capture hooks (the critical path), timed to completion.
@@ -133,10 +199,11 @@ class TargetCore:
         ``bare_baseline`` (benchmark ceiling): the same batch also runs through the bare stack,
         before the captured forward on every other batch and after it on the rest, so neither
         side always pays the first compilation of a new batch shape."""
-        if not self._schedule:
+        nxt = self._next_batch()
+        if nxt is None:
             return None
-        batch = self._schedule.popleft()
-        ids, mask, lens = self.corpus.collate(batch.sample_indices, self.pad_id)
+        batch, corpus, wire_id, holdout_pass_batches = nxt
+        ids, mask, lens = corpus.collate(batch.sample_indices, self.pad_id)
         steady = self.t_first_done is not None
         varlen = self.model.varlen
         on_gpu = self.device.type == "cuda"
@@ -181,7 +248,7 @@ class TargetCore:
             if bare_baseline:
                 self.bare_forward_s += bare_s
                 self.bare_forwards += 1
-        return Captured(batch, planes, meta, dt)
+        return Captured(batch, planes, meta, dt, wire_id, holdout_pass_batches)
 
     def _sync(self) -> None:
         # The forward's wall time must be its GPU time: wait for the compute stream.
@@ -205,7 +272,7 @@ class TargetCore:
         t0 = time.perf_counter()
         handle = self.packer.submit(captured.planes, captured.meta, slot, slot_tensor)
         self.pack_submit_s += time.perf_counter() - t0
-        self._packing.append(_Packing(handle, slot, captured.batch))
+        self._packing.append(_Packing(handle, slot, captured.batch, captured.wire_id, captured.holdout_pass_batches))
 
     def finished_packs(self) -> list[_Packing]:
         out = []

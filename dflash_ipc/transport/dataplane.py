@@ -78,6 +78,7 @@ class _Filled:
     n_seqs: int
     meta: dict
     filled_ns: int
+    holdout_pass_batches: int = 0  # > 0: a held-out batch, for consumer 0 only
 
 
 class ProducerDataPlane:
@@ -102,15 +103,24 @@ class ProducerDataPlane:
     def acquire(self) -> int | None:
         return self.table.acquire()
 
-    def enqueue(self, slot: int, batch_id: list, bucket: int, n_tokens: int, n_seqs: int, meta: dict | None = None) -> None:
-        """A slot is filled (packing completed): route it as soon as a drafter has credit."""
-        self._waiting.append(_Filled(slot, list(batch_id), bucket, n_tokens, n_seqs, meta or {}, time.monotonic_ns()))
+    def enqueue(
+        self, slot: int, batch_id: list, bucket: int, n_tokens: int, n_seqs: int, meta: dict | None = None, holdout_pass_batches: int = 0
+    ) -> None:
+        """A slot is filled (packing completed): route it as soon as a drafter has credit.
+
+        ``holdout_pass_batches`` > 0 marks a held-out batch: it goes to consumer 0 (the drafter that
+        writes metrics) and to no other, so it never meets another rank's collective."""
+        filled = _Filled(slot, list(batch_id), bucket, n_tokens, n_seqs, meta or {}, time.monotonic_ns(), holdout_pass_batches)
+        self._waiting.append(filled)
 
     def dispatch(self) -> int:
         sent = 0
         while self._waiting:
             loads = tuple(self.router.inflight())
-            consumer = self.router.choose()
+            if self._waiting[0].holdout_pass_batches:
+                consumer = 0 if self.router.has_credit(0) else None
+            else:
+                consumer = self.router.choose()
             if consumer is None:
                 break
             self.routing_log.append(RoutingDecision(consumer, loads))
@@ -126,6 +136,8 @@ class ProducerDataPlane:
                 seq=self.seq[consumer],
                 sent_ns=time.monotonic_ns(),
                 meta=f.meta,
+                holdout=f.holdout_pass_batches > 0,
+                holdout_pass_batches=f.holdout_pass_batches,
             )
             self.seq[consumer] += 1
             self.router.on_sent(consumer)
