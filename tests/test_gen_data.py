@@ -113,7 +113,9 @@ def test_batched_greedy_answers_equal_one_at_a_time(tmp_path):
 
 
 def test_holdout_split_is_deterministic_and_near_the_fraction():
-    assert prompt_key([{"role": "user", "content": "x"}]) != prompt_key([{"role": "system", "content": "s"}, {"role": "user", "content": "x"}])
+    assert prompt_key([{"role": "user", "content": "x"}]) != prompt_key(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}]
+    )
     ids = [f"doc-{i}" for i in range(4000)]
     share = sum(is_holdout(i, 0.1) for i in ids) / len(ids)
     assert 0.085 < share < 0.115

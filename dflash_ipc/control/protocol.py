@@ -51,7 +51,20 @@ log = logging.getLogger(__name__)
 class Message:
     TAG: ClassVar[str] = ""
     NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset(
-        {"rank", "slot", "producer", "consumer", "n_tokens", "n_seqs", "seq", "outstanding", "received", "bucket", "batches_sent", "holdout_pass_batches"}
+        {
+            "rank",
+            "slot",
+            "producer",
+            "consumer",
+            "n_tokens",
+            "n_seqs",
+            "seq",
+            "outstanding",
+            "received",
+            "bucket",
+            "batches_sent",
+            "holdout_pass_batches",
+        }
     )
 
 

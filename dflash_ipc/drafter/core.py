@@ -303,8 +303,14 @@ class DrafterCore:
             "holdout_step": self.step,  # the weights it was measured on: after this many optimizer steps
         }
         self.holdout_last = self._holdout_unlogged = rec
-        log.info("held-out pass %d at step %d: tau %s over %d blocks, loss %s", pass_id, self.step, rec["tau_holdout"],
-                 rec["tau_holdout_blocks"], rec["loss_holdout"])
+        log.info(
+            "held-out pass %d at step %d: tau %s over %d blocks, loss %s",
+            pass_id,
+            self.step,
+            rec["tau_holdout"],
+            rec["tau_holdout_blocks"],
+            rec["loss_holdout"],
+        )
         return rec
 
     def _write_metrics(self, rec: dict) -> None:
