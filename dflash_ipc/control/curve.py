@@ -95,6 +95,14 @@ def read_run_keys(key_root: Path) -> RunKeys:
     return RunKeys(server_public, server_secret, client_public, client_secret, keys / CLIENTS_DIR)
 
 
+def curve_client(sock: zmq.Socket, keys: RunKeys) -> zmq.Socket:
+    """Make ``sock`` (not yet connected) a CURVE client holding the run's client key."""
+    sock.curve_secretkey = keys.client_secret
+    sock.curve_publickey = keys.client_public
+    sock.curve_serverkey = keys.server_public
+    return sock
+
+
 class CurveGuard:
     """One context's CURVE side: its ZAP handler, the server sockets it watches, and the count of
     refused connections. ``close`` before the context terminates."""
@@ -117,11 +125,7 @@ class CurveGuard:
         return sock
 
     def client(self, sock: zmq.Socket) -> zmq.Socket:
-        """Make ``sock`` (not yet connected) a CURVE client holding the run's client key."""
-        sock.curve_secretkey = self.keys.client_secret
-        sock.curve_publickey = self.keys.client_public
-        sock.curve_serverkey = self.keys.server_public
-        return sock
+        return curve_client(sock, self.keys)
 
     def count_refusals(self) -> int:
         """Count every refused handshake reported since the last call (never blocks)."""
@@ -134,7 +138,7 @@ class CurveGuard:
                     break
                 n += 1
                 what = _EVENT_NAMES.get(event["event"], "handshake failed")
-                self.rejects.reject("unauthenticated_peer", f"{what} from {event['endpoint']!r} (code {event['value']})")
+                self.rejects.reject("unauthenticated_peer", f"{what} on {event['endpoint']!r} (code {event['value']})")
         return n
 
     def close(self) -> None:
