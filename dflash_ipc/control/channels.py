@@ -1,4 +1,5 @@
-"""ZeroMQ endpoints of one run: ``ipc://`` sockets in a private (0700) directory.
+"""ZeroMQ endpoints of one run: ``ipc://`` sockets in a private (0700) directory (the default;
+``run.control = "tcp"`` binds the same sockets on tcp:// with CURVE: :mod:`dflash_ipc.control.plane`).
 
 Topology (all sockets carry msgpack frames from :mod:`dflash_ipc.control.protocol`)::
 

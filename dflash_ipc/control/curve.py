@@ -16,8 +16,10 @@ can reach the port can connect, so every connection must prove it holds the run'
                                       :meth:`CurveGuard.count_refusals` turns into a counted
                                       ``unauthenticated_peer`` rejection (``status --json``)
 
-Key files are written by the supervisor under umask 077 and chmod 0600 (multi-node runs: in the
-shared directory every node reads). Nothing here replaces :class:`~dflash_ipc.control.channels.PeerAuth`:
+Key files are written by the supervisor under umask 077 and chmod 0600, in its own run directory
+(multi-node runs too: a node's control plane links only that node's processes, so each node draws
+its own keys and nothing secret goes to the shared directory). :mod:`dflash_ipc.control.plane`
+puts the guard on the run's sockets. Nothing here replaces :class:`~dflash_ipc.control.channels.PeerAuth`:
 CURVE keeps strangers off the sockets and encrypts the link; the run key still seals each frame.
 """
 
