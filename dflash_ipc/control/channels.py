@@ -1,4 +1,5 @@
-"""ZeroMQ endpoints of one run: ``ipc://`` sockets in a private (0700) directory.
+"""ZeroMQ endpoints of one run: ``ipc://`` sockets in a private (0700) directory (the default;
+``run.control = "tcp"`` binds the same sockets on tcp:// with CURVE: :mod:`dflash_ipc.control.plane`).
 
 Topology (all sockets carry msgpack frames from :mod:`dflash_ipc.control.protocol`)::
 
@@ -103,7 +104,7 @@ def drafter_endpoint(run_dir: Path, rank: int) -> str:
     return endpoint(run_dir, f"d{rank}")
 
 
-def _tune(sock: zmq.Socket) -> zmq.Socket:
+def tune(sock: zmq.Socket) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 10000)
     sock.setsockopt(zmq.RCVHWM, 10000)
@@ -111,7 +112,7 @@ def _tune(sock: zmq.Socket) -> zmq.Socket:
 
 
 def bind(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
-    sock = _tune(ctx.socket(kind))
+    sock = tune(ctx.socket(kind))
     sock.bind(addr)
     if addr.startswith("ipc://"):
         try:
@@ -122,7 +123,7 @@ def bind(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
 
 
 def connect(ctx: zmq.Context, kind: int, addr: str, identity: bytes | None = None) -> zmq.Socket:
-    sock = _tune(ctx.socket(kind))
+    sock = tune(ctx.socket(kind))
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     sock.connect(addr)

@@ -16,8 +16,10 @@ can reach the port can connect, so every connection must prove it holds the run'
                                       :meth:`CurveGuard.count_refusals` turns into a counted
                                       ``unauthenticated_peer`` rejection (``status --json``)
 
-Key files are written by the supervisor under umask 077 and chmod 0600 (multi-node runs: in the
-shared directory every node reads). Nothing here replaces :class:`~dflash_ipc.control.channels.PeerAuth`:
+Key files are written by the supervisor under umask 077 and chmod 0600, in its own run directory
+(multi-node runs too: a node's control plane links only that node's processes, so each node draws
+its own keys and nothing secret goes to the shared directory). :mod:`dflash_ipc.control.plane`
+puts the guard on the run's sockets. Nothing here replaces :class:`~dflash_ipc.control.channels.PeerAuth`:
 CURVE keeps strangers off the sockets and encrypts the link; the run key still seals each frame.
 """
 
@@ -95,6 +97,14 @@ def read_run_keys(key_root: Path) -> RunKeys:
     return RunKeys(server_public, server_secret, client_public, client_secret, keys / CLIENTS_DIR)
 
 
+def curve_client(sock: zmq.Socket, keys: RunKeys) -> zmq.Socket:
+    """Make ``sock`` (not yet connected) a CURVE client holding the run's client key."""
+    sock.curve_secretkey = keys.client_secret
+    sock.curve_publickey = keys.client_public
+    sock.curve_serverkey = keys.server_public
+    return sock
+
+
 class CurveGuard:
     """One context's CURVE side: its ZAP handler, the server sockets it watches, and the count of
     refused connections. ``close`` before the context terminates."""
@@ -117,11 +127,7 @@ class CurveGuard:
         return sock
 
     def client(self, sock: zmq.Socket) -> zmq.Socket:
-        """Make ``sock`` (not yet connected) a CURVE client holding the run's client key."""
-        sock.curve_secretkey = self.keys.client_secret
-        sock.curve_publickey = self.keys.client_public
-        sock.curve_serverkey = self.keys.server_public
-        return sock
+        return curve_client(sock, self.keys)
 
     def count_refusals(self) -> int:
         """Count every refused handshake reported since the last call (never blocks)."""
@@ -134,7 +140,7 @@ class CurveGuard:
                     break
                 n += 1
                 what = _EVENT_NAMES.get(event["event"], "handshake failed")
-                self.rejects.reject("unauthenticated_peer", f"{what} from {event['endpoint']!r} (code {event['value']})")
+                self.rejects.reject("unauthenticated_peer", f"{what} on {event['endpoint']!r} (code {event['value']})")
         return n
 
     def close(self) -> None:

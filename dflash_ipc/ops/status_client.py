@@ -1,4 +1,7 @@
-"""Reading a run's status: live from the supervisor's endpoint, else its last snapshot."""
+"""Reading a run's status: live from the supervisor's endpoint, else its last snapshot.
+
+Over ipc the endpoint is ``RUN_DIR/sock/status``; over tcp (``run.control = "tcp"``) it is named
+in ``RUN_DIR/control.json`` and reached with the run's CURVE client keys (``control.plane``)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ from pathlib import Path
 import psutil
 import zmq
 
-from dflash_ipc.control import channels
+from dflash_ipc.control import channels, curve
+from dflash_ipc.control.plane import published_endpoints
 from dflash_ipc.control.protocol import ProtocolError
 from dflash_ipc.control.status import LIVE_STATES, StatusSnapshot, decode_status
 
@@ -32,13 +36,17 @@ def read_status(path: Path, timeout_ms: int = 500) -> StatusSnapshot:
     """The live snapshot from the supervisor's endpoint, else the last ``status.json``; either is
     validated field by field (StatusUnavailable names the first bad field)."""
     run_dir = resolve_run_dir(path)
-    sock_path = channels.socket_dir(run_dir) / "status"
-    if sock_path.exists():
+    live = _live_endpoint(run_dir)
+    if live is not None:
+        endpoint, keys = live
         ctx = zmq.Context()
         sock = ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(channels.status_endpoint(run_dir))
+            if keys is not None:
+                curve.curve_client(sock, keys)
+                sock.ipv6 = endpoint.startswith("tcp://[")
+            sock.connect(endpoint)
             sock.send(b"status")
             if sock.poll(timeout_ms):
                 return _decode(sock.recv(), f"the status endpoint of {run_dir}")
@@ -53,6 +61,22 @@ def read_status(path: Path, timeout_ms: int = 500) -> StatusSnapshot:
     if snap.state in LIVE_STATES and not supervisor_alive(snap):
         return dataclasses.replace(snap, state="lost")
     return snap
+
+
+def _live_endpoint(run_dir: Path) -> tuple[str, curve.RunKeys | None] | None:
+    """The supervisor's status endpoint, with the CURVE keys it takes over tcp; None: none is served."""
+    try:
+        published = published_endpoints(run_dir)
+    except ValueError as e:
+        raise StatusUnavailable(f"{run_dir}/control.json is not JSON: {e}") from None
+    if published is None:
+        ipc = channels.socket_dir(run_dir) / "status"
+        return (channels.status_endpoint(run_dir), None) if ipc.exists() else None
+    try:
+        keys = curve.read_run_keys(Path(published["key_root"]))
+    except (OSError, KeyError, ValueError) as e:
+        raise StatusUnavailable(f"cannot read the CURVE keys of {run_dir} (run.control = tcp), needed to ask its supervisor: {e}") from None
+    return published["status"], keys
 
 
 def supervisor_alive(snap: StatusSnapshot) -> bool:

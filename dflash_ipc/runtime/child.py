@@ -153,28 +153,52 @@ class ChildSockets:
     """The sockets every child holds: a DEALER to the supervisor (identity role-rank), its own
     bound PULL for data-plane messages, and PUSH sockets to its peers. Closed explicitly.
     With the run key, every frame sent is sealed, and the PULL accepts only frames sealed by
-    the peers given to :meth:`connect_peers` (``auth``)."""
+    the peers given to :meth:`connect_peers` (``auth``).
 
-    def __init__(self, run_dir: Path, role: str, rank: int, pull_endpoint: str, key: bytes | None = None):
+    ``control`` (default: ipc in ``run_dir``): over tcp the PULL binds an ephemeral port on the
+    control host (``pull_endpoint`` then names only the ipc address it would have had; the bound
+    one is ``self.pull_endpoint``), every socket speaks CURVE, and refused handshakes on the PULL
+    are counted in ``rejects`` (:mod:`dflash_ipc.control.plane`)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        role: str,
+        rank: int,
+        pull_endpoint: str,
+        key: bytes | None = None,
+        *,
+        control=None,
+        supervisor_endpoint: str = "",
+        rejects=None,
+    ):
         import zmq
 
         from dflash_ipc.control import channels, handshake
+        from dflash_ipc.control.plane import ControlPlane, ControlSpec
+        from dflash_ipc.control.protocol import RejectCounter
 
         self.role, self.rank = role, rank
         self.auth = channels.PeerAuth(key, handshake.identity(role, rank), peers=set())
-        self.ctx = zmq.Context()
-        self.dealer = channels.connect(self.ctx, zmq.DEALER, channels.supervisor_endpoint(run_dir), self.auth.route(self.auth.me))
-        self.pull_endpoint = pull_endpoint
-        self.pull = channels.bind(self.ctx, zmq.PULL, pull_endpoint)
+        self.plane = ControlPlane(control or ControlSpec(run_dir), rejects or RejectCounter(f"{role}-{rank}"))
+        self.ctx = self.plane.ctx
+        sup = supervisor_endpoint or channels.supervisor_endpoint(run_dir)
+        self.dealer = self.plane.connect(zmq.DEALER, sup, self.auth.route(self.auth.me))
+        try:
+            self.pull, self.pull_endpoint = self.plane.bind(zmq.PULL, pull_endpoint)
+        except BaseException:
+            self.dealer.close()
+            self.plane.close()
+            raise
         self.pushes: list = []
 
     def connect_peers(self, endpoints: list[str], peer_role: str) -> list:
         """PUSH sockets to peers 0..n-1 of ``peer_role``; from now on the PULL accepts their frames."""
         import zmq
 
-        from dflash_ipc.control import channels, handshake
+        from dflash_ipc.control import handshake
 
-        self.pushes = [channels.connect(self.ctx, zmq.PUSH, ep) for ep in endpoints]
+        self.pushes = [self.plane.connect(zmq.PUSH, ep) for ep in endpoints]
         self.auth.peers = {handshake.identity(peer_role, i) for i in range(len(endpoints))}
         return self.pushes
 
@@ -193,6 +217,7 @@ class ChildSockets:
         key: the sender is not known); anything else is rejected and counted."""
         from dflash_ipc.control import channels
 
+        self.plane.count_refusals()
         out = []
         for sender, msg in channels.drain_from(self.pull, self.auth, rejects):
             out.append((None if sender is None else int(sender.rsplit(b"-", 1)[1]), msg))
@@ -239,7 +264,7 @@ class ChildSockets:
             s.close()
         self.pull.close()
         self.dealer.close(linger=linger_ms)
-        self.ctx.term()
+        self.plane.close()
 
 
 @dataclass(frozen=True)
@@ -284,7 +309,21 @@ def child_arg_parser(role: str, description: str = "") -> argparse.ArgumentParse
     ap.add_argument("--cpus", default=None, help="comma-separated CPU cores of this process (set by the supervisor)")
     ap.add_argument("--supervisor-pid", type=int, default=0, help="the supervisor that spawned this process (set by the supervisor)")
     ap.add_argument("--key-fd", type=int, default=-1, help="inherited pipe holding the run key (set by the supervisor)")
+    ap.add_argument("--supervisor-endpoint", default="", help="tcp://HOST:PORT of the supervisor (run.control = tcp)")
+    ap.add_argument("--control-keys", default="", help="directory holding keys/, the run's CURVE keys (run.control = tcp)")
     return ap
+
+
+def _control_spec(run_dir: Path, args: argparse.Namespace):
+    """ipc in the run directory, unless the supervisor gave a tcp endpoint (and the keys' directory)."""
+    from dflash_ipc.control.plane import ControlSpec, host_of
+
+    endpoint = args.supervisor_endpoint
+    if not endpoint.startswith("tcp://"):
+        return ControlSpec(run_dir)
+    if not args.control_keys:
+        raise ValueError(f"--supervisor-endpoint {endpoint} needs --control-keys (the directory holding the run's CURVE keys)")
+    return ControlSpec(run_dir, host_of(endpoint), Path(args.control_keys))
 
 
 def run_child(
@@ -326,7 +365,19 @@ def run_child(
         cap_compile_workers(placement.compile_threads)  # before anything compiles
         device = place_process(placement.device, args.cpus, placement.processes_on_host)
         log.info("TorchInductor compile workers capped at %d", placement.compile_threads)
-        socks = ChildSockets(run_dir, role, args.rank, pull_endpoint(run_dir, args.rank), key)
+        rejects = RejectCounter(f"{role}-{args.rank}", log)
+        socks = ChildSockets(
+            run_dir,
+            role,
+            args.rank,
+            pull_endpoint(run_dir, args.rank),
+            key,
+            control=_control_spec(run_dir, args),
+            supervisor_endpoint=args.supervisor_endpoint,
+            rejects=rejects,
+        )
+        if socks.plane.spec.is_tcp:
+            log.info("control plane over tcp (CURVE): supervisor %s, this process's PULL %s", args.supervisor_endpoint, socks.pull_endpoint)
         child = ChildContext(
             role=role,
             rank=args.rank,
@@ -338,7 +389,7 @@ def run_child(
             parent_pid=parent_pid,
             device=device,
             socks=socks,
-            rejects=RejectCounter(f"{role}-{args.rank}", log),
+            rejects=rejects,
         )
         with child.closing:
             try:

@@ -79,9 +79,10 @@ def remove_supervisor_sockets(run_dir: Path) -> None:
     """The supervisor's socket files, once it was killed (SIGKILL leaves them): its children remove
     them as they go, so a dead run leaves no socket behind."""
     sock_dir = (run_dir / "sock").resolve()
-    for name in ("sup", "status"):
+    # control.json (control.plane.CONTROL_FILE, named here: this may run in a signal handler, so no import): tcp endpoints
+    for path in (sock_dir / "sup", sock_dir / "status", run_dir / "control.json"):
         with contextlib.suppress(OSError):
-            (sock_dir / name).unlink()
+            path.unlink()
 
 
 def _exit_with_supervisor(supervisor: int, run_dir: str | None):

@@ -45,8 +45,24 @@ def validate_for_up(
 def check_environment(cfg: DFlashConfig) -> None:
     """Devices, target model config, tokenizer and data files (no run directory needed)."""
     check_devices(cfg.topology, visible_cuda_devices(), cfg.source)
+    _check_control_host(cfg)
     _check_data_paths(cfg)
     _check_model(cfg)
+
+
+def _check_control_host(cfg: DFlashConfig) -> None:
+    """Over tcp every control socket binds run.control_host: it must be an address of this host."""
+    if cfg.run.control != "tcp":
+        return
+    import socket
+
+    host = cfg.run.control_host
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.create_server((host, 0), family=family):
+            pass
+    except OSError as e:
+        _fail(cfg.source, "run.control_host", f"cannot listen on {host!r} here ({e}); give an address of one of this host's interfaces")
 
 
 # --------------------------------------------------------------------------- devices

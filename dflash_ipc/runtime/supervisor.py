@@ -26,7 +26,8 @@ never fatal. When heartbeats stop, the process blamed is one that the kernel rep
 a collective for a stuck peer goes silent too, but later. Status is served from the moment the
 children are spawned (state ``starting``), SIGTERM during the handshake stops the run at once
 (exit 0, nothing trained), and the socket files are removed when the supervisor exits. It serves its status snapshot
-read-only on ``sock/status`` (REP) and writes ``status.json`` every second; with
+read-only on ``sock/status`` (REP; over tcp: ``control.json`` names both endpoints, see
+``control.plane``) and writes ``status.json`` every second; with
 ``run.metrics_port`` it also serves that snapshot as Prometheus metrics on 127.0.0.1.
 """
 
@@ -45,9 +46,10 @@ import psutil
 import zmq
 
 from dflash_ipc.config import DFlashConfig, write_resolved_config
-from dflash_ipc.control import channels, handshake, protocol
+from dflash_ipc.control import channels, curve, handshake, protocol
 from dflash_ipc.control.channels import PeerAuth
 from dflash_ipc.control.handshake import HandshakeError
+from dflash_ipc.control.plane import ControlSpec, SupervisorSockets
 from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown, to_wire
 from dflash_ipc.control.stats import DrafterStats, DrafterSummary, TargetStats
 from dflash_ipc.control.status import SCHEMA_VERSION, StatusSnapshot, Totals
@@ -135,6 +137,7 @@ class Supervisor:
         self.started_unix = time.time()
         self.rejects = RejectCounter("supervisor", log)
         self._auth = PeerAuth(None)  # a new key for each attempt (_run_group)
+        self._control: SupervisorSockets | None = None  # the ROUTER and REP of the current attempt
         self._next_status = 0.0
         self._handshake_done = False
         self.run_id = ""
@@ -153,7 +156,11 @@ class Supervisor:
         channels.make_private_dir(run_dir)
         for sub in ("logs", "checkpoints", "data"):
             channels.make_private_dir(run_dir / sub)
-        channels.prepare_socket_dir(run_dir)
+        if self.cfg.run.control == "tcp":
+            # Per node, in its own run dir: a node's control plane links only its own processes.
+            curve.write_run_keys(run_dir)
+        else:
+            channels.prepare_socket_dir(run_dir)
         if self.node.shared_dir:
             channels.make_private_dir(self.node.checkpoint_root(run_dir))
         write_node_spec(run_dir, self.node)
@@ -255,6 +262,7 @@ class Supervisor:
             env = dict(base_env)
             key_fd = key_pipe(self._auth.key)
             argv = child_argv(ch.role, os.getpid(), key_fd) + ["--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
+            argv += self._control.child_argv
             if self.forward_only:
                 argv += ["--forward-only", str(self.forward_only)]
             if cpu_shares:
@@ -287,9 +295,9 @@ class Supervisor:
         return text + (f" after reporting: {ch.dead_error}" if ch.dead_error else "")
 
     def _run_group(self, resume: bool) -> int:
-        ctx = zmq.Context()
-        router = channels.bind(ctx, zmq.ROUTER, channels.supervisor_endpoint(self.run_dir))
-        status_sock = channels.bind(ctx, zmq.REP, channels.status_endpoint(self.run_dir))
+        spec = ControlSpec.for_run(self.run_dir, self.cfg.run.control, self.cfg.run.control_host, key_root=self.run_dir)
+        self._control = control = SupervisorSockets.open(spec, self.rejects)
+        router, status_sock = control.router, control.status
         self.state = "starting"
         old_handlers = self._install_signals()
         self._auth = PeerAuth(channels.new_run_key(), b"supervisor")
@@ -338,9 +346,7 @@ class Supervisor:
             self._close_progress()
             self._teardown(router)
             self._write_status()
-            router.close()
-            status_sock.close()
-            ctx.term()
+            control.close()
             sweep_run_shm(self.run_id)
             channels.remove_socket_files(self.run_dir, len(self.cfg.topology.targets), len(self.cfg.topology.drafters))
             self._restore_signals(old_handlers)
@@ -355,6 +361,7 @@ class Supervisor:
         """Runs every 0.2 s of the handshake: status stays served, and SIGTERM is honoured now."""
         if self.stop_requested:
             raise StoppedDuringStart(self.stop_requested)
+        self._control.plane.count_refusals()
         if status_sock.poll(0):
             serve_status_requests(status_sock, self.snapshot, self.rejects)
         now = time.monotonic()
@@ -393,6 +400,7 @@ class Supervisor:
         next_watchdog = 0.0
         while True:
             events = dict(poller.poll(100))
+            self._control.plane.count_refusals()
             if router in events:
                 self._drain_router(router)
             if status_sock in events:

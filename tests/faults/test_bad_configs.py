@@ -166,6 +166,13 @@ CASES = [
     ),
     Case("drafter-hidden-size", "drafter.hidden_size", "must equal the target's hidden_size (64)", {"drafter.hidden_size": 128}),
     Case("drafter-odd-head-dim", "drafter.head_dim", "even", {"drafter.head_dim": 15}),
+    # the world: over tcp every control socket binds run.control_host (192.0.2.1: TEST-NET-1, on no host)
+    Case(
+        "control-host-not-here",
+        "run.control_host",
+        "cannot listen on '192.0.2.1' here",
+        {"run.control": "tcp", "run.control_host": "192.0.2.1", "transport.backend": "nccl"},
+    ),
 ]
 
 
