@@ -7,7 +7,7 @@
 # Expects /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf and the gguf package (or its wheel in .whl/).
 # Knobs (env): BUDGET_S, N_PROMPTS, HOLDOUT, GEN_BS, GEN_MAX_NEW, TRAIN_S, STEP_S, MAX_STEPS, EPOCHS,
 # EVAL_N, EVAL_MAX_NEW, EVAL_S_PER_PROMPT, EVAL_WORKERS (per GPU), SPEED_PROMPTS, HOLDOUT_EVERY, HOLDOUT_BATCHES,
-# EXTRA (more section.key=JSON overrides for the training config),
+# EVAL_RESERVE_S (seconds kept for export-untrained + eval, 120), EXTRA (more section.key=JSON overrides for the training config),
 # ONE_GPU=1 (target and drafter both on cuda:0, for a one-GPU machine).
 set -u -o pipefail
 T0=$(date +%s)
@@ -99,7 +99,7 @@ python3 tools/derive_config.py "$BASE" "$W/train.toml" "${MODEL_OV[@]}" "data.pa
   "run.run_dir=\"$W/run\"" "training.max_steps=$MAX_STEPS" "data.holdout_paths=[\"$W/gen.holdout.jsonl\"]" \
   "training.holdout_every=$HOLDOUT_EVERY" "training.holdout_batches=$HOLDOUT_BATCHES" "${TOPO[@]}" ${EXTRA:-} | tee -a "$OUT/derive.log" || exit 1
 cp "$W/train.toml" "$OUT/"
-TRAIN_T=$(( $(left) - 120 ))
+TRAIN_T=$(( $(left) - ${EVAL_RESERVE_S:-120} ))  # what is left after it goes to export-untrained and eval
 timeout -s INT -k 60 $TRAIN_T $DF up --config "$W/train.toml" 2>&1 | tee "$OUT/up.log" | grep -v "^\[up\] step" | tail -n 25
 cp "$W/run/metrics.jsonl" "$W/run/plan.json" "$OUT/" 2>/dev/null
 python3 - "$W/run" "$EPOCHS" <<'EOF'
