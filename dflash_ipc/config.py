@@ -267,9 +267,10 @@ class TargetConfig:
     capture_last_hidden: bool = False
     async_pack: bool = True
     random_init_seed: int = 1234
-    # Pack each batch's documents back to back in one row (no padding computed; see target/varlen.py);
-    # false: the right-padded [B, L] forward, kept so benchmarks can compare both on the same batches.
-    varlen: bool = True
+    # Pack each batch's documents back to back in one row (no padding computed; see target/varlen.py).
+    # "auto": packed only where that is the faster forward (flash/flex attention, and fla + causal-conv1d
+    # for GatedDeltaNet layers); true / false force it (benchmarks compare both on the same batches).
+    varlen: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         if not self.tokenizer:

@@ -86,6 +86,7 @@ def target_main(child: ChildContext) -> int:
             type(core.model.stack).__name__,
             cfg.target.attn_implementation,
         )
+    log.info("target %d: forward %s (%s)", rank, "packed (varlen)" if core.model.varlen else "padded", core.model.varlen_reason)
     log.info("data: %s", core.corpus.report.summary())
     backend = resolve_backend(cfg, rank, log)
     ring = create_producer_ring(

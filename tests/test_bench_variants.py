@@ -18,7 +18,9 @@ def test_padded_is_forward_only_without_varlen(tmp_path):
     cfg = _load(tmp_path, overrides)
     assert fwd == -1 and cfg.target.varlen is False and cfg.transport.backend == "cpu-shm"
     base, _ = variant_overrides("forward-only", on_cuda=False)
-    assert _load(tmp_path, base).target.varlen is True
+    assert _load(tmp_path, base).target.varlen == "auto"
+    forced, _ = variant_overrides("varlen", on_cuda=False)
+    assert _load(tmp_path, forced).target.varlen is True
 
 
 @pytest.mark.parametrize("chunk,cap,expected_chunk", [(0, 2048, 2048), (1024, 2048, 1024), (0, 0, 2048)])

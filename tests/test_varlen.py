@@ -177,3 +177,27 @@ def test_cuda_bf16_packed_equals_standalone():
         start += n
     print(f"cuda bf16 packed vs standalone: kernels={model.linear_attention_kernels} max abs {worst_abs:.4g}, max rel {worst_rel:.4g}")
     assert worst_rel <= 2e-2
+
+
+def test_auto_packs_only_where_packing_is_the_faster_forward():
+    """target.varlen = "auto": sdpa attention or GatedDeltaNet without fla + causal-conv1d -> padded
+    (with the reason); forced true/false are kept as set."""
+    from transformers import LlamaConfig, LlamaModel
+
+    from dflash_ipc.target.varlen import resolve_varlen
+
+    qwen = build_target(TargetConfig(spec=tiny_spec(VOCAB), layer_ids=[0, 2], varlen="auto"), "cpu")
+    assert qwen.varlen is False and not qwen._mixers
+    assert "sdpa attention" in qwen.varlen_reason and "GatedDeltaNet chunk=" in qwen.varlen_reason
+    on, why = resolve_varlen("auto", qwen.stack, "flex_attention")
+    assert on is False and "sdpa" not in why and "GatedDeltaNet" in why  # CPU: no fla / causal-conv1d
+    conf = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
+    llama = LlamaModel(conf)
+    assert resolve_varlen("auto", llama, "sdpa")[0] is False
+    assert resolve_varlen("auto", llama, "flex_attention") == (True, "auto: packed (varlen attention)")
+    assert resolve_varlen(True, llama, "sdpa") == (True, "target.varlen = true")
+    assert resolve_varlen(False, llama, "flex_attention") == (False, "target.varlen = false")
+    with pytest.raises(ValueError, match="true, false or 'auto'"):
+        resolve_varlen("yes", llama, "sdpa")

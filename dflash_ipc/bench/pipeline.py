@@ -8,9 +8,9 @@ Variants (each a fresh run directory and a fresh process group):
                     for the pipeline; every batch also runs once through the bare transformers
                     stack (no hooks, no capture), the baseline for the target's own overhead;
 * ``depth-2`` / ``depth-8``  cuda-ipc with 2 and 8 ring slots: host memory must not grow;
-* ``padded``        forward-only with ``target.varlen = false`` (batches padded per row, the
-                    layout before the varlen forward): summary ``ratio_varlen_to_padded`` on the
-                    same batches;
+* ``padded`` / ``varlen``  forward-only with ``target.varlen`` forced false / true (padded rows
+                    vs one packed row): summary ``ratio_varlen_to_padded`` on the same batches
+                    (``forward-only`` stands in for ``varlen`` when only it ran);
 * ``anchors-N``     cuda-ipc with N anchors per batch, micro-batched in chunks of the config's
                     ``drafter.anchor_chunk`` (or, unset, its ``max_anchors_per_batch``: what one
                     forward held before): drafter wait, step split and peak GPU memory at N;
@@ -63,7 +63,7 @@ from dflash_ipc.runtime.supervisor import Supervisor
 # kernels inside its own forwards (so its ceiling reads low), and no later variant does; put
 # "warmup" before it to keep the compilation out of every measured variant.
 DEFAULT_VARIANTS = ("forward-only", "cuda-ipc", "host-pinned", "depth-2", "depth-8")
-KNOWN_VARIANTS = (*DEFAULT_VARIANTS, "warmup", "padded")
+KNOWN_VARIANTS = (*DEFAULT_VARIANTS, "warmup", "padded", "varlen")
 
 
 class TreeSampler:
@@ -137,8 +137,8 @@ def variant_overrides(name: str, on_cuda: bool, anchor_chunk: int = 0, max_ancho
         return {"transport.backend": "host-pinned" if on_cuda else "cpu-shm"}, 0
     if name in ("forward-only", "warmup"):
         return {"transport.backend": base_backend}, -1
-    if name == "padded":  # the forward-only ceiling with today's padded batches: what varlen gains
-        return {"transport.backend": base_backend, "target.varlen": False}, -1
+    if name in ("padded", "varlen"):  # the forward-only ceiling with the forward forced either way
+        return {"transport.backend": base_backend, "target.varlen": name == "varlen"}, -1
     if name.startswith("depth-"):
         return {"transport.backend": base_backend, "transport.ring_slots": _variant_number(name)}, 0
     if name.startswith("anchors-"):
@@ -317,8 +317,9 @@ def run_pipeline_bench(
         summary["ratio_pipeline_to_forward_only_steady"] = round(ipc["steady_tokens_per_s"] / ceiling, 4)
     if ipc:
         summary.update(_topology_advice(config_path, results))
-    if results.get("forward-only") and results.get("padded"):
-        fo, pad = results["forward-only"], results["padded"]
+    packed = results.get("varlen") or results.get("forward-only")
+    if packed and results.get("padded"):
+        fo, pad = packed, results["padded"]
         summary["ratio_varlen_to_padded"] = round(fo["target_tokens_per_s"] / max(1e-9, pad["target_tokens_per_s"]), 4)
         summary["target_mfu_varlen_padded"] = [fo["target_mfu"], pad["target_mfu"]]
     for name, r in results.items():

@@ -39,7 +39,7 @@ from dflash_ipc.devices import as_device, cuda_device, dtype_from_name
 from dflash_ipc.target.flops import forward_flops
 from dflash_ipc.target.heads import derived_seed, target_head_weights
 from dflash_ipc.target.hf_config import make_hf_config, resolve_layer_ids, text_config, truncated_spec_config
-from dflash_ipc.target.varlen import PackedDocs, install_document_reset
+from dflash_ipc.target.varlen import PackedDocs, install_document_reset, resolve_varlen
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class TargetModel:
         device,
         dtype: torch.dtype,
         capture_last_hidden: bool = False,
-        varlen: bool = False,
+        varlen: bool | str = False,
         attn_implementation: str | None = None,
     ):
         self.stack = stack
@@ -183,7 +183,7 @@ class TargetModel:
         stack.eval()
         stack.requires_grad_(False)
         self.attn_implementation = attn_implementation or str(getattr(text_config(hf_config), "_attn_implementation", None) or "sdpa")
-        self.varlen = bool(varlen)
+        self.varlen, self.varlen_reason = resolve_varlen(varlen, stack, self.attn_implementation)
         # after any weight init: the wrappers rename the GatedDeltaNet parameters (linear_attn.inner.*)
         self._mixers, self.linear_attention_kernels = install_document_reset(stack) if self.varlen else ([], False)
 

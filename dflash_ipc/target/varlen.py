@@ -36,9 +36,12 @@ from torch import nn
 from dflash_ipc.target.fast_path import impl_origin, resolve_impl
 from dflash_ipc.target.packing import real_token_index
 
-__all__ = ["PackedDocs", "DocumentResetMixer", "install_document_reset", "gated_delta_net_kernels"]
+__all__ = ["PackedDocs", "DocumentResetMixer", "install_document_reset", "gated_delta_net_kernels", "resolve_varlen"]
 
 _FAST = {"fla", "causal_conv1d", "hub_kernel"}
+# Attention implementations that keep a packed row's documents apart at per-document cost; sdpa
+# and eager get a dense block-diagonal mask over the whole row instead (quadratic in the batch).
+_VARLEN_ATTENTION = {"flash_attention_2", "flash_attention_3", "flex_attention"}
 
 
 @dataclass
@@ -99,6 +102,35 @@ def gated_delta_net_kernels(layer: nn.Module) -> dict[str, str]:
         fn = getattr(mod, name, None) if mod is not None else None
         out[role] = impl_origin(resolve_impl(fn)) if fn is not None else "none"
     return out
+
+
+def resolve_varlen(setting: bool | str, stack: nn.Module, attn_implementation: str) -> tuple[bool, str]:
+    """Whether the packed forward runs, and why (``target.varlen``: true, false or "auto").
+
+    "auto" packs only where packing is the faster forward: every full-attention layer on a varlen
+    kernel (flash-attention's or flex's block mask; sdpa over a packed row attends the whole row
+    through a dense block-diagonal mask), and every GatedDeltaNet on fla *and* causal-conv1d
+    (without them each document runs padded inside that layer). Measured on an H200 at 9B shapes
+    with sdpa, fla and no causal-conv1d, packing was slower than padding (docs/BENCHMARKS.md)."""
+    if isinstance(setting, bool):
+        return setting, f"target.varlen = {str(setting).lower()}"
+    if setting != "auto":
+        raise ValueError(f"target.varlen must be true, false or 'auto' (got {setting!r})")
+    layers = list(getattr(stack, "layers", []))
+    why_padded = []
+    if any(getattr(layer, "self_attn", None) is not None for layer in layers) and attn_implementation not in _VARLEN_ATTENTION:
+        why_padded.append(
+            f"{attn_implementation} attention would span the whole packed row (flash_attention_2 or flex_attention would not)"
+        )
+    linear = [layer.linear_attn for layer in layers if getattr(layer, "linear_attn", None) is not None]
+    if linear:
+        inner = linear[0].inner if isinstance(linear[0], DocumentResetMixer) else linear[0]
+        kernels = gated_delta_net_kernels(inner)
+        if not (kernels["chunk"] in _FAST and kernels["conv"] in _FAST):
+            why_padded.append(f"GatedDeltaNet chunk={kernels['chunk']} conv={kernels['conv']} (packing needs fla and causal-conv1d)")
+    if why_padded:
+        return False, "auto: padded, " + "; ".join(why_padded)
+    return True, "auto: packed (varlen attention" + (" and GatedDeltaNet kernels)" if linear else ")")
 
 
 class DocumentResetMixer(nn.Module):
