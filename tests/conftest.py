@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -76,3 +77,23 @@ def run_up(config: Path, run_dir: Path, max_steps: int, cwd: Path) -> subprocess
     """`dflash-ipc up` to completion in a subprocess (not a TTY), its output captured as text."""
     argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(config), "--max-steps", str(max_steps), "--run-dir", str(run_dir)]
     return subprocess.run(argv, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=cwd)
+
+
+TINY_RUN_STEPS = 6
+
+
+def tensorboard_config(path: Path, tensorboard: bool = True) -> Path:
+    """configs/tiny-cpu.toml as it is, with run.tensorboard set."""
+    return write_toml(path, tiny_cpu_config(run={"tensorboard": tensorboard}))
+
+
+@pytest.fixture(scope="session")
+def tiny_cpu_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One `dflash-ipc up` of configs/tiny-cpu.toml for TINY_RUN_STEPS steps, not on a TTY, with
+    TensorBoard events on: test_progress reads its output, test_tensorboard its event files (one
+    process group instead of two; neither property depends on the other's setting). Without the
+    optional tensorboard package the run still happens, with TensorBoard off."""
+    work = tmp_path_factory.mktemp("tiny-cpu-run")
+    run_dir = work / "run"
+    config = tensorboard_config(work / "tiny-cpu.toml", tensorboard=importlib.util.find_spec("tensorboard") is not None)
+    return run_up(config, run_dir, TINY_RUN_STEPS, cwd=work), run_dir

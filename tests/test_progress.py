@@ -5,10 +5,9 @@ from __future__ import annotations
 import io
 import itertools
 import re
-from pathlib import Path
 
 import pytest
-from conftest import run_up
+from conftest import TINY_RUN_STEPS
 from rich.console import Console
 
 from dflash_ipc.runtime.progress import (
@@ -19,7 +18,6 @@ from dflash_ipc.runtime.progress import (
     eta_seconds,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 PROGRESS_LINE = re.compile(r"^\[up\] step ")
 
 
@@ -88,15 +86,14 @@ def test_rich_progress_renders_the_bar_fields():
 
 
 @pytest.mark.slow
-def test_up_without_a_tty_never_repeats_a_progress_line(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = run_up(REPO / "configs" / "tiny-cpu.toml", run_dir, 6, cwd=tmp_path)
+def test_up_without_a_tty_never_repeats_a_progress_line(tiny_cpu_run):
+    proc, _ = tiny_cpu_run  # configs/tiny-cpu.toml, TINY_RUN_STEPS steps (shared with test_tensorboard)
     assert proc.returncode == 0, proc.stdout[-4000:]
     progress = [ln for ln in proc.stdout.splitlines() if PROGRESS_LINE.match(ln)]
     assert progress, proc.stdout[-4000:]
     repeats = [(a, b) for a, b in itertools.pairwise(progress) if a == b]
     assert not repeats, proc.stdout
     steps = [int(re.match(r"\[up\] step (\d+)", ln).group(1)) for ln in progress]
-    assert steps == sorted(steps) and all(s <= 6 for s in steps)
+    assert steps == sorted(steps) and all(s <= TINY_RUN_STEPS for s in steps)
     assert "None" not in proc.stdout and "\r" not in proc.stdout
-    assert "[up] finished (max_steps 6)" in proc.stdout
+    assert f"[up] finished (max_steps {TINY_RUN_STEPS})" in proc.stdout

@@ -9,17 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_up
+from conftest import TINY_RUN_STEPS, tensorboard_config
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _config_with_tensorboard(tmp_path: Path) -> Path:
-    text = (REPO / "configs" / "tiny-cpu.toml").read_text()
-    assert "\n[run]\n" in text
-    path = tmp_path / "tb.toml"
-    path.write_text(text.replace("\n[run]\n", "\n[run]\ntensorboard = true\n", 1))
-    return path
+    return tensorboard_config(tmp_path / "tb.toml")
 
 
 def test_config_refuses_tensorboard_without_the_package(tmp_path):
@@ -45,13 +41,12 @@ def test_config_accepts_tensorboard_with_the_package(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_run_writes_tensorboard_scalars_that_read_back(tmp_path):
+def test_tiny_run_writes_tensorboard_scalars_that_read_back(tiny_cpu_run):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_dir = tmp_path / "run"
-    steps = 4
-    proc = run_up(_config_with_tensorboard(tmp_path), run_dir, steps, cwd=tmp_path)
+    proc, run_dir = tiny_cpu_run  # configs/tiny-cpu.toml with run.tensorboard = true (shared with test_progress)
+    steps = TINY_RUN_STEPS
     assert proc.returncode == 0, proc.stdout[-4000:]
     events = sorted(run_dir.glob("events.out.tfevents.*"))
     assert len(events) == 1, events  # rank 0 only

@@ -2,7 +2,7 @@
 
 Every run uses a smaller copy of configs/tiny-cpu.toml (same model; 300 samples, 256-token
 sequences: 59 batches over 2 target shards, ~30 steps to exhaust the data). Runs that several
-tests read are module-scoped fixtures: the whole file runs `up` 6 times (7 process groups).
+tests read are module-scoped fixtures: the whole file runs `up` 8 times (9 process groups).
 No assertion depends on timing; timeouts are safety nets only.
 """
 
@@ -465,20 +465,6 @@ def test_handshake_timeout_names_the_setting_and_leaves_no_process(work, started
     assert_no_leftovers(up)
 
 
-def test_sigterm_without_final_checkpoint_setting_still_checkpoints_on_every_rank(work, started):
-    """training.checkpoint_on_finish = false (benchmarks) must not split the drafters at a
-    requested stop: the checkpoint is collective, so every rank takes the same branch."""
-    cfg = write_config(work / "nofinal.toml", training__checkpoint_on_finish=False)
-    up = Up(cfg, work / "nofinal", name="nofinal")
-    started.append(up)
-    up.wait_until(lambda: up.steps_logged() >= 2, "step 2")
-    up.proc.send_signal(signal.SIGTERM)
-    assert up.wait() == 0, up.output
-    stop_step = read_metrics(up.run_dir)[-1]["step"]
-    assert checkpoint_step(latest_checkpoint(up.run_dir)) == stop_step
-    assert_no_leftovers(up)
-
-
 # --------------------------------------------------------------------------- metrics endpoint, status --json | tail -1
 
 
@@ -488,18 +474,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_metrics_endpoint_and_json_last_line_during_a_run(work, started):
-    """GET /metrics on run.metrics_port while a real run trains; `status --json | tail -1` is the JSON."""
+@pytest.fixture(scope="module")
+def metrics_run(work, started):
+    """A run with run.metrics_port set and training.checkpoint_on_finish = false, SIGTERMed once
+    step 2 is logged (it would run until the data is exhausted): GET /metrics and
+    `status --json | tail -1` are read while it trains, the endpoint again after it ended."""
     import urllib.request
 
     port = _free_port()
-    cfg = write_config(work / "metrics.toml", run__metrics_port=port)
-    up = Up(cfg, work / "metrics", name="metrics")  # runs until the data is exhausted: SIGTERM ends it below
+    cfg = write_config(work / "metrics.toml", run__metrics_port=port, training__checkpoint_on_finish=False)
+    up = Up(cfg, work / "metrics", name="metrics")
     started.append(up)
-    up.wait_until(lambda: up.steps_logged() >= 1, "step 1")
+    up.wait_until(lambda: up.steps_logged() >= 2, "step 2")
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-        assert r.status == 200
-        text = r.read().decode()
+        http_status, text = r.status, r.read().decode()
+    # the shell idiom the README promises: the last line is the whole JSON object
+    tail = subprocess.run(
+        f"{sys.executable} -m dflash_ipc.cli status --run-dir {work / 'metrics'} --json | tail -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    up.proc.send_signal(signal.SIGTERM)
+    code = up.wait()
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        after: OSError | None = None
+    except OSError as e:  # urllib.error.URLError is an OSError
+        after = e
+    return dict(up=up, port=port, code=code, http_status=http_status, text=text, tail=tail.stdout, after=after)
+
+
+def test_metrics_endpoint_and_json_last_line_during_a_run(metrics_run):
+    """GET /metrics on run.metrics_port while a real run trains; `status --json | tail -1` is the JSON."""
+    r = metrics_run
+    up, port, text = r["up"], r["port"], r["text"]
+    assert r["http_status"] == 200
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     up_samples = {(s.labels["role"], s.labels["rank"]): s.value for s in fams["dflash_ipc_process_up"].samples}
     assert up_samples == {("target", "0"): 1.0, ("target", "1"): 1.0, ("drafter", "0"): 1.0, ("drafter", "1"): 1.0}, text
@@ -509,16 +521,7 @@ def test_metrics_endpoint_and_json_last_line_during_a_run(work, started):
     assert {s.labels["state"]: s.value for s in fams["dflash_ipc_state"].samples}["running"] == 1.0
     assert [s.value for s in fams["dflash_ipc_supervisor_pid"].samples] == [float(up.proc.pid)]
 
-    # the shell idiom the README promises: the last line is the whole JSON object
-    r = subprocess.run(
-        f"{sys.executable} -m dflash_ipc.cli status --run-dir {work / 'metrics'} --json | tail -1",
-        shell=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    snap = decode_status(json.loads(r.stdout))
+    snap = decode_status(json.loads(r["tail"]))
     assert snap.state == "running" and sorted((p.role, p.rank) for p in snap.processes) == [
         ("drafter", 0),
         ("drafter", 1),
@@ -526,9 +529,19 @@ def test_metrics_endpoint_and_json_last_line_during_a_run(work, started):
         ("target", 1),
     ]
 
-    up.proc.send_signal(signal.SIGTERM)
-    assert up.wait() == 0, up.output
+    assert r["code"] == 0, up.output
     assert f"[up] metrics: http://127.0.0.1:{port}/metrics" in up.output
-    with pytest.raises(OSError):  # the endpoint closed with the run
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    assert isinstance(r["after"], OSError), "the endpoint still answered after the run ended"
+    assert_no_leftovers(up)
+
+
+def test_sigterm_without_final_checkpoint_setting_still_checkpoints_on_every_rank(metrics_run):
+    """training.checkpoint_on_finish = false (benchmarks) must not split the drafters at a
+    requested stop: the checkpoint is collective, so every rank takes the same branch.
+    (The metrics run above has that setting and is stopped with SIGTERM after step 2.)"""
+    up = metrics_run["up"]
+    assert metrics_run["code"] == 0, up.output
+    stop_step = read_metrics(up.run_dir)[-1]["step"]
+    assert stop_step >= 2
+    assert checkpoint_step(latest_checkpoint(up.run_dir)) == stop_step
     assert_no_leftovers(up)
