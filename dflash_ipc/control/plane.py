@@ -24,6 +24,7 @@ ipc path is exactly :mod:`dflash_ipc.control.channels` as before.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -76,11 +77,14 @@ class ControlPlane:
         self.ctx = zmq.Context()
         self.keys = curve.read_run_keys(spec.key_root) if spec.is_tcp else None
         self._guard: curve.CurveGuard | None = None
+        self._ipc_files: list[str] = []  # removed by close(): a process that exits right after may beat libzmq to it
 
     def bind(self, kind: int, ipc_endpoint: str) -> tuple[zmq.Socket, str]:
         """A bound server socket and the endpoint peers connect to (``ipc_endpoint`` over ipc)."""
         if not self.spec.is_tcp:
-            return channels.bind(self.ctx, kind, ipc_endpoint), ipc_endpoint
+            sock = channels.bind(self.ctx, kind, ipc_endpoint)
+            self._ipc_files.append(ipc_endpoint[len("ipc://") :])
+            return sock, ipc_endpoint
         if self._guard is None:  # the ZAP thread only where something is served
             self._guard = curve.CurveGuard(self.ctx, self.keys, self.rejects)
         sock = self._guard.serve(channels.tune(self.ctx.socket(kind)))
@@ -112,6 +116,10 @@ class ControlPlane:
             self._guard.close()
             self._guard = None
         self.ctx.term()
+        for path in self._ipc_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._ipc_files.clear()
 
 
 def publish_endpoints(run_dir: Path, supervisor: str, status: str, key_root: Path) -> None:

@@ -71,7 +71,8 @@ def _setup_process(role: str, rank: int, run_dir: Path, log_level: str, supervis
     """Title, logging to RUN_DIR/logs/<role>-<rank>.log, faulthandler, signals; returns the open
     log file too, for the caller to close. ``supervisor_pid`` (0: unknown, the parent at entry)
     is the process whose death stops this one."""
-    setproctitle.setproctitle(f"dflash-ipc:{role}:{rank}")
+    # the run dir in the title: `ps` tells which run a process belongs to (several runs on one host)
+    setproctitle.setproctitle(f"dflash-ipc:{role}:{rank} {run_dir.resolve()}")
     parent = supervisor_pid or os.getppid()
     set_parent_death_signal(signal.SIGTERM)
     log_dir = run_dir / "logs"

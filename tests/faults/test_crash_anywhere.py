@@ -217,8 +217,9 @@ def test_full_sigkill_each_role_at_random_moments(tmp_path, victim, moment, tria
 @pytest.mark.parametrize("trial", range(3))
 @pytest.mark.parametrize("moment", ["import", "handshake", "step"])
 def test_full_sigkill_supervisor_at_random_moments(tmp_path, moment, trial):
-    gone = supervisor_kill_trial(tmp_path, moment, seed=1000 + 10 * trial + MOMENTS.index(moment))
-    assert gone <= 5.0  # ~2 s is the goal; the bound only catches "ran until a timeout"
+    # the time until every child is gone is reported (FAULTS line), not asserted: timings never decide
+    # a test; supervisor_kill_trial's safety net (30 s) catches children that wait for a timeout
+    supervisor_kill_trial(tmp_path, moment, seed=1000 + 10 * trial + MOMENTS.index(moment))
 
 
 @pytest.mark.faults_full
