@@ -357,7 +357,7 @@ class NodeGroup:
         """How long the watch thread has waited on node 0's store (0 on node 0: the store is in this process)."""
         if self.spec.node_rank == 0 or self._thread is None or not self._thread.is_alive():
             return 0.0
-        return time.monotonic() - self._round_at
+        return max(0.0, time.monotonic() - self._round_at - self.interval_s)  # the next round starts an interval after
 
     def _lost_node0(self, silent_s: float) -> str:
         return (
