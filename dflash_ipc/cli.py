@@ -188,7 +188,7 @@ def check_config(config_path: str, file_only: bool) -> None:
     type=click.IntRange(0),
     default=0,
     show_default=True,
-    help="Restart the group from the last checkpoint after a failure, at most K times.",
+    help="Restart the group from the last checkpoint after a failure, at most K times (with --nnodes: every node together).",
 )
 @click.option(
     "--nnodes", type=int, default=None, help="Nodes in the run, each running `up` with the same config (default: NNODES, else 1)."
@@ -225,11 +225,6 @@ def up(
 
     try:  # before anything is created: a bad node option names itself and starts nothing
         node = resolve_node_spec(nnodes, node_rank, master_addr, master_port, shared_dir, os.environ)
-        if node.multi and max_restarts:
-            raise NodeOptionError(
-                "--max-restarts is not supported with --nnodes > 1 yet (nodes do not restart together); "
-                "let the launcher (systemd Restart=, SLURM --requeue) restart every node with --resume"
-            )
     except NodeOptionError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

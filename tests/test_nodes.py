@@ -1,14 +1,26 @@
-"""Node options: options over torchrun-style variables, refusals naming the option, global numbering."""
+"""Node options: options over torchrun-style variables, refusals naming the option, global numbering;
+the supervisors' restart vote over a real TCPStore (two NodeGroups in threads)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+from test_multinode import free_port_pair
 
-from dflash_ipc.runtime.nodes import NodeOptionError, NodeSpec, drafter_envs, read_node_spec, resolve_node_spec, write_node_spec
+from dflash_ipc.runtime.nodes import (
+    NodeGroup,
+    NodeOptionError,
+    NodeSpec,
+    bounded_call,
+    drafter_envs,
+    read_node_spec,
+    resolve_node_spec,
+    write_node_spec,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,3 +95,48 @@ def test_up_refuses_bad_node_options_before_anything_starts(tmp_path: Path) -> N
     assert r.returncode == 2, r.stderr
     assert "--master-port (MASTER_PORT)" in r.stderr
     assert not run_dir.exists()
+
+
+def both(fn0, fn1) -> list:
+    """fn0 and fn1 at once (each node's supervisor is its own process; here, a thread each)."""
+    out: list = [None, None]
+    threads = [threading.Thread(target=lambda i=i, f=f: out.__setitem__(i, f())) for i, f in enumerate((fn0, fn1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
+def test_nodes_restart_only_when_every_node_votes_to() -> None:
+    port = free_port_pair()
+    g0, g1 = (
+        NodeGroup(NodeSpec(nnodes=2, node_rank=r, master_addr="127.0.0.1", master_port=port), interval_s=0.1, heartbeat_timeout_s=2.0)
+        for r in (0, 1)
+    )
+    try:
+        both(lambda: g0.join("same", 10), lambda: g1.join("same", 10))
+        # generation 0: both vote restart
+        assert both(lambda: g0.agree_restart(True, 10), lambda: g1.agree_restart(True, 10)) == [(True, "restart")] * 2
+        assert (g0.begin_generation(), g1.begin_generation()) == (1, 1)
+        # generation 1: node 0 has no restart left: every node stops, told why
+        votes = both(lambda: g0.agree_restart(False, 10), lambda: g1.agree_restart(True, 10))
+        assert [v[0] for v in votes] == [False, False] and votes[0][1] == votes[1][1] and "node 0" in votes[0][1]
+        g0.begin_generation()
+        g1.begin_generation()
+        # generation 2: node 1 never votes (hung, or still tearing down): node 0 stops after its timeout
+        restart, why = g0.agree_restart(True, 0.5)
+        assert not restart and "node(s) 1 did not vote within 0.5 s" in why
+    finally:
+        g1.close()
+        g0.close()
+
+
+def test_bounded_call_returns_raises_or_gives_up() -> None:
+    assert bounded_call(lambda: 7, 1.0) == 7
+    with pytest.raises(KeyError):
+        bounded_call(lambda: {}["x"], 1.0)
+    stuck = threading.Event()
+    with pytest.raises(TimeoutError, match="no answer within 0.2 s"):
+        bounded_call(lambda: stuck.wait(30), 0.2)
+    stuck.set()

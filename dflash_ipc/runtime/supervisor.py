@@ -13,7 +13,8 @@ Run states (the supervisor's own state machine)::
                                        run.teardown_grace_s), sweep shared memory, exit 1 naming the
                                        process, its exit code or signal, and the tail of its log;
                                        with --max-restarts K: restart the group from the last
-                                       checkpoint (--resume semantics), at most K times.
+                                       checkpoint (--resume semantics), at most K times
+                                       (runtime.restarts; with several nodes, every node together).
 
 The supervisor watches process sentinels (``Popen.poll``) and heartbeats; it never trains
 and never touches the rings, so it stays responsive. Each attempt draws a new run key; a child
@@ -61,6 +62,7 @@ from dflash_ipc.runtime.launch import child_argv, key_pipe
 from dflash_ipc.runtime.liveness import describe_exit, is_stopped, log_tail, process_status, silent_child
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
+from dflash_ipc.runtime.restarts import GroupFailed, run_with_restarts
 from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
 
 log = logging.getLogger(__name__)
@@ -88,10 +90,6 @@ class Child:
     @property
     def key(self) -> tuple[str, int]:
         return (self.role, self.rank)
-
-
-class GroupFailed(RuntimeError):
-    pass
 
 
 class StoppedDuringStart(RuntimeError):
@@ -228,25 +226,26 @@ class Supervisor:
                 metrics.close()
 
     def _run_with_restarts(self) -> int:
-        attempts = 0
-        resume = self.resume
-        while True:
-            try:
-                code = self._run_group(resume)
-                self.node_group.finish()
-                return code
-            except GroupFailed as e:
-                self.state = "failed"
-                self._write_status()
-                e = GroupFailed(self.node_group.report_failure(str(e)))
-                self.echo(f"[up] FAILED: {e}")
-                if attempts >= self.max_restarts or self.stop_requested:
-                    return EXIT_FAILED
-                attempts += 1
-                resume = True
-                self.echo(f"[up] restarting the group from the last checkpoint ({attempts}/{self.max_restarts})")
-                self.run_id = new_run_id()
-                (self.run_dir / "run_id").write_text(self.run_id + "\n")
+        def failed() -> None:
+            self.state = "failed"
+            self._write_status()
+
+        def new_attempt() -> None:
+            self.run_id = new_run_id()
+            (self.run_dir / "run_id").write_text(self.run_id + "\n")
+
+        run = self.cfg.run
+        return run_with_restarts(
+            self._run_group,
+            self.node_group,
+            resume=self.resume,
+            max_restarts=self.max_restarts,
+            stop_requested=lambda: self.stop_requested,
+            on_failed=failed,
+            on_restart=new_attempt,
+            vote_timeout_s=run.handshake_timeout_s + 2 * run.teardown_grace_s,
+            echo=self.echo,
+        )
 
     def _spawn(self, resume: bool) -> None:
         cfg = self.cfg
@@ -431,8 +430,9 @@ class Supervisor:
                 raise GroupFailed(node_failure)
             now = time.monotonic()
             silent = silent_child(self.children, now, cfg.run.heartbeat_timeout_s) if not targets_stopped else None
-            if silent is not None:
-                raise GroupFailed(self._failure_text(silent[1], silent[0]))
+            if silent is not None:  # in a run of several nodes, likely waiting in a collective for a hung node
+                hung = self.node_group.suspect()
+                raise GroupFailed(f"{hung}; here {silent[1]}" if hung else self._failure_text(silent[1], silent[0]))
             if self.forward_only and all(c.done is not None for c in targets):
                 for c in targets:
                     c.popen.wait(timeout=max(5.0, cfg.run.teardown_grace_s))
