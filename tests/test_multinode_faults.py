@@ -35,6 +35,7 @@ MARGIN_S = 30.0  # detection + reporting + the teardown of a drafter stuck in a 
 
 def wait_training(nodes: tuple[Node, Node], shared: Path, min_step: int = 3) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT_S
+
     def step(n: Node) -> int:
         return (n.status() or {}).get("totals", {}).get("step", 0)
 
@@ -78,8 +79,10 @@ def test_a_hung_node_ends_the_run_on_the_other(tmp_path: Path, hung_rank: int) -
         code = other.wait(timeout=5)
         exited = time.monotonic() - stopped
         out = other.output
-        print(f"NODES: node {hung_rank} SIGSTOPped (run.heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S:g}): node {1 - hung_rank} "
-              f"detected it after {detected if detected is None else round(detected, 1)} s, exited {code} after {exited:.1f} s")
+        print(
+            f"NODES: node {hung_rank} SIGSTOPped (run.heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S:g}): node {1 - hung_rank} "
+            f"detected it after {detected if detected is None else round(detected, 1)} s, exited {code} after {exited:.1f} s"
+        )
         print(out[-1500:])
         assert code != 0, out[-3000:]
         assert detected is not None and detected < HEARTBEAT_TIMEOUT_S + MARGIN_S, out[-3000:]
