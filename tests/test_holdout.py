@@ -85,7 +85,10 @@ def test_held_out_passes_with_two_targets_and_two_drafters(tmp_path):
     trained = [tuple(i) for r in ranks for i in r["batch_ids"]]
     assert len(trained) == len(set(trained)) and _ledger(run_dir) == set(trained)
     logged = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "tau_holdout" in r]
-    assert logged and logged[0]["holdout_step"] == 0 and all(r["tau_holdout"] >= 1.0 for r in logged)
+    # two targets: drafter 0 may take a training batch of target 1 before target 0's first held-out
+    # pass arrives, so that pass measures step 0 or 1 (with one target it is step 0, test above)
+    steps = [r["holdout_step"] for r in logged]
+    assert logged and steps[0] <= 1 and steps == sorted(steps) and all(r["tau_holdout"] >= 1.0 for r in logged)
     acc = EventAccumulator(str(run_dir))
     acc.Reload()
     assert [s.value for s in acc.Scalars("holdout/tau")] == pytest.approx([r["tau_holdout"] for r in logged], rel=1e-5)

@@ -102,7 +102,8 @@ class TreeSampler:
                 tree_rss, n = 0, 0
                 try:
                     cmd = root.cmdline()
-                    name = Path(cmd[0]).name if cmd else root.name()  # role processes: their title
+                    # role processes: their title, "dflash-ipc:ROLE:RANK RUN_DIR" (the run dir left out)
+                    name = Path(cmd[0].split(" ", 1)[0]).name if cmd else root.name()
                     procs = [root, *root.children(recursive=True)]
                 except psutil.Error:
                     continue
