@@ -61,15 +61,20 @@ def test_compute_loss_reports_eval_rule_acceptance():
     lab = L.block_labels(views.token_ids, views.loss_mask, anchors, doc.doc_end[adoc], 4, 7.0)
     lay = L.build_block_layout(views.seq_lens, anchors, adoc, 4, lab.valid.any(1))
     masks = L.build_attention_masks(lay, model.config.layer_types, model.config.sliding_window, "sdpa")
-    with torch.no_grad():
-        hidden = model(
-            L.concat_context(views.planes[:3]),
-            lay.context_position_ids,
-            model.block_input_ids(views.token_ids[anchors]),
-            lay.block_position_ids,
-            masks,
-        )
-        pred = model.compute_logits(hidden).float().argmax(-1).view(len(anchors), 4)
+
+    def predict(token_ids: torch.Tensor) -> torch.Tensor:
+        """The model's argmax per block slot on these anchors."""
+        with torch.no_grad():
+            hidden = model(
+                L.concat_context(views.planes[:3]),
+                lay.context_position_ids,
+                model.block_input_ids(token_ids[anchors]),
+                lay.block_position_ids,
+                masks,
+            )
+            return model.compute_logits(hidden).float().argmax(-1).view(len(anchors), 4)
+
+    pred = predict(views.token_ids)
     # A random drafter hits almost nothing: write its own argmax into the labels of the first
     # `keep` slots of block j, so the batch has prefixes of several lengths (anchor tokens that
     # change move the predictions; the recount below reads them again).
@@ -84,15 +89,7 @@ def test_compute_loss_reports_eval_rule_acceptance():
     _, _, correct, count = manual_loss(model, views, anchors, 7.0)
     # Recount by hand from the model's logits on the same anchors.
     lab = L.block_labels(views.token_ids, views.loss_mask, anchors, doc.doc_end[adoc], 4, 7.0)
-    with torch.no_grad():
-        hidden = model(
-            L.concat_context(views.planes[:3]),
-            lay.context_position_ids,
-            model.block_input_ids(views.token_ids[anchors]),
-            lay.block_position_ids,
-            masks,
-        )
-        pred = model.compute_logits(hidden).float().argmax(-1).view(len(anchors), 4)
+    pred = predict(views.token_ids)
     expected = []
     for j in range(len(anchors)):
         if not lab.valid[j, 1]:
