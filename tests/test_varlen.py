@@ -114,7 +114,8 @@ def test_packed_docs_positions_and_boundaries():
     assert d.seq_idx.tolist() == [[0, 0, 0, 1, 2, 2]]
     assert d.cu_seqlens.tolist() == [0, 3, 4, 6] and d.max_len == 3
     assert d.padded_index().tolist() == [0, 1, 2, 3, 6, 7]
-    assert d.attention_kwargs("sdpa") == {}
+    assert d.attention_kwargs("flex_attention") == {}
+    assert set(d.attention_kwargs("sdpa")) == {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
     assert set(d.attention_kwargs("flash_attention_2")) == {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
     with pytest.raises(ValueError, match=">= 1"):
         PackedDocs.build([2, 0], torch.device("cpu"))
@@ -188,7 +189,7 @@ def test_auto_packs_only_where_packing_is_the_faster_forward():
 
     qwen = build_target(TargetConfig(spec=tiny_spec(VOCAB), layer_ids=[0, 2], varlen="auto"), "cpu")
     assert qwen.varlen is False and not qwen._mixers
-    assert "sdpa attention" in qwen.varlen_reason and "GatedDeltaNet chunk=" in qwen.varlen_reason
+    assert "sdpa attention has no varlen kernel here" in qwen.varlen_reason and "GatedDeltaNet chunk=" in qwen.varlen_reason
     on, why = resolve_varlen("auto", qwen.stack, "flex_attention")
     assert on is False and "sdpa" not in why and "GatedDeltaNet" in why  # CPU: no fla / causal-conv1d
     conf = LlamaConfig(
@@ -196,8 +197,77 @@ def test_auto_packs_only_where_packing_is_the_faster_forward():
     )
     llama = LlamaModel(conf)
     assert resolve_varlen("auto", llama, "sdpa")[0] is False
-    assert resolve_varlen("auto", llama, "flex_attention") == (True, "auto: packed (varlen attention)")
+    assert resolve_varlen("auto", llama, "flex_attention") == (True, "auto: packed (attention: flex_attention)")
     assert resolve_varlen(True, llama, "sdpa") == (True, "target.varlen = true")
     assert resolve_varlen(False, llama, "flex_attention") == (False, "target.varlen = false")
     with pytest.raises(ValueError, match="true, false or 'auto'"):
         resolve_varlen("yes", llama, "sdpa")
+
+
+def _reference_per_document(q, k, v, lens):
+    """Each document alone through sdpa (causal), GQA by repeating kv heads: [n, Hq, D]."""
+    outs, start = [], 0
+    groups = q.shape[1] // k.shape[1]
+    for n in lens:
+        qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+def test_packed_attention_equals_each_document_alone():
+    """sdpa's packed forward runs per document (here: padded per document, CPU), GQA included,
+    and refuses to run outside a packed forward."""
+    from dflash_ipc.target.packed_attention import packed_attention_forward
+
+    lens = [1, 7, 2, 33, 4]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(sum(lens), h, 16, generator=g) for h in (6, 2, 2))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    as_layer = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, H, n, D] as transformers passes them
+    out, weights = packed_attention_forward(None, *as_layer, None, scaling=16**-0.5, cu_seq_lens_q=cu, max_length_q=max(lens))
+    assert weights is None and out.shape == (1, sum(lens), 6, 16)
+    assert (out[0] - _reference_per_document(q, k, v, lens)).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="packed forward"):
+        packed_attention_forward(None, *as_layer, None)
+
+
+def test_sdpa_target_switches_attention_only_inside_the_packed_forward(llama_target):
+    """The packed forward dispatches to the per-document attention; padded capture (and so eval's
+    cached decoding) keeps sdpa, before and after."""
+    from dflash_ipc.target.packed_attention import PACKED_ATTENTION
+
+    cfg = llama_target.stack.config
+    assert llama_target.packed_attention and cfg._attn_implementation == "sdpa"
+    seen = []
+    hook = llama_target.stack.layers[0].self_attn.register_forward_pre_hook(lambda m, a: seen.append(m.config._attn_implementation))
+    try:
+        docs = _docs([4, 6], seed=9)
+        llama_target.capture_packed(torch.cat(docs), [4, 6])
+        llama_target.capture(docs[1].view(1, -1))
+    finally:
+        hook.remove()
+    assert seen == [PACKED_ATTENTION, "sdpa"] and cfg._attn_implementation == "sdpa"
+
+
+@pytest.mark.gpu
+def test_cuda_varlen_kernel_equals_padded_per_document():
+    """torch's varlen flash kernel (bf16, head_dim 256 as Qwen3.6, GQA 24/4) against each document
+    alone through sdpa in fp32; tolerance: bf16 rounding of the inputs and output (2e-2 abs)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from dflash_ipc.target.packed_attention import packed_attention_forward, varlen_kernel_usable
+
+    if not varlen_kernel_usable("cuda", torch.bfloat16):
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    lens = [1, 3, 700, 129, 64, 2000]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(sum(lens), h, 256, generator=g) for h in (24, 4, 4))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    as_layer = [t.cuda().to(torch.bfloat16).transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    out, _ = packed_attention_forward(None, *as_layer, None, scaling=256**-0.5, cu_seq_lens_q=cu, max_length_q=max(lens))
+    ref = _reference_per_document(*(t.cuda() for t in (q, k, v)), lens)
+    diff = (out[0].float() - ref).abs().max().item()
+    print(f"varlen_attn bf16 vs per-document fp32 sdpa: max abs {diff:.4g}")
+    assert diff <= 2e-2

@@ -26,6 +26,7 @@ that follow it; the packer strips the pad positions afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from collections.abc import Iterable, Sequence
@@ -39,7 +40,8 @@ from dflash_ipc.devices import as_device, cuda_device, dtype_from_name
 from dflash_ipc.target.flops import forward_flops
 from dflash_ipc.target.heads import derived_seed, target_head_weights
 from dflash_ipc.target.hf_config import make_hf_config, resolve_layer_ids, text_config, truncated_spec_config
-from dflash_ipc.target.varlen import PackedDocs, install_document_reset, resolve_varlen
+from dflash_ipc.target.packed_attention import packed_attention, register_packed_attention
+from dflash_ipc.target.varlen import PackedDocs, install_document_reset, resolve_varlen, uses_packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +188,10 @@ class TargetModel:
         self.varlen, self.varlen_reason = resolve_varlen(varlen, stack, self.attn_implementation)
         # after any weight init: the wrappers rename the GatedDeltaNet parameters (linear_attn.inner.*)
         self._mixers, self.linear_attention_kernels = install_document_reset(stack) if self.varlen else ([], False)
+        # sdpa/eager over a packed row would attend across documents through a dense n x n mask
+        self.packed_attention = self.varlen and uses_packed_attention(self.attn_implementation)
+        if self.packed_attention:
+            register_packed_attention()
 
     @property
     def num_layers_built(self) -> int:
@@ -224,7 +230,8 @@ class TargetModel:
         and return the captured planes as [1, n, H] in the same order: the slot's layout."""
         kwargs = self._packed_kwargs(input_ids, seq_lens)
         try:
-            return self._run_captured(kwargs, capture_last_hidden)
+            with self._packed_attention():
+                return self._run_captured(kwargs, capture_last_hidden)
         finally:
             for m in self._mixers:
                 m.set_docs(None)
@@ -234,11 +241,14 @@ class TargetModel:
         ``seq_lens`` is given, else the right-padded [B, L] batch."""
         kwargs = {"input_ids": input_ids.to(self.device)} if seq_lens is None else self._packed_kwargs(input_ids, seq_lens)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._packed_attention() if seq_lens is not None else contextlib.nullcontext():
                 self.stack(**kwargs, use_cache=False)
         finally:
             for m in self._mixers:
                 m.set_docs(None)
+
+    def _packed_attention(self) -> contextlib.AbstractContextManager:
+        return packed_attention(self.stack.config) if self.packed_attention else contextlib.nullcontext()
 
     def _packed_kwargs(self, input_ids: torch.Tensor, seq_lens: Sequence[int]) -> dict[str, Any]:
         """Stack-forward kwargs for one packed row; arms the GatedDeltaNet wrappers (the caller
@@ -254,7 +264,7 @@ class TargetModel:
         docs = PackedDocs.build(lens, self.device)
         padded_index = docs.padded_index() if any(not m.use_kernels for m in self._mixers) else None
         kwargs = {"input_ids": ids.to(self.device, non_blocking=True), "position_ids": docs.position_ids}
-        kwargs.update(docs.attention_kwargs(self.attn_implementation))
+        kwargs.update(docs.attention_kwargs(self.attn_implementation))  # cu_seqlens for flash / packed attention
         for m in self._mixers:
             m.set_docs(docs, padded_index)
         return kwargs

@@ -34,14 +34,29 @@ import torch
 from torch import nn
 
 from dflash_ipc.target.fast_path import impl_origin, resolve_impl
+from dflash_ipc.target.packed_attention import PACKED_ATTENTION, varlen_kernel_usable
 from dflash_ipc.target.packing import real_token_index
 
-__all__ = ["PackedDocs", "DocumentResetMixer", "install_document_reset", "gated_delta_net_kernels", "resolve_varlen"]
+__all__ = [
+    "PackedDocs",
+    "DocumentResetMixer",
+    "install_document_reset",
+    "gated_delta_net_kernels",
+    "resolve_varlen",
+    "uses_packed_attention",
+]
 
 _FAST = {"fla", "causal_conv1d", "hub_kernel"}
 # Attention implementations that keep a packed row's documents apart at per-document cost; sdpa
 # and eager get a dense block-diagonal mask over the whole row instead (quadratic in the batch).
 _VARLEN_ATTENTION = {"flash_attention_2", "flash_attention_3", "flex_attention"}
+# Attention implementations whose packed forward runs per document through packed_attention.py instead.
+_SDPA_LIKE = {"sdpa", "eager"}
+
+
+def uses_packed_attention(attn_implementation: str) -> bool:
+    """Whether a packed forward swaps this implementation for :mod:`~dflash_ipc.target.packed_attention`."""
+    return attn_implementation in _SDPA_LIKE
 
 
 @dataclass
@@ -78,8 +93,8 @@ class PackedDocs:
 
     def attention_kwargs(self, attn_implementation: str) -> dict[str, Any]:
         """Extra stack-forward kwargs for the full-attention layers (besides ``position_ids``)."""
-        if not attn_implementation.startswith("flash_attention"):
-            return {}  # sdpa / eager / flex: the packed mask comes from position_ids
+        if not (attn_implementation.startswith("flash_attention") or uses_packed_attention(attn_implementation)):
+            return {}  # flex: the packed block mask comes from position_ids
         return {
             "cu_seq_lens_q": self.cu_seqlens,
             "cu_seq_lens_k": self.cu_seqlens,
@@ -108,20 +123,23 @@ def resolve_varlen(setting: bool | str, stack: nn.Module, attn_implementation: s
     """Whether the packed forward runs, and why (``target.varlen``: true, false or "auto").
 
     "auto" packs only where packing is the faster forward: every full-attention layer on a varlen
-    kernel (flash-attention's or flex's block mask; sdpa over a packed row attends the whole row
-    through a dense block-diagonal mask), and every GatedDeltaNet on fla *and* causal-conv1d
-    (without them each document runs padded inside that layer). Measured on an H200 at 9B shapes
-    with sdpa, fla and no causal-conv1d, packing was slower than padding (docs/BENCHMARKS.md)."""
+    kernel (flash-attention's, flex's block mask, or for sdpa/eager torch's varlen flash kernel
+    through :mod:`~dflash_ipc.target.packed_attention`, which needs CUDA and bf16/fp16; elsewhere
+    it runs each document padded), and every GatedDeltaNet on fla *and* causal-conv1d (without them
+    each document runs padded inside that layer). Measured on an H200 at 9B shapes with sdpa over
+    a dense block-diagonal mask, fla and no causal-conv1d, packing was slower than padding
+    (docs/BENCHMARKS.md)."""
     if isinstance(setting, bool):
         return setting, f"target.varlen = {str(setting).lower()}"
     if setting != "auto":
         raise ValueError(f"target.varlen must be true, false or 'auto' (got {setting!r})")
     layers = list(getattr(stack, "layers", []))
     why_padded = []
-    if any(getattr(layer, "self_attn", None) is not None for layer in layers) and attn_implementation not in _VARLEN_ATTENTION:
-        why_padded.append(
-            f"{attn_implementation} attention would span the whole packed row (flash_attention_2 or flex_attention would not)"
-        )
+    param = next(stack.parameters(), None)
+    kernel = param is not None and varlen_kernel_usable(param.device, param.dtype)
+    attention_ok = attn_implementation in _VARLEN_ATTENTION or (uses_packed_attention(attn_implementation) and kernel)
+    if any(getattr(layer, "self_attn", None) is not None for layer in layers) and not attention_ok:
+        why_padded.append(f"{attn_implementation} attention has no varlen kernel here (torch's varlen_attn needs CUDA and bf16/fp16)")
     linear = [layer.linear_attn for layer in layers if getattr(layer, "linear_attn", None) is not None]
     if linear:
         inner = linear[0].inner if isinstance(linear[0], DocumentResetMixer) else linear[0]
@@ -130,7 +148,8 @@ def resolve_varlen(setting: bool | str, stack: nn.Module, attn_implementation: s
             why_padded.append(f"GatedDeltaNet chunk={kernels['chunk']} conv={kernels['conv']} (packing needs fla and causal-conv1d)")
     if why_padded:
         return False, "auto: padded, " + "; ".join(why_padded)
-    return True, "auto: packed (varlen attention" + (" and GatedDeltaNet kernels)" if linear else ")")
+    how = f"torch varlen_attn via {PACKED_ATTENTION}" if uses_packed_attention(attn_implementation) else attn_implementation
+    return True, f"auto: packed (attention: {how}" + ("; GatedDeltaNet: fla cu_seqlens + causal-conv1d seq_idx)" if linear else ")")
 
 
 class DocumentResetMixer(nn.Module):
