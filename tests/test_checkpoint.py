@@ -292,3 +292,22 @@ def test_retention_keeps_newest(tmp_path):
 def test_empty_root(tmp_path):
     assert load_latest_checkpoint(tmp_path / "missing") is None
     assert load_latest_checkpoint(tmp_path) is None
+
+
+@pytest.mark.gpu
+def test_resume_with_the_checkpoint_mapped_to_the_gpu_restores_rng(tmp_path):
+    """The drafter loads its checkpoint with map_location = its device, so the RNG states arrive
+    as CUDA tensors; torch only takes CPU byte tensors (before: "TypeError: RNG state must be a
+    torch.ByteTensor" on every GPU --resume)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.cuda.init()
+    tr = make_trainer(torch.float32)
+    train_step(tr, 0)
+    save(tr, tmp_path, BatchLedger())
+    expected = (random.random(), torch.rand(3), torch.rand(3, device="cuda"))
+    ckpt = load_latest_checkpoint(tmp_path, map_location="cuda")
+    assert ckpt is not None and ckpt.rng_state["torch"].device.type == "cuda"
+    set_rng_state(ckpt.rng_state)
+    again = (random.random(), torch.rand(3), torch.rand(3, device="cuda"))
+    assert expected[0] == again[0] and torch.equal(expected[1], again[1]) and torch.equal(expected[2], again[2])

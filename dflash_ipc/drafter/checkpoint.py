@@ -45,7 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file as _st_load_file
-from safetensors.torch import save_file as _st_save_file
+
+from dflash_ipc.drafter.safetensors_stream import write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -179,16 +180,22 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`'s states. They may arrive on a GPU (a checkpoint loaded with
+    ``map_location`` = the drafter's device); torch takes RNG states only as CPU byte tensors."""
     version, internal, gauss = state["python"]
     random.setstate((int(version), tuple(int(x) for x in internal), gauss))
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(_cpu_bytes(state["torch"]))
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         n = torch.cuda.device_count()
         if len(cuda) != n:
             log.warning("checkpoint has CUDA RNG state for %d devices, this process sees %d; restoring the overlap", len(cuda), n)
         for i, s in enumerate(cuda[:n]):
-            torch.cuda.set_rng_state(s, i)
+            torch.cuda.set_rng_state(_cpu_bytes(s), i)
+
+
+def _cpu_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=torch.uint8)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -238,15 +245,7 @@ def _write_torch(path: Path, obj: Any) -> None:
 
 
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    # safetensors refuses tensors sharing storage; clone any that alias another.
-    seen: set[tuple[int, int]] = set()
-    for k, v in cpu.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset())
-        if key in seen or v.untyped_storage().nbytes() != v.numel() * v.element_size():
-            cpu[k] = v.clone()
-        seen.add(key)
-    _st_save_file(cpu, str(path), metadata=metadata)
+    write_safetensors(path, tensors, metadata)  # streamed from the device: bounded host memory
     _fsync_path(path)
 
 
