@@ -43,10 +43,25 @@ def log_tail(path: Path, lines: int = 15) -> str:
     return "\n".join("    " + ln for ln in text[-lines:])
 
 
+def exited_child(children: list, stopping: bool = False) -> Any | None:
+    """The exited child (without a Done) that explains a failure, or None. While ``stopping``, a
+    target's clean exit is expected: it may have had the signal too (a terminal's Ctrl-C reaches
+    the whole foreground process group)."""
+    exited = [
+        c
+        for c in children
+        if c.popen is not None and c.popen.poll() is not None and c.done is None
+        if not (stopping and c.role == "target" and c.popen.returncode == 0)
+    ]
+    # The likely cause first: killed by a signal, else exited without a Dead report. Peers
+    # report Dead ("connection closed by peer" from gloo) and exit because of it.
+    return min(exited, key=lambda c: (c.popen.returncode >= 0, c.dead_error is not None), default=None)
+
+
 def silent_child(children: list, now: float, timeout: float) -> tuple[Any, str] | None:
     """The child to blame when heartbeats stopped: one the kernel reports stopped (SIGSTOP)
     first, else the one silent longest (its peers go quiet later, waiting for it)."""
-    overdue = [c for c in children if c.done is None and c.last_beat is not None and now - c.last_beat > timeout]
+    overdue = [c for c in children if c.done is None and c.popen.poll() is None and c.last_beat is not None and now - c.last_beat > timeout]
     if not overdue:
         return None
     stopped = [c for c in children if c.done is None and is_stopped(c.popen)]

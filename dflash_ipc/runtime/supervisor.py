@@ -59,7 +59,7 @@ from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests
 from dflash_ipc.runtime.launch import child_argv, key_pipe
-from dflash_ipc.runtime.liveness import describe_exit, is_stopped, log_tail, process_status, silent_child
+from dflash_ipc.runtime.liveness import describe_exit, exited_child, is_stopped, log_tail, process_status, silent_child
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
 from dflash_ipc.runtime.restarts import GroupFailed, run_with_restarts
@@ -280,14 +280,11 @@ class Supervisor:
                 os.close(key_fd)
             ch.started = time.time()
 
-    def _exited_child(self) -> Child | None:
-        exited = [c for c in self.children if c.popen is not None and c.popen.poll() is not None and c.done is None]
-        # The likely cause first: killed by a signal, else exited without a Dead report. Peers
-        # report Dead ("connection closed by peer" from gloo) and exit because of it.
-        return min(exited, key=lambda c: (c.popen.returncode >= 0, c.dead_error is not None), default=None)
+    def _exited_child(self, stopping: bool = False) -> Child | None:
+        return exited_child(self.children, stopping)
 
-    def _dead_child(self) -> str | None:
-        ch = self._exited_child()
+    def _dead_child(self, stopping: bool = False) -> str | None:
+        ch = self._exited_child(stopping)
         if ch is None:
             return None
         text = f"{ch.name} (pid {ch.popen.pid}) {describe_exit(ch.popen.returncode)}"
@@ -413,15 +410,15 @@ class Supervisor:
                     self._send(router, ch, Shutdown(reason=self.stop_requested, checkpoint=True))
             # A child that exited is checked before Dead reports: a peer's Dead ("connection closed
             # by peer" from gloo) is usually the consequence of that exit, not its cause.
-            ch = self._exited_child()
-            expected_exit = ch is not None and targets_stopped and ch.role == "target" and ch.popen.returncode == 0
-            if ch is not None and ch.popen.returncode == 0 and not expected_exit:
+            stopping = stop_sent or targets_stopped
+            ch = self._exited_child(stopping)
+            if ch is not None and ch.popen.returncode == 0:
                 # A clean exit usually follows its Done by microseconds: read what is in flight
                 # before calling the exit unexpected.
                 self._drain_router(router, wait_ms=500)
-                ch = self._exited_child()
-            if ch is not None and not (targets_stopped and ch.role == "target" and ch.popen.returncode == 0):
-                raise GroupFailed(self._failure_text(self._dead_child(), ch))
+                ch = self._exited_child(stopping)
+            if ch is not None:
+                raise GroupFailed(self._failure_text(self._dead_child(stopping), ch))
             for ch in self.children:
                 if ch.dead_error and ch.done is None:
                     raise GroupFailed(self._failure_text(f"{ch.name} reported: {ch.dead_error}", ch))
