@@ -11,6 +11,7 @@ import torch
 
 from dflash_ipc.devices import dtype_name
 from dflash_ipc.drafter.model import FULL, SLIDING, DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.safetensors_stream import write_safetensors
 
 EXPORT_WEIGHTS_FILE = "model.safetensors"
 
@@ -92,11 +93,8 @@ def export_drafter(model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dt
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
     dtype = dtype or model.dtype
-    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(out / EXPORT_WEIGHTS_FILE), metadata={"format": "pt"})
+    write_safetensors(out / EXPORT_WEIGHTS_FILE, model.state_dict(), {"format": "pt"}, dtype=dtype)  # bounded host memory
     cfg = drafter_hf_config(model.config, dtype)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
