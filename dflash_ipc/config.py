@@ -268,8 +268,8 @@ class TargetConfig:
     async_pack: bool = True
     random_init_seed: int = 1234
     # Pack each batch's documents back to back in one row (no padding computed; see target/varlen.py).
-    # "auto": packed only where that is the faster forward (flash/flex attention, and fla + causal-conv1d
-    # for GatedDeltaNet layers); true / false force it (benchmarks compare both on the same batches).
+    # "auto": packed only where that is the faster forward (a varlen attention kernel: flash/flex, or for
+    # sdpa torch's varlen_attn on CUDA; fla + causal-conv1d for GatedDeltaNet layers); true / false force it.
     varlen: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
