@@ -5,7 +5,11 @@
 #   run(command="bash tools/gpu_smollm2.sh", kind="nvidia-h200-x2", carry=[".whl"], timeout_s=600)
 #   DRY_RUN=1 bash tools/gpu_smollm2.sh      # the same chain on CPU at tiny sizes (configs/tiny-cpu.toml)
 # Expects /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf and the gguf package (or its wheel in .whl/).
-# Knobs (env): BUDGET_S, N_PROMPTS, HOLDOUT, GEN_BS, GEN_MAX_NEW, TRAIN_S, STEP_S, MAX_STEPS, EPOCHS,
+# Two warm calls (10 minutes of training in two parts): PHASE=first (convert, gen-data, train every run of
+# RUNS until the budget) then PHASE=second (`up --resume` each run, export-untrained, eval all); PHASE=all
+# (default) does everything in one call. RUNS="b8:8 b16:16" trains a block-8 and a block-16 drafter at
+# once (run i: target on GPU i%2, drafter on the other).
+# Knobs (env): PHASE, RUNS, BUDGET_S, N_PROMPTS, HOLDOUT, GEN_BS, GEN_MAX_NEW, TRAIN_S, STEP_S, MAX_STEPS, EPOCHS,
 # EVAL_N, EVAL_MAX_NEW, EVAL_S_PER_PROMPT, EVAL_WORKERS (per GPU), SPEED_PROMPTS, HOLDOUT_EVERY, HOLDOUT_BATCHES,
 # EVAL_RESERVE_S (seconds kept for export-untrained + eval, 120), EXTRA (more section.key=JSON overrides for the training config),
 # ONE_GPU=1 (target and drafter both on cuda:0, for a one-GPU machine).
@@ -44,6 +48,7 @@ else
     DEV1=cuda:0; TOPO=('topology.drafters=["cuda:0"]')
   fi
 fi
+PHASE=${PHASE:-all}; RUNS=${RUNS:-b8:8}
 MAX_STEPS=${MAX_STEPS:-$(python3 -c "print(max(2, int($TRAIN_S / $STEP_S)))")}
 mkdir -p "$W"
 echo "out=$OUT work=$W base=$BASE budget=${BUDGET_S}s max_steps=$MAX_STEPS"
@@ -57,6 +62,7 @@ if [ -n "$MODEL" ] && [ ! -f "$MODEL/config.json" ]; then
 fi
 MODEL_OV=(); [ -n "$MODEL" ] && MODEL_OV=("target.model_path=\"$MODEL\"")
 
+if [ "$PHASE" != second ]; then
 # -- 2. gen-data: the built-in questions, repeats dropped, in two shards, one per device, then joined (held-out split by prompt hash)
 stage "gen-data ($N_PROMPTS prompts, batch $GEN_BS, max-new $GEN_MAX_NEW)"
 python3 tools/derive_config.py "$BASE" "$W/gen.toml" "${MODEL_OV[@]}" "data.builtin_samples=$N_PROMPTS" "${TOPO[@]}" \
@@ -92,17 +98,18 @@ cat "$W/gen0.holdout.jsonl" "$W/gen1.holdout.jsonl" > "$W/gen.holdout.jsonl" 2>/
 echo "gen-data: $(wc -l < "$W/gen.jsonl") train, $(wc -l < "$W/gen.holdout.jsonl") held-out records"
 [ -s "$W/gen.jsonl" ] && [ -s "$W/gen.holdout.jsonl" ] || { echo "gen-data produced no train or no held-out records"; exit 1; }
 
-# -- 3. train: max_steps from the step rate; SIGINT at the time budget still checkpoints and exports
-stage "train (max_steps $MAX_STEPS, ~${TRAIN_S}s)"
-rm -rf "$W/run"
-python3 tools/derive_config.py "$BASE" "$W/train.toml" "${MODEL_OV[@]}" "data.paths=[\"$W/gen.jsonl\"]" "data.num_epochs=$EPOCHS" \
-  "run.run_dir=\"$W/run\"" "training.max_steps=$MAX_STEPS" "data.holdout_paths=[\"$W/gen.holdout.jsonl\"]" \
-  "training.holdout_every=$HOLDOUT_EVERY" "training.holdout_batches=$HOLDOUT_BATCHES" "${TOPO[@]}" ${EXTRA:-} | tee -a "$OUT/derive.log" || exit 1
-cp "$W/train.toml" "$OUT/"
-TRAIN_T=$(( $(left) - ${EVAL_RESERVE_S:-120} ))  # what is left after it goes to export-untrained and eval
-timeout -s INT -k 60 $TRAIN_T $DF up --config "$W/train.toml" 2>&1 | tee "$OUT/up.log" | grep -v "^\[up\] step" | tail -n 25
-cp "$W/run/metrics.jsonl" "$W/run/plan.json" "$OUT/" 2>/dev/null
-python3 - "$W/run" "$EPOCHS" <<'EOF'
+fi
+
+# -- 3. train: one `up` per run of RUNS ("name:block ...", run i: target on device i%2, drafter on the
+# other), all at once; max_steps from the step rate; SIGINT at the time budget still checkpoints and
+# exports. PHASE=first trains until the call's budget; PHASE=second resumes (`up --resume`, same
+# max_steps: the cosine schedule ends where planned) and keeps EVAL_RESERVE_S for the evals.
+DEVS=("$DEV0" "$DEV1")
+read -r -a RUN_LIST <<< "$RUNS"
+summary() {  # name
+  local name=$1
+  cp "$W/$name/metrics.jsonl" "$OUT/metrics-$name.jsonl" 2>/dev/null
+python3 - "$W/$name" "$EPOCHS" <<'EOF'
 import json, sys
 from pathlib import Path
 run, epochs = Path(sys.argv[1]), int(sys.argv[2])
@@ -124,30 +131,60 @@ print(json.dumps({"train_steps": m[-1]["step"], "steps_per_s": round(rate, 2), "
                   "acc_last20": round(sum(r["acc"] or 0 for r in tail) / len(tail), 4),
                   "batches_per_epoch": round(per_epoch, 1), "epochs_seen": round(m[-1]["step"] / per_epoch, 2) if per_epoch else None}))
 EOF
-[ -f "$W/run/export/drafter/config.json" ] || { echo "no trained export"; exit 1; }
+}
+if [ "$PHASE" = second ]; then RESERVE=${EVAL_RESERVE_S:-200}; elif [ "$PHASE" = first ]; then RESERVE=15; else RESERVE=${EVAL_RESERVE_S:-120}; fi
+TRAIN_T=$(( $(left) - RESERVE ))
+stage "train [$PHASE] (runs $RUNS; max_steps $MAX_STEPS, ~${TRAIN_S}s; $TRAIN_T s)"
+i=0
+for spec in "${RUN_LIST[@]}"; do
+  name=${spec%%:*}; block=${spec##*:}
+  td=${DEVS[$(( i % 2 ))]}; dd=${DEVS[$(( (i + 1) % 2 ))]}; i=$((i + 1))
+  RESUME=(--resume)
+  if [ "$PHASE" != second ]; then
+    RESUME=(); rm -rf "$W/$name"
+    python3 tools/derive_config.py "$BASE" "$W/$name.toml" "${MODEL_OV[@]}" "data.paths=[\"$W/gen.jsonl\"]" "data.num_epochs=$EPOCHS" \
+      "run.run_dir=\"$W/$name\"" "run.name=\"smollm2-$name\"" "training.max_steps=$MAX_STEPS" "drafter.block_size=$block" \
+      "data.holdout_paths=[\"$W/gen.holdout.jsonl\"]" "training.holdout_every=$HOLDOUT_EVERY" "training.holdout_batches=$HOLDOUT_BATCHES" \
+      "topology.targets=[\"$td\"]" "topology.drafters=[\"$dd\"]" ${EXTRA:-} >> "$OUT/derive.log" || exit 1
+    cp "$W/$name.toml" "$OUT/"
+  fi
+  timeout -s INT -k 60 $TRAIN_T $DF up --config "$W/$name.toml" "${RESUME[@]}" > "$OUT/up-$name-$PHASE.log" 2>&1 &
+done
+wait
+for spec in "${RUN_LIST[@]}"; do
+  name=${spec%%:*}
+  echo "-- $name"; grep -v "^\[up\] step" "$OUT/up-$name-$PHASE.log" | tail -n 8
+  summary "$name"
+  [ -f "$W/$name/export/drafter/config.json" ] || { echo "$name: no trained export"; exit 1; }
+done
+[ "$PHASE" = first ] && { stage "done (first phase: resume with PHASE=second)"; exit 0; }
 
-# -- 4. the untrained floor, in the trained export's layout
+# -- 4. the untrained floor, in the first run's export layout
+FIRST=${RUN_LIST[0]%%:*}
 stage "export-untrained"
-$DF export-untrained --config "$W/train.toml" --out "$W/untrained" 2>&1 | tail -n 3 | tee "$OUT/export_untrained.log"
+$DF export-untrained --config "$W/$FIRST.toml" --out "$W/untrained" 2>&1 | tail -n 3 | tee "$OUT/export_untrained.log"
 
-# -- 5. eval on the held-out prompts: trained on the first device (EVAL_WORKERS processes), the floor on the second, at once.
-# EVAL_S_PER_PROMPT: one prompt decoded both ways alone (~15 s at 256 new tokens on an H200 before the drafter's context cache).
+# -- 5. eval on the held-out prompts, all at once: run i's trained export on device i%2 (EVAL_WORKERS processes),
+# the floor on the second device. EVAL_S_PER_PROMPT: one prompt decoded both ways alone.
 L=$(left)
 SPP=${EVAL_S_PER_PROMPT:-15}
 N=$(python3 -c "print(max(2, min($EVAL_N, int(($L - 60 - $SPEED_PROMPTS * $SPP) * $EVAL_WORKERS / $SPP))))")
 stage "eval (trained: n $N max-new $EVAL_MAX_NEW; untrained: n $FLOOR_N max-new $FLOOR_MAX_NEW; $L s left)"
-timeout $(( L - 10 )) $DF eval --config "$W/train.toml" --drafter "$W/run/export/drafter" --prompts "$W/gen.holdout.jsonl" \
-  --n $N --max-new $EVAL_MAX_NEW --target-device $DEV0 --drafter-device $DEV0 --workers $EVAL_WORKERS --speed-prompts $SPEED_PROMPTS \
-  --json > "$OUT/eval_trained.json" 2> "$OUT/eval_trained.log" &
-timeout $(( L - 10 )) $DF eval --config "$W/train.toml" --drafter "$W/untrained" --prompts "$W/gen.holdout.jsonl" \
+i=0
+for spec in "${RUN_LIST[@]}"; do
+  name=${spec%%:*}; dev=${DEVS[$(( i % 2 ))]}; i=$((i + 1))
+  timeout $(( L - 10 )) $DF eval --config "$W/$name.toml" --drafter "$W/$name/export/drafter" --prompts "$W/gen.holdout.jsonl" \
+    --n $N --max-new $EVAL_MAX_NEW --target-device $dev --drafter-device $dev --workers $EVAL_WORKERS --speed-prompts $SPEED_PROMPTS \
+    --json > "$OUT/eval_$name.json" 2> "$OUT/eval_$name.log" &
+done
+timeout $(( L - 10 )) $DF eval --config "$W/$FIRST.toml" --drafter "$W/untrained" --prompts "$W/gen.holdout.jsonl" \
   --n $FLOOR_N --max-new $FLOOR_MAX_NEW --target-device $DEV1 --drafter-device $DEV1 --json > "$OUT/eval_untrained.json" 2> "$OUT/eval_untrained.log" &
 wait
-tail -n 3 "$OUT/eval_trained.log" "$OUT/eval_untrained.log"
 stage "done"
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" untrained "${RUN_LIST[@]%%:*}" <<'EOF'
 import json, sys
 from pathlib import Path
-for name in ("untrained", "trained"):
+for name in sys.argv[2:]:
     p = Path(sys.argv[1]) / f"eval_{name}.json"
     lines = p.read_text().strip().splitlines() if p.exists() else []
     try:
@@ -156,5 +193,5 @@ for name in ("untrained", "trained"):
         print(f"{name}: no eval result (see eval_{name}.log)")
         continue
     print(f"{name}: tau {r['tau']} lossless {str(r['lossless']).lower()} speedup {r.get('speedup')} prompts {r['prompts']}"
-          f" workers {r.get('workers')} (speed: {r.get('speed_measured')})")
+          f" block {r.get('block_size')} workers {r.get('workers')} (speed: {r.get('speed_measured')})")
 EOF
