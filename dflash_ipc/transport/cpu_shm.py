@@ -12,6 +12,7 @@ from dflash_ipc.control.ring_descriptor import RingDescriptor, ShmSegment
 from dflash_ipc.transport.ring import (
     CopyTicket,
     DoneTicket,
+    InPlaceStaging,
     SlotRingBase,
     describe,
     layout_from_descriptor,
@@ -22,10 +23,10 @@ from dflash_ipc.transport.shm import (
     shm_name,
     unlink_shm,
 )
-from dflash_ipc.transport.slots import SlotLayout, SlotViews
+from dflash_ipc.transport.slots import SlotLayout
 
 
-class CpuShmProducerRing(SlotRingBase):
+class CpuShmProducerRing(InPlaceStaging, SlotRingBase):
     backend = "cpu-shm"
 
     def __init__(self, layout: SlotLayout, num_slots: int, run_id: str, producer_rank: int):
@@ -35,14 +36,6 @@ class CpuShmProducerRing(SlotRingBase):
         self._run_id = run_id
         self._rank = producer_rank
         self._buffer = create_shm_tensor(self.name, self.num_slots * self.slot_bytes)
-
-    # The packer writes straight into the shared slot on CPU.
-    def staging_views(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews:
-        return self.views(index, n_tokens, n_seqs)
-
-    def pack_target(self, index: int) -> torch.Tensor:
-        """The flat buffer the packer writes for this slot (the slot itself here)."""
-        return self.slot(index)
 
     def commit(self, index: int, n_tokens: int, n_seqs: int, stream=None) -> None:
         return None

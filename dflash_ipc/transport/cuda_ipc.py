@@ -53,11 +53,12 @@ from dflash_ipc.transport.cuda_common import (
     wait_after,
 )
 from dflash_ipc.transport.ring import (
+    InPlaceStaging,
     SlotRingBase,
     describe,
     layout_from_descriptor,
 )
-from dflash_ipc.transport.slots import SlotLayout, SlotViews
+from dflash_ipc.transport.slots import SlotLayout
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ _NO_REFCOUNT = b"/dflash-ipc-no-refcount"
 COPY_MODE_ENV = "DFLASH_IPC_CUDA_COPY"
 
 
-class CudaIpcProducerRing(SlotRingBase):
+class CudaIpcProducerRing(InPlaceStaging, SlotRingBase):
     backend = "cuda-ipc"
 
     def __init__(self, layout: SlotLayout, num_slots: int, run_id: str, producer_rank: int, device: torch.device):
@@ -99,14 +100,6 @@ class CudaIpcProducerRing(SlotRingBase):
                 mem_handle=bytes(mem_handle), offset=int(mem_offset), nbytes=int(mem_nbytes), event_handles=event_handles
             ),
         )
-
-    # The packer writes straight into the GPU slot on its side stream.
-    def staging_views(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews:
-        return self.views(index, n_tokens, n_seqs)
-
-    def pack_target(self, index: int) -> torch.Tensor:
-        """The flat buffer the packer writes for this slot: the GPU slot itself."""
-        return self.slot(index)
 
     def commit(self, index: int, n_tokens: int, n_seqs: int, stream: torch.cuda.Stream | None = None) -> None:
         """Record the slot's event on the stream that wrote it (default: the device's current stream)."""

@@ -46,8 +46,8 @@ import torch
 from dflash_ipc.control.ring_descriptor import PairRendezvous, RingDescriptor
 from dflash_ipc.devices import cuda_device
 from dflash_ipc.transport.rendezvous import is_loopback, tcp_store
-from dflash_ipc.transport.ring import SlotRingBase, describe, layout_from_descriptor
-from dflash_ipc.transport.slots import SlotLayout, SlotViews, coalesce
+from dflash_ipc.transport.ring import InPlaceStaging, SlotRingBase, describe, layout_from_descriptor
+from dflash_ipc.transport.slots import SlotLayout, coalesce
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class RecvTicket:
                 w.wait()
 
 
-class P2PProducerRing(SlotRingBase):
+class P2PProducerRing(InPlaceStaging, SlotRingBase):
     backend = "nccl"
 
     def __init__(
@@ -173,12 +173,6 @@ class P2PProducerRing(SlotRingBase):
         self._events = [torch.cuda.Event() for _ in range(self.num_slots)] if self.device.type == "cuda" else []
         self._pairs: list[Future] = []
         self._sends: dict[int, list] = {}
-
-    def staging_views(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews:
-        return self.views(index, n_tokens, n_seqs)
-
-    def pack_target(self, index: int) -> torch.Tensor:
-        return self.slot(index)
 
     def commit(self, index: int, n_tokens: int, n_seqs: int, stream: torch.cuda.Stream | None = None) -> None:
         """On a GPU, record the slot's event on the stream that wrote it; the send waits on it."""

@@ -229,3 +229,15 @@ def describe(ring: SlotRingBase, run_id: str, producer_rank: int, **parts) -> Ri
         layout=ring.layout.to_wire(),
         **parts,
     )
+
+
+class InPlaceStaging:
+    """For producer rings whose packer writes straight into the slot (cpu-shm, cuda-ipc, nccl);
+    host-pinned stages on the GPU instead."""
+
+    def staging_views(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews:
+        return self.views(index, n_tokens, n_seqs)  # type: ignore[attr-defined]
+
+    def pack_target(self, index: int) -> torch.Tensor:
+        """The flat buffer the packer writes for this slot: the slot itself."""
+        return self.slot(index)  # type: ignore[attr-defined]
