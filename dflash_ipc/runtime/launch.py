@@ -6,6 +6,8 @@ parent-death signal and checks that its parent is still the supervisor that spaw
 SIGKILLed meanwhile would otherwise leave the child running until its handshake timed out).
 The role's ``run_<role>_process`` then parses the same argv and checks again once its SIGTERM
 handler is installed (:func:`dflash_ipc.runtime.child.run_child`).
+It also pins glibc's mmap threshold (:func:`pin_malloc_mmap_threshold`) before anything large is
+allocated, so a child's RSS does not creep up over a run of days as its heap fragments.
 
 The run key (:class:`dflash_ipc.control.channels.PeerAuth`) reaches the child through an
 inherited pipe (``--key-fd``): never in argv (world-readable in /proc), the environment, or a
