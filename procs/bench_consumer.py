@@ -65,7 +65,7 @@ def run_bench_consumer_process(a: argparse.Namespace) -> int:
             verified=bool(verified),
             active_s=(t_last - t_first) if t_first is not None else 0.0,
             copy_s=plane.copy_seconds,
-            handoff_ns=plane.handoff_ns[:20000],
+            handoff_ns=plane.handoff_ns,
             rejected=rejects.total,
             per_producer=list(plane.slots_done),
         )

@@ -54,7 +54,7 @@ def expected(index: int) -> dict[str, torch.Tensor]:
 class Wiring:
     """One producer core, C consumer cores, FIFO 'sockets' carrying decoded wire frames."""
 
-    def __init__(self, num_consumers: int = 2, ring_slots: int = 4, max_outstanding: int = 2, prefetch: int = 1):
+    def __init__(self, num_consumers: int = 2, ring_slots: int = 4, max_outstanding: int = 2, prefetch: int = 1, **consumer_kw):
         self.run_id = new_run_id()
         self.max_outstanding = max_outstanding
         self.ring = create_producer_ring("cpu-shm", LAYOUT, ring_slots, run_id=self.run_id, producer_rank=0)
@@ -75,6 +75,7 @@ class Wiring:
                 [torch.empty(LAYOUT.slot_bytes, dtype=torch.uint8) for _ in range(prefetch + 1)],
                 self._to_producer,
                 self.cons_rejects[c],
+                **consumer_kw,
             )
             for c in range(num_consumers)
         ]
@@ -201,6 +202,23 @@ def test_many_batches_flow_and_every_slot_verifies(wiring_factory):
         assert w.stream_log[c.rank][-1] == "EndOfData"
     assert w.prod_rejects.total == 0 and all(r.total == 0 for r in w.cons_rejects)
     assert max(w.max_outstanding_seen) <= 2
+
+
+def test_consumer_keeps_a_bounded_number_of_handoff_samples(wiring_factory):
+    # a run of days hands over millions of slots: the latency samples stop at handoff_samples
+    w = wiring_factory(num_consumers=1, ring_slots=4, max_outstanding=2, handoff_samples=25)
+    cons = w.consumers[0]
+    first = None
+    for _ in range(2000):
+        if w.next_index >= 200 and w.producer.waiting == 0:
+            break
+        w.step(200, active=(0,))
+        if first is None and cons.received[0] >= 10:
+            first = list(cons.handoff_ns)
+    assert cons.received[0] == 200
+    assert 10 <= len(first) < 25
+    assert len(cons.handoff_ns) == 25 and cons.handoff_ns[: len(first)] == first  # the first ones, kept
+    assert all(ns >= 0 for ns in cons.handoff_ns)
 
 
 def test_stalled_consumer_gets_at_most_its_credits(wiring_factory):

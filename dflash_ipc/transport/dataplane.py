@@ -58,6 +58,8 @@ from dflash_ipc.transport.slots import SlotViews
 Send = Callable[[int, Message], None]
 # Routing decisions kept for inspection (the last ones; a decision is a few bytes).
 ROUTING_LOG_LEN = 4096
+# SlotReady hand-off latencies kept (the first ones): a run of days must not grow a list per slot.
+HANDOFF_SAMPLES = 20000
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,15 @@ class _Copying:
 class ConsumerDataPlane:
     """A drafter's side: hold slots, copy out into local buffers, return slots at once."""
 
-    def __init__(self, rank: int, rings: list[ConsumerRing], buffers: list[torch.Tensor], send: Send, rejects: RejectCounter):
+    def __init__(
+        self,
+        rank: int,
+        rings: list[ConsumerRing],
+        buffers: list[torch.Tensor],
+        send: Send,
+        rejects: RejectCounter,
+        handoff_samples: int = HANDOFF_SAMPLES,
+    ):
         self.rank = rank
         self.rings = rings
         self.buffers = buffers
@@ -256,7 +266,8 @@ class ConsumerDataPlane:
         self.received = [0] * self.num_producers
         self.ended = [False] * self.num_producers
         self.expected_total = [None] * self.num_producers
-        self.handoff_ns: list[int] = []
+        self.handoff_ns: list[int] = []  # the first handoff_samples SlotReady send-to-receive latencies
+        self.handoff_samples = handoff_samples
         self.copy_seconds = 0.0
         self.bytes_copied = 0
         self.slots_done = [0] * self.num_producers
@@ -296,7 +307,7 @@ class ConsumerDataPlane:
                 return
             self._held_keys.add(key)
             self.received[msg.producer] += 1
-            if msg.sent_ns:
+            if msg.sent_ns and len(self.handoff_ns) < self.handoff_samples:
                 self.handoff_ns.append(now - msg.sent_ns)
             self.held.append((msg, now))
             self._report_load()
