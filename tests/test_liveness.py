@@ -62,3 +62,14 @@ def test_a_child_that_exited_is_not_called_silent(procs):
     blamed, text = silent_child([gone, alive], now, timeout=10)
     assert blamed is alive and "drafter-0" in text and "target-0" not in text
     assert silent_child([gone], now, timeout=10) is None
+
+
+def test_waiting_for_exits_after_done_returns_the_late_ones_instead_of_raising(procs):
+    """A child slow to exit after its Done (an oversubscribed machine) is handed to the teardown;
+    before, the supervisor's wait raised TimeoutExpired and the finished run came back as an error."""
+    from dflash_ipc.runtime.liveness import wait_for_exits
+
+    done = Child("target", 0, "cpu", popen=procs(0))
+    slow = Child("target", 1, "cpu", popen=procs(None))
+    assert wait_for_exits([done, slow], timeout=0.5) == [slow]
+    assert wait_for_exits([done], timeout=0.5) == []

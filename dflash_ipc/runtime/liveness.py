@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,18 @@ def exited_child(children: list, stopping: bool = False) -> Any | None:
     # The likely cause first: killed by a signal, else exited without a Dead report. Peers
     # report Dead ("connection closed by peer" from gloo) and exit because of it.
     return min(exited, key=lambda c: (c.popen.returncode >= 0, c.dead_error is not None), default=None)
+
+
+def wait_for_exits(children: list, timeout: float) -> list:
+    """Wait up to ``timeout`` s in all for ``children`` that reported Done to exit; returns those
+    still running (the teardown stops them: a slow exit after Done is no failure of the run)."""
+    deadline = time.monotonic() + timeout
+    for c in children:
+        try:
+            c.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    return [c for c in children if c.popen.poll() is None]
 
 
 def silent_child(children: list, now: float, timeout: float) -> tuple[Any, str] | None:

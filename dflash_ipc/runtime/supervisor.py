@@ -59,7 +59,7 @@ from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests
 from dflash_ipc.runtime.launch import child_argv, key_pipe
-from dflash_ipc.runtime.liveness import describe_exit, exited_child, is_stopped, log_tail, process_status, silent_child
+from dflash_ipc.runtime.liveness import describe_exit, exited_child, is_stopped, log_tail, process_status, silent_child, wait_for_exits
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
 from dflash_ipc.runtime.restarts import GroupFailed, run_with_restarts
@@ -431,8 +431,8 @@ class Supervisor:
                 hung = self.node_group.suspect()
                 raise GroupFailed(f"{hung}; here {silent[1]}" if hung else self._failure_text(silent[1], silent[0]))
             if self.forward_only and all(c.done is not None for c in targets):
-                for c in targets:
-                    c.popen.wait(timeout=max(5.0, cfg.run.teardown_grace_s))
+                for c in wait_for_exits(targets, max(5.0, cfg.run.teardown_grace_s)):
+                    self.echo(f"[up] {c.name} sent Done but is still running after run.teardown_grace_s; stopping it")
                 self.state = "finished"
                 self._write_status()
                 return EXIT_OK
@@ -447,8 +447,8 @@ class Supervisor:
                         raise GroupFailed(
                             self._failure_text(f"{bad[0].name} {describe_exit(bad[0].popen.returncode)} while stopping", bad[0])
                         )
-                    for c in drafters:
-                        c.popen.wait(timeout=max(5.0, cfg.run.teardown_grace_s))
+                    for c in wait_for_exits(drafters, max(5.0, cfg.run.teardown_grace_s)):
+                        self.echo(f"[up] {c.name} finished but is still running after run.teardown_grace_s; stopping it")
                     self.state = "finished"
                     self._write_status()
                     self._close_progress()
