@@ -73,3 +73,18 @@ def test_waiting_for_exits_after_done_returns_the_late_ones_instead_of_raising(p
     slow = Child("target", 1, "cpu", popen=procs(None))
     assert wait_for_exits([done, slow], timeout=0.5) == [slow]
     assert wait_for_exits([done], timeout=0.5) == []
+
+
+def test_a_dead_report_is_blamed_on_the_peer_that_exits_just_after_it(procs):
+    """drafter-1 SIGKILLed: drafter-0's collective fails at once and it reports Dead before the
+    killed process is seen to exit (the full fault suite once named drafter-0). The peer exiting
+    within the grace is the cause; with no exit the reporter stays the one named."""
+    from dflash_ipc.runtime.liveness import exit_behind_report
+
+    reporter = Child("drafter", 0, "cpu", popen=procs(None), dead_error="Connection closed by peer")
+    victim_proc = procs(None)
+    victim = Child("drafter", 1, "cpu", popen=victim_proc)
+    victim_proc.kill()  # exits while the supervisor is already looking
+    assert exit_behind_report([reporter, victim], reporter, grace_s=30.0) is victim
+    alone = Child("drafter", 1, "cpu", popen=procs(None))
+    assert exit_behind_report([reporter, alone], reporter, grace_s=0.2) is None

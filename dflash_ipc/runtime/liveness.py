@@ -59,6 +59,29 @@ def exited_child(children: list, stopping: bool = False) -> Any | None:
     return min(exited, key=lambda c: (c.popen.returncode >= 0, c.dead_error is not None), default=None)
 
 
+def dead_child_text(children: list, stopping: bool = False) -> str | None:
+    """The failure line for :func:`exited_child`'s child, or None."""
+    ch = exited_child(children, stopping)
+    if ch is None:
+        return None
+    text = f"{ch.name} (pid {ch.popen.pid}) {describe_exit(ch.popen.returncode)}"
+    return text + (f" after reporting: {ch.dead_error}" if ch.dead_error else "")
+
+
+def exit_behind_report(children: list, reporter: Any, stopping: bool = False, grace_s: float = 1.0) -> Any | None:
+    """The exited child behind ``reporter``'s Dead report, if one exits within ``grace_s``.
+
+    A peer's SIGKILL reaches the survivors' collectives ("connection closed by peer") within
+    milliseconds, while the killed process, tearing down its mappings, can take longer to become
+    a zombie the supervisor sees: blaming the first reporter named the wrong process."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        ch = exited_child([c for c in children if c is not reporter], stopping)
+        if ch is not None or time.monotonic() >= deadline:
+            return ch
+        time.sleep(0.01)
+
+
 def wait_for_exits(children: list, timeout: float) -> list:
     """Wait up to ``timeout`` s in all for ``children`` that reported Done to exit; returns those
     still running (the teardown stops them: a slow exit after Done is no failure of the run)."""

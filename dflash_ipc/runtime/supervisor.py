@@ -58,8 +58,9 @@ from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests
+from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.launch import child_argv, key_pipe
-from dflash_ipc.runtime.liveness import describe_exit, exited_child, is_stopped, log_tail, process_status, silent_child, wait_for_exits
+from dflash_ipc.runtime.liveness import dead_child_text, describe_exit, exit_behind_report, exited_child, is_stopped, log_tail
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
 from dflash_ipc.runtime.restarts import GroupFailed, run_with_restarts
@@ -280,16 +281,6 @@ class Supervisor:
                 os.close(key_fd)
             ch.started = time.time()
 
-    def _exited_child(self, stopping: bool = False) -> Child | None:
-        return exited_child(self.children, stopping)
-
-    def _dead_child(self, stopping: bool = False) -> str | None:
-        ch = self._exited_child(stopping)
-        if ch is None:
-            return None
-        text = f"{ch.name} (pid {ch.popen.pid}) {describe_exit(ch.popen.returncode)}"
-        return text + (f" after reporting: {ch.dead_error}" if ch.dead_error else "")
-
     def _run_group(self, resume: bool) -> int:
         spec = ControlSpec.for_run(self.run_dir, self.cfg.run.control, self.cfg.run.control_host, key_root=self.run_dir)
         self._control = control = SupervisorSockets.open(spec, self.rejects)
@@ -313,7 +304,7 @@ class Supervisor:
                     [c.key for c in self.children],
                     self.cfg.run.handshake_timeout_s,
                     self.rejects,
-                    lambda: self._dead_child() or self._node_failure(),
+                    lambda: dead_child_text(self.children) or self._node_failure(),
                     on_other=self._on_decoded,
                     auth=self._auth,
                     pids={c.key: c.popen.pid for c in self.children},
@@ -411,27 +402,29 @@ class Supervisor:
             # A child that exited is checked before Dead reports: a peer's Dead ("connection closed
             # by peer" from gloo) is usually the consequence of that exit, not its cause.
             stopping = stop_sent or targets_stopped
-            ch = self._exited_child(stopping)
+            ch = exited_child(self.children, stopping)
             if ch is not None and ch.popen.returncode == 0:
                 # A clean exit usually follows its Done by microseconds: read what is in flight
                 # before calling the exit unexpected.
                 self._drain_router(router, wait_ms=500)
-                ch = self._exited_child(stopping)
+                ch = exited_child(self.children, stopping)
             if ch is not None:
-                raise GroupFailed(self._failure_text(self._dead_child(stopping), ch))
-            for ch in self.children:
-                if ch.dead_error and ch.done is None:
-                    raise GroupFailed(self._failure_text(f"{ch.name} reported: {ch.dead_error}", ch))
+                raise GroupFailed(self._failure_text(dead_child_text(self.children, stopping), ch))
+            reporter = next((c for c in self.children if c.dead_error and c.done is None), None)
+            if reporter is not None:  # a peer that just died (its exit can lag the survivors' reports) is the cause
+                culprit = exit_behind_report(self.children, reporter, stopping)
+                what = dead_child_text(self.children, stopping) if culprit else f"{reporter.name} reported: {reporter.dead_error}"
+                raise GroupFailed(self._failure_text(what, culprit or reporter))
             node_failure = self._node_failure() if not targets_stopped else None
             if node_failure:
                 raise GroupFailed(node_failure)
             now = time.monotonic()
-            silent = silent_child(self.children, now, cfg.run.heartbeat_timeout_s) if not targets_stopped else None
+            silent = liveness.silent_child(self.children, now, cfg.run.heartbeat_timeout_s) if not targets_stopped else None
             if silent is not None:  # in a run of several nodes, likely waiting in a collective for a hung node
                 hung = self.node_group.suspect()
                 raise GroupFailed(f"{hung}; here {silent[1]}" if hung else self._failure_text(silent[1], silent[0]))
             if self.forward_only and all(c.done is not None for c in targets):
-                for c in wait_for_exits(targets, max(5.0, cfg.run.teardown_grace_s)):
+                for c in liveness.wait_for_exits(targets, max(5.0, cfg.run.teardown_grace_s)):
                     self.echo(f"[up] {c.name} sent Done but is still running after run.teardown_grace_s; stopping it")
                 self.state = "finished"
                 self._write_status()
@@ -447,7 +440,7 @@ class Supervisor:
                         raise GroupFailed(
                             self._failure_text(f"{bad[0].name} {describe_exit(bad[0].popen.returncode)} while stopping", bad[0])
                         )
-                    for c in wait_for_exits(drafters, max(5.0, cfg.run.teardown_grace_s)):
+                    for c in liveness.wait_for_exits(drafters, max(5.0, cfg.run.teardown_grace_s)):
                         self.echo(f"[up] {c.name} finished but is still running after run.teardown_grace_s; stopping it")
                     self.state = "finished"
                     self._write_status()
@@ -550,7 +543,7 @@ class Supervisor:
     def snapshot(self) -> StatusSnapshot:
         now_m = time.monotonic()
         now = time.time()
-        procs = [process_status(ch, now, now_m) for ch in self.children]
+        procs = [liveness.process_status(ch, now, now_m) for ch in self.children]
         rss_total = psutil.Process().memory_info().rss + sum(p.rss_bytes or 0 for p in procs)
         lead = self._lead_drafter()
         step = lead.work.step if lead else 0
