@@ -60,7 +60,6 @@ from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.launch import child_argv, key_pipe
-from dflash_ipc.runtime.liveness import dead_child_text, describe_exit, exit_behind_report, exited_child, is_stopped, log_tail
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
 from dflash_ipc.runtime.restarts import GroupFailed, run_with_restarts
@@ -304,7 +303,7 @@ class Supervisor:
                     [c.key for c in self.children],
                     self.cfg.run.handshake_timeout_s,
                     self.rejects,
-                    lambda: dead_child_text(self.children) or self._node_failure(),
+                    lambda: liveness.dead_child_text(self.children) or self._node_failure(),
                     on_other=self._on_decoded,
                     auth=self._auth,
                     pids={c.key: c.popen.pid for c in self.children},
@@ -402,18 +401,18 @@ class Supervisor:
             # A child that exited is checked before Dead reports: a peer's Dead ("connection closed
             # by peer" from gloo) is usually the consequence of that exit, not its cause.
             stopping = stop_sent or targets_stopped
-            ch = exited_child(self.children, stopping)
+            ch = liveness.exited_child(self.children, stopping)
             if ch is not None and ch.popen.returncode == 0:
                 # A clean exit usually follows its Done by microseconds: read what is in flight
                 # before calling the exit unexpected.
                 self._drain_router(router, wait_ms=500)
-                ch = exited_child(self.children, stopping)
+                ch = liveness.exited_child(self.children, stopping)
             if ch is not None:
-                raise GroupFailed(self._failure_text(dead_child_text(self.children, stopping), ch))
+                raise GroupFailed(self._failure_text(liveness.dead_child_text(self.children, stopping), ch))
             reporter = next((c for c in self.children if c.dead_error and c.done is None), None)
             if reporter is not None:  # a peer that just died (its exit can lag the survivors' reports) is the cause
-                culprit = exit_behind_report(self.children, reporter, stopping)
-                what = dead_child_text(self.children, stopping) if culprit else f"{reporter.name} reported: {reporter.dead_error}"
+                culprit = liveness.exit_behind_report(self.children, reporter, stopping)
+                what = liveness.dead_child_text(self.children, stopping) if culprit else f"{reporter.name} reported: {reporter.dead_error}"
                 raise GroupFailed(self._failure_text(what, culprit or reporter))
             node_failure = self._node_failure() if not targets_stopped else None
             if node_failure:
@@ -438,7 +437,7 @@ class Supervisor:
                     bad = [c for c in targets if c.popen.returncode != 0]
                     if bad:
                         raise GroupFailed(
-                            self._failure_text(f"{bad[0].name} {describe_exit(bad[0].popen.returncode)} while stopping", bad[0])
+                            self._failure_text(f"{bad[0].name} {liveness.describe_exit(bad[0].popen.returncode)} while stopping", bad[0])
                         )
                     for c in liveness.wait_for_exits(drafters, max(5.0, cfg.run.teardown_grace_s)):
                         self.echo(f"[up] {c.name} finished but is still running after run.teardown_grace_s; stopping it")
@@ -500,7 +499,7 @@ class Supervisor:
         if not alive:
             return
         for ch in alive:
-            if is_stopped(ch.popen):  # a stopped process cannot clean up: Shutdown and SIGTERM would only wait
+            if liveness.is_stopped(ch.popen):  # a stopped process cannot clean up: Shutdown and SIGTERM would only wait
                 log.warning("%s is stopped (state T): SIGKILL", ch.name)
                 ch.popen.kill()
         for ch in alive:
@@ -528,9 +527,9 @@ class Supervisor:
             ch = next((c for c in self.children if c.name in what), None)
         text = what
         if ch is not None:
-            if ch.popen is not None and ch.popen.poll() is not None and describe_exit(ch.popen.returncode) not in text:
-                text += f" [{describe_exit(ch.popen.returncode)}]"
-            text += f"\n  last lines of {self.run_dir}/logs/{ch.name}.log:\n{log_tail(self.run_dir / 'logs' / f'{ch.name}.log')}"
+            if ch.popen is not None and ch.popen.poll() is not None and liveness.describe_exit(ch.popen.returncode) not in text:
+                text += f" [{liveness.describe_exit(ch.popen.returncode)}]"
+            text += f"\n  last lines of {self.run_dir}/logs/{ch.name}.log:\n{liveness.log_tail(self.run_dir / 'logs' / f'{ch.name}.log')}"
         return text
 
     # ------------------------------------------------------------------ status
