@@ -57,7 +57,7 @@ def write_safetensors(
         out_dtype = dtype or t.dtype
         if out_dtype not in _DTYPE_NAMES:
             raise ValueError(f"tensor {name!r}: dtype {out_dtype} has no safetensors name")
-        nbytes = t.numel() * torch.empty((), dtype=out_dtype).element_size()
+        nbytes = t.numel() * out_dtype.itemsize
         header[name] = {"dtype": _DTYPE_NAMES[out_dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()

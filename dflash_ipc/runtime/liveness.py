@@ -59,13 +59,16 @@ def exited_child(children: list, stopping: bool = False) -> Any | None:
     return min(exited, key=lambda c: (c.popen.returncode >= 0, c.dead_error is not None), default=None)
 
 
+def exit_text(ch: Any) -> str:
+    """The failure line of an exited child."""
+    text = f"{ch.name} (pid {ch.popen.pid}) {describe_exit(ch.popen.returncode)}"
+    return text + (f" after reporting: {ch.dead_error}" if ch.dead_error else "")
+
+
 def dead_child_text(children: list, stopping: bool = False) -> str | None:
     """The failure line for :func:`exited_child`'s child, or None."""
     ch = exited_child(children, stopping)
-    if ch is None:
-        return None
-    text = f"{ch.name} (pid {ch.popen.pid}) {describe_exit(ch.popen.returncode)}"
-    return text + (f" after reporting: {ch.dead_error}" if ch.dead_error else "")
+    return exit_text(ch) if ch is not None else None
 
 
 def exit_behind_report(children: list, reporter: Any, stopping: bool = False, grace_s: float = 1.0) -> Any | None:

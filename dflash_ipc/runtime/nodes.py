@@ -210,10 +210,6 @@ class SingleNode:
     def suspect(self) -> str | None:
         return None
 
-    def _read(self, key: str) -> str | None:
-        """A key's value through the main thread's connection (bounded), None while it is unset."""
-        return self._call(lambda: self._store.get(key)).decode() if self._call(lambda: self._store.check([key])) else None
-
     def agree_restart(self, want: bool, timeout_s: float) -> tuple[bool, str]:  # noqa: ARG002
         return want, ""
 

@@ -408,11 +408,11 @@ class Supervisor:
                 self._drain_router(router, wait_ms=500)
                 ch = liveness.exited_child(self.children, stopping)
             if ch is not None:
-                raise GroupFailed(self._failure_text(liveness.dead_child_text(self.children, stopping), ch))
+                raise GroupFailed(self._failure_text(liveness.exit_text(ch), ch))
             reporter = next((c for c in self.children if c.dead_error and c.done is None), None)
             if reporter is not None:  # a peer that just died (its exit can lag the survivors' reports) is the cause
                 culprit = liveness.exit_behind_report(self.children, reporter, stopping)
-                what = liveness.dead_child_text(self.children, stopping) if culprit else f"{reporter.name} reported: {reporter.dead_error}"
+                what = liveness.exit_text(culprit) if culprit else f"{reporter.name} reported: {reporter.dead_error}"
                 raise GroupFailed(self._failure_text(what, culprit or reporter))
             node_failure = self._node_failure() if not targets_stopped else None
             if node_failure:

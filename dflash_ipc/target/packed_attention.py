@@ -25,6 +25,7 @@ switch is scoped to one packed forward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,12 +41,15 @@ PACKED_ATTENTION = "dflash_packed"
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _torch_varlen_attn() -> Callable[..., torch.Tensor] | None:
+@functools.cache
+def _torch_varlen_attn() -> tuple[Callable[..., torch.Tensor], frozenset[str]] | None:
+    """torch's varlen kernel and its parameter names (they changed across torch versions), looked
+    up once per process rather than per layer call."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def varlen_kernel_usable(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -105,15 +109,16 @@ def packed_attention_forward(
 
 
 def _varlen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    varlen_attn = _torch_varlen_attn()
-    assert varlen_attn is not None
-    params = inspect.signature(varlen_attn).parameters
-    if q.shape[1] != k.shape[1] and "enable_gqa" not in params:
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    kernel = _torch_varlen_attn()
+    assert kernel is not None
+    varlen_attn, params = kernel
     kw: dict[str, Any] = {}
-    if "enable_gqa" in params and q.shape[1] != k.shape[1]:
-        kw["enable_gqa"] = True
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if "window_size" in params:  # torch >= 2.11: (-1, 0) is causal
         kw["window_size"] = (-1, 0)
     else:  # torch 2.9-2.10
