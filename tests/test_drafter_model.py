@@ -145,6 +145,44 @@ def test_constructor_checks_target_tensor_shapes():
         DFlashDrafter(cfg, torch.zeros(V, H + 1), torch.zeros(V, H))
 
 
+def _seeded(device, dtype=torch.float32, seed=7):
+    _, dc = make_model()
+    cfg = DrafterModelConfig.from_configs(dc, target_config(), [1, 3, 5], V - 1)
+    g = torch.Generator().manual_seed(1)
+    emb = torch.randn(V, H, generator=g).to(device, dtype)
+    return DFlashDrafter(cfg, emb, emb, attention="sdpa", device=device, dtype=dtype, init_seed=seed)
+
+
+def test_init_is_a_function_of_the_seed_alone():
+    torch.manual_seed(123)  # the global RNG plays no part
+    a = _seeded("cpu")
+    torch.manual_seed(456)
+    b = _seeded("cpu")
+    c = _seeded("cpu", seed=8)
+    for (name, pa), pb, pc in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
+        assert torch.equal(pa, pb), name
+        if name.endswith("proj.weight") or name == "fc.weight":
+            assert not torch.equal(pa, pc), name
+            assert abs(float(pa.std()) - a.config.initializer_range) < 0.2 * a.config.initializer_range, name
+        else:
+            assert torch.equal(pa, torch.ones_like(pa)), name  # norms start at one
+    # tied target tensors stay one tensor; every trainable weight was allocated in the asked dtype
+    assert a.lm_head_weight is a.embed_weight
+    half = _seeded("cpu", torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert torch.equal(half.fc.weight, a.fc.weight.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_a_drafter_built_on_the_gpu_equals_the_one_built_on_the_host():
+    host = _seeded("cpu", torch.bfloat16)
+    before = torch.cuda.memory_allocated(0)
+    dev = _seeded("cuda:0", torch.bfloat16)
+    assert dev.fc.weight.device.type == "cuda" and torch.cuda.memory_allocated(0) > before
+    for (name, ph), pd in zip(host.state_dict().items(), dev.state_dict().values()):
+        assert torch.equal(ph, pd.cpu()), name
+
+
 # --------------------------------------------------------------------------- attention behaviour
 
 

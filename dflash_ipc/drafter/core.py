@@ -80,8 +80,7 @@ def build_drafter(cfg: DFlashConfig, device: torch.device | str, *, log_mask_tok
     dtype = dtype_from_name(cfg.drafter.dtype)
     embed, lm_head = target_head_weights(cfg.target, hf_config, device, dtype)
     mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
-    torch.manual_seed(cfg.run.seed)
-    return DFlashDrafter(mcfg, embed, lm_head, attention=cfg.drafter.attention).to(device=device, dtype=dtype)
+    return DFlashDrafter(mcfg, embed, lm_head, attention=cfg.drafter.attention, device=device, dtype=dtype, init_seed=cfg.run.seed)
 
 
 def export_untrained(cfg: DFlashConfig, out_dir: Path, device: torch.device | str = "cpu") -> Path:

@@ -141,9 +141,6 @@ def load_exported_drafter(
     cfg = _config_from_hf_dict(json.loads((path / "config.json").read_text()))
     state = load_file(str(path / EXPORT_WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
     dtype = next(iter(state.values())).dtype if state else torch.float32
-    model = DFlashDrafter(cfg, embed_weight, lm_head_weight, attention=attention)
-    if device is not None:
-        model = model.to(device)
-    model = model.to(dtype)
+    model = DFlashDrafter(cfg, embed_weight, lm_head_weight, attention=attention, device=device, init_seed=0).to(dtype)
     model.load_state_dict(state, strict=True)
     return model
