@@ -198,10 +198,13 @@ class DrafterCore:
         data, n = self.cfg.data, self.cfg.data.token_budget
         lens = [data.max_seq_len] * (n // data.max_seq_len) + ([n % data.max_seq_len] if n % data.max_seq_len else [])
         planes = self.model.config.num_context_planes + int(self.cfg.target.capture_last_hidden)
-        g = torch.Generator().manual_seed(0)
+        # Drawn where it is used: a host draw in fp32 staged 5 GB at the 27B shapes
+        # (5 planes x 49,152 tokens x 5,120) in every drafter's host memory, at start-up.
+        g = torch.Generator(device=self.device).manual_seed(0)
+        dtype = dtype_from_name(self.cfg.target.dtype)
         return SlotViews(
-            planes=torch.randn(planes, n, self.target_hidden_size, generator=g).to(self.device, dtype_from_name(self.cfg.target.dtype)),
-            token_ids=torch.randint(0, self.model.config.vocab_size, (n,), generator=g).to(self.device),
+            planes=torch.randn(planes, n, self.target_hidden_size, generator=g, device=self.device, dtype=dtype),
+            token_ids=torch.randint(0, self.model.config.vocab_size, (n,), generator=g, device=self.device),
             loss_mask=torch.ones(n, dtype=torch.uint8, device=self.device),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
         )
