@@ -63,7 +63,7 @@ from dflash_ipc.runtime.launch import child_argv, key_pipe
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
 from dflash_ipc.runtime.restarts import GroupFailed, run_with_restarts
-from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
+from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 
 log = logging.getLogger(__name__)
 
