@@ -238,17 +238,23 @@ def up(
         sys.exit(2)
     for w in cfg.ignored_value_warnings():
         click.echo(f"warning: {config_path}: {w}", err=True)
+    from dflash_ipc.runtime.probe import ProbeFailed
     from dflash_ipc.runtime.supervisor import GroupFailed, Supervisor
 
     sup = Supervisor(
         cfg, resolved_run_dir, resume=resume, max_restarts=max_restarts, echo=click.echo, live_progress=sys.stdout.isatty(), node=node
     )
     try:
-        sup.prepare()
-    except (GroupFailed, ValueError, OSError) as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    sys.exit(sup.run())
+        try:
+            sup.prepare()
+        except (GroupFailed, ProbeFailed, ValueError, OSError) as e:  # ConfigError is a ValueError
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        sys.exit(sup.run())
+    finally:
+        if os.environ.get("DFLASH_IPC_DEBUG_IMPORTS"):  # debug switch: the supervisor stays free of torch (runtime.probe)
+            heavy = ", ".join(m for m in ("torch", "transformers") if m in sys.modules) or "neither torch nor transformers"
+            click.echo(f"[up] debug: supervisor pid {os.getpid()} imported: {heavy}", err=True)
 
 
 @main.command("status")
