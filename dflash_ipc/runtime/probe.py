@@ -174,7 +174,7 @@ def run_isolated(argv: list[str], timeout_s: float) -> ProbeResult:
         raise ProbeFailed(f"{what} gave no answer within {timeout_s:g} s and was killed{_tail(e.stderr)}") from None
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise ProbeFailed(f"{what} {liveness.describe_exit(proc.returncode)} without an answer{_tail(proc.stderr)}")
+        raise ProbeFailed(f"{what} ended ({liveness.describe_exit(proc.returncode)}) without an answer{_tail(proc.stderr)}")
     try:
         result = from_wire(ProbeResult, json.loads(lines[-1]))
     except (ValueError, ProtocolError) as e:
