@@ -133,19 +133,28 @@ def bench_pipeline_cmd(config_path: str, steps: int, variants: str, peak_tflops:
     """Run the pipeline in several variants (transport, ceiling, ring depth) and compare them."""
     from dflash_ipc.bench.pipeline import run_pipeline_bench, variant_overrides
 
-    _load_or_exit(config_path, check_environment=True)
+    # This process is the supervisor of every variant and never imports torch: the model and
+    # device checks run in the first variant's probe (runtime.probe), still before any process.
+    _load_or_exit(config_path, check_host=True)
     names = [v.strip() for v in variants.split(",") if v.strip()]
     for name in names:  # a misspelt variant is refused before any process starts
         try:
             variant_overrides(name, on_cuda=False)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--variants") from None
-    result = run_pipeline_bench(config_path, steps, names, peak_tflops, echo=lambda s: click.echo(s, err=as_json), out_path=out_path)
+    try:
+        result = run_pipeline_bench(config_path, steps, names, peak_tflops, echo=lambda s: click.echo(s, err=as_json), out_path=out_path)
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
     click.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 
 
-def _load_or_exit(path: str, *, check_environment: bool = False):
-    """The validated config, or exit 2 with ``FILE: dotted.key: what to change`` on stderr."""
+def _load_or_exit(path: str, *, check_environment: bool = False, check_host: bool = False):
+    """The validated config, or exit 2 with ``FILE: dotted.key: what to change`` on stderr.
+
+    ``check_environment``: also the model, devices and data files it names (imports torch and
+    transformers here: one-shot commands); ``check_host``: only what needs neither."""
     from dflash_ipc.config import load_config
     from dflash_ipc.runtime import preflight
 
@@ -153,6 +162,8 @@ def _load_or_exit(path: str, *, check_environment: bool = False):
         cfg = load_config(path)
         if check_environment:
             preflight.check_environment(cfg)
+        elif check_host:
+            preflight.check_host(cfg)
     except ConfigError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -238,17 +249,23 @@ def up(
         sys.exit(2)
     for w in cfg.ignored_value_warnings():
         click.echo(f"warning: {config_path}: {w}", err=True)
+    from dflash_ipc.runtime.probe import ProbeFailed
     from dflash_ipc.runtime.supervisor import GroupFailed, Supervisor
 
     sup = Supervisor(
         cfg, resolved_run_dir, resume=resume, max_restarts=max_restarts, echo=click.echo, live_progress=sys.stdout.isatty(), node=node
     )
     try:
-        sup.prepare()
-    except (GroupFailed, ValueError, OSError) as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    sys.exit(sup.run())
+        try:
+            sup.prepare()
+        except (GroupFailed, ProbeFailed, ValueError, OSError) as e:  # ConfigError is a ValueError
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        sys.exit(sup.run())
+    finally:
+        if os.environ.get("DFLASH_IPC_DEBUG_IMPORTS"):  # debug switch: the supervisor stays free of torch (runtime.probe)
+            heavy = ", ".join(m for m in ("torch", "transformers") if m in sys.modules) or "neither torch nor transformers"
+            click.echo(f"[up] debug: supervisor pid {os.getpid()} imported: {heavy}", err=True)
 
 
 @main.command("status")

@@ -533,7 +533,12 @@ def write_resolved_config(cfg: DFlashConfig, run_dir: Path) -> Path:
 
 
 def load_resolved_config(run_dir: Path) -> DFlashConfig:
+    return read_resolved_config(Path(run_dir) / RESOLVED_CONFIG_FILE)
+
+
+def read_resolved_config(path: Path) -> DFlashConfig:
+    """A config frozen by :func:`write_resolved_config`; errors still name the original file."""
     import json
 
-    d = json.loads((Path(run_dir) / RESOLVED_CONFIG_FILE).read_text())
-    return config_from_dict(d["config"], source=d.get("source", str(run_dir)))
+    d = json.loads(Path(path).read_text())
+    return config_from_dict(d["config"], source=d.get("source", str(Path(path).parent)))

@@ -12,7 +12,20 @@ from typing import Any, Literal
 
 
 class ConfigError(ValueError):
-    """A configuration problem, already phrased as ``FILE: dotted.key: what to change``."""
+    """A configuration problem, already phrased as ``FILE: dotted.key: what to change``.
+
+    Made by :meth:`at`, it also holds the file, key and message apart: the probe process sends
+    them back to the supervisor, which raises the same error (:mod:`dflash_ipc.runtime.probe`)."""
+
+    source: str | None = None
+    key: str | None = None
+    detail: str | None = None
+
+    @classmethod
+    def at(cls, source: str, key: str, message: str) -> ConfigError:
+        err = cls(f"{source}: {key}: {message}")
+        err.source, err.key, err.detail = source, key, message
+        return err
 
 
 def _require(cond: bool, key: str, message: str) -> None:

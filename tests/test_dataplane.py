@@ -23,7 +23,7 @@ from dflash_ipc.control.protocol import (
 from dflash_ipc.control.ring_descriptor import RingDescriptor
 from dflash_ipc.transport.dataplane import ConsumerDataPlane, ProducerDataPlane
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
-from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
+from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
 LAYOUT = SlotLayout(num_planes=2, hidden_size=8, max_tokens=24, max_seqs=4, plane_dtype="float32")

@@ -26,7 +26,7 @@ import pytest
 from test_multinode import HEARTBEAT_TIMEOUT_S, RUN_TIMEOUT_S, Node, rank_records, run_both, write_config
 
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, read_latest_pointer
-from dflash_ipc.transport.shm import list_run_shm, sweep_run_shm
+from dflash_ipc.transport.shm_names import list_run_shm, sweep_run_shm
 
 pytestmark = pytest.mark.slow
 

@@ -28,13 +28,7 @@ from dflash_ipc.transport import shm
 from dflash_ipc.transport.cpu_shm import CpuShmConsumerRing, CpuShmProducerRing
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
 from dflash_ipc.transport.ring import SlotState, SlotStateError, SlotTable
-from dflash_ipc.transport.shm import (
-    SHM_DIR,
-    list_run_shm,
-    new_run_id,
-    shm_name,
-    sweep_run_shm,
-)
+from dflash_ipc.transport.shm_names import SHM_DIR, list_run_shm, new_run_id, shm_name, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
 LAYOUT = SlotLayout(num_planes=2, hidden_size=16, max_tokens=32, max_seqs=4, plane_dtype="float32")

@@ -19,7 +19,7 @@ from dflash_ipc.bench.gpu_sigkill import run_sigkill_check
 from dflash_ipc.control import protocol
 from dflash_ipc.control.ring_descriptor import RingDescriptor
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
-from dflash_ipc.transport.shm import new_run_id
+from dflash_ipc.transport.shm_names import new_run_id
 from dflash_ipc.transport.slots import SlotLayout
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA by tests/conftest.py

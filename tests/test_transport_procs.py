@@ -25,7 +25,7 @@ from dflash_ipc.bench import transport as bench_transport
 from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.handshake import HandshakeError
 from dflash_ipc.control.protocol import Done, EndOfData, RejectCounter, SlotFree, SlotReady
-from dflash_ipc.transport.shm import list_run_shm, new_run_id, sweep_run_shm
+from dflash_ipc.transport.shm_names import list_run_shm, new_run_id, sweep_run_shm
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED_KEYS = {
@@ -120,7 +120,7 @@ CLI_SHIM = textwrap.dedent(
     r"""
     import os, sys
     from dflash_ipc.bench import transport as bench_transport
-    from dflash_ipc.transport.shm import new_run_id
+    from dflash_ipc.transport.shm_names import new_run_id
 
     def recording_new_run_id():
         rid = new_run_id()

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dflash_ipc.control import channels
 from dflash_ipc.control.status import decode_status
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, META_FILE, read_latest_pointer, step_dir_name
-from dflash_ipc.transport.shm import list_run_shm
+from dflash_ipc.transport.shm_names import list_run_shm
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def write_config(path: Path, raw_overrides: dict | None = None, **overrides) -> 
 class Up:
     """One `dflash-ipc up` supervisor, its output in a file (progress lines never block it)."""
 
-    def __init__(self, config: Path, run_dir: Path, *extra: str, name: str = "up", own_group: bool = False):
+    def __init__(self, config: Path, run_dir: Path, *extra: str, name: str = "up", own_group: bool = False, env: dict | None = None):
         self.config = config
         self.run_dir = run_dir
         self.out_path = run_dir.parent / f"{run_dir.name}.{name}.out"
@@ -70,6 +70,7 @@ class Up:
             stderr=subprocess.STDOUT,
             cwd=run_dir.parent,
             start_new_session=own_group,  # its own process group, like a terminal's foreground job
+            env=env,
         )
 
     @property
@@ -197,7 +198,8 @@ FULL_STEPS = 12
 @pytest.fixture(scope="module")
 def full_run(work, started):
     cfg = write_config(work / "full.toml")
-    up = Up(cfg, work / "full", "--max-steps", str(FULL_STEPS))
+    # the debug switch: at exit the supervisor says whether it ever imported torch or transformers
+    up = Up(cfg, work / "full", "--max-steps", str(FULL_STEPS), env={**os.environ, "DFLASH_IPC_DEBUG_IMPORTS": "1"})
     started.append(up)
     code = up.wait()
     return up, code
@@ -229,6 +231,8 @@ def test_full_run_trains_checkpoints_and_exports(full_run):
     assert re.search(r"\d+ tokens/s", out)
     assert f"checkpoint: {ckpt}" in out
     assert f"exported drafter: {export}" in out
+    # the model checks, tokenizing and planning ran in the probe process: the supervisor stays lean
+    assert f"[up] debug: supervisor pid {up.proc.pid} imported: neither torch nor transformers" in out, out[-2000:]
 
     # private directories
     for d in (run_dir, channels.socket_dir(run_dir)):

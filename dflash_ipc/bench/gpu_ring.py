@@ -44,7 +44,7 @@ from dflash_ipc.bench.gpu_wire import (
 )
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
 from dflash_ipc.transport.ring import SlotStateError, SlotTable
-from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
+from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
 GIB = 1 << 30

@@ -37,7 +37,7 @@ from dflash_ipc.bench.gpu_wire import (
 )
 from dflash_ipc.control.protocol import Struct
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
-from dflash_ipc.transport.shm import new_run_id
+from dflash_ipc.transport.shm_names import new_run_id
 
 T = TypeVar("T", bound=Struct)
 

@@ -55,7 +55,7 @@ from pathlib import Path
 import psutil
 
 from dflash_ipc.bench.topology import Profile, best_split
-from dflash_ipc.config import load_config
+from dflash_ipc.config import ConfigError, load_config
 from dflash_ipc.control.stats import DrafterStats, TargetStats
 from dflash_ipc.runtime.supervisor import Supervisor
 
@@ -67,14 +67,18 @@ KNOWN_VARIANTS = (*DEFAULT_VARIANTS, "warmup", "padded", "varlen")
 
 
 class TreeSampler:
-    """Samples the RSS of this process and all its descendants, and the supervisor's view."""
+    """Samples the RSS of this process and all its descendants, and the supervisor's view.
+
+    Each child of this process is the root of one tree (a role process and its helpers, e.g.
+    inductor compile workers), named by what the supervisor spawned under that pid
+    (``dflash-ipc:ROLE:RANK``), never by its title: a child sampled before it set its title
+    reads as "python3", and would be counted once more under that name. A child the supervisor
+    does not know (yet) counts in the total only."""
 
     def __init__(self, sup: Supervisor, period_s: float = 0.5):
         self.sup = sup
         self.period_s = period_s
         self.peak_rss = 0
-        # per process tree under the supervisor (a role process and its helpers, e.g. inductor
-        # compile workers), keyed by the role process's title
         self.peak_rss_by_tree: dict[str, int] = {}
         self.peak_procs_by_tree: dict[str, int] = {}
         self.occupancy: list[float] = []
@@ -89,6 +93,10 @@ class TreeSampler:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def _tree_names(self) -> dict[int, str]:
+        """pid -> tree name, from the supervisor's own record of what it spawned."""
+        return {ch.popen.pid: f"dflash-ipc:{ch.role}:{ch.rank}" for ch in list(self.sup.children) if ch.popen is not None}
+
     def _run(self) -> None:
         me = psutil.Process()
         while not self._stop.is_set():
@@ -98,12 +106,10 @@ class TreeSampler:
             except psutil.Error:
                 total, roots = 0, []
             self.peak_rss_by_tree["supervisor"] = max(self.peak_rss_by_tree.get("supervisor", 0), total)
+            names = self._tree_names()
             for root in roots:
                 tree_rss, n = 0, 0
                 try:
-                    cmd = root.cmdline()
-                    # role processes: their title, "dflash-ipc:ROLE:RANK RUN_DIR" (the run dir left out)
-                    name = Path(cmd[0].split(" ", 1)[0]).name if cmd else root.name()
                     procs = [root, *root.children(recursive=True)]
                 except psutil.Error:
                     continue
@@ -114,7 +120,8 @@ class TreeSampler:
                     except psutil.Error:
                         pass
                 total += tree_rss
-                if n == 0:
+                name = names.get(root.pid)
+                if n == 0 or name is None:
                     continue
                 self.peak_rss_by_tree[name] = max(self.peak_rss_by_tree.get(name, 0), tree_rss)
                 self.peak_procs_by_tree[name] = max(self.peak_procs_by_tree.get(name, 0), n)
@@ -297,6 +304,10 @@ def run_pipeline_bench(
         try:
             results[name] = run_variant(config_path, name, steps, peak_tflops, echo)
         except Exception as e:  # one failed variant must not lose the others' figures
+            if isinstance(e, ConfigError) and not results:
+                # The first variant's probe checks the model and devices (this process never imports
+                # torch): a refusal there is the config's, for every variant; said before any ran.
+                raise
             results[name] = {"variant": name, "error": f"{type(e).__name__}: {e}"}
             echo(f"[bench pipeline] {name} FAILED: {e}")
         if out_path:

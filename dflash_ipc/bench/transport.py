@@ -33,7 +33,7 @@ import zmq
 
 from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.protocol import Done, RejectCounter
-from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
+from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
 BENCH_HIDDEN = 1024

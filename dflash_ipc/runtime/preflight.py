@@ -14,6 +14,11 @@ starting every process and failing 20 s later in one child's log:
 * the run directory: never a foreign non-empty directory (``up`` makes it 0700), and one
   holding checkpoints only with ``--resume``; nothing in it is created or chmodded here.
 
+The first two groups need torch and transformers (:func:`check_machine`); the rest do not
+(:func:`check_host`, :func:`check_run_dir`). The supervisor never imports torch: in its process
+:func:`check_machine` runs in the probe process of :mod:`dflash_ipc.runtime.probe`, at the start
+of ``Supervisor.prepare`` and still before the run directory is created.
+
 Every refusal is a :class:`~dflash_ipc.config.ConfigError` ``FILE: dotted.key: what to change``.
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -31,22 +37,43 @@ from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, load_co
 RUN_DIR_MARKERS = ("run_id", "logs", "checkpoints")
 
 
+def torch_loaded() -> bool:
+    """This process already imported torch: checks that need it cost nothing more here."""
+    return "torch" in sys.modules
+
+
 def validate_for_up(
     config_path: str | Path, run_dir_override: str | None = None, *, resume: bool = False, overrides: dict[str, Any] | None = None
 ) -> tuple[DFlashConfig, Path]:
-    """Everything ``up`` checks before it touches the run directory; returns (config, run dir)."""
+    """Everything ``up`` checks before it touches the run directory; returns (config, run dir).
+
+    In a process without torch (the ``up`` supervisor) the checks of :func:`check_machine` are
+    left to ``Supervisor.prepare``'s probe, which runs them before it creates anything."""
     cfg = load_config(config_path, overrides)
     run_dir = cfg.run_dir(run_dir_override).absolute()
-    check_environment(cfg)
+    check_host(cfg)
+    if torch_loaded():
+        check_machine(cfg)
     check_run_dir(cfg, run_dir, resume=resume, key=_run_dir_key(cfg, run_dir_override))
     return cfg, run_dir
 
 
 def check_environment(cfg: DFlashConfig) -> None:
     """Devices, target model config, tokenizer and data files (no run directory needed)."""
-    check_devices(cfg.topology, visible_cuda_devices(), cfg.source)
+    check_host(cfg)
+    check_machine(cfg)
+
+
+def check_host(cfg: DFlashConfig) -> None:
+    """What needs neither torch nor transformers: the control host and the data files."""
     _check_control_host(cfg)
     _check_data_paths(cfg)
+
+
+def check_machine(cfg: DFlashConfig) -> None:
+    """What needs torch or transformers: the CUDA devices, the target's config, tokenizer and drafter."""
+    uses_cuda = any(d.startswith("cuda:") for d in (*cfg.topology.targets, *cfg.topology.drafters))
+    check_devices(cfg.topology, visible_cuda_devices() if uses_cuda else 0, cfg.source)
     _check_model(cfg)
 
 
@@ -281,4 +308,4 @@ def check_run_dir(cfg: DFlashConfig, run_dir: Path, *, resume: bool, key: str = 
 
 
 def _fail(source: str, key: str, message: str) -> NoReturn:
-    raise ConfigError(f"{source}: {key}: {message}")
+    raise ConfigError.at(source, key, message)

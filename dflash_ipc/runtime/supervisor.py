@@ -2,7 +2,7 @@
 
 Run states (the supervisor's own state machine)::
 
-    validate config ─▶ prepare RUN_DIR (0700) ─▶ tokenize + plan once ─▶ STARTING
+    validate config ─▶ probe: check model/devices, tokenize + plan once ─▶ prepare RUN_DIR (0700) ─▶ STARTING
     STARTING: spawn children ─▶ handshake (run.handshake_timeout_s) ─▶ RUNNING (systemd READY=1)
     RUNNING:
       every drafter Done            ─▶ Shutdown targets ─▶ FINISHED, exit 0
@@ -61,9 +61,10 @@ from dflash_ipc.ops.status_server import serve_status_requests
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.launch import child_argv, key_pipe
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
+from dflash_ipc.runtime.probe import run_probe
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
 from dflash_ipc.runtime.restarts import GroupFailed, run_with_restarts
-from dflash_ipc.transport.shm import new_run_id, sweep_run_shm
+from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +150,20 @@ class Supervisor:
     # ------------------------------------------------------------------ prepare
 
     def prepare(self) -> None:
-        """Everything that can fail on bad input happens here, before any process starts."""
+        """Everything that can fail on bad input happens here, before any process starts.
+
+        The checks that need torch and transformers, tokenizing and planning run first, in the
+        probe process (``runtime.probe``): a refused config leaves the run directory uncreated."""
         run_dir = self.run_dir
+        if not self.resume and (self.node.checkpoint_root(run_dir) / "latest").exists():
+            raise GroupFailed(
+                f"{self.node.shared_root(run_dir)} already holds checkpoints; pass --resume to continue that run, or use another --run-dir"
+            )
+        n_shards = self.node.nnodes * len(self.cfg.topology.targets)  # every target of every node: one global shard each
+        plan = run_probe(self.cfg, run_dir, n_shards)
+        self.echo(
+            f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)"
+        )
         channels.make_private_dir(run_dir)
         for sub in ("logs", "checkpoints", "data"):
             channels.make_private_dir(run_dir / sub)
@@ -167,39 +180,13 @@ class Supervisor:
             swept = sweep_run_shm(old_id)
             if swept:
                 self.echo(f"[up] swept {len(swept)} leftover shared-memory segment(s) of the previous run")
-        if not self.resume and (self.node.checkpoint_root(run_dir) / "latest").exists():
-            raise GroupFailed(
-                f"{self.node.shared_root(run_dir)} already holds checkpoints; pass --resume to continue that run, or use another --run-dir"
-            )
         if not self.resume and (run_dir / "metrics.jsonl").exists():
             (run_dir / "metrics.jsonl").unlink()
         self.run_id = new_run_id()
         (run_dir / "run_id").write_text(self.run_id + "\n")
         write_resolved_config(self.cfg, run_dir)
-        self.plan = self._tokenize_and_plan()
+        self.plan = plan.plan_json()
         (run_dir / "plan.json").write_text(json.dumps(self.plan, indent=2))
-
-    def _tokenize_and_plan(self) -> dict:
-        from dflash_ipc.data.corpus import load_corpus
-        from dflash_ipc.data.plan import plan_epoch
-        from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
-
-        t0 = time.perf_counter()
-        cfg = self.cfg
-        tok = load_tokenizer(cfg.target.tokenizer)
-        check_target_tokenizer(cfg.target, tok)
-        data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else self.run_dir / "data"
-        corpus = load_corpus(cfg.data, tok, data_dir)
-        n_shards = self.node.nnodes * len(cfg.topology.targets)  # every target of every node: one global shard each
-        per_shard = [
-            sum(len(plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, e, n_shards, s)) for e in range(cfg.data.num_epochs))
-            for s in range(n_shards)
-        ]
-        self.echo(
-            f"[up] data: {corpus.report.summary()} ({time.perf_counter() - t0:.1f} s);"
-            f" plan: {sum(per_shard)} batches over {n_shards} target shard(s)"
-        )
-        return {"n_batches_total": sum(per_shard), "n_batches_per_shard": per_shard, "samples": corpus.num_samples}
 
     # ------------------------------------------------------------------ run
 

@@ -17,12 +17,8 @@ from dflash_ipc.transport.ring import (
     describe,
     layout_from_descriptor,
 )
-from dflash_ipc.transport.shm import (
-    create_shm_tensor,
-    open_shm_tensor,
-    shm_name,
-    unlink_shm,
-)
+from dflash_ipc.transport.shm import create_shm_tensor, open_shm_tensor, unlink_shm
+from dflash_ipc.transport.shm_names import shm_name
 from dflash_ipc.transport.slots import SlotLayout
 
 

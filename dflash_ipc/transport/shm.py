@@ -1,45 +1,17 @@
-"""POSIX shared-memory segments of the rings: names per run, creation, mapping, sweeping.
+"""POSIX shared-memory segments of the rings: creation, mapping, unlinking.
 
 Every segment is a private (0600) file ``/dev/shm/dflash-ipc-<run_id>-target<rank>`` mapped
-MAP_SHARED as a torch uint8 tensor. The run id keeps concurrent runs apart; a producer killed
-with SIGKILL leaves its segment behind, and the supervisor's sweep of its run removes it.
+MAP_SHARED as a torch uint8 tensor. Its name, and the sweep of a run's leftovers, live in
+:mod:`dflash_ipc.transport.shm_names` (no torch: the supervisor imports them).
 """
 
 from __future__ import annotations
 
-import glob
 import os
-import secrets
-from pathlib import Path
 
 import torch
 
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "dflash-ipc"
-
-
-def new_run_id() -> str:
-    return secrets.token_hex(4)
-
-
-def shm_name(run_id: str, producer_rank: int) -> str:
-    return f"{SHM_PREFIX}-{run_id}-target{producer_rank}"
-
-
-def sweep_run_shm(run_id: str) -> list[str]:
-    """Unlink every shared-memory segment of one run (leftovers of a killed producer)."""
-    removed = []
-    for path in glob.glob(str(SHM_DIR / f"{SHM_PREFIX}-{run_id}-*")):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def list_run_shm(run_id: str) -> list[str]:
-    return sorted(glob.glob(str(SHM_DIR / f"{SHM_PREFIX}-{run_id}-*")))
+from dflash_ipc.transport.shm_names import SHM_DIR, SHM_PREFIX
 
 
 class SharedMemoryFullError(RuntimeError):

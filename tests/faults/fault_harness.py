@@ -24,7 +24,7 @@ from conftest import tiny_cpu_config, write_toml
 
 from dflash_ipc.control import channels, protocol
 from dflash_ipc.control.protocol import Dead, EndOfData, Hello, Load, Ready, SlotFree, SlotReady
-from dflash_ipc.transport.shm import list_run_shm
+from dflash_ipc.transport.shm_names import list_run_shm
 
 CLI = [sys.executable, "-m", "dflash_ipc.cli"]
 RUN_TIMEOUT_S = 300  # safety net per `up`, never expected to be reached

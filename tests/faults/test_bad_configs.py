@@ -269,28 +269,35 @@ def test_non_utf8_config_is_a_clear_error(tmp_path):
 # --------------------------------------------------------------------------- the real CLI
 
 
-def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], check=False, capture_output=True, text=True, timeout=120, cwd=cwd)
+def cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], check=False, capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
 
 
-def run_up(config: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    return cli("up", "--config", str(config), "--run-dir", str(run_dir), *extra, cwd=config.parent)
+def run_up(config: Path, run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return cli("up", "--config", str(config), "--run-dir", str(run_dir), *extra, cwd=config.parent, env=env)
 
 
-# Two refused by the file alone (fast), three by the checks against the machine and the model
-# (each loads torch and transformers: seconds on a busy machine; the rest run in-process above).
-CLI_CASES = [c for c in CASES if c.name in {"run-name-dotdot", "handshake-inf", "spec-typo", "device-absent", "model-path-no-config"}]
+# Two refused by the file alone (fast), three by the checks against the machine and the model.
+# Those need torch and transformers, which the supervisor never imports: they are refused by its
+# probe process (runtime.probe), each loading torch there (seconds on a busy machine; the rest
+# run in-process above). The garbage config.json is parsed by transformers in the probe.
+CLI_CASES = [c for c in CASES if c.name in {"run-name-dotdot", "handshake-inf", "spec-typo", "device-absent", "model-path-bad-config-json"}]
+PROBE_CASES = {"spec-typo", "device-absent", "model-path-bad-config-json"}
 
 
 @pytest.mark.parametrize("case", CLI_CASES, ids=lambda c: c.name)
 def test_cli_up_refuses_before_spawn(tmp_path, case):
     path = case_config(tmp_path, case)
     run_dir = tmp_path / "run"
-    proc = run_up(path, run_dir)
+    proc = run_up(path, run_dir, env={**os.environ, "DFLASH_IPC_DEBUG_IMPORTS": "1"})
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith(f"error: {path}: {case.key}: "), proc.stderr
+    # after any warning about the file (model-path-*: target.spec is ignored), before the debug line
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {path}: {case.key}: "), proc.stderr
     assert case.fragment in proc.stderr and "Traceback" not in proc.stderr
     assert not run_dir.exists()  # the supervisor creates it before anything else: nothing was spawned
+    if case.name in PROBE_CASES:  # refused by the probe: the supervisor itself never loaded torch
+        assert "imported: neither torch nor transformers" in proc.stderr, proc.stderr
 
 
 def test_cli_up_run_name_dotdot_leaves_working_dir_alone(tmp_path):

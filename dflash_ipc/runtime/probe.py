@@ -1,0 +1,214 @@
+"""What ``up`` needs torch and transformers for, in a short-lived process of its own.
+
+The supervisor never imports torch or transformers (with them its host memory is ~1.5 GB on a
+CUDA host, without them ~50 MB). What needs them runs once per ``Supervisor.prepare``, in
+``python -m dflash_ipc.runtime.probe``: the checks of :func:`preflight.check_machine` (the CUDA
+devices visible here, the target's Hugging Face config, the tokenizer against its vocabulary,
+the drafter against the target), then tokenizing the corpus into the run's data cache (the
+targets load it from there) and planning the epochs. The probe prints one JSON line, a
+:class:`ProbeResult`, and exits::
+
+    supervisor ── resolved config (a private temp file), run dir, shards ──▶ probe
+    probe: check_machine ─ refused ─▶ ProbeResult(error=ProbeError(kind, message, file, key))
+             │                         supervisor: the same ConfigError / ValueError / OSError
+             │                         as in-process (``up`` exits 2); nothing was created
+             └─ passed ─▶ run dir + data/ (0700) ─▶ tokenize ─▶ plan ─▶ ProbeResult(plan=DataPlan)
+    crashed, or no answer within ``timeout_s`` ─▶ ProbeFailed: what happened + its stderr tail
+
+A process that has already imported torch (a test, a program embedding the supervisor) runs the
+same :func:`check_and_plan` in-process: there is no memory to save there, and importing torch
+again in a subprocess would only cost seconds of CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from dflash_ipc.config import ConfigError, DFlashConfig, read_resolved_config, write_resolved_config
+from dflash_ipc.control import channels
+from dflash_ipc.control.protocol import ProtocolError, Struct, from_wire, to_wire
+from dflash_ipc.runtime import liveness
+from dflash_ipc.runtime.preflight import check_machine, torch_loaded
+
+# Tokenizing a large corpus takes minutes; a probe stuck (in CUDA initialisation, say) is still ended.
+PROBE_TIMEOUT_S = 3600.0
+ERROR_KINDS = ("config", "value", "os")
+
+
+@dataclass(frozen=True)
+class ProbeError(Struct):
+    """A refusal: ``kind`` "config" (``file`` and ``key`` set when the check named them), "value"
+    (bad data or tokenizer) or "os"; ``message`` is what to change."""
+
+    kind: str
+    message: str
+    file: str | None = None
+    key: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in ERROR_KINDS:
+            raise ValueError(f"kind must be one of {ERROR_KINDS} (got {self.kind!r})")
+
+    @classmethod
+    def of(cls, e: ConfigError | ValueError | OSError) -> ProbeError:
+        if isinstance(e, ConfigError):
+            if e.key is not None:
+                return cls("config", e.detail or "", e.source, e.key)
+            return cls("config", str(e))
+        return cls("value" if isinstance(e, ValueError) else "os", str(e))
+
+    def exception(self) -> ConfigError | ValueError | OSError:
+        """The error the same check raises in-process (same type, same text)."""
+        if self.kind == "config" and self.file is not None and self.key is not None:
+            return ConfigError.at(self.file, self.key, self.message)
+        if self.kind == "config":
+            return ConfigError(self.message)
+        return ValueError(self.message) if self.kind == "value" else OSError(self.message)
+
+
+@dataclass(frozen=True)
+class DataPlan(Struct):
+    """The corpus as tokenized (``summary``: its report) and the batches of every target shard over all epochs."""
+
+    n_batches_total: int
+    n_batches_per_shard: list[int]
+    samples: int
+    summary: str
+    seconds: float
+
+    NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset({"n_batches_total", "samples", "seconds"})
+
+    def plan_json(self) -> dict:
+        """``plan.json`` of the run directory."""
+        return {"n_batches_total": self.n_batches_total, "n_batches_per_shard": self.n_batches_per_shard, "samples": self.samples}
+
+
+@dataclass(frozen=True)
+class ProbeResult(Struct):
+    """The probe's one line: a plan (None when only checks were asked for), or the refusal."""
+
+    plan: DataPlan | None = None
+    error: ProbeError | None = None
+
+    def __post_init__(self):
+        if self.plan is not None and self.error is not None:
+            raise ValueError("a probe result holds a plan or an error, not both")
+
+
+class ProbeFailed(RuntimeError):
+    """The probe process crashed, or gave no answer in time: not a refusal of the config."""
+
+
+# --------------------------------------------------------------------------- the work (either process)
+
+
+def check_and_plan(cfg: DFlashConfig, run_dir: Path | None, n_shards: int) -> DataPlan | None:
+    """The checks; then, given a run dir, make it and its data/ private and plan the data into it."""
+    check_machine(cfg)
+    if run_dir is None:
+        return None
+    channels.make_private_dir(run_dir)
+    channels.make_private_dir(run_dir / "data")
+    return plan_data(cfg, run_dir, n_shards)
+
+
+def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
+    from dflash_ipc.data.corpus import load_corpus
+    from dflash_ipc.data.plan import plan_epoch
+    from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
+
+    t0 = time.perf_counter()
+    tok = load_tokenizer(cfg.target.tokenizer)
+    check_target_tokenizer(cfg.target, tok)
+    data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data"
+    corpus = load_corpus(cfg.data, tok, data_dir)
+    per_shard = [
+        sum(len(plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, e, n_shards, s)) for e in range(cfg.data.num_epochs))
+        for s in range(n_shards)
+    ]
+    return DataPlan(sum(per_shard), per_shard, corpus.num_samples, corpus.report.summary(), time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- the supervisor's side
+
+
+def run_probe(
+    cfg: DFlashConfig,
+    run_dir: Path | None = None,
+    n_shards: int = 0,
+    *,
+    isolate: bool | None = None,
+    timeout_s: float = PROBE_TIMEOUT_S,
+) -> DataPlan | None:
+    """:func:`check_and_plan`, in a probe process unless this one has imported torch (``isolate``
+    None) or ``isolate`` says. A refusal raises what the check raises in-process."""
+    if isolate is None:
+        isolate = not torch_loaded()
+    if not isolate:
+        return check_and_plan(cfg, run_dir, n_shards)
+    with tempfile.TemporaryDirectory(prefix="dflash-ipc-probe-") as tmp:  # 0700
+        argv = [sys.executable, "-m", "dflash_ipc.runtime.probe", "--config", str(write_resolved_config(cfg, Path(tmp)))]
+        if run_dir is not None:
+            argv += ["--run-dir", str(run_dir), "--shards", str(n_shards)]
+        result = run_isolated(argv, timeout_s)
+    if result.error is not None:
+        raise result.error.exception()
+    return result.plan
+
+
+def run_isolated(argv: list[str], timeout_s: float) -> ProbeResult:
+    """Run one probe process; its last stdout line is the answer, its stderr (log lines) is passed on."""
+    what = f"the config probe (python -m dflash_ipc.runtime.probe, {timeout_s:g} s limit)"
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:  # subprocess.run has killed it
+        raise ProbeFailed(f"{what} gave no answer within {timeout_s:g} s and was killed{_tail(e.stderr)}") from None
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise ProbeFailed(f"{what} ended ({liveness.describe_exit(proc.returncode)}) without an answer{_tail(proc.stderr)}")
+    try:
+        result = from_wire(ProbeResult, json.loads(lines[-1]))
+    except (ValueError, ProtocolError) as e:
+        raise ProbeFailed(f"{what} answered {lines[-1]!r:.200} ({e}){_tail(proc.stderr)}") from None
+    if proc.stderr:
+        sys.stderr.write(proc.stderr)
+    return result
+
+
+def _tail(stderr: str | bytes | None, n: int = 20) -> str:
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    lines = (stderr or "").rstrip().splitlines()[-n:]
+    return "; last lines of its stderr:\n" + "\n".join(f"    {x}" for x in lines) if lines else "; it wrote nothing to stderr"
+
+
+# --------------------------------------------------------------------------- the probe process
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_ipc.runtime.probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, type=Path, help="a resolved config (config.json as write_resolved_config writes it)")
+    parser.add_argument("--run-dir", type=Path, default=None, help="plan the data into this run directory (default: only check)")
+    parser.add_argument("--shards", type=int, default=0, help="target shards of the whole run (every target of every node)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # as `dflash-ipc up` logs
+    cfg = read_resolved_config(args.config)
+    try:
+        result = ProbeResult(plan=check_and_plan(cfg, args.run_dir, args.shards))
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
+        result = ProbeResult(error=ProbeError.of(e))
+    print(json.dumps(to_wire(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
