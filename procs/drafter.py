@@ -28,6 +28,7 @@ from dflash_ipc.control.protocol import Done, Heartbeat, Hello, RejectCounter
 from dflash_ipc.control.stats import ChildInfo, DrafterStats, DrafterSummary, Vitals
 from dflash_ipc.drafter.core import DrafterCore
 from dflash_ipc.drafter.distributed import destroy_distributed, init_distributed
+from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.child import ChildContext, Placement, run_child
 from dflash_ipc.transport.dataplane import ConsumerDataPlane
 from dflash_ipc.transport.factory import open_consumer_ring
@@ -73,9 +74,14 @@ def drafter_main(child: ChildContext) -> int:
     total_steps = cfg.training.max_steps or max(1, -(-plan["n_batches_total"] // world.world_size))
     core = DrafterCore(cfg, run_dir, world, device, total_steps, child.args.resume)
     child.closing.callback(core.close)
-    log.info("drafter %d/%d on %s: %.2fM trainable params, step %d", rank, world.world_size, device, core.n_params / 1e6, core.step)
+    log.info(
+        "drafter %d/%d on %s: %.2fM trainable params, step %d; %s",
+        rank, world.world_size, device, core.n_params / 1e6, core.step, liveness.host_memory_text(proc),
+    )  # fmt: skip
     if cfg.drafter.warm_up:  # before Hello: overlaps the targets' model load, and no target waits on our first step
-        log.info("warm-up: one forward+backward on a dummy %d-token batch took %.1f s", cfg.data.token_budget, core.warm_up())
+        took = core.warm_up()
+        memory = liveness.host_memory_text(proc)
+        log.info("warm-up: one forward+backward on a dummy %d-token batch took %.1f s; %s", cfg.data.token_budget, took, memory)
     hello = Hello(
         role="drafter",
         rank=rank,
@@ -152,7 +158,8 @@ def drafter_main(child: ChildContext) -> int:
             socks.send_to_supervisor(Heartbeat(role="drafter", rank=rank, drafter=stats))
     if max_steps and core.step >= max_steps:
         finish_reason = f"max_steps {max_steps}"
-    log.info("finishing at step %d: %s; batches received per target: %s", core.step, finish_reason, plane.slots_done)
+    memory = liveness.host_memory_text(proc)
+    log.info("finishing at step %d: %s; batches received per target: %s; %s", core.step, finish_reason, plane.slots_done, memory)
     # Collective: every rank takes the same branch (stopped_on_request was agreed).
     ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopped_on_request) else None
     export = core.export() if cfg.training.export_on_finish else None

@@ -23,6 +23,7 @@ from dflash_ipc.config import load_resolved_config
 from dflash_ipc.control import channels, handshake
 from dflash_ipc.control.protocol import Done, Heartbeat, Hello
 from dflash_ipc.control.stats import ChildInfo, FastPath, ProducerPlaneStats, TargetStats, TargetWork, Vitals
+from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.child import ChildContext, Placement, run_child
 from dflash_ipc.target.core import TargetCore, read_ledger
 from dflash_ipc.transport.dataplane import ProducerDataPlane
@@ -86,7 +87,10 @@ def target_main(child: ChildContext) -> int:
             type(core.model.stack).__name__,
             cfg.target.attn_implementation,
         )
-    log.info("target %d: forward %s (%s)", rank, "packed (varlen)" if core.model.varlen else "padded", core.model.varlen_reason)
+    log.info(
+        "target %d: forward %s (%s); %s",
+        rank, "packed (varlen)" if core.model.varlen else "padded", core.model.varlen_reason, liveness.host_memory_text(proc),
+    )  # fmt: skip
     log.info("data: %s", core.corpus.report.summary())
     backend = resolve_backend(cfg, rank, log)
     ring = create_producer_ring(
@@ -182,7 +186,7 @@ def target_main(child: ChildContext) -> int:
         if captured is None and not waited:
             # Nothing to forward: waiting for packs, for credit to route, or for Shutdown.
             poller.poll(100 if end_sent else 2)
-    log.info("stopping: %s; slots routed per drafter: %s", stop.reason, plane.router.routed_total)
+    log.info("stopping: %s; slots routed per drafter: %s; %s", stop.reason, plane.router.routed_total, liveness.host_memory_text(proc))
     _log_pack_overlap(log, core.stats(final=True))
     return 0
 

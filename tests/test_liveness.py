@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -88,3 +89,18 @@ def test_a_dead_report_is_blamed_on_the_peer_that_exits_just_after_it(procs):
     assert exit_behind_report([reporter, victim], reporter, grace_s=30.0) is victim
     alone = Child("drafter", 1, "cpu", popen=procs(None))
     assert exit_behind_report([reporter, alone], reporter, grace_s=0.2) is None
+
+
+def test_host_memory_text_reports_the_high_water_mark_of_a_freed_peak():
+    """A real process touches 512 MiB, frees it, then reports: the peak keeps it, "now" does not."""
+    code = (
+        "import re, psutil\n"
+        "from dflash_ipc.runtime.liveness import host_memory_text\n"
+        "block = bytearray(512 * 2**20)\n"
+        "block[::4096] = b'x' * len(block[::4096])\n"
+        "del block\n"
+        "print(host_memory_text(psutil.Process()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
+    now, peak = (float(x) for x in re.fullmatch(r"host RSS ([\d.]+) GiB \(peak so far ([\d.]+) GiB\)\n", out).groups())
+    assert peak >= now + 0.45, out

@@ -3,6 +3,7 @@ stopped, which child to blame when heartbeats stop, and its line in the status s
 
 from __future__ import annotations
 
+import resource
 import signal
 import subprocess
 import time
@@ -13,6 +14,13 @@ import psutil
 
 from dflash_ipc.control.stats import DrafterStats, TargetStats
 from dflash_ipc.control.status import ProcessStatus, SlotCounts
+
+
+def host_memory_text(proc: psutil.Process) -> str:
+    """This process's host memory now and its high-water mark so far, for the phase lines of a
+    role's log: where a peak happened is then read from the log, not guessed."""
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return f"host RSS {proc.memory_info().rss / 2**30:.2f} GiB (peak so far {peak_kib / 2**20:.2f} GiB)"
 
 
 def describe_exit(code: int | None) -> str:

@@ -161,9 +161,7 @@ class Supervisor:
             )
         n_shards = self.node.nnodes * len(self.cfg.topology.targets)  # every target of every node: one global shard each
         plan = run_probe(self.cfg, run_dir, n_shards)
-        self.echo(
-            f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)"
-        )
+        self.echo(f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)")
         channels.make_private_dir(run_dir)
         for sub in ("logs", "checkpoints", "data"):
             channels.make_private_dir(run_dir / sub)
