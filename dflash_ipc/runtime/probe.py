@@ -28,7 +28,9 @@ import logging
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -166,28 +168,45 @@ def run_probe(
 
 
 def run_isolated(argv: list[str], timeout_s: float) -> ProbeResult:
-    """Run one probe process; its last stdout line is the answer, its stderr (log lines) is passed on."""
+    """Run one probe process; its last stdout line is the answer. Its stderr (log lines: tokenizing a
+    large corpus takes minutes) is passed on as it comes, and its tail kept for a failure's message."""
     what = f"the config probe (python -m dflash_ipc.runtime.probe, {timeout_s:g} s limit)"
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as e:  # subprocess.run has killed it
-        raise ProbeFailed(f"{what} gave no answer within {timeout_s:g} s and was killed{_tail(e.stderr)}") from None
-    lines = proc.stdout.strip().splitlines()
+    tail: deque[str] = deque(maxlen=20)
+    answer: list[str] = []
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True) as proc:
+        readers = [
+            threading.Thread(target=_relay, args=(proc.stderr, tail), name="probe-stderr", daemon=True),
+            threading.Thread(target=lambda: answer.extend(proc.stdout), name="probe-stdout", daemon=True),
+        ]
+        for r in readers:
+            r.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.kill()
+            proc.wait()
+        for r in readers:  # both pipes reach EOF once the process is gone
+            r.join(timeout=5)
+        if timed_out:
+            raise ProbeFailed(f"{what} gave no answer within {timeout_s:g} s and was killed{_tail(tail)}")
+    lines = "".join(answer).strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise ProbeFailed(f"{what} ended ({liveness.describe_exit(proc.returncode)}) without an answer{_tail(proc.stderr)}")
+        raise ProbeFailed(f"{what} ended ({liveness.describe_exit(proc.returncode)}) without an answer{_tail(tail)}")
     try:
-        result = from_wire(ProbeResult, json.loads(lines[-1]))
+        return from_wire(ProbeResult, json.loads(lines[-1]))
     except (ValueError, ProtocolError) as e:
-        raise ProbeFailed(f"{what} answered {lines[-1]!r:.200} ({e}){_tail(proc.stderr)}") from None
-    if proc.stderr:
-        sys.stderr.write(proc.stderr)
-    return result
+        raise ProbeFailed(f"{what} answered {lines[-1]!r:.200} ({e}){_tail(tail)}") from None
 
 
-def _tail(stderr: str | bytes | None, n: int = 20) -> str:
-    if isinstance(stderr, bytes):
-        stderr = stderr.decode(errors="replace")
-    lines = (stderr or "").rstrip().splitlines()[-n:]
+def _relay(stream, tail: deque[str]) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+        tail.append(line.rstrip("\n"))
+
+
+def _tail(lines: deque[str]) -> str:
     return "; last lines of its stderr:\n" + "\n".join(f"    {x}" for x in lines) if lines else "; it wrote nothing to stderr"
 
 
