@@ -8,7 +8,7 @@
 # Two warm calls (10 minutes of training in two parts): PHASE=first (convert, gen-data, train every run of
 # RUNS until the budget) then PHASE=second (`up --resume` each run, export-untrained, eval all); PHASE=all
 # (default) does everything in one call. RUNS="b8:8 b16:16" trains a block-8 and a block-16 drafter at
-# once (run i: target on GPU i%2, drafter on the other).
+# once (run i: target on GPU i%2, drafter on the other); "b8:8:dp2" trains one run with a drafter on each GPU.
 # Knobs (env): PHASE, RUNS, BUDGET_S, N_PROMPTS, HOLDOUT, GEN_BS, GEN_MAX_NEW, TRAIN_S, STEP_S, MAX_STEPS, EPOCHS,
 # EVAL_N, EVAL_MAX_NEW, EVAL_S_PER_PROMPT, EVAL_WORKERS (per GPU), SPEED_PROMPTS, HOLDOUT_EVERY, HOLDOUT_BATCHES,
 # EVAL_RESERVE_S (seconds kept for export-untrained + eval, 120), EXTRA (more section.key=JSON overrides for the training config),
@@ -137,15 +137,18 @@ TRAIN_T=$(( $(left) - RESERVE ))
 stage "train [$PHASE] (runs $RUNS; max_steps $MAX_STEPS, ~${TRAIN_S}s; $TRAIN_T s)"
 i=0
 for spec in "${RUN_LIST[@]}"; do
-  name=${spec%%:*}; block=${spec##*:}
-  td=${DEVS[$(( i % 2 ))]}; dd=${DEVS[$(( (i + 1) % 2 ))]}; i=$((i + 1))
+  IFS=: read -r name block dp <<< "$spec"
+  td=${DEVS[$(( i % 2 ))]}; dd="\"${DEVS[$(( (i + 1) % 2 ))]}\""; i=$((i + 1))
+  # "name:block:dp2": two data-parallel drafters, one on each device (the target shares the first):
+  # the drafter is the bound of a 135M target, so a second drafter doubles the samples per second
+  [ "${dp:-}" = dp2 ] && dd="\"$DEV0\", \"$DEV1\""
   RESUME=(--resume)
   if [ "$PHASE" != second ]; then
     RESUME=(); rm -rf "$W/$name"
     python3 tools/derive_config.py "$BASE" "$W/$name.toml" "${MODEL_OV[@]}" "data.paths=[\"$W/gen.jsonl\"]" "data.num_epochs=$EPOCHS" \
       "run.run_dir=\"$W/$name\"" "run.name=\"smollm2-$name\"" "training.max_steps=$MAX_STEPS" "drafter.block_size=$block" \
       "data.holdout_paths=[\"$W/gen.holdout.jsonl\"]" "training.holdout_every=$HOLDOUT_EVERY" "training.holdout_batches=$HOLDOUT_BATCHES" \
-      "topology.targets=[\"$td\"]" "topology.drafters=[\"$dd\"]" ${EXTRA:-} >> "$OUT/derive.log" || exit 1
+      "topology.targets=[\"$td\"]" "topology.drafters=[$dd]" ${EXTRA:-} >> "$OUT/derive.log" || exit 1
     cp "$W/$name.toml" "$OUT/"
   fi
   timeout -s INT -k 60 $TRAIN_T $DF up --config "$W/$name.toml" "${RESUME[@]}" > "$OUT/up-$name-$PHASE.log" 2>&1 &
