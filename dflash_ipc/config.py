@@ -362,10 +362,17 @@ class TrainingConfig:
     checkpoint_on_finish: bool = True
     holdout_every: int = 0  # ~every N steps a pass over data.holdout_paths measures tau_holdout (docs/EVAL.md); 0: off
     holdout_batches: int = 4  # batches per held-out pass; 0: all of them
+    # tau_holdout simulates eval's decode over the first N tokens of each held-out answer: set it to eval's --max-new; 0: whole answers
+    holdout_max_new: int = 0
 
     def __post_init__(self) -> None:
         for key in ("holdout_every", "holdout_batches"):
             _require(getattr(self, key) >= 0, key, "must be >= 0 (0: off / every held-out batch in a pass)")
+        _require(
+            self.holdout_max_new >= 0,
+            "holdout_max_new",
+            f"must be >= 0 (got {self.holdout_max_new}): set it to eval's --max-new, or 0 to simulate whole answers",
+        )
         _require(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
         _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")

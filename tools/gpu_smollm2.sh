@@ -121,8 +121,8 @@ k = min(len(m) // 2, 10)  # skip the first steps (compile, warm-up) when timing
 dt = m[-1]["elapsed_s"] - m[k]["elapsed_s"]
 rate = (m[-1]["step"] - m[k]["step"]) / dt if dt > 0 else float("nan")
 tail = m[-20:]
-held = [(r["holdout_step"], r["tau_holdout"], r["tau_holdout_blocks"]) for r in m if "tau_holdout" in r]
-print("tau_holdout (step, tau, blocks):", held)
+held = [(r["holdout_step"], r["tau_holdout"], r.get("tau_holdout_steps"), r.get("tau_holdout_uniform")) for r in m if "tau_holdout" in r]
+print("tau_holdout (step, simulated-decode tau, its verify steps, uniform-anchor tau):", held)
 per_epoch = plan.get("n_batches_total", 0) / epochs
 print(json.dumps({"train_steps": m[-1]["step"], "steps_per_s": round(rate, 2), "step_s": round(1 / rate, 4) if rate > 0 else None,
                   "train_elapsed_s": round(m[-1]["elapsed_s"], 1), "loss_last20": round(sum(r["loss"] for r in tail) / len(tail), 4),
@@ -148,7 +148,7 @@ for spec in "${RUN_LIST[@]}"; do
     python3 tools/derive_config.py "$BASE" "$W/$name.toml" "${MODEL_OV[@]}" "data.paths=[\"$W/gen.jsonl\"]" "data.num_epochs=$EPOCHS" \
       "run.run_dir=\"$W/$name\"" "run.name=\"smollm2-$name\"" "training.max_steps=$MAX_STEPS" "drafter.block_size=$block" \
       "data.holdout_paths=[\"$W/gen.holdout.jsonl\"]" "training.holdout_every=$HOLDOUT_EVERY" "training.holdout_batches=$HOLDOUT_BATCHES" \
-      "topology.targets=[\"$td\"]" "topology.drafters=[$dd]" ${EXTRA:-} >> "$OUT/derive.log" || exit 1
+      "training.holdout_max_new=$EVAL_MAX_NEW" "topology.targets=[\"$td\"]" "topology.drafters=[$dd]" ${EXTRA:-} >> "$OUT/derive.log" || exit 1
     cp "$W/$name.toml" "$OUT/"
   fi
   timeout -s INT -k 60 $TRAIN_T $DF up --config "$W/$name.toml" "${RESUME[@]}" > "$OUT/up-$name-$PHASE.log" 2>&1 &

@@ -133,8 +133,11 @@ class DrafterWork(Struct):
     train_elapsed_s: float | None  # training wall time up to the latest step
     gpu: GpuMemory | None
     warmup_s: float | None = None  # the handshake warm-up (first-step compile) on a dummy batch; None: not run
-    tau_holdout: float | None = None  # the last held-out pass's tau (eval's rule; training.holdout_every), drafter 0
-    tau_holdout_blocks: int = 0
+    # the last held-out pass (training.holdout_every), drafter 0: tau by eval's decode replayed on the held-out answers
+    tau_holdout: float | None = None
+    tau_holdout_blocks: int = 0  # blocks scored (one per valid anchor)
+    tau_holdout_steps: int = 0  # simulated verification steps behind tau_holdout
+    tau_holdout_uniform: float | None = None  # the earlier estimate: blocks at uniformly drawn anchors (overstates eval's tau)
     holdout_step: int | None = None  # the step whose weights that pass measured
 
 

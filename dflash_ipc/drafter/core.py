@@ -42,6 +42,7 @@ from dflash_ipc.drafter.checkpoint import (
 )
 from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.export import export_drafter
+from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
 from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, num_parameters
 from dflash_ipc.drafter.trainer import DrafterTrainer
@@ -61,6 +62,7 @@ TENSORBOARD_SCALARS = (
     ("tokens_per_s", "train/tokens_per_s"),
     ("lr", "train/lr"),
     ("tau_holdout", "holdout/tau"),
+    ("tau_holdout_uniform", "holdout/tau_uniform"),
     ("loss_holdout", "holdout/loss"),
 )
 
@@ -117,8 +119,8 @@ class DrafterCore:
         self.n_params = num_parameters(self.model)
         self.target_hidden_size = self.model.config.hidden_size  # equal to the target's (DrafterModelConfig.from_configs)
         self.warmup_s: float | None = None
-        # Held-out passes (training.holdout_every; drafter 0 only): per pass [accept_len_sum, blocks, ce_sum, weight_sum, batches]
-        self._holdout_sums: dict[int, list[float]] = {}
+        # Held-out passes (training.holdout_every; drafter 0 only): per pass (summed scores, batches in)
+        self._holdout_sums: dict[int, tuple[HoldoutScore, int]] = {}
         self._holdout_unlogged: dict = {}  # the last completed pass, for the next metrics record
         self.holdout_last: dict = {}
         if resume:
@@ -276,41 +278,48 @@ class DrafterCore:
         return rec
 
     # -- held-out passes
-    @torch.no_grad()
     def evaluate_holdout(self, views: SlotViews, batch_id: list, pass_batches: int) -> dict | None:
-        """tau by eval's rule on a held-out batch: no gradient, no optimizer step, no ledger, no collective.
+        """Held-out τ of a batch by simulated decoding (drafter/holdout.py): no gradient, no optimizer
+        step, no ledger, no collective, noise off, the training RNG stream untouched.
 
-        Noise off; anchors as in training (uniform over supervised positions, ``drafter.num_anchors``
-        per document), drawn from a generator seeded by the batch's index, so every pass scores the
-        same blocks and the training RNG stream is untouched. Returns the pass's record once its
-        ``pass_batches``-th batch is in (logged with the next step's metrics), else None.
+        ``tau_holdout``: eval's decode replayed on the answers (blocks at every position, chained from
+        the first answer token, ``training.holdout_max_new`` answer tokens); ``tau_holdout_uniform``:
+        the earlier estimate, blocks at uniformly drawn anchors (the same blocks every pass). Returns
+        the pass's record once its ``pass_batches``-th batch is in (logged with the next step's
+        metrics), else None.
         """
         pass_id, _, index = batch_id
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(self.cfg.run.seed * 1_000_003 + 7919 + index)
-        drafter_cfg = dataclasses.replace(self.cfg.drafter, noise_std=0.0)
-        out = compute_loss(self.model, views, drafter_cfg, self.cfg.training, generator)
-        sums = self._holdout_sums.setdefault(pass_id, [0.0] * 5)
-        got = torch.stack([out.accept_len_sum, out.accept_blocks, out.ce_sum, out.weight_sum]).double().tolist()
-        for j, v in enumerate(got + [1.0]):
-            sums[j] += v
-        if sums[4] < pass_batches:
+        t = self.cfg.training
+        got = score_holdout_batch(self.model, views, self.cfg.drafter, t, self.cfg.run.seed * 1_000_003 + 7919 + index, t.holdout_max_new)
+        prev, batches = self._holdout_sums.get(pass_id, (None, 0))
+        if prev is not None:
+            got = HoldoutScore(*(a + b for a, b in zip(dataclasses.astuple(prev), dataclasses.astuple(got))))
+        if batches + 1 < pass_batches:
+            self._holdout_sums[pass_id] = (got, batches + 1)
             return None
-        del self._holdout_sums[pass_id]
+        self._holdout_sums.pop(pass_id, None)
         rec = {
-            "tau_holdout": round(sums[0] / sums[1], 4) if sums[1] > 0 else None,
-            "tau_holdout_blocks": int(sums[1]),
-            "loss_holdout": round(sums[2] / sums[3], 4) if sums[3] > 0 else None,
+            "tau_holdout": round(got.tokens / got.steps, 4) if got.steps > 0 else None,
+            "tau_holdout_steps": got.steps,
+            "tau_holdout_answers": got.answers,
+            "tau_holdout_blocks": got.blocks,
+            "tau_holdout_uniform": round(got.uniform_accept_sum / got.uniform_blocks, 4) if got.uniform_blocks > 0 else None,
+            "tau_holdout_uniform_blocks": got.uniform_blocks,
+            "loss_holdout": round(got.ce_sum / got.weight_sum, 4) if got.weight_sum > 0 else None,
+            "holdout_max_new": t.holdout_max_new,
             "holdout_pass": pass_id,
             "holdout_step": self.step,  # the weights it was measured on: after this many optimizer steps
         }
         self.holdout_last = self._holdout_unlogged = rec
         log.info(
-            "held-out pass %d at step %d: tau %s over %d blocks, loss %s",
+            "held-out pass %d at step %d: tau %s (simulated decode: %d answers, %d steps; max_new %d), uniform-anchor tau %s, loss %s",
             pass_id,
             self.step,
             rec["tau_holdout"],
-            rec["tau_holdout_blocks"],
+            got.answers,
+            got.steps,
+            t.holdout_max_new,
+            rec["tau_holdout_uniform"],
             rec["loss_holdout"],
         )
         return rec
@@ -393,5 +402,7 @@ class DrafterCore:
             warmup_s=self.warmup_s,
             tau_holdout=self.holdout_last.get("tau_holdout"),
             tau_holdout_blocks=self.holdout_last.get("tau_holdout_blocks", 0),
+            tau_holdout_steps=self.holdout_last.get("tau_holdout_steps", 0),
+            tau_holdout_uniform=self.holdout_last.get("tau_holdout_uniform"),
             holdout_step=self.holdout_last.get("holdout_step"),
         )

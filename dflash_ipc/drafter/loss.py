@@ -179,6 +179,8 @@ class LossOutput:
     # draft prefix, and the number of blocks counted; their ratio is tau as `dflash-ipc eval` counts it.
     accept_len_sum: torch.Tensor | None = None  # float32 scalar
     accept_blocks: torch.Tensor | None = None  # float32 scalar
+    # per_block=True: every block's eval-rule acceptance length (1 + accepted drafts), [num_blocks] int64, in anchor order
+    block_accept: torch.Tensor | None = None
 
 
 def _empty_output(model: DFlashDrafter, bs: int, dev: torch.device) -> LossOutput:
@@ -197,6 +199,7 @@ def _empty_output(model: DFlashDrafter, bs: int, dev: torch.device) -> LossOutpu
         kl_sum=torch.zeros((), device=dev),
         accept_len_sum=torch.zeros((), dtype=torch.float32, device=dev),
         accept_blocks=torch.zeros((), dtype=torch.float32, device=dev),
+        block_accept=torch.zeros(0, dtype=torch.int64, device=dev),
     )
 
 
@@ -207,6 +210,9 @@ def compute_loss(
     training_cfg: TrainingConfig,
     generator: torch.Generator | None = None,
     accumulate: Callable[[torch.Tensor], None] | None = None,
+    *,
+    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    per_block: bool = False,
 ) -> LossOutput:
     """One DFlash training forward on a packed batch (module docstring has the semantics).
 
@@ -220,6 +226,10 @@ def compute_loss(
     before the next is built, so one chunk's activations live at a time; the returned
     ``loss_sum`` is the last chunk's, for ``DrafterTrainer.step``. Without ``accumulate`` the
     chunks' loss sums are added (graphs kept: the same numbers, no memory saving).
+
+    ``anchors``: ``(positions, document index)``, ascending, instead of sampled ones (held-out passes
+    anchor at every valid position; the generator is then only used for noise). ``per_block``: also
+    return each block's eval-rule acceptance length (``LossOutput.block_accept``).
     """
     mcfg = model.config
     bs = mcfg.block_size
@@ -241,9 +251,12 @@ def compute_loss(
     seq_lens = views.seq_lens
 
     doc = document_index(seq_lens, n)
-    anchors, anchor_doc = sample_anchors(
-        loss_mask, seq_lens, drafter_cfg.num_anchors, bs, generator, doc=doc, max_per_batch=drafter_cfg.max_anchors_per_batch
-    )
+    if anchors is None:
+        anchors, anchor_doc = sample_anchors(
+            loss_mask, seq_lens, drafter_cfg.num_anchors, bs, generator, doc=doc, max_per_batch=drafter_cfg.max_anchors_per_batch
+        )
+    else:
+        anchors, anchor_doc = anchors[0].to(torch.int64), anchors[1].to(torch.int64)
     if anchors.numel() == 0:
         return _empty_output(model, bs, dev)
     lab = block_labels(token_ids, loss_mask, anchors, doc.doc_end[anchor_doc], bs, training_cfg.loss_gamma)
@@ -260,6 +273,7 @@ def compute_loss(
     accept_blocks = torch.zeros((), dtype=torch.float32, device=dev)
     kl_sum = torch.zeros((), dtype=torch.float32, device=dev)
     kept: list[torch.Tensor] = []
+    block_accept: list[torch.Tensor] = []
     num_queries = 0
     for s in range(0, n_anchors, chunk):
         e = min(n_anchors, s + chunk)
@@ -287,7 +301,10 @@ def compute_loss(
         hit = torch.zeros(part.valid.numel(), dtype=torch.bool, device=dev)
         hit[rows] = res.pred == labels
         counted = part.valid[:, 1]  # blocks whose first draft slot has a label (every sampled anchor's)
-        accept_len_sum += (block_acceptance_lengths(hit.view_as(part.valid), part.valid) * counted).sum().to(torch.float32)
+        lengths = block_acceptance_lengths(hit.view_as(part.valid), part.valid)
+        accept_len_sum += (lengths * counted).sum().to(torch.float32)
+        if per_block:
+            block_accept.append(lengths)
         accept_blocks += counted.sum().to(torch.float32)
         ce_sum += res.ce_sum
         kl_sum += res.kl_sum
@@ -308,6 +325,7 @@ def compute_loss(
         kl_sum=kl_sum,
         accept_len_sum=accept_len_sum,
         accept_blocks=accept_blocks,
+        block_accept=torch.cat(block_accept) if per_block else None,
     )
 
 
