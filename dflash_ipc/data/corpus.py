@@ -17,6 +17,16 @@ string is cut at the assistant spans and each piece is tokenized on its own, so 
 straddles a supervised boundary (this is also how the target sees a reply at inference:
 generated after the prompt's ``<|im_start|>assistant\\n``).
 
+A chat whose final assistant turn carries ``token_ids`` (gen-data's answers,
+:data:`~dflash_ipc.data.records.ANSWER_IDS_FIELD`) uses them verbatim: the generation prompt the
+target answered (the chat template with ``add_generation_prompt``, tokenized as gen-data and eval
+tokenize it), the ids (supervised), then what the template writes after an assistant content: the
+end token supervised (as above), the rest not. Ids outside the tokenizer's vocabulary, or a
+``tokenizer_vocab`` stamp of another vocabulary, make the line bad. A record with
+``"finish": "length"`` (an answer cut at gen-data's ``--max-new``) ends at the cut, ids or text:
+no end token is appended, since the target never produced one, and a supervised one would teach
+the drafter to end turns where the target does not.
+
 Sequences are truncated to ``data.max_seq_len``; sequences without two consecutive
 supervised tokens are dropped (counted in the report). A record's text is cut to
 ``data.max_seq_len * MAX_CHARS_PER_TOKEN`` characters *before* it is tokenized, so a huge line
@@ -48,12 +58,12 @@ from dflash_ipc.config import DataConfig
 from dflash_ipc.data.builtin_corpus import BUILTIN_STDLIB_DOCS, builtin_conversations
 from dflash_ipc.data.errors import DataError
 from dflash_ipc.data.readers import is_table_source, iter_table_records
-from dflash_ipc.data.records import BadRecord, parse_record
-from dflash_ipc.data.tokenizer import IM_END, tokenizer_identity
+from dflash_ipc.data.records import ANSWER_IDS_FIELD, VOCAB_FIELD, BadRecord, answer_token_ids, parse_record
+from dflash_ipc.data.tokenizer import IM_END, tokenizer_identity, vocab_identity
 
 log = logging.getLogger("dflash_ipc.data.corpus")
 
-CACHE_FORMAT = 2  # 2: records cut to max_seq_len * MAX_CHARS_PER_TOKEN characters before tokenizing
+CACHE_FORMAT = 3  # 2: records cut to max_seq_len * MAX_CHARS_PER_TOKEN characters before tokenizing; 3: stored answer ids, finish "length"
 MAX_REPORTED_BAD_LINES = 1000
 _CHUNK = 256  # records tokenized per batched tokenizer call
 _CHUNK_CHARS = 1 << 20  # ... or fewer, once their text reaches this many characters (tokenizing costs ~200 B/char)
@@ -143,8 +153,13 @@ def _turn_end_token(tokenizer) -> str | None:
     return tokenizer.eos_token
 
 
-def _chat_segments(messages: list[dict], tokenizer, end_token: str | None) -> list[tuple[str, bool]]:
-    """Cut the rendered chat into ``(text, supervised)`` pieces."""
+# A piece of a sample: text to tokenize, or token ids taken as they are; and whether it is supervised.
+Piece = tuple[str | list[int], bool]
+
+
+def _chat_segments(messages: list[dict], tokenizer, end_token: str | None, cut_at_end: bool = False) -> list[Piece]:
+    """Cut the rendered chat into ``(text, supervised)`` pieces; ``cut_at_end``: the final assistant
+    turn was cut short, so the sample ends with its content (no end token, nothing after it)."""
     try:
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     except Exception as e:  # noqa: BLE001 - jinja errors of arbitrary templates
@@ -154,20 +169,61 @@ def _chat_segments(messages: list[dict], tokenizer, end_token: str | None) -> li
     spans = _spans_by_placeholders(messages, tokenizer, rendered)
     if spans is None:
         spans = _spans_by_search(messages, tokenizer, rendered)
-    pieces: list[tuple[str, bool]] = []
+    pieces: list[Piece] = []
     pos = 0
-    for a, b in spans:
+    cut = cut_at_end and messages[-1]["role"] == "assistant" and bool(spans)
+    for n, (a, b) in enumerate(spans):
         if b <= a:
             continue
-        if end_token and rendered.startswith(end_token, b):
+        last = cut and n == len(spans) - 1
+        if end_token and rendered.startswith(end_token, b) and not last:
             b += len(end_token)
         if a > pos:
             pieces.append((rendered[pos:a], False))
         pieces.append((rendered[a:b], True))
         pos = b
+        if last:
+            return pieces
     if pos < len(rendered):
         pieces.append((rendered[pos:], False))
     return pieces
+
+
+def _answer_ids_pieces(messages: list[dict], ids: list[int], tokenizer, end_token: str | None, cut_at_end: bool) -> list[Piece]:
+    """A chat whose final assistant turn carries the target's token ids: the prompt the target answered,
+    the ids, then the template's text after an assistant content (unless the answer was cut)."""
+    try:
+        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja errors of arbitrary templates
+        raise BadRecord(f"chat template failed: {type(e).__name__}: {e}") from None
+    if not isinstance(prompt, str):
+        raise BadRecord("chat template did not render to a string")
+    pieces: list[Piece] = [(prompt, False), (list(ids), True)]
+    if cut_at_end:
+        return pieces
+    tail = _text_after_answer(messages, tokenizer)
+    if end_token and tail.startswith(end_token):
+        pieces.append((end_token, True))
+        tail = tail[len(end_token) :]
+    if tail:
+        pieces.append((tail, False))
+    return pieces
+
+
+def _text_after_answer(messages: list[dict], tokenizer) -> str:
+    """What the chat template writes after the final assistant content (ChatML: ``<|im_end|>\\n``),
+    found by rendering a placeholder in its place."""
+    mark = "\ue000answer\ue001"
+    last = {k: v for k, v in messages[-1].items() if k != ANSWER_IDS_FIELD}
+    try:
+        skeleton = tokenizer.apply_chat_template(messages[:-1] + [{**last, "content": mark}], tokenize=False, add_generation_prompt=False)
+    except Exception as e:  # noqa: BLE001
+        raise BadRecord(f"chat template failed: {type(e).__name__}: {e}") from None
+    if not isinstance(skeleton, str) or skeleton.count(mark) != 1:
+        raise BadRecord(
+            "the chat template does not write the assistant content as given, so its token_ids have no place; drop them to use the text"
+        )
+    return skeleton[skeleton.index(mark) + len(mark) :]
 
 
 def _spans_by_placeholders(messages, tokenizer, rendered) -> list[tuple[int, int]] | None:
@@ -248,7 +304,9 @@ class _Builder:
         self.tok = tokenizer
         self.report = report
         self.end_token = _turn_end_token(tokenizer)
-        self.pending: list[tuple[list[tuple[str, bool]], bool]] = []  # (pieces, cut before tokenizing)
+        self.vocab_size = len(tokenizer)
+        self.vocab: str | None = None  # vocab_identity, computed at the first record that stores ids
+        self.pending: list[tuple[list[Piece], bool]] = []  # (pieces, cut before tokenizing)
         self.pending_chars = 0
         self.max_chars = cfg.max_seq_len * MAX_CHARS_PER_TOKEN
         self.tok_buf = array("i")  # int32 token ids of all kept samples, flat
@@ -270,7 +328,13 @@ class _Builder:
         try:
             kind, value = parse_record(obj)
             if kind == "chat":
-                pieces = _chat_segments(value, self.tok, self.end_token)
+                cut_at_end = obj.get("finish") == "length"
+                ids = answer_token_ids(value, self.vocab_size)
+                if ids is None:
+                    pieces = _chat_segments(value, self.tok, self.end_token, cut_at_end)
+                else:
+                    self.check_vocab(obj)
+                    pieces = _answer_ids_pieces(value, ids, self.tok, self.end_token, cut_at_end)
             else:
                 pieces = [(value, True)]
         except BadRecord as e:
@@ -282,23 +346,38 @@ class _Builder:
         self.report.records += 1
         pieces, cut = _clip_pieces(pieces, self.max_chars)
         self.pending.append((pieces, cut))
-        self.pending_chars += sum(len(t) for t, _ in pieces)
+        self.pending_chars += sum(len(t) for t, _ in pieces if isinstance(t, str))
         if len(self.pending) >= _CHUNK or self.pending_chars >= _CHUNK_CHARS:
             self.flush()
+
+    def check_vocab(self, obj: dict) -> None:
+        stamp = obj.get(VOCAB_FIELD)
+        if stamp is None:
+            return
+        if self.vocab is None:
+            self.vocab = vocab_identity(self.tok)
+        if stamp != self.vocab:
+            raise BadRecord(
+                f'its token ids belong to another vocabulary ("{VOCAB_FIELD}" {str(stamp)[:23]}, this tokenizer\'s {self.vocab[:23]}): '
+                "regenerate it with gen-data for this target, or drop token_ids to use the text"
+            )
 
     def flush(self) -> None:
         if not self.pending:
             return
-        texts = [t for pieces, _ in self.pending for t, _ in pieces]
+        texts = [t for pieces, _ in self.pending for t, _ in pieces if isinstance(t, str)]
         ids = _encode_batch(self.tok, texts)
         k = 0
         max_len = self.cfg.max_seq_len
         for pieces, cut_before in self.pending:
             seq: list[int] = []
             mask: list[int] = []
-            for _, sup in pieces:
-                part = ids[k]
-                k += 1
+            for piece, sup in pieces:
+                if isinstance(piece, str):
+                    part = ids[k]
+                    k += 1
+                else:
+                    part = piece
                 seq.extend(part)
                 mask.extend([1 if sup else 0] * len(part))
             cut = cut_before or len(seq) > max_len
@@ -332,16 +411,21 @@ class _Builder:
         return Corpus(tokens, mask, offsets, r)
 
 
-def _clip_pieces(pieces: list[tuple[str, bool]], max_chars: int) -> tuple[list[tuple[str, bool]], bool]:
+def _piece_chars(piece: str | list[int]) -> int:
+    """A piece's size against the character cut: a stored token id counts as MAX_CHARS_PER_TOKEN characters."""
+    return len(piece) if isinstance(piece, str) else len(piece) * MAX_CHARS_PER_TOKEN
+
+
+def _clip_pieces(pieces: list[Piece], max_chars: int) -> tuple[list[Piece], bool]:
     """The pieces cut to their first ``max_chars`` characters in all; and whether anything was cut."""
-    if sum(len(t) for t, _ in pieces) <= max_chars:
+    if sum(_piece_chars(t) for t, _ in pieces) <= max_chars:
         return pieces, False
     out, left = [], max_chars
-    for text, sup in pieces:
+    for piece, sup in pieces:
         if left <= 0:
             break
-        out.append((text[:left], sup))
-        left -= len(text)
+        out.append((piece[:left] if isinstance(piece, str) else piece[: -(-left // MAX_CHARS_PER_TOKEN)], sup))
+        left -= _piece_chars(piece)
     return out, True
 
 

@@ -6,8 +6,14 @@ the conversation's later turns. Text records have no prompt and are skipped.
 
 Output, one JSON object per line (the corpus's chat format, so it trains as is)::
 
-    {"id": "...", "conversations": [..prompt.., {"role": "assistant", "content": "<target's answer>"}],
-     "finish": "stop" | "length"}
+    {"id": "...", "conversations": [..prompt.., {"role": "assistant", "content": "<target's answer>",
+                                                  "token_ids": [<the generated ids>]}],
+     "finish": "stop" | "length", "tokenizer_vocab": "sha256:..."}
+
+``token_ids`` are the answer's ids as the target generated them (the stop token left out); the
+corpus trains on them, not on the text, which is for people: decoding and re-tokenizing does not
+always give the same ids back. ``tokenizer_vocab`` (:func:`~dflash_ipc.data.tokenizer.vocab_identity`)
+says which vocabulary they belong to; the corpus refuses them under another one.
 
 The held-out split is by the *prompt* (:func:`prompt_key`: the system message and first user turn,
 canonical JSON): prompts whose sha256 falls below ``holdout_fraction`` go to ``OUT.holdout.jsonl``
@@ -37,6 +43,7 @@ import torch
 
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.data.readers import iter_records, prompt_messages, record_id
+from dflash_ipc.data.records import ANSWER_IDS_FIELD, VOCAB_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +162,7 @@ def run_gen_data(
         check_target_tokenizer,
         load_tokenizer,
         stop_token_ids,
+        vocab_identity,
     )
     from dflash_ipc.eval.target_lm import build_target_lm
 
@@ -224,6 +232,7 @@ def run_gen_data(
     if pad_id is None:
         raise ValueError(f"{cfg.target.tokenizer}: the tokenizer has neither a pad nor an eos token to pad batches with")
     pending.sort(key=lambda r: len(r[2]))
+    vocab = vocab_identity(tokenizer)
     progress = _Progress(len(pending), echo)
     try:
         with open(out, "a", encoding="utf-8") as f_out, open(hold, "a", encoding="utf-8") as f_hold:
@@ -234,9 +243,9 @@ def run_gen_data(
                 for (rid, msgs, _), (ids, finish) in zip(batch, answers):
                     new_tokens += len(ids)
                     text = tokenizer.decode(ids, skip_special_tokens=True)
-                    line = json.dumps(
-                        {"id": rid, "conversations": msgs + [{"role": "assistant", "content": text}], "finish": finish}, ensure_ascii=False
-                    )
+                    answer = {"role": "assistant", "content": text, ANSWER_IDS_FIELD: ids}
+                    record = {"id": rid, "conversations": msgs + [answer], "finish": finish, VOCAB_FIELD: vocab}
+                    line = json.dumps(record, ensure_ascii=False)
                     held = is_holdout(prompt_key(msgs), opts.holdout_fraction)
                     (f_hold if held else f_out).write(line + "\n")
                     result["held_out" if held else "written"] += 1

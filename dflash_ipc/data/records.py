@@ -61,3 +61,36 @@ def parse_record(obj: Any) -> tuple[str, Any]:
             raise BadRecord('"text" is empty')
         return "text", text
     raise BadRecord('missing field: expected "conversations", "messages" or "text"')
+
+
+# gen-data's records keep the target's own tokens: the text re-tokenizes to other ids often enough
+# (BPE merges across tokens the model emitted apart, decode's cleanup, special tokens) that the ids,
+# not the text, are what a drafter must learn to predict (docs/EVAL.md "gen-data").
+ANSWER_IDS_FIELD = "token_ids"  # on the final assistant message: the answer's generated ids, stop token excluded
+VOCAB_FIELD = "tokenizer_vocab"  # on the record: data.tokenizer.vocab_identity of the tokenizer those ids belong to
+
+
+def answer_token_ids(messages: list[dict], vocab_size: int) -> list[int] | None:
+    """The ids stored on a chat's final assistant turn, checked against a vocabulary of ``vocab_size``
+    ids; None when the chat stores none (its text is tokenized). Raises :class:`BadRecord`."""
+    # None is absent: a table's message struct gives every turn every field (Parquet, datasets)
+    for j, m in enumerate(messages[:-1]):
+        if m.get(ANSWER_IDS_FIELD) is not None:
+            raise BadRecord(f'turn {j} carries "{ANSWER_IDS_FIELD}": token ids are read only on the final (assistant) turn')
+    ids = messages[-1].get(ANSWER_IDS_FIELD)
+    if ids is None:
+        return None
+    last = messages[-1]
+    if last["role"] != "assistant":
+        raise BadRecord(f'the final turn carries "{ANSWER_IDS_FIELD}" but is a {last["role"]!r} turn, not an assistant answer')
+    if not isinstance(ids, list):
+        raise BadRecord(f'"{ANSWER_IDS_FIELD}" must be a list of token ids, got {type(ids).__name__}')
+    for k, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise BadRecord(f'"{ANSWER_IDS_FIELD}"[{k}] must be an integer token id, got {t!r}')
+        if not 0 <= t < vocab_size:
+            raise BadRecord(
+                f'"{ANSWER_IDS_FIELD}"[{k}] = {t} is outside the tokenizer\'s vocabulary (ids 0..{vocab_size - 1}): '
+                "the answer was generated with another tokenizer"
+            )
+    return ids

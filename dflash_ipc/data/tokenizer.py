@@ -20,6 +20,7 @@ Regenerate the asset with ``python -m dflash_ipc.data.tokenizer_asset`` (:mod:`d
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from importlib import resources
 from pathlib import Path
@@ -203,3 +204,11 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     h.update(repr(template).encode())
     h.update(repr(sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())).encode())
     return h.hexdigest()
+
+
+def vocab_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+    """``sha256:<hex>`` of the id -> token mapping (added tokens included): what stored token ids mean.
+    Unlike :func:`tokenizer_identity` it ignores merges, normalizer and chat template, which decide
+    how text becomes ids but not what an id stands for (gen-data stamps its answers' ids with it)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return "sha256:" + hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
