@@ -64,9 +64,8 @@ def test_gen_data_stores_the_generated_ids_and_the_corpus_supervises_exactly_the
     prompts = _write(tmp_path / "prompts.jsonl", chats)
     out = tmp_path / "gen.jsonl"
     max_new = 12
-    r = CliRunner().invoke(
-        main, ["gen-data", "--config", str(TINY), "--out", str(out), "--prompts", str(prompts), "--max-new", str(max_new), "--batch-size", "4"]
-    )
+    args = ["--out", str(out), "--prompts", str(prompts), "--max-new", str(max_new), "--batch-size", "4"]
+    r = CliRunner().invoke(main, ["gen-data", "--config", str(TINY), *args])
     assert r.exit_code == 0, r.output
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(records) == len(chats)

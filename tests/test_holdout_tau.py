@@ -3,6 +3,7 @@ lengths, and the proof that it equals `dflash-ipc eval`'s τ on the target's own
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -75,27 +76,24 @@ def test_holdout_max_new_is_validated():
 # --------------------------------------------------------------------------- the proof: equal to eval
 
 
-def _greedy_documents(cfg, tokenizer, prompts_file: Path, n: int, max_new: int):
-    """Prompts of ``prompts_file`` answered by gen-data's core (greedy, fp32, one prompt per batch: no
-    left padding), laid out as the corpus lays out a chat record: prompt (unsupervised), answer and
-    ``<|im_end|>`` (supervised), the template's closing newline (unsupervised). Token ids, not text:
-    a random target's ids do not survive decode + re-tokenize (see the test)."""
-    from dflash_ipc.data.gen import GenOptions, _generate
-    from dflash_ipc.data.tokenizer import stop_token_ids
-    from dflash_ipc.eval.run import load_prompts
-    from dflash_ipc.eval.target_lm import build_target_lm
+def _greedy_documents(cfg, tokenizer, prompts_file: Path, out: Path, max_new: int):
+    """The prompts answered by `dflash-ipc gen-data` (greedy, fp32, one prompt per batch: no left
+    padding) and read back by the corpus loader, as training's held-out data is: each document the
+    prompt (unsupervised) and the answer's stored token ids (supervised; cut at max_new, so no
+    ``<|im_end|>`` follows). Returns the documents and gen-data's records."""
+    from click.testing import CliRunner
 
-    lm = build_target_lm(cfg.target, "cpu", vocab_size=len(tokenizer), dtype="float32")
-    stops = stop_token_ids(tokenizer, getattr(lm, "generation_config", None))
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
-    docs, answers = [], []
-    for p in load_prompts(cfg, tokenizer, str(prompts_file), n):
-        ((ans, _finish),) = _generate(lm, [p], pad_id, stops, GenOptions(max_new=max_new), seed=0)
-        answers.append(ans)
-        docs.append((p + ans + [im_end] + newline, [0] * len(p) + [1] * (len(ans) + 1) + [0] * len(newline)))
-    return docs, answers
+    from dflash_ipc.cli import main
+    from dflash_ipc.data.corpus import load_corpus
+
+    args = ["--prompts", str(prompts_file), "--out", str(out), "--max-new", str(max_new), "--batch-size", "1"]
+    r = CliRunner().invoke(main, ["gen-data", "--config", str(TINY), *args])
+    assert r.exit_code == 0, r.output
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    corpus = load_corpus(dataclasses.replace(cfg.data, paths=[str(out)]), tokenizer, None)
+    assert corpus.report.num_bad_lines == 0
+    docs = [tuple(t.tolist() for t in corpus.sample(i)) for i in range(corpus.num_samples)]
+    return docs, records
 
 
 def _held_out_views(cfg, docs):
@@ -124,12 +122,13 @@ def test_simulated_holdout_tau_equals_eval_on_the_targets_greedy_answers(tmp_pat
     from dflash_ipc.data.tokenizer import load_tokenizer
     from dflash_ipc.drafter.core import DrafterCore
     from dflash_ipc.drafter.distributed import DistInfo
-    from dflash_ipc.eval.run import run_eval
+    from dflash_ipc.eval.run import load_prompts, run_eval
 
     n, max_new = 4, 24
-    prompts_file = tmp_path / "gen.holdout.jsonl"
+    source = tmp_path / "questions.jsonl"
     chats = builtin_conversations(n, 256)
-    prompts_file.write_text("".join(json.dumps({"id": f"h{i}", **c}) + "\n" for i, c in enumerate(chats)))
+    source.write_text("".join(json.dumps({"id": f"h{i}", **c}) + "\n" for i, c in enumerate(chats)))
+    prompts_file = tmp_path / "gen.jsonl"  # gen-data's answers: the held-out data and eval's prompts
     cfg = load_config(
         TINY,
         {
@@ -142,12 +141,15 @@ def test_simulated_holdout_tau_equals_eval_on_the_targets_greedy_answers(tmp_pat
         },
     )
     tokenizer = load_tokenizer(cfg.target.tokenizer)
-    docs, answers = _greedy_documents(cfg, tokenizer, prompts_file, n, max_new)
-    assert len(docs) == n and all(len(a) == max_new for a in answers)  # no early stop: eval decodes max_new tokens of each
-    # gen-data writes text: a random target's ids often re-tokenize to other ids, so its file would not
-    # hold the greedy answers token for token; these documents keep the ids (see docs/EVAL.md)
-    retokenized = [tokenizer(tokenizer.decode(a, skip_special_tokens=True), add_special_tokens=False)["input_ids"] for a in answers]
-    print(f"answers whose decoded text re-tokenizes to the same ids: {sum(r == a for r, a in zip(retokenized, answers))}/{n}")
+    docs, records = _greedy_documents(cfg, tokenizer, source, prompts_file, max_new)
+    answers = [r["conversations"][-1]["token_ids"] for r in records]
+    # no early stop: eval decodes max_new tokens of each; each document is the prompt eval feeds and the stored ids
+    assert len(docs) == n and all(len(a) == max_new and r["finish"] == "length" for a, r in zip(answers, records))
+    prompts = load_prompts(cfg, tokenizer, str(prompts_file), n)
+    assert docs == [(p + a, [0] * len(p) + [1] * len(a)) for p, a in zip(prompts, answers)]
+    # the text alone would not do: a random target's ids mostly re-tokenize to other ids
+    retokenized = [tokenizer(r["conversations"][-1]["content"], add_special_tokens=False)["input_ids"] for r in records]
+    print(f"answers whose text re-tokenizes to the generated ids: {sum(t == a for t, a in zip(retokenized, answers))}/{n}")
     views = _held_out_views(cfg, docs)
 
     # A drafter that accepts some drafts: a few steps on these very documents (the point is the
@@ -177,4 +179,5 @@ def test_simulated_holdout_tau_equals_eval_on_the_targets_greedy_answers(tmp_pat
     assert spec_tokens == n * (max_new - 1)  # both decode max_new tokens of each answer
     assert rec["tau_holdout"] == report["tau"]
     assert rec["tau_holdout_answers"] == n and rec["holdout_max_new"] == max_new
-    assert rec["tau_holdout_blocks"] == rec["tau_holdout_uniform_blocks"] == n * max_new  # num_anchors 32 >= 24 anchors per answer
+    # an anchor needs a supervised next token: 23 per cut answer (num_anchors 32 >= 23)
+    assert rec["tau_holdout_blocks"] == rec["tau_holdout_uniform_blocks"] == n * (max_new - 1)
