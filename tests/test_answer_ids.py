@@ -163,6 +163,13 @@ def test_an_answer_cut_at_max_new_ends_at_the_cut_unsupervised_end_never_added(t
     # a finished answer is closed by the template's end of turn, supervised (the target produced a stop token)
     assert f_ids == prompt + ids + [tok.convert_tokens_to_ids(IM_END)] + tok("\n", add_special_tokens=False)["input_ids"]
     assert f_mask == [0] * len(prompt) + [1] * (len(ids) + 1) + [0]
+    # a longer chat cut in its last answer: earlier answers keep their supervised end of turn
+    turns = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}, *conv]
+    two = load_corpus(_cfg(_write(tmp_path / "t.jsonl", [{"conversations": turns, "finish": "length"}])), tok, None)
+    ((got, mask),) = _samples(two)
+    assert got[-len(ids) :] == ids and got.count(tok.convert_tokens_to_ids(IM_END)) == 3  # the three turns before the cut one
+    supervised = [t for t, m in zip(got, mask) if m]
+    assert supervised == tok("Hello.<|im_end|>", add_special_tokens=False)["input_ids"] + ids
 
 
 def test_bad_token_ids_are_bad_lines_with_a_reason(tmp_path, tok):

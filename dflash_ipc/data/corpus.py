@@ -171,7 +171,8 @@ def _chat_segments(messages: list[dict], tokenizer, end_token: str | None, cut_a
         spans = _spans_by_search(messages, tokenizer, rendered)
     pieces: list[Piece] = []
     pos = 0
-    cut = cut_at_end and messages[-1]["role"] == "assistant" and bool(spans)
+    # a non-blank final assistant content always has a span, the last one
+    cut = cut_at_end and messages[-1]["role"] == "assistant" and bool(messages[-1]["content"].strip())
     for n, (a, b) in enumerate(spans):
         if b <= a:
             continue
