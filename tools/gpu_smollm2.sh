@@ -50,6 +50,13 @@ else
 fi
 PHASE=${PHASE:-all}; RUNS=${RUNS:-b8:8}
 MAX_STEPS=${MAX_STEPS:-$(python3 -c "print(max(2, int($TRAIN_S / $STEP_S)))")}
+# The last held-out pass lands a few steps before the end: a pass is queued behind the training batch
+# that completes each HOLDOUT_EVERY steps, and a drafter that stops at exactly that step never scores it.
+# With max_steps = k * HOLDOUT_EVERY + 5 the last tau_holdout measures step k * HOLDOUT_EVERY, five steps
+# (at the cosine schedule's near-zero lr) before the export that eval decodes.
+if [ "${HOLDOUT_EVERY:-0}" -gt 0 ] && [ "$MAX_STEPS" -gt "$HOLDOUT_EVERY" ]; then
+  MAX_STEPS=$(( MAX_STEPS / HOLDOUT_EVERY * HOLDOUT_EVERY + 5 ))
+fi
 mkdir -p "$W"
 echo "out=$OUT work=$W base=$BASE budget=${BUDGET_S}s max_steps=$MAX_STEPS"
 [ "${DRY_RUN:-0}" = 1 ] || { nvidia-smi -L; python3 -c "import torch, transformers, gguf; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())" || exit 1; }
