@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # GPU call C1 (nvidia-h200-x2, ~9.5 min): causal-conv1d from its carried wheel (parts in .build/cc, kept
-# under /root/wheels for later warm calls), the varlen GPU tests in the background on GPU0 while the
-# warm-up variant compiles, then the 27B-shape pipeline: varlen (packed: torch varlen_attn + fla
-# cu_seqlens + causal-conv1d seq_idx) vs padded forward-only, the cuda-ipc pipeline, anchor
-# micro-batching and ring depth. Stashes a carried GGUF part under /root/parts for the next call.
+# under /root/wheels for later warm calls), GPU tests in the background (TESTS, default the varlen tests,
+# GPU0 only unless TEST_DEVICES says otherwise) while the warm-up variant compiles, then the 27B-shape
+# pipeline (VARIANTS: by default varlen vs padded forward-only, the cuda-ipc pipeline, anchor
+# micro-batching and ring depth). Stashes a carried GGUF part under /root/parts for the next call.
 #   run(command="PART=.big/q1 bash tools/gpu_call_c1.sh", kind="nvidia-h200-x2",
-#       carry=[".big/q1", ".build/cc", ".whl/<pyzmq>", ".whl/<flash_linear_attention>", ".whl/<fla_core>", ".whl/<setproctitle>"], timeout_s=600)
+#       carry=[".big/q1", ".build/cc", ".whl/<pyzmq>", ".whl/<flash_linear_attention>", ".whl/<fla_core>", ".whl/<setproctitle>", ".whl/<tomli_w>"], timeout_s=600)
+# The third session of 2026-11-30 ran it as (host RSS, anchors, depth; the drafter tests and ring tests):
+#   PART=.big/q1 TEST_DEVICES=0,1 TEST_S=150 TESTS="tests/test_drafter_model.py tests/test_ring_cuda.py" \
+#     VARIANTS=warmup,cuda-ipc,anchors-8192,depth-8,depth-2 BUDGET_S=575 bash tools/gpu_call_c1.sh
 set -u
 BUDGET_S=${BUDGET_S:-570}
 . tools/gpu_setup.sh
@@ -17,12 +20,13 @@ fi
 ls /root/wheels/causal_conv1d-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/wheels/causal_conv1d-*.whl
 python3 -c "import causal_conv1d; print('causal_conv1d', causal_conv1d.__version__)" || echo "causal_conv1d missing"
 nvidia-smi -L
-(CUDA_VISIBLE_DEVICES=0 timeout -s INT 240 python3 -m pytest -q -m gpu -rA -s -p no:cacheprovider tests/test_varlen.py > $OUT/gpu_varlen_tests.log 2>&1; echo "varlen tests rc $?" >> $OUT/gpu_varlen_tests.log) &
+(CUDA_VISIBLE_DEVICES=${TEST_DEVICES:-0} timeout -s INT ${TEST_S:-240} python3 -m pytest -q -m gpu -rA -s -p no:cacheprovider ${TESTS:-tests/test_varlen.py} \
+   > $OUT/gpu_tests.log 2>&1; echo "gpu tests rc $?" >> $OUT/gpu_tests.log) &
 set -o pipefail
 timeout -s INT $(( $(left) - 15 )) python3 -m dflash_ipc.cli bench pipeline --config ${CONFIG:-configs/h200-x2.toml} --steps ${STEPS:-8} \
   --variants ${VARIANTS:-warmup,varlen,padded,cuda-ipc,anchors-8192,depth-2,depth-8} --out $OUT/variants.jsonl --json 2>$OUT/pipeline.err | tail -1 > $OUT/pipeline.json
 wait
-grep -E "passed|failed|PASSED|FAILED|max abs|rc " $OUT/gpu_varlen_tests.log | tail -12
+grep -E "passed|failed|PASSED|FAILED|max abs|rc " $OUT/gpu_tests.log | tail -20
 grep -v "\] \[up\] step" $OUT/pipeline.err | tail -15
 tail -c 2500 $OUT/pipeline.json
 grep -h "GatedDeltaNet kernels\|forward packed\|forward padded" /tmp/dflash-bench-*/logs/target-*.log | cut -c1-400 | sort | uniq -c | head -6
