@@ -188,7 +188,7 @@ for spec in "${RUN_LIST[@]}"; do
     --json > "$OUT/eval_$name.json" 2> "$OUT/eval_$name.log" &
 done
 timeout $(( L - 10 )) $DF eval --config "$W/$FIRST.toml" --drafter "$W/untrained" --prompts "$W/gen.holdout.jsonl" \
-  --n $FLOOR_N --max-new $FLOOR_MAX_NEW --target-device $DEV1 --drafter-device $DEV1 --json > "$OUT/eval_untrained.json" 2> "$OUT/eval_untrained.log" &
+  --n $FLOOR_N --max-new $FLOOR_MAX_NEW --target-device $DEV1 --drafter-device $DEV1 --workers ${FLOOR_WORKERS:-4} --speed-prompts 1 --json > "$OUT/eval_untrained.json" 2> "$OUT/eval_untrained.log" &
 wait
 stage "done"
 python3 - "$OUT" untrained "${RUN_LIST[@]%%:*}" <<'EOF'
