@@ -369,11 +369,15 @@ class DrafterCore:
         return out
 
     def weights_digest(self) -> str:
-        """sha256 of this rank's trainable weights (data parallel: the same on every rank)."""
+        """sha256 of this rank's trainable weights (data parallel: the same on every rank).
+
+        One tensor on the host at a time: copying the whole state first held the fp32 weights
+        twice over on the host (7.1 GB and its bytes at the 27B shapes' 1.78B parameters), the
+        drafter's 9.8 GB peak host RSS."""
         h = hashlib.sha256()
-        for name, t in sorted(self.trainer.trainable_state_dict().items()):
+        for name, t in sorted(self.trainer.trainable_tensors(), key=lambda item: item[0]):
             h.update(name.encode())
-            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+            h.update(t.to("cpu", torch.float32).contiguous().numpy())
         return h.hexdigest()
 
     def write_rank_record(self) -> Path:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -406,11 +407,16 @@ class DrafterTrainer:
 
     # ------------------------------------------------------------------ state
 
+    def trainable_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, master-precision weight) on the training device, one at a time: what a reader
+        that needs each tensor only briefly (a digest) walks, so the host never holds all of them."""
+        for n, mv in zip(self.names, self._master_views):
+            yield n, mv.detach()
+
     def trainable_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Trainable weights by name (CPU copies; master precision unless ``dtype`` is given)."""
         out = {}
-        for n, mv in zip(self.names, self._master_views):
-            t = mv.detach()
+        for n, t in self.trainable_tensors():
             if dtype is not None:
                 t = t.to(dtype)
             out[n] = t.to("cpu", copy=True).contiguous()
