@@ -124,19 +124,24 @@ m = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if 
 plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").exists() else {}
 if len(m) < 2:
     sys.exit(f"train: only {len(m)} metrics lines")
-k = min(len(m) // 2, 10)  # skip the first steps (compile, warm-up) when timing
-dt = m[-1]["elapsed_s"] - m[k]["elapsed_s"]
-rate = (m[-1]["step"] - m[k]["step"]) / dt if dt > 0 else float("nan")
+# elapsed_s restarts with each `up` (a resumed run): time only the last process's records
+last = max([0] + [i for i in range(1, len(m)) if m[i]["elapsed_s"] < m[i - 1]["elapsed_s"]])
+seg = m[last:] if len(m) - last >= 2 else m
+k = min(len(seg) // 2, 10)  # skip the first steps (compile, warm-up) when timing
+dt = seg[-1]["elapsed_s"] - seg[k]["elapsed_s"]
+rate = (seg[-1]["step"] - seg[k]["step"]) / dt if dt > 0 else float("nan")
+train_s = sum(m[i - 1]["elapsed_s"] for i in range(1, len(m)) if m[i]["elapsed_s"] < m[i - 1]["elapsed_s"]) + m[-1]["elapsed_s"]
 tail = m[-20:]
 held = [(r["holdout_step"], r["tau_holdout"], r.get("tau_holdout_steps"), r.get("tau_holdout_uniform")) for r in m if "tau_holdout" in r]
 print("tau_holdout (step, simulated-decode tau, its verify steps, uniform-anchor tau):", held)
 per_epoch = plan.get("n_batches_total", 0) / epochs
+batches = len(json.loads((run / "config.json").read_text())["config"]["topology"]["drafters"])  # per step: one per drafter rank
 print(json.dumps({"train_steps": m[-1]["step"], "steps_per_s": round(rate, 2), "step_s": round(1 / rate, 4) if rate > 0 else None,
-                  "train_elapsed_s": round(m[-1]["elapsed_s"], 1), "loss_last20": round(sum(r["loss"] for r in tail) / len(tail), 4),
+                  "train_elapsed_s": round(train_s, 1), "loss_last20": round(sum(r["loss"] for r in tail) / len(tail), 4),
                   "tau_train_last20": round(sum(r["tau"] or 0 for r in tail) / len(tail), 3),
                   "tau_marginal_last20": round(sum(r["tau_marginal"] for r in tail) / len(tail), 3),
                   "acc_last20": round(sum(r["acc"] or 0 for r in tail) / len(tail), 4),
-                  "batches_per_epoch": round(per_epoch, 1), "epochs_seen": round(m[-1]["step"] / per_epoch, 2) if per_epoch else None}))
+                  "batches_per_epoch": round(per_epoch, 1), "epochs_seen": round(m[-1]["step"] * batches / per_epoch, 2) if per_epoch else None}))
 EOF
 }
 if [ "$PHASE" = second ]; then RESERVE=${EVAL_RESERVE_S:-200}; elif [ "$PHASE" = first ]; then RESERVE=15; else RESERVE=${EVAL_RESERVE_S:-120}; fi
