@@ -311,3 +311,36 @@ def test_resume_with_the_checkpoint_mapped_to_the_gpu_restores_rng(tmp_path):
     set_rng_state(ckpt.rng_state)
     again = (random.random(), torch.rand(3), torch.rand(3, device="cuda"))
     assert expected[0] == again[0] and torch.equal(expected[1], again[1]) and torch.equal(expected[2], again[2])
+
+
+def test_master_weights_only_in_the_model_file_resume_bit_exact(tmp_path):
+    """The drafter's layout: model.safetensors holds the master weights (fp32, written from the
+    live tensors), trainer.pt no second copy; resuming takes them from the model file."""
+    tr = make_trainer(torch.bfloat16)
+    for i in range(3):
+        train_step(tr, i)
+    save_checkpoint(
+        tmp_path,
+        tr.step_count,
+        model_state=dict(tr.trainable_tensors()),
+        trainer_state=tr.state_dict(include_master=False),
+        rng_state=rng_state(),
+        ledger=BatchLedger(),
+    )
+    for i in range(3, 5):
+        train_step(tr, i)
+    uninterrupted = snapshot(tr)
+
+    ckpt = load_latest_checkpoint(tmp_path)
+    assert "master" not in ckpt.trainer_state
+    assert {t.dtype for t in ckpt.model_state.values()} == {torch.float32}
+    tr2 = make_trainer(torch.bfloat16)
+    with pytest.raises(ValueError, match="master="):
+        tr2.load_state_dict(ckpt.trainer_state)
+    with pytest.raises(ValueError, match="master weights in torch.float32"):
+        tr2.load_state_dict(ckpt.trainer_state, master={n: t.to(torch.bfloat16) for n, t in ckpt.model_state.items()})
+    tr2.load_state_dict(ckpt.trainer_state, master=ckpt.model_state)
+    set_rng_state(ckpt.rng_state)
+    for i in range(3, 5):
+        train_step(tr2, i)
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted, snapshot(tr2)))

@@ -3,9 +3,11 @@
 Layout under ``ckpt_root``::
 
     step-000123/
-        model.safetensors   trainable drafter weights
-        trainer.pt          {"trainer": trainer state (master weights, optimizer, schedule, step),
-                             "rng": RNG state(s)}  -- torch.save, loaded with weights_only=True
+        model.safetensors   trainable drafter weights; a drafter's are its master weights (fp32),
+                            streamed from the device, and resuming reads them from here
+        trainer.pt          {"trainer": trainer state (optimizer, schedule, step; the master weights
+                             too in trainer-state format 1), "rng": RNG state(s)}
+                            -- torch.save, loaded with weights_only=True
         ledger.json         ids of every batch consumed by an optimizer step
         meta.json           format, step, time, config hash, file sizes, extra  (written last)
     latest                  "step-000123\\n", replaced atomically

@@ -146,7 +146,7 @@ class DrafterCore:
         if ckpt is None:
             log.info("resume: no checkpoint under %s, starting fresh", self.ckpt_root)
             return
-        self.trainer.load_state_dict(ckpt.trainer_state)
+        self.trainer.load_state_dict(ckpt.trainer_state, master=ckpt.model_state)
         set_rng_state(ckpt.rng_state)
         self.generator.manual_seed(self.cfg.run.seed * 1000 + self.world.rank + 7919 * ckpt.step)
         self.ledger = ckpt.ledger
@@ -349,8 +349,9 @@ class DrafterCore:
             path = save_checkpoint(
                 self.ckpt_root,
                 self.step,
-                model_state=self.trainer.trainable_state_dict(),
-                trainer_state=self.trainer.state_dict(),
+                # the weights stay on the device: the writer streams them through one bounded buffer
+                model_state=dict(self.trainer.trainable_tensors()),
+                trainer_state=self.trainer.state_dict(include_master=False),
                 rng_state=rng_state(),
                 ledger=self.ledger,
                 extra={"reason": reason, "tokens_total": self.tokens_total},
