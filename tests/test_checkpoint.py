@@ -313,9 +313,10 @@ def test_resume_with_the_checkpoint_mapped_to_the_gpu_restores_rng(tmp_path):
     assert expected[0] == again[0] and torch.equal(expected[1], again[1]) and torch.equal(expected[2], again[2])
 
 
-def test_master_weights_only_in_the_model_file_resume_bit_exact(tmp_path):
-    """The drafter's layout: model.safetensors holds the master weights (fp32, written from the
-    live tensors), trainer.pt no second copy; resuming takes them from the model file."""
+def test_big_tensors_streamed_to_safetensors_resume_bit_exact(tmp_path):
+    """The drafter's layout: model.safetensors holds the master weights (fp32), optimizer.safetensors
+    the AdamW moments, both written from the live tensors; trainer.pt holds neither (placeholders
+    for the moments); resuming takes them from the two files."""
     tr = make_trainer(torch.bfloat16)
     for i in range(3):
         train_step(tr, i)
@@ -323,9 +324,10 @@ def test_master_weights_only_in_the_model_file_resume_bit_exact(tmp_path):
         tmp_path,
         tr.step_count,
         model_state=dict(tr.trainable_tensors()),
-        trainer_state=tr.state_dict(include_master=False),
+        trainer_state=tr.state_dict(include_master=False, include_moments=False),
         rng_state=rng_state(),
         ledger=BatchLedger(),
+        optimizer_tensors=tr.moment_tensors(),
     )
     for i in range(3, 5):
         train_step(tr, i)
@@ -334,12 +336,18 @@ def test_master_weights_only_in_the_model_file_resume_bit_exact(tmp_path):
     ckpt = load_latest_checkpoint(tmp_path)
     assert "master" not in ckpt.trainer_state
     assert {t.dtype for t in ckpt.model_state.values()} == {torch.float32}
+    per_param = ckpt.trainer_state["optimizer"]["state"]
+    assert per_param and all(v == f"moment:{i}.{k}" for i, d in per_param.items() for k, v in d.items() if k != "step")
+    assert sorted(ckpt.optimizer_tensors) == sorted(tr.moment_tensors()) and len(ckpt.optimizer_tensors) == 2 * len(per_param)
     tr2 = make_trainer(torch.bfloat16)
     with pytest.raises(ValueError, match="master="):
-        tr2.load_state_dict(ckpt.trainer_state)
+        tr2.load_state_dict(ckpt.trainer_state, moments=ckpt.optimizer_tensors)
     with pytest.raises(ValueError, match="master weights in torch.float32"):
         tr2.load_state_dict(ckpt.trainer_state, master={n: t.to(torch.bfloat16) for n, t in ckpt.model_state.items()})
-    tr2.load_state_dict(ckpt.trainer_state, master=ckpt.model_state)
+    with pytest.raises(ValueError, match="optimizer moment"):
+        tr2.load_state_dict(ckpt.trainer_state, master=ckpt.model_state)
+    tr2 = make_trainer(torch.bfloat16)  # a refused load may have restored the weights already: start clean
+    tr2.load_state_dict(ckpt.trainer_state, master=ckpt.model_state, moments=ckpt.optimizer_tensors)
     set_rng_state(ckpt.rng_state)
     for i in range(3, 5):
         train_step(tr2, i)

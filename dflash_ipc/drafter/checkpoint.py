@@ -5,8 +5,10 @@ Layout under ``ckpt_root``::
     step-000123/
         model.safetensors   trainable drafter weights; a drafter's are its master weights (fp32),
                             streamed from the device, and resuming reads them from here
-        trainer.pt          {"trainer": trainer state (optimizer, schedule, step; the master weights
-                             too in trainer-state format 1), "rng": RNG state(s)}
+        optimizer.safetensors  the optimizer's per-parameter moments (AdamW exp_avg / exp_avg_sq),
+                            streamed from the device (absent in checkpoints whose trainer.pt holds them)
+        trainer.pt          {"trainer": trainer state (schedule, step, optimizer scalars; the master
+                             weights and moments too in trainer-state format 1), "rng": RNG state(s)}
                             -- torch.save, loaded with weights_only=True
         ledger.json         ids of every batch consumed by an optimizer step
         meta.json           format, step, time, config hash, file sizes, extra  (written last)
@@ -56,6 +58,7 @@ CKPT_FORMAT = "dflash-ipc-ckpt/1"
 LEDGER_FORMAT = "dflash-ipc-ledger/1"
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
+OPTIM_FILE = "optimizer.safetensors"
 LEDGER_FILE = "ledger.json"
 META_FILE = "meta.json"
 LATEST_FILE = "latest"
@@ -324,9 +327,12 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def checkpoint_bytes_needed(model_state: dict[str, torch.Tensor], trainer_state: Any, ledger: BatchLedger) -> int:
+def checkpoint_bytes_needed(
+    model_state: dict[str, torch.Tensor], trainer_state: Any, ledger: BatchLedger, optimizer_tensors: dict[str, torch.Tensor] | None = None
+) -> int:
     """An estimate of one checkpoint's size on disk."""
-    return _tensor_bytes(model_state) + _tensor_bytes(trainer_state) + 32 * len(ledger) + _SAVE_OVERHEAD_BYTES
+    tensors = _tensor_bytes(model_state) + _tensor_bytes(trainer_state) + _tensor_bytes(optimizer_tensors or {})
+    return tensors + 32 * len(ledger) + _SAVE_OVERHEAD_BYTES
 
 
 def _free_bytes(root: Path) -> int | None:
@@ -361,8 +367,13 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     config_hash: str = "",
     keep: int = 2,
+    optimizer_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``ckpt_root/step-NNNNNN`` atomically, point ``latest`` at it, keep the newest ``keep``.
+
+    ``model_state`` and ``optimizer_tensors`` (written to optimizer.safetensors when given) may stay
+    on their device: they are streamed through one bounded host buffer. ``trainer_state`` goes
+    through torch.save, so it should hold only small things next to them.
 
     Call on one rank only (the others' RNG states can be passed in ``rng_state``, e.g. a list);
     one saver per ``ckpt_root``: a successful save removes every leftover ``.tmp-*`` there.
@@ -374,7 +385,7 @@ def save_checkpoint(
         raise ValueError(f"keep must be >= 1 (got {keep})")
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
-    need = checkpoint_bytes_needed(model_state, trainer_state, ledger)
+    need = checkpoint_bytes_needed(model_state, trainer_state, ledger, optimizer_tensors)
     free = _free_bytes(root)
     if free is not None and free < need:
         raise CheckpointDiskFull(root, step, need, free)
@@ -384,6 +395,10 @@ def save_checkpoint(
     try:
         tmp.mkdir()
         _write_safetensors(tmp / MODEL_FILE, model_state, {"format": CKPT_FORMAT, "step": str(step)})
+        payload_files = [MODEL_FILE, TRAINER_FILE, LEDGER_FILE]
+        if optimizer_tensors is not None:
+            _write_safetensors(tmp / OPTIM_FILE, optimizer_tensors, {"format": CKPT_FORMAT, "step": str(step)})
+            payload_files.append(OPTIM_FILE)
         _write_torch(tmp / TRAINER_FILE, {"trainer": trainer_state, "rng": rng_state})
         _write_json(tmp / LEDGER_FILE, ledger.to_wire())
         now = time.time()
@@ -396,7 +411,7 @@ def save_checkpoint(
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "num_batches": len(ledger),
-            "files": {f: (tmp / f).stat().st_size for f in (MODEL_FILE, TRAINER_FILE, LEDGER_FILE)},
+            "files": {f: (tmp / f).stat().st_size for f in payload_files},
             "extra": extra or {},
         }
         _write_json(tmp / META_FILE, meta)  # written last: its presence marks a complete payload
@@ -458,6 +473,7 @@ class Checkpoint:
     rng_state: Any
     ledger: BatchLedger
     notes: list[str] = field(default_factory=list)  # why newer candidates were skipped, pointer issues
+    optimizer_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # optimizer.safetensors, if written
 
     @property
     def extra(self) -> dict[str, Any]:
@@ -492,7 +508,7 @@ def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu
     files = meta.get("files")
     if not isinstance(files, dict):
         raise CheckpointError(f"{path}: meta.json has no file list")
-    for fname in (MODEL_FILE, TRAINER_FILE, LEDGER_FILE):
+    for fname in (MODEL_FILE, TRAINER_FILE, LEDGER_FILE, *((OPTIM_FILE,) if OPTIM_FILE in files else ())):
         fp = path / fname
         if not fp.is_file():
             raise CheckpointError(f"{path}: {fname} missing")
@@ -503,6 +519,12 @@ def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu
         model_state = _st_load_file(str(path / MODEL_FILE), device=str(map_location))
     except Exception as e:  # noqa: BLE001 - any parse failure means a damaged file
         raise CheckpointError(f"{path}: {MODEL_FILE} unreadable: {e}") from None
+    optimizer_tensors: dict[str, torch.Tensor] = {}
+    if OPTIM_FILE in files:
+        try:
+            optimizer_tensors = _st_load_file(str(path / OPTIM_FILE), device=str(map_location))
+        except Exception as e:  # noqa: BLE001 - any parse failure means a damaged file
+            raise CheckpointError(f"{path}: {OPTIM_FILE} unreadable: {e}") from None
     try:
         payload = torch.load(path / TRAINER_FILE, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001
@@ -521,6 +543,7 @@ def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu
         trainer_state=payload["trainer"],
         rng_state=payload.get("rng"),
         ledger=ledger,
+        optimizer_tensors=optimizer_tensors,
     )
 
 

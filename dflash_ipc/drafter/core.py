@@ -146,7 +146,7 @@ class DrafterCore:
         if ckpt is None:
             log.info("resume: no checkpoint under %s, starting fresh", self.ckpt_root)
             return
-        self.trainer.load_state_dict(ckpt.trainer_state, master=ckpt.model_state)
+        self.trainer.load_state_dict(ckpt.trainer_state, master=ckpt.model_state, moments=ckpt.optimizer_tensors)
         set_rng_state(ckpt.rng_state)
         self.generator.manual_seed(self.cfg.run.seed * 1000 + self.world.rank + 7919 * ckpt.step)
         self.ledger = ckpt.ledger
@@ -351,7 +351,8 @@ class DrafterCore:
                 self.step,
                 # the weights stay on the device: the writer streams them through one bounded buffer
                 model_state=dict(self.trainer.trainable_tensors()),
-                trainer_state=self.trainer.state_dict(include_master=False),
+                trainer_state=self.trainer.state_dict(include_master=False, include_moments=False),
+                optimizer_tensors=self.trainer.moment_tensors(),
                 rng_state=rng_state(),
                 ledger=self.ledger,
                 extra={"reason": reason, "tokens_total": self.tokens_total},
