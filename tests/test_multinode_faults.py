@@ -108,7 +108,9 @@ def test_a_hung_node_ends_the_run_on_the_other(tmp_path: Path, hung_rank: int) -
 
 
 def test_max_restarts_restarts_every_node_together(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "two-nodes.toml", num_epochs=6, checkpoint_every=2)
+    # 3 epochs (30 steps): the kill lands at step >= 3, far from the data's end
+    epochs = 3
+    config = write_config(tmp_path / "two-nodes.toml", num_epochs=epochs, checkpoint_every=2)
     shared = tmp_path / "shared"
     n0, n1 = nodes = run_both(tmp_path, config, shared, "--max-restarts", "1")
     try:
@@ -142,7 +144,7 @@ def test_max_restarts_restarts_every_node_together(tmp_path: Path) -> None:
     per_epoch_shard: dict[tuple[int, int], set[int]] = defaultdict(set)
     for epoch, shard, index in ledger:
         per_epoch_shard[(epoch, shard)].add(index)
-    assert {k for k in per_epoch_shard} == {(e, s) for e in range(6) for s in range(2)}
+    assert {k for k in per_epoch_shard} == {(e, s) for e in range(epochs) for s in range(2)}
     assert all(ix == set(range(len(ix))) for ix in per_epoch_shard.values())
     assert [sum(len(ix) for (e, s), ix in per_epoch_shard.items() if s == shard) for shard in range(2)] == plan["n_batches_per_shard"]
     trained_last = [tuple(b) for r in recs for b in r["batch_ids"]]

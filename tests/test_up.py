@@ -1,7 +1,8 @@
 """`dflash-ipc up` end to end: real processes, real sockets, real shared memory (CPU only).
 
 Every run uses a smaller copy of configs/tiny-cpu.toml (same model; 300 samples, 256-token
-sequences: 59 batches over 2 target shards, ~30 steps to exhaust the data). Runs that several
+sequences: 59 batches over 2 target shards, ~30 steps to exhaust the data; 150 samples for the
+SIGTERM-and-resume run). Runs that several
 tests read are module-scoped fixtures: the whole file runs `up` 8 times (9 process groups).
 No assertion depends on timing; timeouts are safety nets only.
 """
@@ -271,8 +272,9 @@ def test_status_after_the_run_reads_status_json(full_run):
 @pytest.fixture(scope="module")
 def stopped_and_resumed(work, started):
     """Run until the data is exhausted, SIGTERM the supervisor mid-run (status is read live
-    first), then `up --resume` to the end."""
-    cfg = write_config(work / "resume.toml")
+    first), then `up --resume` to the end. Half the module's samples (~15 steps to the data's
+    end): the SIGTERM still lands well before it, and the resumed run has half as far to go."""
+    cfg = write_config(work / "resume.toml", data__builtin_samples=150)
     run_dir = work / "resume"
     first = Up(cfg, run_dir, name="first")
     started.append(first)
