@@ -110,3 +110,11 @@ def test_state_round_trips_and_is_clamped_to_a_changed_config():
 def test_bad_arguments_are_refused(kw):
     with pytest.raises(ValueError, match="AnchorBudget needs"):
         budget(**kw)
+
+
+@pytest.mark.parametrize("state", [{"anchors": 4096}, {"anchors": "4096", "ceiling": 0, "ceiling_windows_left": 0}, [4096], None])
+def test_a_malformed_checkpoint_state_is_refused_with_what_it_should_be(state):
+    b = budget()
+    with pytest.raises(ValueError, match="anchor budget must be"):
+        b.load_state_dict(state)
+    assert b.anchors == 2048

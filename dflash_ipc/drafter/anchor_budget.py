@@ -36,7 +36,7 @@ the group is bound by its slowest rank, so the fraction over all ranks is the on
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 #: windows before a level that made the drafter the bound may be tried again
 RETRY_AFTER_WINDOWS = 16
@@ -142,6 +142,9 @@ class AnchorBudget:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a checkpoint's budget, kept within this run's start and cap (the config may have changed)."""
+        keys = {f.name for f in fields(BudgetState)}
+        if not isinstance(state, dict) or set(state) != keys or not all(type(v) is int and v >= 0 for v in state.values()):
+            raise ValueError(f"the checkpoint's anchor budget must be {{{', '.join(sorted(keys))}}}, each an int >= 0; got {state!r}")
         restored = BudgetState(**state)
-        restored.anchors = min(self.cap, max(self.start, int(restored.anchors)))
+        restored.anchors = min(self.cap, max(self.start, restored.anchors))
         self.state = restored
