@@ -123,7 +123,8 @@ def bench_gpu_ring_cmd(out_path: str | None, quick: bool, as_json: bool) -> None
     "--variants",
     default="forward-only,cuda-ipc,host-pinned,depth-2,depth-8",
     show_default=True,
-    help="Comma-separated, run in this order: forward-only, cuda-ipc, host-pinned, padded, depth-N, anchors-N, warmup "
+    help="Comma-separated, run in this order: forward-only, cuda-ipc, host-pinned, padded, depth-N, anchors-N, anchors-auto (the anchor "
+    "budget follows the drafter's wait), warmup "
     "(put 'warmup' first on a machine whose Triton cache is cold).",
 )
 @click.option("--peak-tflops", type=float, default=790.0, show_default=True, help="Peak for MFU (bf16 matmul measured on an H200).")

@@ -297,6 +297,14 @@ class DrafterConfig:
     # Anchors per drafter forward+backward inside one optimizer step (gradient accumulation over
     # anchor chunks: memory follows the chunk, not the anchor count); 0: all anchors at once.
     anchor_chunk: int = 0
+    # How many anchors each batch trains on. "fixed": max_anchors_per_batch, always. "follow-wait":
+    # max_anchors_per_batch is the start; every anchor_window steps the drafter moves it by one
+    # anchor_chunk, up while it waits for batches more than anchor_target_wait of its time (idle
+    # time spent on more anchors), down while it has become the bound (drafter/anchor_budget.py).
+    anchor_budget: Literal["fixed", "follow-wait"] = "fixed"
+    anchor_target_wait: float = 0.2  # follow-wait: the share of drafter time spent waiting it aims at
+    max_anchors_auto: int = 0  # follow-wait: the most anchors per batch it may reach; 0: 8 x max_anchors_per_batch
+    anchor_window: int = 8  # follow-wait: steps measured per decision (one chunk up or down at most)
     # One forward+backward on a dummy batch of the configured shapes before the handshake (flex
     # compile, first-step allocations), so the targets never wait on the drafter's first step.
     warm_up: bool = True
@@ -323,6 +331,7 @@ class DrafterConfig:
         _require(self.num_anchors >= 1, "num_anchors", "must be >= 1")
         _require(self.max_anchors_per_batch >= 0, "max_anchors_per_batch", "must be >= 0 (0 = no cap)")
         _require(self.anchor_chunk >= 0, "anchor_chunk", "must be >= 0 (0 = all anchors in one forward)")
+        self._check_anchor_budget()
         _require(self.noise_std >= 0, "noise_std", "must be >= 0")
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
             _require(getattr(self, name) >= 0, name, "must be >= 0 (0 = same as the target)")
@@ -334,6 +343,39 @@ class DrafterConfig:
         )
         _require(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE (got {self.head_dim})")
         _require(self.mask_token_id >= -1, "mask_token_id", "must be a token id >= 0, or -1 for the tokenizer's mask token")
+
+    def _check_anchor_budget(self) -> None:
+        wait = self.anchor_target_wait
+        _require(0 < wait < 1, "anchor_target_wait", f"must be a fraction between 0 and 1 (got {wait})")
+        _require(self.anchor_window >= 1, "anchor_window", f"must be >= 1 step (got {self.anchor_window})")
+        _require(self.max_anchors_auto >= 0, "max_anchors_auto", "must be >= 0 (0 = 8 x drafter.max_anchors_per_batch)")
+        if self.anchor_budget != "follow-wait":
+            return
+        _require(
+            self.anchor_chunk > 0,
+            "anchor_budget",
+            "follow-wait moves the budget one drafter.anchor_chunk at a time: set drafter.anchor_chunk > 0 "
+            "(the anchors one forward holds, e.g. 2048)",
+        )
+        _require(
+            self.max_anchors_per_batch > 0,
+            "anchor_budget",
+            "follow-wait starts at drafter.max_anchors_per_batch and never goes below it: set it > 0 (e.g. 2048)",
+        )
+        _require(
+            self.max_anchors_auto % self.anchor_chunk == 0,
+            "max_anchors_auto",
+            f"must be a multiple of drafter.anchor_chunk ({self.anchor_chunk}), or 0; got {self.max_anchors_auto}",
+        )
+        _require(
+            self.max_anchors_auto == 0 or self.max_anchors_auto >= self.max_anchors_per_batch,
+            "max_anchors_auto",
+            f"must be >= drafter.max_anchors_per_batch ({self.max_anchors_per_batch}), the start; got {self.max_anchors_auto}",
+        )
+
+    def resolved_max_anchors_auto(self) -> int:
+        """follow-wait's cap: max_anchors_auto, or 8 x the start."""
+        return self.max_anchors_auto or 8 * self.max_anchors_per_batch
 
     def resolved_layer_types(self) -> list[str]:
         if self.layer_types:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import tiny_cpu_config, write_toml
 
-from dflash_ipc.bench.pipeline import variant_overrides
+from dflash_ipc.bench.pipeline import anchor_budget_figures, variant_overrides
 from dflash_ipc.config import load_config
 
 
@@ -29,6 +29,32 @@ def test_anchors_variant_chunks_by_what_one_forward_held(tmp_path, chunk, cap, e
     assert fwd == 0 and overrides["transport.backend"] == "cuda-ipc"
     cfg = _load(tmp_path, {k: v for k, v in overrides.items() if k != "transport.backend"})
     assert cfg.drafter.max_anchors_per_batch == 6144 and cfg.drafter.anchor_chunk == expected_chunk
+
+
+@pytest.mark.parametrize("chunk,cap,start", [(0, 2048, 2048), (1024, 0, 1024), (0, 0, 2048)])
+def test_anchors_auto_follows_the_wait_from_the_configured_cap(tmp_path, chunk, cap, start):
+    overrides, fwd = variant_overrides("anchors-auto", on_cuda=True, anchor_chunk=chunk, max_anchors=cap)
+    assert fwd == 0 and overrides["transport.backend"] == "cuda-ipc"
+    cfg = _load(tmp_path, {k: v for k, v in overrides.items() if k != "transport.backend"})
+    d = cfg.drafter
+    assert d.anchor_budget == "follow-wait" and d.max_anchors_per_batch == start and d.anchor_chunk == (chunk or cap or 2048)
+    assert d.resolved_max_anchors_auto() == 8 * start
+
+
+def test_anchor_budget_figures_report_the_final_count_and_the_wait_there():
+    def rec(step, anchors, wait_s):
+        return {"step": step, "anchors": anchors, "wait_s": wait_s, "step_s": 1.0}
+
+    recs = [rec(1, 2048, 5.0), rec(2, 2048, 3.0), rec(3, 4096, 9.0), rec(4, 4096, 1.0), rec(5, 4096, 0.0), rec(6, 4096, 0.5)]
+    got = anchor_budget_figures(recs)
+    # at 4096: steps 4..6 (step 3 may still drain 2048's backlog): 1.5 s waiting in 4.5 s
+    assert got == {
+        "anchors_final": 4096,
+        "anchor_moves": [[1, 2048], [3, 4096]],
+        "steps_at_final_anchors": 3,
+        "drafter_wait_pct_at_final_anchors": 33.33,
+    }
+    assert anchor_budget_figures(recs[:1])["drafter_wait_pct_at_final_anchors"] is None
 
 
 @pytest.mark.parametrize("name", ["anchors-", "anchors-x", "depth-0", "bogus"])

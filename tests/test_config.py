@@ -212,6 +212,22 @@ def test_impossible_value_names_dotted_key(tmp_path, data, key, fragment):
         ({"run": {"control": "tcp", "control_host": "0.0.0.0"}, "transport": {"backend": "nccl"}}, "run.control_host", "wildcard"),
         ({"run": {"control_host": "host name"}}, "run.control_host", "one address or host name"),
         ({"run": {"control": "udp"}}, "run.control", "must be one of 'ipc', 'tcp'"),
+        # the follow-wait anchor budget starts at max_anchors_per_batch and moves by anchor_chunk
+        ({"drafter": {"anchor_budget": "follow-wait", "max_anchors_per_batch": 2048}}, "drafter.anchor_budget", "drafter.anchor_chunk > 0"),
+        ({"drafter": {"anchor_budget": "follow-wait", "anchor_chunk": 2048}}, "drafter.anchor_budget", "drafter.max_anchors_per_batch"),
+        (
+            {"drafter": {"anchor_budget": "follow-wait", "anchor_chunk": 2048, "max_anchors_per_batch": 2048, "max_anchors_auto": 5000}},
+            "drafter.max_anchors_auto",
+            "multiple of drafter.anchor_chunk (2048)",
+        ),
+        (
+            {"drafter": {"anchor_budget": "follow-wait", "anchor_chunk": 1024, "max_anchors_per_batch": 4096, "max_anchors_auto": 2048}},
+            "drafter.max_anchors_auto",
+            ">= drafter.max_anchors_per_batch (4096)",
+        ),
+        ({"drafter": {"anchor_target_wait": 1.5}}, "drafter.anchor_target_wait", "fraction between 0 and 1"),
+        ({"drafter": {"anchor_window": 0}}, "drafter.anchor_window", ">= 1 step"),
+        ({"drafter": {"anchor_budget": "auto"}}, "drafter.anchor_budget", "'fixed', 'follow-wait'"),
     ],
 )
 def test_impossible_combination_names_dotted_key(tmp_path, data, key, fragment):
@@ -254,3 +270,10 @@ def test_nccl_transport_and_tcp_control_load_on_cpu(tmp_path):
     assert cfg.transport.backend == "nccl" and cfg.resolved_backend() == "nccl"
     assert cfg.run.control == "tcp" and cfg.run.control_host == "10.0.0.5"
     assert load_config(write(tmp_path, {}, name="d.toml")).resolved_backend() == "cpu-shm"
+
+
+def test_follow_wait_cap_defaults_to_eight_times_the_start(tmp_path):
+    drafter = {"anchor_budget": "follow-wait", "anchor_chunk": 512, "max_anchors_per_batch": 1024}
+    assert load_config(write(tmp_path, {"drafter": drafter})).drafter.resolved_max_anchors_auto() == 8192
+    drafter["max_anchors_auto"] = 4096
+    assert load_config(write(tmp_path, {"drafter": drafter})).drafter.resolved_max_anchors_auto() == 4096

@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "dflash_ipc.cli"]
 RUN_TIMEOUT_S = 240  # safety net per `up` invocation, never expected to be reached
 METRIC_KEYS = {"step", "loss", "tokens", "tokens_per_s", "lr", "acc", "wait_s", "copy_s", "forward_s", "backward_s", "optimizer_s"}
+METRIC_KEYS |= {"anchors"}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -194,11 +195,16 @@ def started():
 # --------------------------------------------------------------------------- 1. a full run
 
 FULL_STEPS = 12
+# The full run's drafters follow their wait (drafter.anchor_budget): 32 anchors per batch at first,
+# one chunk of 16 per 2-step window after the 4 + 2 settle steps, at most 64. Which way it moves
+# depends on this machine's speed; that it starts at 32, moves a chunk at a time and logs each move does not.
+FOLLOW_WAIT = {"anchor_budget": "follow-wait", "anchor_chunk": 16, "max_anchors_per_batch": 32, "max_anchors_auto": 64, "anchor_window": 2}
+FIRST_DECISION_STEP = 4 + 2 + 2  # transport.ring_slots + 2 settle steps, then one window
 
 
 @pytest.fixture(scope="module")
 def full_run(work, started):
-    cfg = write_config(work / "full.toml")
+    cfg = write_config(work / "full.toml", raw_overrides={"drafter": FOLLOW_WAIT})
     # the debug switch: at exit the supervisor says whether it ever imported torch or transformers
     up = Up(cfg, work / "full", "--max-steps", str(FULL_STEPS), env={**os.environ, "DFLASH_IPC_DEBUG_IMPORTS": "1"})
     started.append(up)
@@ -219,6 +225,13 @@ def test_full_run_trains_checkpoints_and_exports(full_run):
         assert all(r[k] >= 0 for k in ("wait_s", "copy_s", "forward_s", "backward_s", "optimizer_s"))
     losses = [r["loss"] for r in recs]
     assert sum(losses[:3]) / 3 > sum(losses[-3:]) / 3, losses
+    anchors = [r["anchors"] for r in recs]
+    assert anchors[:FIRST_DECISION_STEP] == [32] * FIRST_DECISION_STEP, anchors
+    assert set(anchors) <= {32, 48, 64} and all(abs(b - a) in (0, 16) for a, b in zip(anchors, anchors[1:])), anchors
+    moves = [(str(a), str(b)) for a, b in zip(anchors, anchors[1:]) if a != b]
+    drafter_log = (run_dir / "logs" / "drafter-0.log").read_text()
+    logged = re.findall(r"anchors per batch (\d+) -> (\d+): wait \d+% over the last 2 steps", drafter_log)
+    assert logged[: len(moves)] == moves and len(logged) - len(moves) in (0, 1), (logged, moves)  # + 1: a move after the last step
 
     ckpt = run_dir / "checkpoints" / step_dir_name(FULL_STEPS)
     assert (ckpt / META_FILE).is_file() and checkpoint_step(ckpt) == FULL_STEPS

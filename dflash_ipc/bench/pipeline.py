@@ -14,6 +14,12 @@ Variants (each a fresh run directory and a fresh process group):
 * ``anchors-N``     cuda-ipc with N anchors per batch, micro-batched in chunks of the config's
                     ``drafter.anchor_chunk`` (or, unset, its ``max_anchors_per_batch``: what one
                     forward held before): drafter wait, step split and peak GPU memory at N;
+* ``anchors-auto``  cuda-ipc with ``drafter.anchor_budget = "follow-wait"`` from the config's
+                    ``max_anchors_per_batch`` (or one chunk), chunked as ``anchors-N``: the anchor
+                    count the drafter settled on (``anchors_final``, its moves in ``anchor_moves``)
+                    and the drafter's wait at that count (``drafter_wait_pct_at_final_anchors``).
+                    Its first move comes after ``ring_slots + 2 + drafter.anchor_window`` steps and
+                    each further chunk takes a window: give it the steps to get there;
 * ``warmup``        forward-only over the same batches through the first four decoder layers
                     (both layer types, the target's real widths): compiles every Triton (fla)
                     kernel the measured variants will call into the on-disk cache, cheaply, so
@@ -149,11 +155,19 @@ def variant_overrides(name: str, on_cuda: bool, anchor_chunk: int = 0, max_ancho
         return {"transport.backend": base_backend, "target.varlen": name == "varlen"}, -1
     if name.startswith("depth-"):
         return {"transport.backend": base_backend, "transport.ring_slots": _variant_number(name)}, 0
+    if name == "anchors-auto":  # from the configured cap (or one chunk), one chunk per window while the drafter waits
+        chunk = anchor_chunk or max_anchors or 2048
+        return {
+            "transport.backend": base_backend,
+            "drafter.anchor_budget": "follow-wait",
+            "drafter.max_anchors_per_batch": max_anchors or chunk,
+            "drafter.anchor_chunk": chunk,
+        }, 0
     if name.startswith("anchors-"):
         # more anchors per batch, in chunks of what one forward held before (the configured cap)
         chunk = anchor_chunk or max_anchors or 2048
         return {"transport.backend": base_backend, "drafter.max_anchors_per_batch": _variant_number(name), "drafter.anchor_chunk": chunk}, 0
-    raise ValueError(f"unknown variant {name!r}; use {', '.join(KNOWN_VARIANTS)}, depth-N or anchors-N")
+    raise ValueError(f"unknown variant {name!r}; use {', '.join(KNOWN_VARIANTS)}, depth-N, anchors-N or anchors-auto")
 
 
 def _variant_number(name: str) -> int:
@@ -161,6 +175,25 @@ def _variant_number(name: str) -> int:
     if not tail.isdigit() or int(tail) < 1:
         raise ValueError(f"variant {name!r}: expected a positive integer after '-' (e.g. depth-8, anchors-6144)")
     return int(tail)
+
+
+def anchor_budget_figures(recs: list[dict]) -> dict:
+    """Where a follow-wait budget went: its moves ([step, anchors] from the first step on), the count
+    it ended at and the drafter's wait over the steps at that count (after the first of them)."""
+    moves = [[r["step"], r["anchors"]] for i, r in enumerate(recs) if i == 0 or r["anchors"] != recs[i - 1]["anchors"]]
+    final = recs[-1]["anchors"]
+    first = len(recs) - 1
+    while first > 0 and recs[first - 1]["anchors"] == final:
+        first -= 1
+    at_final = recs[first + 1 :]  # the first step at a new count may still drain the backlog of the old one
+    wait = sum(r["wait_s"] for r in at_final)
+    busy = sum(r["step_s"] for r in at_final)
+    return {
+        "anchors_final": final,
+        "anchor_moves": moves,
+        "steps_at_final_anchors": len(at_final),
+        "drafter_wait_pct_at_final_anchors": round(100 * wait / (wait + busy), 2) if at_final and wait + busy > 0 else None,
+    }
 
 
 def _steady(recs: list[dict], skip: int = 2) -> list[dict]:
@@ -271,6 +304,8 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
         out["drafter_step_split_s"] = {k: round(sum(r[k] for r in st) / len(st), 4) for k in keys}
         out["drafter_wait_pct"] = round(100 * sum(r["wait_s"] for r in st) / max(1e-9, sum(r["wait_s"] + r["step_s"] for r in st)), 2)
         out["loss_first_last"] = [recs[0]["loss"], recs[-1]["loss"]]
+        if cfg.drafter.anchor_budget == "follow-wait":
+            out.update(anchor_budget_figures(recs))
         for c in drafters:
             gpu = c.stats.work.gpu if isinstance(c.stats, DrafterStats) else None
             gpu_peaks[c.device] = max(gpu_peaks.get(c.device, 0), gpu.peak_bytes if gpu else 0)

@@ -139,6 +139,7 @@ class DrafterWork(Struct):
     tau_holdout_steps: int = 0  # simulated verification steps behind tau_holdout
     tau_holdout_uniform: float | None = None  # the earlier estimate: blocks at uniformly drawn anchors (overstates eval's tau)
     holdout_step: int | None = None  # the step whose weights that pass measured
+    anchors: int = 0  # the most anchors per batch the next step trains on (drafter.anchor_budget); 0: no cap
 
 
 @dataclass(frozen=True)

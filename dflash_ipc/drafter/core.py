@@ -6,10 +6,15 @@ One training step, identical on every drafter rank (data parallel, lockstep)::
         │
     agree(has_batch, stop)  ── no rank has a batch and no more will come ──▶ finish
         │                   ── stop requested ──▶ checkpoint at this boundary ──▶ finish
-    compute_loss (concat planes + noise on this GPU; argmax hits -> eval-rule tau; anchor chunks: forward +
+    compute_loss (at most anchors_per_batch anchors: drafter.max_anchors_per_batch or the follow-wait budget;
+        │        concat planes + noise on this GPU; argmax hits -> eval-rule tau; anchor chunks: forward +
         │        trainer.accumulate each but the last) ─▶ trainer.step (last chunk's backward, token-weighted all-reduce)
         │   (a rank without a batch steps with zero weight, so collectives never hang)
-    ledger += batch id ─▶ metrics.jsonl (+ TensorBoard events if run.tensorboard; rank 0) ─▶ checkpoint every N steps
+    ledger += batch id ─▶ metrics.jsonl (+ TensorBoard events if run.tensorboard; rank 0)
+        │
+    anchor budget (follow-wait, drafter/anchor_budget.py): fed this step's wait_s and step_s; every
+        │         drafter.anchor_window steps one all-reduce of the window's sums, the same move on every rank
+    checkpoint every N steps (with the budget: a resumed run continues at the same anchors per batch)
 
 The ledger holds the id of every batch whose gradient is inside the checkpointed weights;
 on resume targets skip exactly those, so no consumed batch repeats and none is skipped.
@@ -31,6 +36,7 @@ from dflash_ipc.config import DFlashConfig
 from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
 from dflash_ipc.data.tokenizer import choose_mask_token, load_tokenizer
 from dflash_ipc.devices import dtype_from_name
+from dflash_ipc.drafter.anchor_budget import AnchorBudget
 from dflash_ipc.drafter.checkpoint import (
     BatchLedger,
     config_hash,
@@ -123,9 +129,31 @@ class DrafterCore:
         self._holdout_sums: dict[int, tuple[HoldoutScore, int]] = {}
         self._holdout_unlogged: dict = {}  # the last completed pass, for the next metrics record
         self.holdout_last: dict = {}
+        self.anchor_budget = self._anchor_budget()
         if resume:
             self._resume()
         self._tensorboard = self._open_tensorboard() if (cfg.run.tensorboard and world.is_main) else None
+
+    def _anchor_budget(self) -> AnchorBudget | None:
+        d = self.cfg.drafter
+        if d.anchor_budget != "follow-wait":
+            return None
+        # Not counted: the steps that drain the backlog a ring's depth of slots built while this drafter warmed up.
+        settle = self.cfg.transport.ring_slots + 2
+        cap = d.resolved_max_anchors_auto()
+        return AnchorBudget(d.max_anchors_per_batch, d.anchor_chunk, cap, d.anchor_target_wait, d.anchor_window, settle_steps=settle)
+
+    @property
+    def anchors_per_batch(self) -> int:
+        """The most anchors the next batch trains on (0: every sampled anchor)."""
+        return self.anchor_budget.anchors if self.anchor_budget else self.cfg.drafter.max_anchors_per_batch
+
+    def _sum_over_ranks(self, wait_s: float, step_s: float) -> tuple[float, float]:
+        if not self.world.is_distributed:
+            return wait_s, step_s
+        sums = torch.tensor([wait_s, step_s], dtype=torch.float64, device=self.world.comm_device)
+        torch.distributed.all_reduce(sums)
+        return float(sums[0]), float(sums[1])
 
     def _open_tensorboard(self):
         from torch.utils.tensorboard import SummaryWriter
@@ -151,6 +179,9 @@ class DrafterCore:
         self.generator.manual_seed(self.cfg.run.seed * 1000 + self.world.rank + 7919 * ckpt.step)
         self.ledger = ckpt.ledger
         self.step = ckpt.step
+        if self.anchor_budget is not None and "anchor_budget" in ckpt.extra:
+            self.anchor_budget.load_state_dict(ckpt.extra["anchor_budget"])
+            log.info("resume: %d anchors per batch (follow-wait, from the checkpoint)", self.anchor_budget.anchors)
         self.resumed_from = ResumePoint(checkpoint=str(ckpt.path), step=ckpt.step)
         self.last_checkpoint = (ckpt.step, ckpt.path)
         if self.world.is_main:
@@ -214,8 +245,12 @@ class DrafterCore:
     # -- training
     def train_step(self, views: SlotViews | None, batch_id: list | None, wait_s: float, copy_s: float) -> dict:
         t0 = time.perf_counter()
+        anchors = self.anchors_per_batch
         if views is not None:
-            out = compute_loss(self.model, views, self.cfg.drafter, self.cfg.training, self.generator, self.trainer.accumulate)
+            drafter_cfg = self.cfg.drafter
+            if anchors != drafter_cfg.max_anchors_per_batch:
+                drafter_cfg = dataclasses.replace(drafter_cfg, max_anchors_per_batch=anchors)
+            out = compute_loss(self.model, views, drafter_cfg, self.cfg.training, self.generator, self.trainer.accumulate)
             t_fwd = time.perf_counter()  # with anchor chunks: every chunk's forward and all but the last's backward
             stats = self.trainer.step(out.loss_sum, out.weight_sum)
             correct, count = out.correct_per_pos.detach(), out.count_per_pos.detach()
@@ -268,7 +303,13 @@ class DrafterCore:
             "step_s": dt,
             "elapsed_s": elapsed,
             "skipped": stats.skipped,
+            "anchors": anchors,  # the most anchors this step trained on per batch (0: no cap)
         }
+        if self.anchor_budget is not None:
+            # every rank, every step: a window's end is a collective (held-out passes never come here)
+            change = self.anchor_budget.observe(wait_s, dt, self._sum_over_ranks)
+            if change is not None and self.world.is_main:
+                log.info("%s", change.describe())
         if self._holdout_unlogged:
             rec.update(self._holdout_unlogged)
             self._holdout_unlogged = {}
@@ -355,13 +396,19 @@ class DrafterCore:
                 optimizer_tensors=self.trainer.moment_tensors(),
                 rng_state=rng_state(),
                 ledger=self.ledger,
-                extra={"reason": reason, "tokens_total": self.tokens_total},
+                extra=self._checkpoint_extra(reason),
                 config_hash=self.config_hash,
                 keep=self.cfg.training.keep_checkpoints,
             )
             log.info("checkpoint %s (%s): %d batches in the ledger", path, reason, len(self.ledger))
         self.last_checkpoint = (self.step, path)
         return path
+
+    def _checkpoint_extra(self, reason: str) -> dict:
+        extra = {"reason": reason, "tokens_total": self.tokens_total}
+        if self.anchor_budget is not None:
+            extra["anchor_budget"] = self.anchor_budget.state_dict()
+        return extra
 
     def export(self) -> Path | None:
         if not self.world.is_main:
@@ -411,4 +458,5 @@ class DrafterCore:
             tau_holdout_steps=self.holdout_last.get("tau_holdout_steps", 0),
             tau_holdout_uniform=self.holdout_last.get("tau_holdout_uniform"),
             holdout_step=self.holdout_last.get("holdout_step"),
+            anchors=self.anchors_per_batch,
         )
