@@ -248,7 +248,8 @@ def test_unknown_keys_duplicates_and_non_objects(status):
 # --------------------------------------------------------------------------- prometheus
 
 TARGET_ONLY = {"process_slots_free", "process_slots_filling", "process_slots_ready", "process_slots_copying", "process_inflight_slots"}
-DRAFTER_ONLY = {"process_queue_depth", "process_step", "process_loss"}
+DRAFTER_ONLY = {"process_queue_depth", "process_step", "process_loss", "process_anchors_per_batch"}
+DRAFTER0_ONLY = {"process_tau_holdout"}  # the held-out passes go to drafter 0
 
 
 def test_prometheus_parses_with_one_sample_per_process(status):
@@ -271,6 +272,8 @@ def test_prometheus_parses_with_one_sample_per_process(status):
         }
         if short == "process_exit_code":
             expected = set()  # nothing has exited
+        if short in DRAFTER0_ONLY:
+            expected = {p for p in procs if p[:2] == ("drafter", "0")}
         assert set(seen) == expected, name
         for labels, _ in fams[name]["samples"]:
             assert set(labels) - {"state"} == {"role", "rank", "device"}, labels
@@ -333,8 +336,13 @@ def test_table_has_every_process_and_totals(status):
     assert "RUNNING" in text and "updated 2.0s ago" in text
     assert "TOTAL  18.2k tok/s  step 1,234/10,000 (12.3%)  loss 2.346" in text
     assert "30.0/34.0G" in text and "q1 s1234" in text and "1/1/1/1 i3" in text
+    assert "\nTRAIN  anchors/batch 6,144  held-out tau 3.78\n" in text
     assert "!" not in text  # nothing to warn about
     assert all(len(ln) <= 100 for ln in text.splitlines())
+    plain = dataclasses.replace(
+        status, processes=[dataclasses.replace(p, anchors_per_batch=None, tau_holdout=None) for p in status.processes]
+    )
+    assert "TRAIN" not in sv.render_table(plain, now=NOW + 2)  # nothing to say: no line
 
 
 def test_table_fits_100_columns_in_the_worst_case():

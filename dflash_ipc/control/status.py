@@ -63,7 +63,16 @@ class ProcessStatus(Struct):
     """One target or drafter process."""
 
     NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset(
-        {"rank", "queue_depth", "step", "gpu_mem_allocated_bytes", "gpu_mem_reserved_bytes", "rss_bytes", "rejected_messages"}
+        {
+            "rank",
+            "queue_depth",
+            "step",
+            "gpu_mem_allocated_bytes",
+            "gpu_mem_reserved_bytes",
+            "rss_bytes",
+            "rejected_messages",
+            "anchors_per_batch",
+        }
     )
     role: str  # "target" | "drafter"
     rank: int  # index within its role; (role, rank) is unique
@@ -86,6 +95,8 @@ class ProcessStatus(Struct):
     busy_pct: float | None  # share of wall time computing, 0..100
     wait_pct: float | None  # share of wall time waiting for input, 0..100
     exit_code: int | None  # None while running
+    anchors_per_batch: int | None = None  # drafters: the most anchors the next batch trains on (drafter.anchor_budget); 0: no cap
+    tau_holdout: float | None = None  # drafter 0: held-out tau of the last pass (training.holdout_every)
 
     def __post_init__(self) -> None:
         _require_one_of("role", self.role, ROLES)
@@ -226,6 +237,8 @@ def example_status(n_targets: int = 1, n_drafters: int = 1, *, now: float | None
                 rss_bytes=5 * 2**30,
                 busy_pct=84.0,
                 wait_pct=12.0,
+                anchors_per_batch=6144,
+                tau_holdout=3.78 if r == 0 else None,
                 **common,
             )
         )

@@ -64,6 +64,8 @@ PROCESS_METRICS: list[tuple[str, str, Callable[[ProcessStatus], Any]]] = [
     ("process_queue_depth", "Batches waiting to be trained on (drafters).", lambda p: p.queue_depth),
     ("process_step", "Optimizer steps done (drafters).", lambda p: p.step),
     ("process_loss", "Latest training loss (drafters).", lambda p: p.loss),
+    ("process_anchors_per_batch", "Most anchors the next batch trains on (drafters; 0: no cap).", lambda p: p.anchors_per_batch),
+    ("process_tau_holdout", "Held-out acceptance length of the last held-out pass (drafter 0).", lambda p: p.tau_holdout),
     ("process_gpu_memory_allocated_bytes", "GPU memory allocated by tensors.", lambda p: p.gpu_mem_allocated_bytes),
     ("process_gpu_memory_reserved_bytes", "GPU memory reserved by the caching allocator.", lambda p: p.gpu_mem_reserved_bytes),
     ("process_resident_memory_bytes", "Resident set size.", lambda p: p.rss_bytes),

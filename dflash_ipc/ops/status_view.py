@@ -238,6 +238,15 @@ def render_table(
         total.append(f"eta {fmt_duration(t.eta_s)}")
     lines.append("")
     lines.append(_fit("  ".join(total), width))
+    train = []
+    anchors = sorted({p.anchors_per_batch for p in procs if p.anchors_per_batch})
+    if anchors:  # one figure: every data-parallel rank moves its budget alike
+        train.append(f"anchors/batch {'/'.join(f'{a:,}' for a in anchors)}")
+    held_out = [p.tau_holdout for p in procs if p.tau_holdout is not None]
+    if held_out:
+        train.append(f"held-out tau {held_out[0]:.2f}")
+    if train:
+        lines.append(_fit("TRAIN  " + "  ".join(train), width))
 
     warnings = []
     if state == "lost":

@@ -158,4 +158,6 @@ def process_status(ch: Any, now: float, now_m: float) -> ProcessStatus:
         busy_pct=target.work.busy_pct if target else None,
         wait_pct=min(100.0, drafter.wait_pct) if drafter else None,
         exit_code=code,
+        anchors_per_batch=drafter.work.anchors if drafter else None,
+        tau_holdout=drafter.work.tau_holdout if drafter else None,
     )
