@@ -257,6 +257,10 @@ def up(
         cfg, resolved_run_dir, resume=resume, max_restarts=max_restarts, echo=click.echo, live_progress=sys.stdout.isatty(), node=node
     )
     try:
+        done = sup.finished_already()
+        if done:
+            click.echo(f"[up] finished already: {done}")
+            sys.exit(0)
         try:
             sup.prepare()
         except (GroupFailed, ProbeFailed, ValueError, OSError) as e:  # ConfigError is a ValueError

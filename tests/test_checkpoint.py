@@ -352,3 +352,19 @@ def test_big_tensors_streamed_to_safetensors_resume_bit_exact(tmp_path):
     for i in range(3, 5):
         train_step(tr2, i)
     assert all(torch.equal(a, b) for a, b in zip(uninterrupted, snapshot(tr2)))
+
+
+def test_latest_committed_step_reads_the_pointer_and_meta_without_torch(tmp_path):
+    from dflash_ipc.drafter.ckpt_layout import latest_committed_step
+
+    assert latest_committed_step(tmp_path) is None  # nothing saved
+    tr = make_trainer(torch.float32)
+    train_step(tr, 0)
+    save(tr, tmp_path, BatchLedger([(0, 0, 0)]))
+    assert latest_committed_step(tmp_path) == 1
+    (tmp_path / "step-000001" / ck.META_FILE).write_text("{torn")
+    assert latest_committed_step(tmp_path) is None  # unreadable: the caller falls back to a full load
+    (tmp_path / ck.LATEST_FILE).write_text("elsewhere\n")
+    assert latest_committed_step(tmp_path) is None
+    code = "import sys, dflash_ipc.drafter.ckpt_layout; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -263,6 +263,9 @@ def test_resuming_a_finished_run_trains_nothing_more(full_run, started):
     again = Up(up.config, up.run_dir, "--max-steps", str(FULL_STEPS), "--resume", name="again")
     started.append(again)
     assert again.wait() == 0, again.output
+    # decided from the checkpoint before any process starts: no probe, no children
+    assert f"[up] finished already: the checkpoint is at step {FULL_STEPS}, training.max_steps is {FULL_STEPS}" in again.output
+    assert "[up] started" not in again.output and "[up] data:" not in again.output, again.output
     assert [r["step"] for r in read_metrics(up.run_dir)] == list(range(1, FULL_STEPS + 1))
     assert latest_checkpoint(up.run_dir) == ckpt and (ckpt / META_FILE).read_text() == meta_before
     assert_no_leftovers(again)

@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import socket
 import time
@@ -50,19 +49,23 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file as _st_load_file
 
+from dflash_ipc.drafter.ckpt_layout import (  # noqa: F401 - the layout's names, re-exported for the modules that load checkpoints
+    CKPT_FORMAT,
+    LATEST_FILE,
+    LEDGER_FILE,
+    LEDGER_FORMAT,
+    META_FILE,
+    MODEL_FILE,
+    OPTIM_FILE,
+    STEP_DIR_RE,
+    TRAINER_FILE,
+    read_latest_pointer,
+    step_dir_name,
+)
 from dflash_ipc.drafter.safetensors_stream import write_safetensors
 
 log = logging.getLogger(__name__)
 
-CKPT_FORMAT = "dflash-ipc-ckpt/1"
-LEDGER_FORMAT = "dflash-ipc-ledger/1"
-MODEL_FILE = "model.safetensors"
-TRAINER_FILE = "trainer.pt"
-OPTIM_FILE = "optimizer.safetensors"
-LEDGER_FILE = "ledger.json"
-META_FILE = "meta.json"
-LATEST_FILE = "latest"
-_STEP_RE = re.compile(r"^step-(\d+)$")
 
 BatchId = tuple[int, ...]
 
@@ -212,10 +215,6 @@ def config_hash(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -276,7 +275,7 @@ def _list_step_dirs(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return out
     for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
+        m = STEP_DIR_RE.match(p.name)
         if m and p.is_dir():
             out.append((int(m.group(1)), p))
     out.sort(key=lambda t: t[0], reverse=True)
@@ -491,7 +490,7 @@ class CheckpointError(RuntimeError):
 def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu") -> Checkpoint:
     """Load and fully validate one checkpoint directory; raises :class:`CheckpointError` saying why."""
     path = Path(path)
-    m = _STEP_RE.match(path.name)
+    m = STEP_DIR_RE.match(path.name)
     if not m:
         raise CheckpointError(f"{path}: not a step-NNNNNN directory")
     meta_path = path / META_FILE
@@ -545,14 +544,6 @@ def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu
         ledger=ledger,
         optimizer_tensors=optimizer_tensors,
     )
-
-
-def read_latest_pointer(ckpt_root: Path | str) -> str | None:
-    try:
-        name = (Path(ckpt_root) / LATEST_FILE).read_text().strip()
-    except (FileNotFoundError, OSError):
-        return None
-    return name or None
 
 
 def load_latest_checkpoint(

@@ -54,6 +54,7 @@ from dflash_ipc.control.plane import ControlSpec, SupervisorSockets
 from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown, to_wire
 from dflash_ipc.control.stats import DrafterStats, DrafterSummary, TargetStats
 from dflash_ipc.control.status import SCHEMA_VERSION, StatusSnapshot, Totals
+from dflash_ipc.drafter.ckpt_layout import latest_committed_step
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
@@ -148,6 +149,18 @@ class Supervisor:
         self.forward_only = forward_only
 
     # ------------------------------------------------------------------ prepare
+
+    def finished_already(self) -> str | None:
+        """With --resume: why there is nothing left to train (the committed checkpoint is at or past
+        training.max_steps), else None. Read from ``latest`` and its meta.json, no process started:
+        a finished run restarted (systemd's Restart=, a repeated command) exits at once."""
+        max_steps = self.cfg.training.max_steps
+        if not self.resume or max_steps <= 0:
+            return None
+        step = latest_committed_step(self.node.checkpoint_root(self.run_dir))
+        if step is None or step < max_steps:
+            return None
+        return f"the checkpoint is at step {step}, training.max_steps is {max_steps}: nothing left to train"
 
     def prepare(self) -> None:
         """Everything that can fail on bad input happens here, before any process starts.
