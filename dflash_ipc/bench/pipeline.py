@@ -155,18 +155,15 @@ def variant_overrides(name: str, on_cuda: bool, anchor_chunk: int = 0, max_ancho
         return {"transport.backend": base_backend, "target.varlen": name == "varlen"}, -1
     if name.startswith("depth-"):
         return {"transport.backend": base_backend, "transport.ring_slots": _variant_number(name)}, 0
-    if name == "anchors-auto":  # from the configured cap (or one chunk), one chunk per window while the drafter waits
-        chunk = anchor_chunk or max_anchors or 2048
-        return {
-            "transport.backend": base_backend,
-            "drafter.anchor_budget": "follow-wait",
-            "drafter.max_anchors_per_batch": max_anchors or chunk,
-            "drafter.anchor_chunk": chunk,
-        }, 0
     if name.startswith("anchors-"):
         # more anchors per batch, in chunks of what one forward held before (the configured cap)
         chunk = anchor_chunk or max_anchors or 2048
-        return {"transport.backend": base_backend, "drafter.max_anchors_per_batch": _variant_number(name), "drafter.anchor_chunk": chunk}, 0
+        overrides = {"transport.backend": base_backend, "drafter.anchor_chunk": chunk}
+        if name == "anchors-auto":  # from the configured cap (or one chunk), one chunk per window while the drafter waits
+            overrides |= {"drafter.anchor_budget": "follow-wait", "drafter.max_anchors_per_batch": max_anchors or chunk}
+        else:
+            overrides["drafter.max_anchors_per_batch"] = _variant_number(name)
+        return overrides, 0
     raise ValueError(f"unknown variant {name!r}; use {', '.join(KNOWN_VARIANTS)}, depth-N, anchors-N or anchors-auto")
 
 

@@ -427,7 +427,7 @@ class DrafterTrainer:
         """The optimizer's per-parameter tensors (AdamW exp_avg / exp_avg_sq), live on the training
         device, keyed ``"<param index>.<name>"``: what a checkpoint streams to optimizer.safetensors."""
         per_param_state = self.optimizer.state_dict()["state"]
-        return {f"{i}.{k}": v for i, per_param in per_param_state.items() for k, v in per_param.items() if _is_moment(v)}
+        return {_moment_key(i, k): v for i, per_param in per_param_state.items() for k, v in per_param.items() if _is_moment(v)}
 
     def state_dict(self, include_master: bool = True, include_moments: bool = True) -> dict[str, Any]:
         """Step, schedule, the optimizer's state and (``include_master``) the master weights, on the CPU.
@@ -442,7 +442,7 @@ class DrafterTrainer:
             optimizer = {
                 **optimizer,
                 "state": {
-                    i: {k: f"moment:{i}.{k}" if _is_moment(v) else v for k, v in per_param.items()}
+                    i: {k: _MOMENT_PLACEHOLDER + _moment_key(i, k) if _is_moment(v) else v for k, v in per_param.items()}
                     for i, per_param in optimizer["state"].items()
                 },
             }
@@ -461,7 +461,7 @@ class DrafterTrainer:
             },
         }
         if include_master:
-            state["master"] = {n: mv.detach().to("cpu", copy=True) for n, mv in zip(self.names, self._master_views)}
+            state["master"] = self.trainable_state_dict()
         return state
 
     def load_state_dict(
@@ -506,6 +506,14 @@ class DrafterTrainer:
         self._ensure_linked()
 
 
+_MOMENT_PLACEHOLDER = "moment:"  # state_dict(include_moments=False) leaves "moment:<key>" where a moment was
+
+
+def _moment_key(param_index: int, name: str) -> str:
+    """A moment's key in optimizer.safetensors (and in its placeholder)."""
+    return f"{param_index}.{name}"
+
+
 def _is_moment(value: Any) -> bool:
     """A per-parameter optimizer tensor (not the 0-dim ``step``)."""
     return isinstance(value, torch.Tensor) and value.dim() > 0
@@ -517,8 +525,8 @@ def _with_moments(optimizer_state: dict[str, Any], moments: Mapping[str, torch.T
     for i, per_param in optimizer_state["state"].items():
         filled = {}
         for k, v in per_param.items():
-            if isinstance(v, str) and v.startswith("moment:"):
-                key = v[len("moment:") :]
+            if isinstance(v, str) and v.startswith(_MOMENT_PLACEHOLDER):
+                key = v[len(_MOMENT_PLACEHOLDER) :]
                 if key not in moments:
                     raise ValueError(f"the trainer state's optimizer moment {key!r} is not among the moments given (optimizer.safetensors)")
                 v = moments[key]
