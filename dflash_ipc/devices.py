@@ -45,3 +45,16 @@ def cuda_device(device: DeviceLike) -> torch.device:
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def fill_normal_(out: torch.Tensor, std: float, generator: torch.Generator, chunk_elems: int = 1 << 24) -> torch.Tensor:
+    """Fill a 2-D ``out`` (any device, any dtype) with N(0, std), drawn in fp32 on the generator's
+    device in row chunks of about ``chunk_elems`` elements: bounded memory, and the same numbers
+    for the same generator state whatever ``out``'s device and dtype (one draw sequence per seed)."""
+    rows, cols = out.shape
+    chunk = max(1, chunk_elems // max(1, cols))
+    with torch.no_grad():
+        for r in range(0, rows, chunk):
+            n = min(chunk, rows - r)
+            out[r : r + n].copy_(torch.randn(n, cols, generator=generator, device=generator.device, dtype=torch.float32) * std)
+    return out

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ipc.config import DrafterConfig
-from dflash_ipc.devices import as_device
+from dflash_ipc.devices import as_device, fill_normal_
 from dflash_ipc.target.hf_config import rope_theta, text_config
 
 try:  # flex_attention exists in every supported torch (>= 2.11); keep the import soft anyway.
@@ -385,11 +385,7 @@ class DFlashDrafter(nn.Module):
         with torch.no_grad():
             for m in self.modules():
                 if isinstance(m, nn.Linear):
-                    w = m.weight
-                    rows = max(1, (1 << 24) // max(1, w.shape[1]))
-                    for r in range(0, w.shape[0], rows):
-                        block = torch.randn(min(rows, w.shape[0] - r), w.shape[1], generator=gen) * std
-                        w[r : r + block.shape[0]].copy_(block)
+                    fill_normal_(m.weight, std, gen)
                 elif isinstance(m, RMSNorm):
                     nn.init.ones_(m.weight)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.devices import as_device, cuda_device
+from dflash_ipc.devices import as_device, cuda_device, fill_normal_
 from dflash_ipc.target.hf_config import text_config
 
 
@@ -41,18 +41,8 @@ def _random_matrix(rows: int, cols: int, std: float, seed: int, tag: str, device
     device = as_device(device)
     out = torch.empty(rows, cols, device=device, dtype=dtype)
     if device.type == "cuda":
-        gen = _head_generator(seed, tag, device)
-        chunk = max(1, (1 << 28) // max(cols, 1))
-        for r in range(0, rows, chunk):
-            n = min(chunk, rows - r)
-            out[r : r + n].copy_(torch.randn(n, cols, generator=gen, device=device, dtype=torch.float32) * std)
-        return out
-    gen = _head_generator(seed, tag)
-    chunk = max(1, (1 << 24) // max(cols, 1))
-    for r in range(0, rows, chunk):
-        block = torch.randn(min(chunk, rows - r), cols, generator=gen, dtype=torch.float32) * std
-        out[r : r + block.shape[0]].copy_(block)
-    return out
+        return fill_normal_(out, std, _head_generator(seed, tag, device), chunk_elems=1 << 28)
+    return fill_normal_(out, std, _head_generator(seed, tag))
 
 
 def _tied(hf_config: Any) -> bool:
