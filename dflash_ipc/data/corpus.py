@@ -153,6 +153,17 @@ def _turn_end_token(tokenizer) -> str | None:
     return tokenizer.eos_token
 
 
+def _render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The chat template's text for ``messages``; a template that fails or renders no string makes the line bad."""
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - jinja errors of arbitrary templates
+        raise BadRecord(f"chat template failed: {type(e).__name__}: {e}") from None
+    if not isinstance(rendered, str):
+        raise BadRecord("chat template did not render to a string")
+    return rendered
+
+
 # A piece of a sample: text to tokenize, or token ids taken as they are; and whether it is supervised.
 Piece = tuple[str | list[int], bool]
 
@@ -160,12 +171,7 @@ Piece = tuple[str | list[int], bool]
 def _chat_segments(messages: list[dict], tokenizer, end_token: str | None, cut_at_end: bool = False) -> list[Piece]:
     """Cut the rendered chat into ``(text, supervised)`` pieces; ``cut_at_end``: the final assistant
     turn was cut short, so the sample ends with its content (no end token, nothing after it)."""
-    try:
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    except Exception as e:  # noqa: BLE001 - jinja errors of arbitrary templates
-        raise BadRecord(f"chat template failed: {type(e).__name__}: {e}") from None
-    if not isinstance(rendered, str):
-        raise BadRecord("chat template did not render to a string")
+    rendered = _render_chat(tokenizer, messages, add_generation_prompt=False)
     spans = _spans_by_placeholders(messages, tokenizer, rendered)
     if spans is None:
         spans = _spans_by_search(messages, tokenizer, rendered)
@@ -193,12 +199,7 @@ def _chat_segments(messages: list[dict], tokenizer, end_token: str | None, cut_a
 def _answer_ids_pieces(messages: list[dict], ids: list[int], tokenizer, end_token: str | None, cut_at_end: bool) -> list[Piece]:
     """A chat whose final assistant turn carries the target's token ids: the prompt the target answered,
     the ids, then the template's text after an assistant content (unless the answer was cut)."""
-    try:
-        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - jinja errors of arbitrary templates
-        raise BadRecord(f"chat template failed: {type(e).__name__}: {e}") from None
-    if not isinstance(prompt, str):
-        raise BadRecord("chat template did not render to a string")
+    prompt = _render_chat(tokenizer, messages[:-1], add_generation_prompt=True)
     pieces: list[Piece] = [(prompt, False), (list(ids), True)]
     if cut_at_end:
         return pieces
@@ -216,11 +217,8 @@ def _text_after_answer(messages: list[dict], tokenizer) -> str:
     found by rendering a placeholder in its place."""
     mark = "\ue000answer\ue001"
     last = {k: v for k, v in messages[-1].items() if k != ANSWER_IDS_FIELD}
-    try:
-        skeleton = tokenizer.apply_chat_template(messages[:-1] + [{**last, "content": mark}], tokenize=False, add_generation_prompt=False)
-    except Exception as e:  # noqa: BLE001
-        raise BadRecord(f"chat template failed: {type(e).__name__}: {e}") from None
-    if not isinstance(skeleton, str) or skeleton.count(mark) != 1:
+    skeleton = _render_chat(tokenizer, messages[:-1] + [{**last, "content": mark}], add_generation_prompt=False)
+    if skeleton.count(mark) != 1:
         raise BadRecord(
             "the chat template does not write the assistant content as given, so its token_ids have no place; drop them to use the text"
         )
