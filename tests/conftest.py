@@ -14,13 +14,17 @@ Run configs: tests build them as dicts (``tiny_cpu_config(data={...})``) and wri
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import faulthandler
 import functools
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +81,39 @@ def run_up(config: Path, run_dir: Path, max_steps: int, cwd: Path) -> subprocess
     """`dflash-ipc up` to completion in a subprocess (not a TTY), its output captured as text."""
     argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(config), "--max-steps", str(max_steps), "--run-dir", str(run_dir)]
     return subprocess.run(argv, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=cwd)
+
+
+def free_port() -> int:
+    """A loopback port free at the moment of asking (the rendezvous of a test's process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def process_group_rank(rank: int, port: int, backend: str = "gloo", timeout_s: float = 120.0) -> Iterator[Any]:
+    """One rank of a two-rank test process group, started by ``torch.multiprocessing.spawn``.
+
+    faulthandler is on, because spawn reports a rank that a C++ abort ends only by its signal
+    (the one CI failure of this kind, a SIGABRT "terminate called without an active exception",
+    left no stack). A rank that finished its body meets the other at a barrier before the group
+    is destroyed: no rank tears its connections down while the peer's last collective is still
+    in flight. A rank that raised skips the barrier (the peer may never come)."""
+    from dflash_ipc.drafter.distributed import init_distributed
+
+    faulthandler.enable()
+    if backend == "gloo":
+        torch.set_num_threads(1)  # two ranks on a 2-core machine
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    world = init_distributed(backend, timeout_s)
+    finished = False
+    try:
+        yield world
+        finished = True
+    finally:
+        if finished:
+            world.barrier()
+        torch.distributed.destroy_process_group()
 
 
 TINY_RUN_STEPS = 6

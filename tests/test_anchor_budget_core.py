@@ -6,19 +6,17 @@ run. Waits are scripted far from the thresholds, so no assertion depends on how 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import tiny_cpu_config, write_toml
-from test_anchor_chunks import _free_port
+from conftest import free_port, process_group_rank, tiny_cpu_config, write_toml
 from test_drafter_warmup import batches
 
 from dflash_ipc.config import load_config
 from dflash_ipc.drafter.core import DrafterCore
-from dflash_ipc.drafter.distributed import DistInfo, init_distributed
+from dflash_ipc.drafter.distributed import DistInfo
 
 FOLLOW_WAIT = {"anchor_budget": "follow-wait", "anchor_chunk": 8, "max_anchors_per_batch": 8, "max_anchors_auto": 24, "anchor_window": 2}
 SETTLE = 4  # transport.ring_slots (2) + 2 steps not counted after each (re)start
@@ -87,10 +85,7 @@ def test_fixed_budget_is_the_configured_cap_and_ignores_waits(tmp_path):
 
 
 def _dp_worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    world = init_distributed("gloo", 120.0)
-    try:
+    with process_group_rank(rank, port) as world:
         core = make_core(Path(out_dir) / f"rank{rank}", FOLLOW_WAIT, world=world)
         seen = []
         for _ in range(SETTLE + 4):
@@ -99,14 +94,12 @@ def _dp_worker(rank: int, port: int, out_dir: str) -> None:
             seen.append(core.last["anchors"])
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(seen + [core.anchors_per_batch]))
         core.close()
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow  # two gloo ranks, each a real core
 def test_data_parallel_ranks_move_the_budget_together(tmp_path):
     for rank in range(2):
         (tmp_path / f"rank{rank}").mkdir()
-    mp.spawn(_dp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_dp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     seen0, seen1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert seen0 == seen1 == [8] * (SETTLE + 2) + [16, 16] + [24]

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_port, process_group_rank
 from test_dflash_loss import packed_views, tiny_model
 
 from dflash_ipc.config import DrafterConfig, TrainingConfig
 from dflash_ipc.drafter import loss as L
-from dflash_ipc.drafter.distributed import init_distributed
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.transport.slots import SlotViews
 
@@ -114,12 +113,6 @@ def test_bf16_compute_accumulates_chunks_in_the_fp32_gradient():
 # --------------------------------------------------------------------------- two gloo ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _halves(seed: int) -> list[SlotViews]:
     full = packed_views(LENS, seed=seed)
     cut = LENS[0] + LENS[1]
@@ -137,23 +130,18 @@ def _halves(seed: int) -> list[SlotViews]:
 
 
 def _dp_worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    world = init_distributed("gloo", 60.0)
-    try:
+    with process_group_rank(rank, port) as world:
         weights, stats, _, calls = _train(3, [_halves(s)[rank] for s in (3, 4)], {"world": world, "bucket_mb": 1e-4})
         torch.save(
             {"weights": weights, "weight": [s.global_weight for s in stats], "calls": calls}, os.path.join(out_dir, f"rank{rank}.pt")
         )
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow  # two gloo ranks
 def test_two_ranks_with_anchor_chunks_equal_one_rank_without(tmp_path):
     """Data parallel + micro-batching: each rank chunks its half; the token-weighted reduction
     (global loss sum / global weight) still gives the one-process, one-forward step."""
-    mp.spawn(_dp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_dp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     ref_w, ref_stats, _, _ = _train(0, [packed_views(LENS, seed=s) for s in (3, 4)])
     a, b = _halves(3)

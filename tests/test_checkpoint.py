@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import msgpack
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_port, process_group_rank
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
@@ -30,7 +30,6 @@ from dflash_ipc.drafter.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash_ipc.drafter.distributed import init_distributed
 from dflash_ipc.drafter.trainer import DrafterTrainer
 
 CFG = TrainingConfig(lr=1e-2, warmup_steps=2, max_steps=50, grad_clip=0.5)
@@ -104,29 +103,18 @@ def test_ledger_wire_round_trip_and_merge():
     assert gather_ledger([(3, 1), (1, 2), (3, 1)], None) == [(1, 2), (3, 1)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gather_worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    world = init_distributed("gloo", 60.0)
-    try:
+    with process_group_rank(rank, port) as world:
         ids = [(0, 0, rank), (0, 5, 5)] if rank == 0 else []  # rank 1 consumed nothing
         if rank == 1:
             ids = [(1, 1, 1)]
         got = gather_ledger(ids, world)
         Path(out_dir, f"r{rank}.json").write_text(json.dumps(got))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow  # two gloo ranks
 def test_gather_ledger_two_gloo_ranks(tmp_path):
-    mp.spawn(_gather_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_gather_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     expected = [[0, 0, 0], [0, 5, 5], [1, 1, 1]]
     assert json.loads((tmp_path / "r0.json").read_text()) == expected
     assert json.loads((tmp_path / "r1.json").read_text()) == expected

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_port, process_group_rank
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
@@ -214,19 +214,10 @@ def test_init_distributed_world_of_one(monkeypatch):
 # --------------------------------------------------------------------------- two gloo processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    world = init_distributed("gloo", 60.0)
-    assert world.is_distributed and world.world_size == 2
-    res: dict = {}
-    try:
+    with process_group_rank(rank, port) as world:
+        assert world.is_distributed and world.world_size == 2
+        res: dict = {}
         # (a) each rank steps on its half; halves carry different supervised weights.
         model = make_model()
         tr = DrafterTrainer(model, CFG, world=world, bucket_mb=1e-4)
@@ -266,14 +257,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         tr = DrafterTrainer(model, CFG, world=world)
         res["synced_fc1"] = model.fc1.weight.detach().clone()
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
@@ -327,11 +316,9 @@ def test_distinfo_single_defaults():
 
 
 def _nccl_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    world = init_distributed("nccl", 120.0)
-    assert world.device == torch.device("cuda", rank)
-    res: dict = {}
-    try:
+    with process_group_rank(rank, port, backend="nccl") as world:
+        assert world.device == torch.device("cuda", rank)
+        res: dict = {}
         for dtype in (torch.float32, torch.bfloat16):
             model = make_model().to(world.device)
             tr = DrafterTrainer(model, CFG, compute_dtype=dtype, world=world, bucket_mb=1e-4)
@@ -345,14 +332,12 @@ def _nccl_worker(rank: int, port: int, out_dir: str) -> None:
             assert tr.agree(rank == 0, False) == (True, False)
             res[str(dtype)] = [p.detach().cpu() for p in tr.master_params]
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.gpu(2)
 @pytest.mark.slow
 def test_two_gpus_nccl_token_weighted(tmp_path):
-    mp.spawn(_nccl_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_nccl_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
         model = make_model().to("cuda:0")

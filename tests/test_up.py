@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import tiny_cpu_config, write_toml
+from conftest import free_port, tiny_cpu_config, write_toml
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_ipc.control import channels
@@ -491,12 +490,6 @@ def test_handshake_timeout_names_the_setting_and_leaves_no_process(work, started
 # --------------------------------------------------------------------------- metrics endpoint, status --json | tail -1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def metrics_run(work, started):
     """A run with run.metrics_port set and training.checkpoint_on_finish = false, stopped once
@@ -505,7 +498,7 @@ def metrics_run(work, started):
     `status --json | tail -1` are read while it trains, the endpoint again after it ended."""
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     cfg = write_config(work / "metrics.toml", run__metrics_port=port, training__checkpoint_on_finish=False)
     up = Up(cfg, work / "metrics", name="metrics", own_group=True)
     started.append(up)
