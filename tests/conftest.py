@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import faulthandler
 import functools
 import importlib.util
@@ -116,7 +117,25 @@ def process_group_rank(rank: int, port: int, backend: str = "gloo", timeout_s: f
         torch.distributed.destroy_process_group()
 
 
-TINY_RUN_STEPS = 6
+# test_up's runs: configs/tiny-cpu.toml made smaller (300 samples, 256-token sequences: 59 batches
+# over 2 target shards, ~30 steps to exhaust the data), every step of a run not a checkpoint.
+SMALL_RUN = {
+    "data": {"builtin_samples": 300, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024},
+    "run": {"teardown_grace_s": 3.0},
+    "training": {"checkpoint_every": 0, "max_steps": 0},
+}
+SHARED_RUN_STEPS = 12
+# The shared run's drafters follow their wait (drafter.anchor_budget): 32 anchors per batch at first,
+# one chunk of 16 per 2-step window after the 4 + 2 settle steps, at most 64.
+FOLLOW_WAIT = {"anchor_budget": "follow-wait", "anchor_chunk": 16, "max_anchors_per_batch": 32, "max_anchors_auto": 64, "anchor_window": 2}
+
+
+def small_run_config(**sections: dict[str, Any]) -> dict[str, Any]:
+    """SMALL_RUN over configs/tiny-cpu.toml, each ``section={key: value}`` merged into it."""
+    raw = tiny_cpu_config(**SMALL_RUN)
+    for section, table in sections.items():
+        raw.setdefault(section, {}).update(table)
+    return raw
 
 
 def tensorboard_config(path: Path, tensorboard: bool = True) -> Path:
@@ -124,13 +143,43 @@ def tensorboard_config(path: Path, tensorboard: bool = True) -> Path:
     return write_toml(path, tiny_cpu_config(run={"tensorboard": tensorboard}))
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedRun:
+    """A finished `dflash-ipc up` that several test modules read."""
+
+    config: Path
+    run_dir: Path
+    pid: int  # the supervisor's
+    returncode: int
+    output: str  # stdout + stderr, not a TTY
+
+
 @pytest.fixture(scope="session")
-def tiny_cpu_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """One `dflash-ipc up` of configs/tiny-cpu.toml for TINY_RUN_STEPS steps, not on a TTY, with
-    TensorBoard events on: test_progress reads its output, test_tensorboard its event files (one
-    process group instead of two; neither property depends on the other's setting). Without the
-    optional tensorboard package the run still happens, with TensorBoard off."""
-    work = tmp_path_factory.mktemp("tiny-cpu-run")
-    run_dir = work / "run"
-    config = tensorboard_config(work / "tiny-cpu.toml", tensorboard=importlib.util.find_spec("tensorboard") is not None)
-    return run_up(config, run_dir, TINY_RUN_STEPS, cwd=work), run_dir
+def shared_run(tmp_path_factory) -> SharedRun:
+    """One `dflash-ipc up --max-steps SHARED_RUN_STEPS` of the SMALL_RUN config that three modules
+    read, instead of one process group each (a run costs ~45 CPU-s on 2 cores): test_up's full run
+    (trains, checkpoints, exports, status, a lean supervisor, follow-wait anchors), test_progress
+    (plain progress lines without a TTY) and test_tensorboard (event files beside metrics.jsonl).
+    No property read depends on another's setting. TensorBoard is on when its optional package
+    imports; the debug switch makes the supervisor say at exit which heavy modules it imported."""
+    work = tmp_path_factory.mktemp("shared-run")
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    config = write_toml(work / "full.toml", small_run_config(drafter=FOLLOW_WAIT, run={"tensorboard": tensorboard}))
+    run_dir = work / "full"
+    argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(config), "--run-dir", str(run_dir)]
+    out_path = work / "full.out"
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen(
+            [*argv, "--max-steps", str(SHARED_RUN_STEPS)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=work,
+            env={**os.environ, "DFLASH_IPC_DEBUG_IMPORTS": "1"},
+        )
+        try:
+            code = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return SharedRun(config, run_dir, proc.pid, code, out_path.read_text(errors="replace"))

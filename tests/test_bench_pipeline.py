@@ -7,17 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import tiny_cpu_config, write_toml
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
-    text = (REPO / "configs" / "tiny-cpu.toml").read_text()
-    text = text.replace("builtin_samples = 800", "builtin_samples = 300").replace("max_seq_len = 512", "max_seq_len = 256")
-    text = text.replace("bucket_edges = [64, 128, 256, 512]", "bucket_edges = [64, 128, 256]").replace(
-        "token_budget = 2048", "token_budget = 1024"
-    )
-    cfg = tmp_path / "bench.toml"
-    cfg.write_text(text)
+    data = {"builtin_samples": 300, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024}
+    cfg = write_toml(tmp_path / "bench.toml", tiny_cpu_config(data=data))
     out = tmp_path / "variants.jsonl"
     proc = subprocess.run(
         [

@@ -7,7 +7,7 @@ import itertools
 import re
 
 import pytest
-from conftest import TINY_RUN_STEPS
+from conftest import SHARED_RUN_STEPS
 from rich.console import Console
 
 from dflash_ipc.runtime.progress import (
@@ -86,14 +86,14 @@ def test_rich_progress_renders_the_bar_fields():
 
 
 @pytest.mark.slow
-def test_up_without_a_tty_never_repeats_a_progress_line(tiny_cpu_run):
-    proc, _ = tiny_cpu_run  # configs/tiny-cpu.toml, TINY_RUN_STEPS steps (shared with test_tensorboard)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    progress = [ln for ln in proc.stdout.splitlines() if PROGRESS_LINE.match(ln)]
-    assert progress, proc.stdout[-4000:]
+def test_up_without_a_tty_never_repeats_a_progress_line(shared_run):
+    run = shared_run  # conftest: SHARED_RUN_STEPS steps, stdout not a TTY (test_up and test_tensorboard read it too)
+    assert run.returncode == 0, run.output[-4000:]
+    progress = [ln for ln in run.output.splitlines() if PROGRESS_LINE.match(ln)]
+    assert progress, run.output[-4000:]
     repeats = [(a, b) for a, b in itertools.pairwise(progress) if a == b]
-    assert not repeats, proc.stdout
+    assert not repeats, run.output
     steps = [int(re.match(r"\[up\] step (\d+)", ln).group(1)) for ln in progress]
-    assert steps == sorted(steps) and all(s <= TINY_RUN_STEPS for s in steps)
-    assert "None" not in proc.stdout and "\r" not in proc.stdout
-    assert f"[up] finished (max_steps {TINY_RUN_STEPS})" in proc.stdout
+    assert steps == sorted(steps) and all(s <= SHARED_RUN_STEPS for s in steps)
+    assert "None" not in run.output and "\r" not in run.output
+    assert f"[up] finished (max_steps {SHARED_RUN_STEPS})" in run.output

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_RUN_STEPS, tensorboard_config
+from conftest import SHARED_RUN_STEPS, tensorboard_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,13 +41,12 @@ def test_config_accepts_tensorboard_with_the_package(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_run_writes_tensorboard_scalars_that_read_back(tiny_cpu_run):
+def test_tiny_run_writes_tensorboard_scalars_that_read_back(shared_run):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    proc, run_dir = tiny_cpu_run  # configs/tiny-cpu.toml with run.tensorboard = true (shared with test_progress)
-    steps = TINY_RUN_STEPS
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_dir, steps = shared_run.run_dir, SHARED_RUN_STEPS  # conftest: run.tensorboard = true (test_up, test_progress read it too)
+    assert shared_run.returncode == 0, shared_run.output[-4000:]
     events = sorted(run_dir.glob("events.out.tfevents.*"))
     assert len(events) == 1, events  # rank 0 only
     metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,9 +1,10 @@
 """`dflash-ipc up` end to end: real processes, real sockets, real shared memory (CPU only).
 
-Every run uses a smaller copy of configs/tiny-cpu.toml (same model; 300 samples, 256-token
-sequences: 59 batches over 2 target shards, ~30 steps to exhaust the data; 150 samples for the
-SIGTERM-and-resume run). Runs that several
-tests read are module-scoped fixtures: the whole file runs `up` 8 times (9 process groups).
+Every run uses a smaller copy of configs/tiny-cpu.toml (conftest.SMALL_RUN: same model; 300
+samples, 256-token sequences: 59 batches over 2 target shards, ~30 steps to exhaust the data; 150
+samples for the SIGTERM-and-resume run). Runs that several tests read are fixtures: the full run is
+the session's shared run (test_progress and test_tensorboard read it too); the others are
+module-scoped.
 No assertion depends on timing; timeouts are safety nets only.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import free_port, tiny_cpu_config, write_toml
+from conftest import SHARED_RUN_STEPS, SharedRun, free_port, small_run_config, write_toml
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_ipc.control import channels
@@ -42,19 +43,25 @@ METRIC_KEYS |= {"anchors"}
 
 
 def write_config(path: Path, raw_overrides: dict | None = None, **overrides) -> Path:
-    """configs/tiny-cpu.toml made smaller (the sizes in the module docstring), plus
-    ``section__key=value`` overrides and whole ``raw_overrides`` tables."""
-    raw = tiny_cpu_config(
-        data={"builtin_samples": 300, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024},
-        run={"teardown_grace_s": 3.0},
-        training={"checkpoint_every": 0, "max_steps": 0},
-    )
+    """The SMALL_RUN config (sizes in the module docstring), plus ``section__key=value`` overrides
+    and whole ``raw_overrides`` tables."""
+    raw = small_run_config()
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         raw[section][key] = value
     for section, table in (raw_overrides or {}).items():
         raw.setdefault(section, {}).update(table)
     return write_toml(path, raw)
+
+
+def child_pids(output: str) -> dict[str, list[int]]:
+    """Every child a supervisor started (a restart starts a new group), by name, from its output."""
+    pids: dict[str, list[int]] = {}
+    for line in output.splitlines():
+        if line.startswith("[up] started"):
+            for name, pid in re.findall(r"(\w+-\d+)@\S+ pid (\d+)", line):
+                pids.setdefault(name, []).append(int(pid))
+    return pids
 
 
 class Up:
@@ -78,14 +85,12 @@ class Up:
     def output(self) -> str:
         return self.out_path.read_text(errors="replace")
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     def child_pids(self) -> dict[str, list[int]]:
-        """Every child started (a restart starts a new group), by name, from the supervisor's output."""
-        pids: dict[str, list[int]] = {}
-        for line in self.output.splitlines():
-            if line.startswith("[up] started"):
-                for name, pid in re.findall(r"(\w+-\d+)@\S+ pid (\d+)", line):
-                    pids.setdefault(name, []).append(int(pid))
-        return pids
+        return child_pids(self.output)
 
     def wait(self, timeout: float = RUN_TIMEOUT_S) -> int:
         try:
@@ -153,9 +158,9 @@ def status_cli(run_dir: Path, *flags: str) -> str:
     return r.stdout
 
 
-def assert_no_leftovers(up: Up, started_children: bool = True) -> None:
+def assert_no_leftovers(up: Up | SharedRun, started_children: bool = True) -> None:
     """No process of the run alive (pids from the output and status.json), no shm segment left."""
-    pids = {p for ps in up.child_pids().values() for p in ps}
+    pids = {p for ps in child_pids(up.output).values() for p in ps}
     assert bool(pids) == started_children, up.output
     status = json.loads((up.run_dir / "status.json").read_text())
     pids |= {p["pid"] for p in status["processes"] if p["pid"]}
@@ -193,22 +198,16 @@ def started():
 
 # --------------------------------------------------------------------------- 1. a full run
 
-FULL_STEPS = 12
-# The full run's drafters follow their wait (drafter.anchor_budget): 32 anchors per batch at first,
-# one chunk of 16 per 2-step window after the 4 + 2 settle steps, at most 64. Which way it moves
-# depends on this machine's speed; that it starts at 32, moves a chunk at a time and logs each move does not.
-FOLLOW_WAIT = {"anchor_budget": "follow-wait", "anchor_chunk": 16, "max_anchors_per_batch": 32, "max_anchors_auto": 64, "anchor_window": 2}
+FULL_STEPS = SHARED_RUN_STEPS
+# Which way the follow-wait budget (conftest.FOLLOW_WAIT) moves depends on this machine's speed;
+# that it starts at 32, moves a chunk of 16 at a time and logs each move does not.
 FIRST_DECISION_STEP = 4 + 2 + 2  # transport.ring_slots + 2 settle steps, then one window
 
 
 @pytest.fixture(scope="module")
-def full_run(work, started):
-    cfg = write_config(work / "full.toml", raw_overrides={"drafter": FOLLOW_WAIT})
-    # the debug switch: at exit the supervisor says whether it ever imported torch or transformers
-    up = Up(cfg, work / "full", "--max-steps", str(FULL_STEPS), env={**os.environ, "DFLASH_IPC_DEBUG_IMPORTS": "1"})
-    started.append(up)
-    code = up.wait()
-    return up, code
+def full_run(shared_run):
+    """The session's shared run (conftest.shared_run; test_progress and test_tensorboard read it too)."""
+    return shared_run, shared_run.returncode
 
 
 def test_full_run_trains_checkpoints_and_exports(full_run):
@@ -245,7 +244,7 @@ def test_full_run_trains_checkpoints_and_exports(full_run):
     assert f"checkpoint: {ckpt}" in out
     assert f"exported drafter: {export}" in out
     # the model checks, tokenizing and planning ran in the probe process: the supervisor stays lean
-    assert f"[up] debug: supervisor pid {up.proc.pid} imported: neither torch nor transformers" in out, out[-2000:]
+    assert f"[up] debug: supervisor pid {up.pid} imported: neither torch nor transformers" in out, out[-2000:]
 
     # private directories
     for d in (run_dir, channels.socket_dir(run_dir)):
