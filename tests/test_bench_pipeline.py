@@ -28,7 +28,7 @@ def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
             "--steps",
             "4",
             "--variants",
-            "warmup,forward-only,cuda-ipc,depth-2,anchors-auto",
+            "warmup,forward-only,cuda-ipc,anchors-auto",
             "--out",
             str(out),
             "--json",
@@ -41,10 +41,10 @@ def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     v = result["variants"]
-    assert set(v) == {"warmup", "forward-only", "cuda-ipc", "depth-2", "anchors-auto"}
+    assert set(v) == {"warmup", "forward-only", "cuda-ipc", "anchors-auto"}
     assert all(t["layers_run"] == 4 for t in v["warmup"]["targets"])  # the cut-down target
     assert all(x["exit_code"] == 0 for x in v.values())
-    assert v["cuda-ipc"]["backend"] == "cpu-shm" and v["depth-2"]["ring_slots"] == 2  # CPU: cpu-shm rings
+    assert v["cuda-ipc"]["backend"] == "cpu-shm" and v["cuda-ipc"]["ring_slots"] == 4  # CPU: cpu-shm rings, the config's depth
     assert v["cuda-ipc"]["steps"] == 4 and v["cuda-ipc"]["tokens_per_s"] > 0
     ipc = v["cuda-ipc"]
     assert ipc["tokens_per_s"] == min(ipc["target_tokens_per_s"], ipc["drafter_tokens_per_s"]) and ipc["bound_by"] in ("target", "drafter")
@@ -62,7 +62,7 @@ def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
     assert all(x["peak_host_rss_bytes"] > 0 for x in v.values())
     assert 0 < result["ratio_pipeline_to_forward_only"]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["variant"] for x in lines] == ["warmup", "forward-only", "cuda-ipc", "depth-2", "anchors-auto"]
+    assert [x["variant"] for x in lines] == ["warmup", "forward-only", "cuda-ipc", "anchors-auto"]
     # follow-wait from one chunk (the config sets no cap): 4 steps are inside the 4 + 2 settle steps, so it never moves
     auto = v["anchors-auto"]
     assert auto["anchors_final"] == 2048 and auto["anchor_moves"] == [[1, 2048]] and auto["steps_at_final_anchors"] == 3

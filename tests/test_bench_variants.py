@@ -23,6 +23,15 @@ def test_padded_is_forward_only_without_varlen(tmp_path):
     assert _load(tmp_path, forced).target.varlen is True
 
 
+@pytest.mark.parametrize("name,slots", [("depth-2", 2), ("depth-8", 8), ("depth-16", 16)])
+def test_depth_variant_sets_the_ring_depth_only(tmp_path, name, slots):
+    """What the CPU bench test no longer runs as a process group of its own (it cost ~19 s)."""
+    overrides, fwd = variant_overrides(name, on_cuda=False)
+    cfg, base = _load(tmp_path, overrides), _load(tmp_path, variant_overrides("cuda-ipc", on_cuda=False)[0])
+    assert fwd == 0 and cfg.transport.ring_slots == slots and cfg.transport.backend == base.transport.backend == "cpu-shm"
+    assert cfg.drafter == base.drafter and cfg.data == base.data
+
+
 @pytest.mark.parametrize("chunk,cap,expected_chunk", [(0, 2048, 2048), (1024, 2048, 1024), (0, 0, 2048)])
 def test_anchors_variant_chunks_by_what_one_forward_held(tmp_path, chunk, cap, expected_chunk):
     overrides, fwd = variant_overrides("anchors-6144", on_cuda=True, anchor_chunk=chunk, max_anchors=cap)
