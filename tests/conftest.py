@@ -70,17 +70,24 @@ def _tiny_cpu() -> dict[str, Any]:
     return tomllib.loads(TINY_CPU.read_text())
 
 
-def tiny_cpu_config(**sections: dict[str, Any]) -> dict[str, Any]:
-    """configs/tiny-cpu.toml as a fresh dict, each ``section={key: value}`` merged into it."""
-    raw = copy.deepcopy(_tiny_cpu())
+def _merge_sections(raw: dict[str, Any], sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for section, table in sections.items():
         raw.setdefault(section, {}).update(table)
     return raw
 
 
+def tiny_cpu_config(**sections: dict[str, Any]) -> dict[str, Any]:
+    """configs/tiny-cpu.toml as a fresh dict, each ``section={key: value}`` merged into it."""
+    return _merge_sections(copy.deepcopy(_tiny_cpu()), sections)
+
+
+def up_argv(config: Path, run_dir: Path, max_steps: int) -> list[str]:
+    return [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(config), "--max-steps", str(max_steps), "--run-dir", str(run_dir)]
+
+
 def run_up(config: Path, run_dir: Path, max_steps: int, cwd: Path) -> subprocess.CompletedProcess:
     """`dflash-ipc up` to completion in a subprocess (not a TTY), its output captured as text."""
-    argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(config), "--max-steps", str(max_steps), "--run-dir", str(run_dir)]
+    argv = up_argv(config, run_dir, max_steps)
     return subprocess.run(argv, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=cwd)
 
 
@@ -132,10 +139,7 @@ FOLLOW_WAIT = {"anchor_budget": "follow-wait", "anchor_chunk": 16, "max_anchors_
 
 def small_run_config(**sections: dict[str, Any]) -> dict[str, Any]:
     """SMALL_RUN over configs/tiny-cpu.toml, each ``section={key: value}`` merged into it."""
-    raw = tiny_cpu_config(**SMALL_RUN)
-    for section, table in sections.items():
-        raw.setdefault(section, {}).update(table)
-    return raw
+    return _merge_sections(tiny_cpu_config(**SMALL_RUN), sections)
 
 
 def tensorboard_config(path: Path, tensorboard: bool = True) -> Path:
@@ -166,11 +170,10 @@ def shared_run(tmp_path_factory) -> SharedRun:
     tensorboard = importlib.util.find_spec("tensorboard") is not None
     config = write_toml(work / "full.toml", small_run_config(drafter=FOLLOW_WAIT, run={"tensorboard": tensorboard}))
     run_dir = work / "full"
-    argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(config), "--run-dir", str(run_dir)]
     out_path = work / "full.out"
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
-            [*argv, "--max-steps", str(SHARED_RUN_STEPS)],
+            up_argv(config, run_dir, SHARED_RUN_STEPS),
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=work,

@@ -45,12 +45,10 @@ METRIC_KEYS |= {"anchors"}
 def write_config(path: Path, raw_overrides: dict | None = None, **overrides) -> Path:
     """The SMALL_RUN config (sizes in the module docstring), plus ``section__key=value`` overrides
     and whole ``raw_overrides`` tables."""
-    raw = small_run_config()
+    raw = small_run_config(**(raw_overrides or {}))
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         raw[section][key] = value
-    for section, table in (raw_overrides or {}).items():
-        raw.setdefault(section, {}).update(table)
     return write_toml(path, raw)
 
 

@@ -125,12 +125,13 @@ plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").exists
 if len(m) < 2:
     sys.exit(f"train: only {len(m)} metrics lines")
 # elapsed_s restarts with each `up` (a resumed run): time only the last process's records
-last = max([0] + [i for i in range(1, len(m)) if m[i]["elapsed_s"] < m[i - 1]["elapsed_s"]])
+restarts = [i for i in range(1, len(m)) if m[i]["elapsed_s"] < m[i - 1]["elapsed_s"]]
+last = max([0] + restarts)
 seg = m[last:] if len(m) - last >= 2 else m
 k = min(len(seg) // 2, 10)  # skip the first steps (compile, warm-up) when timing
 dt = seg[-1]["elapsed_s"] - seg[k]["elapsed_s"]
 rate = (seg[-1]["step"] - seg[k]["step"]) / dt if dt > 0 else float("nan")
-train_s = sum(m[i - 1]["elapsed_s"] for i in range(1, len(m)) if m[i]["elapsed_s"] < m[i - 1]["elapsed_s"]) + m[-1]["elapsed_s"]
+train_s = sum(m[i - 1]["elapsed_s"] for i in restarts) + m[-1]["elapsed_s"]
 tail = m[-20:]
 held = [(r["holdout_step"], r["tau_holdout"], r.get("tau_holdout_steps"), r.get("tau_holdout_uniform")) for r in m if "tau_holdout" in r]
 print("tau_holdout (step, simulated-decode tau, its verify steps, uniform-anchor tau):", held)
