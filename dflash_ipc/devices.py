@@ -58,3 +58,19 @@ def fill_normal_(out: torch.Tensor, std: float, generator: torch.Generator, chun
             n = min(chunk, rows - r)
             out[r : r + n].copy_(torch.randn(n, cols, generator=generator, device=generator.device, dtype=torch.float32) * std)
     return out
+
+
+def gpu_memory_text(device: DeviceLike) -> str:
+    """This process's GPU memory high-water mark on ``device`` and the device's free memory now,
+    for a role's phase lines ("" on CPU): a device shared by several processes is full when
+    their peaks add up, and each process sees only its own."""
+    device = as_device(device)
+    if device.type != "cuda":
+        return ""
+    free, total = torch.cuda.mem_get_info(device)
+    gib = 2**30
+    return (
+        f"GPU peak {torch.cuda.max_memory_allocated(device) / gib:.1f} GiB allocated, "
+        f"{torch.cuda.max_memory_reserved(device) / gib:.1f} GiB reserved; "
+        f"{device} free now {free / gib:.1f} of {total / gib:.1f} GiB"
+    )

@@ -23,6 +23,7 @@ from dflash_ipc.config import load_resolved_config
 from dflash_ipc.control import channels, handshake
 from dflash_ipc.control.protocol import Done, Heartbeat, Hello
 from dflash_ipc.control.stats import ChildInfo, FastPath, ProducerPlaneStats, TargetStats, TargetWork, Vitals
+from dflash_ipc.devices import gpu_memory_text
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.child import ChildContext, Placement, run_child
 from dflash_ipc.target.core import TargetCore, read_ledger
@@ -186,7 +187,8 @@ def target_main(child: ChildContext) -> int:
         if captured is None and not waited:
             # Nothing to forward: waiting for packs, for credit to route, or for Shutdown.
             poller.poll(100 if end_sent else 2)
-    log.info("stopping: %s; slots routed per drafter: %s; %s", stop.reason, plane.router.routed_total, liveness.host_memory_text(proc))
+    memory = "; ".join(filter(None, (liveness.host_memory_text(proc), gpu_memory_text(device))))
+    log.info("stopping: %s; slots routed per drafter: %s; %s", stop.reason, plane.router.routed_total, memory)
     _log_pack_overlap(log, core.stats(final=True))
     return 0
 

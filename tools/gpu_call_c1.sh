@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# GPU call C1 (nvidia-h200-x2, ~9.5 min): causal-conv1d from its carried wheel (parts in .build/cc, kept
-# under /root/wheels for later warm calls), GPU tests in the background (TESTS, default the varlen tests,
+# GPU call C1 (nvidia-h200-x2, ~9.5 min): causal-conv1d from its carried wheel (gpu_setup.sh), GPU tests in the background (TESTS, default the varlen tests,
 # GPU0 only unless TEST_DEVICES says otherwise) while the warm-up variant compiles, then the 27B-shape
 # pipeline (VARIANTS: by default varlen vs padded forward-only, the cuda-ipc pipeline, anchor
 # micro-batching and ring depth). Stashes a carried GGUF part under /root/parts for the next call.
@@ -13,12 +12,6 @@ set -u
 BUDGET_S=${BUDGET_S:-570}
 . tools/gpu_setup.sh
 if [ -n "${PART:-}" ] && [ -d "$PART" ]; then mkdir -p /root/parts && cp "$PART"/* /root/parts/ && ls -la /root/parts; fi
-if ls .build/cc/causal_conv1d-*.part* >/dev/null 2>&1; then
-  mkdir -p /root/wheels && W=/root/wheels/$(basename $(ls .build/cc/*.part00) .part00)
-  cat .build/cc/causal_conv1d-*.part* > "$W" && sha256sum "$W" && cat .build/cc/sha256.txt
-fi
-ls /root/wheels/causal_conv1d-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/wheels/causal_conv1d-*.whl
-python3 -c "import causal_conv1d; print('causal_conv1d', causal_conv1d.__version__)" || echo "causal_conv1d missing"
 nvidia-smi -L
 (CUDA_VISIBLE_DEVICES=${TEST_DEVICES:-0} timeout -s INT ${TEST_S:-240} python3 -m pytest -q -m gpu -rA -s -p no:cacheprovider ${TESTS:-tests/test_varlen.py} \
    > $OUT/gpu_tests.log 2>&1; echo "gpu tests rc $?" >> $OUT/gpu_tests.log) &
