@@ -1,8 +1,9 @@
 """The drafter's handshake warm-up: one forward+backward on a dummy batch that changes nothing.
 
 A real :class:`DrafterCore` (tiny-cpu config: builtin tokenizer, random Qwen3.5-family heads) warms
-up, then trains; its weights, optimizer state, step, RNG streams and metrics must be bit-identical
-to a core that never warmed up, before and after training.
+up, then trains; its weights, step, RNG streams and metrics must be bit-identical to a core that
+never warmed up, before and after training, and its optimizer state after training too (the warm-up
+makes AdamW's zero moments early; nothing else).
 """
 
 from __future__ import annotations
@@ -77,7 +78,14 @@ def test_warm_up_changes_nothing_and_training_matches(tmp_path, anchor_chunk):
     seconds = warm.warm_up()
     assert seconds > 0 and warm.warmup_s == seconds and warm.stats().warmup_s == seconds
     assert cold.stats().warmup_s is None
-    assert_identical(state(warm), before)  # weights, AdamW moments (none yet), step, RNG streams, gradient buffer
+    after = state(warm)
+    # AdamW's state now exists as its first step makes it (zero moments, step 0); nothing else moved.
+    made = after["trainer"]["optimizer"].pop("state")
+    assert not before["trainer"]["optimizer"].pop("state")
+    assert len(made) == len(warm.trainer.master_params)
+    for per_param in made.values():
+        assert float(per_param["step"]) == 0 and not per_param["exp_avg"].any() and not per_param["exp_avg_sq"].any()
+    assert_identical(after, before)  # weights, step, RNG streams, gradient buffer
     assert all(p.grad is None or not p.grad.any() for p in warm.trainer.params)
     assert not warm.metrics_path.exists()  # the warm-up is no step: nothing logged, nothing in the ledger
     assert len(warm.ledger) == 0 and not warm._new_ids

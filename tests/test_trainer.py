@@ -202,6 +202,43 @@ def test_trainer_state_round_trip_bit_exact():
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
 
 
+def _moments(tr: DrafterTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tr.moment_tensors().items()}
+
+
+def _steps_match_a_fresh_optimizer(device: str, compute_dtype: torch.dtype) -> None:
+    fresh = DrafterTrainer(make_model().to(device), CFG, compute_dtype=compute_dtype)
+    early = DrafterTrainer(make_model().to(device), CFG, compute_dtype=compute_dtype)
+    before = master_snapshot(early)
+    early.allocate_optimizer_state()
+    assert all(torch.equal(a, b) for a, b in zip(before, master_snapshot(early)))
+    moments = _moments(early)
+    assert len(moments) == 2 * len(early.master_params) and not fresh.moment_tensors()
+    assert all(not m.any() for m in moments.values())
+    assert all(int(s["step"]) == 0 for s in early.optimizer.state.values())
+    for seed in STEP_SEEDS:
+        for tr in (fresh, early):
+            x, y, w = (t.to(device) for t in make_batch(N_TOK, seed))
+            tr.step(*loss_sum(tr.model, (x, y, w)))
+    assert all(torch.equal(a, b) for a, b in zip(master_snapshot(fresh), master_snapshot(early)))
+    after = _moments(early)
+    assert after.keys() == _moments(fresh).keys()
+    assert all(torch.equal(after[k], v) for k, v in _moments(fresh).items())
+    assert [int(s["step"]) for s in early.optimizer.state.values()] == [len(STEP_SEEDS)] * len(early.master_params)
+    early.allocate_optimizer_state()  # has state now: a no-op
+    assert all(torch.equal(after[k], v) for k, v in _moments(early).items())
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_optimizer_state_made_early_gives_the_steps_of_a_fresh_one(compute_dtype):
+    _steps_match_a_fresh_optimizer("cpu", compute_dtype)
+
+
+@pytest.mark.gpu
+def test_optimizer_state_made_early_gives_the_steps_of_a_fresh_one_fused_on_cuda():
+    _steps_match_a_fresh_optimizer("cuda:0", torch.bfloat16)
+
+
 def test_init_distributed_world_of_one(monkeypatch):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)

@@ -209,10 +209,11 @@ class DrafterCore:
         """One forward+backward on a dummy batch of the configured shapes; returns its seconds.
 
         Compiles flex attention and makes the first step's allocations before the handshake,
-        so a (re)started run never leaves the targets waiting on the drafter's first step. It
-        touches no weight, optimizer state, ledger, step count, metrics or RNG stream (its
-        anchors and noise come from a generator of its own); its gradients are discarded. Local
-        to this rank: no collective.
+        AdamW's moments included (zeros, as its first step makes them), so a (re)started run never
+        leaves the targets waiting on the drafter's first step, and a device too small for a step
+        fails here. It changes no weight, ledger, step count, metrics or RNG stream (its anchors and
+        noise come from a generator of its own); its gradients are discarded. Local to this rank:
+        no collective.
         """
         t0 = time.perf_counter()
         views = self._dummy_batch()
@@ -221,6 +222,7 @@ class DrafterCore:
         out = compute_loss(self.model, views, self.cfg.drafter, self.cfg.training, generator, lambda chunk: chunk.backward())
         out.loss_sum.backward()
         self.trainer.discard_grads()
+        self.trainer.allocate_optimizer_state()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0

@@ -354,6 +354,31 @@ class DrafterTrainer:
         for p, gv in zip(self.params, self._grad_views):
             p.grad = gv if self.single_copy else None
 
+    def allocate_optimizer_state(self) -> None:
+        """Create AdamW's per-parameter state now, as its first step would: zero moments, step 0.
+
+        The moments are twice the master weights (14.3 GB at the 27B drafter shapes); the drafter's
+        warm-up takes them before the handshake, so that its memory peak is a step's and a GPU too
+        small for the step fails there. The next step is bit-identical to one on a fresh optimizer:
+        it starts from exactly this state (tests/test_trainer.py). A no-op once the optimizer has
+        state (a resumed run's, or after a step).
+        """
+        if self.optimizer.state:
+            return
+        self._grad_buf.zero_()
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        try:
+            # Zero gradients at lr 0: the moments stay 0 and every weight keeps its bits (decay is
+            # a multiply by 1 - 0 * wd); only the step counters move, and they are reset below.
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                group["lr"] = lr
+        for state in self.optimizer.state.values():
+            state["step"].zero_()
+
     def step_empty(self) -> StepStats:
         """Participate in a step with no local batch (zero gradient, zero weight)."""
         return self.step(None, 0.0)
