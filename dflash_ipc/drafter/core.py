@@ -216,13 +216,13 @@ class DrafterCore:
         no collective.
         """
         t0 = time.perf_counter()
+        self.trainer.allocate_optimizer_state()  # first: a step's forward+backward runs beside the moments
         views = self._dummy_batch()
         generator = torch.Generator(device=self.device)
         generator.manual_seed(0)
         out = compute_loss(self.model, views, self.cfg.drafter, self.cfg.training, generator, lambda chunk: chunk.backward())
         out.loss_sum.backward()
         self.trainer.discard_grads()
-        self.trainer.allocate_optimizer_state()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0
