@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import tiny_cpu_config, write_toml
 
+from dflash_ipc.bench import pipeline
 from dflash_ipc.bench.pipeline import anchor_budget_figures, variant_overrides
 from dflash_ipc.config import load_config
 
@@ -70,3 +71,36 @@ def test_anchor_budget_figures_report_the_final_count_and_the_wait_there():
 def test_bad_variant_names_are_refused_with_the_valid_forms(name):
     with pytest.raises(ValueError, match="depth-8|anchors-N|variant"):
         variant_overrides(name, on_cuda=False)
+
+
+def _measured(name: str, exit_code: int, tokens_per_s: float) -> dict:
+    """The figures ``run_variant`` reports that the summary reads (the rest of its dict left out)."""
+    return {
+        "variant": name,
+        "exit_code": exit_code,
+        "run_dir": f"/tmp/dflash-bench-{name}",
+        "tokens_per_s": tokens_per_s,
+        "steady_tokens_per_s": tokens_per_s,
+        "target_tokens_per_s": tokens_per_s,
+        "drafter_busy_tokens_per_s_per_gpu": 2 * tokens_per_s,
+    }
+
+
+@pytest.mark.parametrize("cuda_ipc_exit", [0, 1])
+def test_a_variant_whose_up_failed_enters_no_ratio_and_no_topology(tmp_path, monkeypatch, cuda_ipc_exit):
+    """On one H200 an OOMed drafter's `up` (exit 1 after one step) once became the topology advice's
+    drafter rate and a 0.02 pipeline ratio; a failed run is reported as failed and measures nothing."""
+    config = str(write_toml(tmp_path / "c.toml", tiny_cpu_config()))
+    rates = {"forward-only": (0, 1000.0), "cuda-ipc": (cuda_ipc_exit, 900.0), "anchors-auto": (0, 880.0)}
+    monkeypatch.setattr(pipeline, "run_variant", lambda _config, name, *_: _measured(name, *rates[name]))
+    lines: list[str] = []
+    summary = pipeline.run_pipeline_bench(config, 4, list(rates), echo=lines.append)
+    if cuda_ipc_exit:
+        assert summary["failed_variants"] == ["cuda-ipc"]
+        assert "dflash-ipc up exited with code 1" in summary["variants"]["cuda-ipc"]["error"]
+        assert any(line.startswith("[bench pipeline] cuda-ipc FAILED") for line in lines)
+        assert not {"ratio_pipeline_to_forward_only", "topology", "profile", "ratio_anchors-auto_to_cuda_ipc"} & summary.keys()
+    else:
+        assert "failed_variants" not in summary
+        assert summary["ratio_pipeline_to_forward_only"] == 0.9 and summary["ratio_anchors-auto_to_cuda_ipc"] == round(880 / 900, 4)
+        assert summary["profile"]["drafter_tokens_per_s"] == 1800.0 and summary["topology"]

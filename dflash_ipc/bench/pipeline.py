@@ -335,6 +335,12 @@ def run_pipeline_bench(
         echo(f"[bench pipeline] variant {name}: {steps} steps")
         try:
             results[name] = run_variant(config_path, name, steps, peak_tflops, echo)
+            if results[name]["exit_code"] != 0:  # its figures stay in the result, out of every ratio
+                results[name]["error"] = (
+                    f"dflash-ipc up exited with code {results[name]['exit_code']} (why: the [{name}] [up] lines "
+                    f"above; logs: {results[name]['run_dir']}/logs)"
+                )
+                echo(f"[bench pipeline] {name} FAILED: {results[name]['error']}")
         except Exception as e:  # one failed variant must not lose the others' figures
             if isinstance(e, ConfigError) and not results:
                 # The first variant's probe checks the model and devices (this process never imports
@@ -348,7 +354,16 @@ def run_pipeline_bench(
         if "error" in results[name]:
             continue
         echo(f"[bench pipeline] {name}: {json.dumps({k: v for k, v in results[name].items() if k not in ('targets',)})}")
+    return summarize_variants(config_path, steps, peak_tflops, results)
+
+
+def summarize_variants(config_path: str, steps: int, peak_tflops: float, results: dict) -> dict:
+    """The summary over the variants' results: ratios, topology advice. A failed variant (an
+    ``error``: an exception, or an ``up`` that exited non-zero) is listed but enters no figure."""
     summary: dict = {"config": config_path, "steps": steps, "peak_tflops": peak_tflops, "variants": results}
+    failed = sorted(k for k, v in results.items() if "error" in v)
+    if failed:
+        summary["failed_variants"] = failed
     results_ok = {k: v for k, v in results.items() if "error" not in v and k != "warmup"}
     ipc = results_ok.get("cuda-ipc")
     results = results_ok
