@@ -81,7 +81,7 @@ def drafter_main(child: ChildContext) -> int:
     )  # fmt: skip
     if cfg.drafter.warm_up:  # before Hello: overlaps the targets' model load, and no target waits on our first step
         took = core.warm_up()
-        memory = "; ".join(filter(None, (liveness.host_memory_text(proc), gpu_memory_text(device))))
+        memory = liveness.host_memory_text(proc, gpu_memory_text(device))
         log.info("warm-up: one forward+backward on a dummy %d-token batch took %.1f s; %s", cfg.data.token_budget, took, memory)
     hello = Hello(
         role="drafter",
@@ -159,7 +159,7 @@ def drafter_main(child: ChildContext) -> int:
             socks.send_to_supervisor(Heartbeat(role="drafter", rank=rank, drafter=stats))
     if max_steps and core.step >= max_steps:
         finish_reason = f"max_steps {max_steps}"
-    memory = "; ".join(filter(None, (liveness.host_memory_text(proc), gpu_memory_text(device))))
+    memory = liveness.host_memory_text(proc, gpu_memory_text(device))
     log.info("finishing at step %d: %s; batches received per target: %s; %s", core.step, finish_reason, plane.slots_done, memory)
     # Collective: every rank takes the same branch (stopped_on_request was agreed).
     ckpt = core.checkpoint(finish_reason) if (cfg.training.checkpoint_on_finish or stopped_on_request) else None

@@ -187,7 +187,7 @@ def target_main(child: ChildContext) -> int:
         if captured is None and not waited:
             # Nothing to forward: waiting for packs, for credit to route, or for Shutdown.
             poller.poll(100 if end_sent else 2)
-    memory = "; ".join(filter(None, (liveness.host_memory_text(proc), gpu_memory_text(device))))
+    memory = liveness.host_memory_text(proc, gpu_memory_text(device))
     log.info("stopping: %s; slots routed per drafter: %s; %s", stop.reason, plane.router.routed_total, memory)
     _log_pack_overlap(log, core.stats(final=True))
     return 0

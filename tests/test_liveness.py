@@ -7,9 +7,10 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
-from dflash_ipc.runtime.liveness import exited_child, silent_child
+from dflash_ipc.runtime.liveness import exited_child, host_memory_text, silent_child
 from dflash_ipc.runtime.supervisor import Child
 
 
@@ -104,3 +105,10 @@ def test_host_memory_text_reports_the_high_water_mark_of_a_freed_peak():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
     now, peak = (float(x) for x in re.fullmatch(r"host RSS ([\d.]+) GiB \(peak so far ([\d.]+) GiB\)\n", out).groups())
     assert peak >= now + 0.45, out
+
+
+def test_host_memory_text_appends_the_other_figures_it_is_given():
+    """A role's phase line: host figures first, then a GPU's ("" on CPU, left out)."""
+    text = host_memory_text(psutil.Process(), "", "GPU peak 1.0 GiB allocated")
+    assert re.fullmatch(r"host RSS [\d.]+ GiB \(peak so far [\d.]+ GiB\); GPU peak 1\.0 GiB allocated", text), text
+    assert host_memory_text(psutil.Process(), "").endswith("GiB)")

@@ -16,11 +16,13 @@ from dflash_ipc.control.stats import DrafterStats, TargetStats
 from dflash_ipc.control.status import ProcessStatus, SlotCounts
 
 
-def host_memory_text(proc: psutil.Process) -> str:
-    """This process's host memory now and its high-water mark so far, for the phase lines of a
-    role's log: where a peak happened is then read from the log, not guessed."""
+def host_memory_text(proc: psutil.Process, *more: str) -> str:
+    """This process's host memory now and its high-water mark so far, then each non-empty ``more``
+    (a GPU's figures: :func:`dflash_ipc.devices.gpu_memory_text`), for the phase lines of a role's
+    log: where a peak happened is then read from the log, not guessed."""
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return f"host RSS {proc.memory_info().rss / 2**30:.2f} GiB (peak so far {peak_kib / 2**20:.2f} GiB)"
+    host = f"host RSS {proc.memory_info().rss / 2**30:.2f} GiB (peak so far {peak_kib / 2**20:.2f} GiB)"
+    return "; ".join((host, *filter(None, more)))
 
 
 def describe_exit(code: int | None) -> str:
