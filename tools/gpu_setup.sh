@@ -16,6 +16,6 @@ if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > 
   ln -sfn ../procs dflash_ipc/procs
   export PYTHONPATH=/tmp/site:$PWD
 fi
-python3 -c "import torch, transformers, zmq, dflash_ipc.procs.target as t; print('torch', torch.__version__, 'transformers', transformers.__version__, 'zmq', zmq.__version__, 'gpus', torch.cuda.device_count(), 'procs', t.__file__)" || exit 1
+python3 -c "import setuptools, torch, transformers, zmq, dflash_ipc.procs.target as t; print('torch', torch.__version__, 'transformers', transformers.__version__, 'zmq', zmq.__version__, 'setuptools', setuptools.__version__, 'gpus', torch.cuda.device_count(), 'procs', t.__file__)" || exit 1
 python3 -c "import fla; print('fla', fla.__version__)" || echo "fla missing"
 python3 -c "import causal_conv1d; print('causal_conv1d', causal_conv1d.__version__)" || echo "causal_conv1d missing"
