@@ -7,14 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import tiny_cpu_config, write_toml
+from conftest import SMALL_RUN, tiny_cpu_config, write_toml
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
-    data = {"builtin_samples": 300, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024}
-    cfg = write_toml(tmp_path / "bench.toml", tiny_cpu_config(data=data))
+    cfg = write_toml(tmp_path / "bench.toml", tiny_cpu_config(data=SMALL_RUN["data"]))  # the bench sets its own training keys
     out = tmp_path / "variants.jsonl"
     proc = subprocess.run(
         [

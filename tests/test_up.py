@@ -83,10 +83,6 @@ class Up:
     def output(self) -> str:
         return self.out_path.read_text(errors="replace")
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     def child_pids(self) -> dict[str, list[int]]:
         return child_pids(self.output)
 
@@ -202,16 +198,11 @@ FULL_STEPS = SHARED_RUN_STEPS
 FIRST_DECISION_STEP = 4 + 2 + 2  # transport.ring_slots + 2 settle steps, then one window
 
 
-@pytest.fixture(scope="module")
-def full_run(shared_run):
+def test_full_run_trains_checkpoints_and_exports(shared_run):
     """The session's shared run (conftest.shared_run; test_progress and test_tensorboard read it too)."""
-    return shared_run, shared_run.returncode
-
-
-def test_full_run_trains_checkpoints_and_exports(full_run):
-    up, code = full_run
+    up = shared_run
     out, run_dir = up.output, up.run_dir
-    assert code == 0, out
+    assert up.returncode == 0, out
 
     recs = read_metrics(run_dir)
     assert [r["step"] for r in recs] == list(range(1, FULL_STEPS + 1))
@@ -250,10 +241,10 @@ def test_full_run_trains_checkpoints_and_exports(full_run):
     assert_no_leftovers(up)
 
 
-def test_resuming_a_finished_run_trains_nothing_more(full_run, started):
+def test_resuming_a_finished_run_trains_nothing_more(shared_run, started):
     """What systemd's Restart= does to a finished run: exit 0, no step beyond max_steps."""
-    up, code = full_run
-    assert code == 0
+    up = shared_run
+    assert up.returncode == 0
     ckpt = latest_checkpoint(up.run_dir)
     meta_before = (ckpt / META_FILE).read_text()
     again = Up(up.config, up.run_dir, "--max-steps", str(FULL_STEPS), "--resume", name="again")
@@ -267,9 +258,9 @@ def test_resuming_a_finished_run_trains_nothing_more(full_run, started):
     assert_no_leftovers(again, started_children=False)
 
 
-def test_status_after_the_run_reads_status_json(full_run):
-    up, code = full_run
-    assert code == 0
+def test_status_after_the_run_reads_status_json(shared_run):
+    up = shared_run
+    assert up.returncode == 0
     snap = json.loads(status_cli(up.run_dir, "--json"))
     decode_status(snap)  # every field present and well typed
     assert snap["state"] == "finished"
