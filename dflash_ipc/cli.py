@@ -382,9 +382,27 @@ def _plan_topology(n_gpus: int | None, profile_path: str | None, as_json: bool) 
 @click.option(
     "--speed-prompts", type=click.IntRange(1), default=4, show_default=True, help="With workers: prompts decoded alone to time speed."
 )
+@click.option(
+    "--target-quantization",
+    type=click.Choice(["none", "fp8"]),
+    default=None,
+    help="The target's linear layers (default: target.quantization). fp8 needs --dtype bfloat16 on a CUDA GPU >= 8.9.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def eval_cmd(
-    config_path, drafter_dir, prompts_path, n, max_new, block_size, dtype, target_device, drafter_device, workers, speed_prompts, as_json
+    config_path,
+    drafter_dir,
+    prompts_path,
+    n,
+    max_new,
+    block_size,
+    dtype,
+    target_device,
+    drafter_device,
+    workers,
+    speed_prompts,
+    target_quantization,
+    as_json,
 ) -> None:
     """Greedy DFlash speculative decoding with an exported drafter: tau, acceptance, speed, lossless."""
     from dflash_ipc.eval.run import run_eval
@@ -403,6 +421,7 @@ def eval_cmd(
             drafter_device=drafter_device,
             workers=workers,
             speed_prompts=speed_prompts,
+            target_quantization=target_quantization,
             echo=lambda s: click.echo(s, err=True),
         )
     except (ValueError, OSError) as e:

@@ -65,6 +65,7 @@ def run_eval(
     drafter_device: str | None = None,
     workers: int = 1,
     speed_prompts: int = 4,
+    target_quantization: str | None = None,
     echo=lambda s: None,
 ) -> dict:
     """Decode ``n`` prompts greedily and speculatively; the :func:`~dflash_ipc.eval.spec.summarize` report."""
@@ -77,6 +78,7 @@ def run_eval(
     if len(tdevs) > 1 and drafter_device:
         raise ValueError("--drafter-device with several --target-device entries: each worker's drafter runs on its target's device")
     ddevs = tdevs if len(tdevs) > 1 else [drafter_device or cfg.topology.drafters[0]]
+    cfg = _with_quantization(cfg, target_quantization or cfg.target.quantization, dtype, tdevs)
     tokenizer = load_tokenizer(cfg.target.tokenizer)
     check_target_tokenizer(cfg.target, tokenizer)
     prompts = load_prompts(cfg, tokenizer, prompts_path, n)
@@ -117,6 +119,25 @@ def run_eval(
         }
     )
     return report
+
+
+def _with_quantization(cfg: DFlashConfig, quantization: str, dtype: str, tdevs: list[str]) -> DFlashConfig:
+    """The config with eval's target quantization (``--target-quantization`` or target.quantization),
+    refused before any model loads where the target devices cannot run it."""
+    import dataclasses
+
+    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.target.fp8 import fp8_device_problem
+
+    if quantization == "none":
+        return dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, quantization="none"))
+    if quantization != "fp8":
+        raise ValueError(f"target quantization must be none or fp8 (got {quantization!r})")
+    for dev in tdevs:
+        problem = fp8_device_problem(dev, dtype_from_name(dtype))
+        if problem:
+            raise ValueError(f"--target-quantization fp8 (target.quantization) on {dev}: {problem} (eval: --dtype bfloat16 on such a GPU)")
+    return dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, quantization="fp8", dtype=dtype))
 
 
 class _Job(NamedTuple):
