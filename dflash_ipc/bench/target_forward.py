@@ -6,8 +6,9 @@
   token budget), collated as the target role does: the same batches ``bench pipeline`` forwards.
 * **Model**: the config's target (``target.spec`` random weights, or ``target.model_path``),
   built once with ``target.varlen = true``; with ``--layers N`` a spec target keeps its first N
-  decoder layers (the real per-layer shapes; ratios, not whole-model times). Capture layers:
-  ``target.layer_ids`` that fit, else five spread over the N.
+  decoder layers (the real per-layer shapes; ratios, not whole-model times), capturing
+  ``target.num_capture_layers`` layers spread from layer 1 to layer N-1 (so all N run). Without
+  it the config's own capture layers, as the pipeline runs them (up to the last captured one).
 * **Variants** (each: two warm-up batches untimed, then all K timed, CUDA-synchronized):
   ``padded`` (``capture`` of the right-padded [B, L] batch) and ``packed`` (``capture_packed``:
   the real tokens in one row); then the same model's linear layers are quantized in place
@@ -30,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,6 @@ import torch
 
 from dflash_ipc.bench.op_profile import format_table, profile_classes
 from dflash_ipc.config import DFlashConfig, load_config
-from dflash_ipc.target.hf_config import default_layer_ids
 from dflash_ipc.target.model import TargetModel, build_target
 
 VARIANTS = ("padded", "packed")
@@ -65,18 +66,18 @@ def target_config(cfg: DFlashConfig, layers: int) -> Any:
     """The config's target, packed-capable, optionally cut to ``layers`` layers."""
     t = dataclasses.replace(cfg.target, varlen=True, quantization="none", capture_last_hidden=False)
     if layers and not t.model_path:
-        ids = [i for i in t.layer_ids if i < layers]
-        t = dataclasses.replace(
-            t, spec=spec_with_layers(t.spec, layers), layer_ids=ids if len(ids) >= 2 else default_layer_ids(layers, t.num_capture_layers)
-        )
+        # spread from layer 1 to the last kept one, so every kept layer runs
+        k = min(max(2, t.num_capture_layers), layers)
+        ids = sorted({round(1 + i * (layers - 2) / (k - 1)) for i in range(k)}) if layers > 2 else list(range(layers))
+        t = dataclasses.replace(t, spec=spec_with_layers(t.spec, layers), layer_ids=ids)
     return t
 
 
-def plan_batches(cfg: DFlashConfig, n: int, cache_dir: Path) -> tuple[list[tuple[torch.Tensor, list[int]]], int]:
+def plan_batches(cfg: DFlashConfig, n: int, cache_dir: Path) -> tuple[list[tuple[torch.Tensor, list[int]]], int, float]:
     """The first ``n`` batches of epoch 0 (one shard), as (right-padded ids [B, L], lengths);
-    and the tokenizer's vocabulary size."""
+    the tokenizer's vocabulary size; the padding share of the whole epoch's plan (%)."""
     from dflash_ipc.data.corpus import load_corpus
-    from dflash_ipc.data.plan import plan_epoch
+    from dflash_ipc.data.plan import plan_epoch, plan_stats
     from dflash_ipc.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.target.tokenizer)
@@ -86,7 +87,7 @@ def plan_batches(cfg: DFlashConfig, n: int, cache_dir: Path) -> tuple[list[tuple
     for b in plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, 0, 1, 0)[:n]:
         ids, _, lens = corpus.collate(b.sample_indices, pad)
         out.append((ids, [int(x) for x in lens]))
-    return out, len(tok)
+    return out, len(tok), float(plan_stats(corpus.lengths, cfg.data, cfg.run.seed)["padding_waste_pct"])
 
 
 def _flat(ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -187,8 +188,8 @@ def run(
         out_file.write_text(json.dumps(out, indent=1))
 
     t0 = time.perf_counter()
-    cache = Path(cache_dir) if cache_dir else out_file.parent / "data-cache"
-    batches, vocab = plan_batches(cfg, n_batches, cache)
+    cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "dflash-target-forward-data"
+    batches, vocab, out["epoch_padding_pct"] = plan_batches(cfg, n_batches, cache)
     _echo(f"{len(batches)} batches in {time.perf_counter() - t0:.1f}s: shapes {[tuple(i.shape) for i, _ in batches]}")
     tcfg = target_config(cfg, layers)
     t0 = time.perf_counter()
@@ -308,9 +309,12 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
 @click.option("--fp8/--no-fp8", default=True)
 @click.option("--peak-tflops", type=float, default=790.0, show_default=True)
 @click.option("--device", default="", help="Default: topology.targets[0].")
+@click.option("--cache-dir", default="", help="Tokenized corpus cache (default: a folder under the temp dir).")
 @click.option("--checkpoint", default="", help="Instead: FP8 vs bf16 agreement on this local checkpoint's real weights.")
 @click.option("--fp8-off-gpu", is_flag=True, hidden=True, help="Dry runs: FP8 through torch._scaled_mm on any device (CPU: slow).")
-def main(config_path, out_path, layers, n_batches, agree_batches, profile, fp8, peak_tflops, device, checkpoint, fp8_off_gpu) -> None:
+def main(
+    config_path, out_path, layers, n_batches, agree_batches, profile, fp8, peak_tflops, device, cache_dir, checkpoint, fp8_off_gpu
+) -> None:
     if checkpoint:
         checkpoint_agreement(checkpoint, out_path, device or "cuda:0")
         return
@@ -326,6 +330,7 @@ def main(config_path, out_path, layers, n_batches, agree_batches, profile, fp8, 
         fp8=fp8,
         peak_tflops=peak_tflops,
         device=device,
+        cache_dir=cache_dir,
         fp8_off_gpu=fp8_off_gpu,
     )
 

@@ -73,7 +73,7 @@ class PackedDocs:
     seq_lens: list[int]
     position_ids: torch.Tensor  # [1, n] int64, restarting at 0 per document
     cu_seqlens: torch.Tensor  # [D + 1] int32, document boundaries
-    cu_seqlens_cpu: torch.Tensor  # the same on the host: fla's kernels read it without a device sync
+    cu_seqlens_cpu: torch.Tensor  # [D + 1] int64 on the host: fla reads its chunk layout without a device sync
     seq_idx: torch.Tensor  # [1, n] int32, the document of each token
     max_len: int
 
@@ -95,7 +95,7 @@ class PackedDocs:
             seq_lens=[int(x) for x in seq_lens],
             position_ids=pos.view(1, n).to(device, non_blocking=True),
             cu_seqlens=cu.to(torch.int32).to(device, non_blocking=True),
-            cu_seqlens_cpu=cu.to(torch.int32),
+            cu_seqlens_cpu=cu,
             seq_idx=doc.to(torch.int32).view(1, n).to(device, non_blocking=True),
             max_len=int(lens.max()),
         )
