@@ -236,7 +236,9 @@ def test_auto_packs_only_where_packing_is_the_faster_forward():
     llama = LlamaModel(conf)
     assert resolve_varlen("auto", llama, "sdpa")[0] is False
     assert resolve_varlen("auto", llama, "flex_attention") == (True, "auto: packed (attention: flex_attention)")
-    assert resolve_varlen(True, llama, "sdpa") == (True, "target.varlen = true")
+    # forced: the reason names what a packed row runs on (CPU: attention per document, padded)
+    assert resolve_varlen(True, llama, "sdpa") == (True, "target.varlen = true (attention: sdpa per document, padded)")
+    assert "GatedDeltaNet: each document padded inside the layer" in resolve_varlen(True, qwen.stack, "sdpa")[1]
     assert resolve_varlen(False, llama, "flex_attention") == (False, "target.varlen = false")
     with pytest.raises(ValueError, match="true, false or 'auto'"):
         resolve_varlen("yes", llama, "sdpa")

@@ -190,8 +190,8 @@ def _layer_conv(layer: nn.Module, conv: Callable[..., torch.Tensor]) -> Iterator
 
 
 def resolve_varlen(setting: bool | str, stack: nn.Module, attn_implementation: str) -> tuple[bool, str]:
-    """Whether the packed forward runs, and why, naming the kernels (``target.varlen``: true,
-    false or "auto").
+    """Whether the packed forward runs, and why, naming the kernels a packed row runs on
+    (``target.varlen``: true, false or "auto").
 
     "auto" packs wherever the packed forward runs on varlen kernels: every full-attention layer
     on one (flash-attention's, flex's block mask, or for sdpa/eager torch's varlen flash kernel
@@ -200,30 +200,35 @@ def resolve_varlen(setting: bool | str, stack: nn.Module, attn_implementation: s
     Triton conv is enough, causal-conv1d is used when present). Without them each document would
     run padded inside that layer, or attend through a dense block-diagonal mask, and packing was
     measured slower than padding (docs/BENCHMARKS.md)."""
-    if isinstance(setting, bool):
-        return setting, f"target.varlen = {str(setting).lower()}"
-    if setting != "auto":
+    if not isinstance(setting, bool) and setting != "auto":
         raise ValueError(f"target.varlen must be true, false or 'auto' (got {setting!r})")
     layers = list(getattr(stack, "layers", []))
-    why_padded = []
+    why_padded, kernels_used = [], []
     param = next(stack.parameters(), None)
     kernel = param is not None and varlen_kernel_usable(param.device, param.dtype)
     attention_ok = attn_implementation in _VARLEN_ATTENTION or (uses_packed_attention(attn_implementation) and kernel)
-    if any(getattr(layer, "self_attn", None) is not None for layer in layers) and not attention_ok:
-        why_padded.append(f"{attn_implementation} attention has no varlen kernel here (torch's varlen_attn needs CUDA and bf16/fp16)")
+    if any(getattr(layer, "self_attn", None) is not None for layer in layers):
+        if attention_ok:
+            how = f"torch varlen_attn via {PACKED_ATTENTION}" if uses_packed_attention(attn_implementation) else attn_implementation
+            kernels_used.append(f"attention: {how}")
+        else:
+            why_padded.append(f"{attn_implementation} attention has no varlen kernel here (torch's varlen_attn needs CUDA and bf16/fp16)")
+            kernels_used.append(f"attention: {attn_implementation} per document, padded")
     linear = [layer.linear_attn for layer in layers if getattr(layer, "linear_attn", None) is not None]
-    conv = None
     if linear:
         inner = linear[0].inner if isinstance(linear[0], DocumentResetMixer) else linear[0]
         kernels = gated_delta_net_kernels(inner)
-        conv = packed_conv_kernel(kernels)
-        if kernels["chunk"] not in _FAST or conv is None:
+        conv = packed_conv_kernel(kernels) if kernels["chunk"] in _FAST else None
+        if conv is None:
             why_padded.append(f"GatedDeltaNet chunk={kernels['chunk']} conv={kernels['conv']} (packing needs fla)")
+            kernels_used.append("GatedDeltaNet: each document padded inside the layer")
+        else:
+            kernels_used.append(f"GatedDeltaNet: fla chunk_gated_delta_rule(cu_seqlens) + {_KERNEL_NAMES[conv]}")
+    if isinstance(setting, bool):
+        return setting, f"target.varlen = {str(setting).lower()}" + (f" ({'; '.join(kernels_used)})" if setting and kernels_used else "")
     if why_padded:
         return False, "auto: padded, " + "; ".join(why_padded)
-    how = f"torch varlen_attn via {PACKED_ATTENTION}" if uses_packed_attention(attn_implementation) else attn_implementation
-    gdn = f"; GatedDeltaNet: fla chunk_gated_delta_rule(cu_seqlens) + {_KERNEL_NAMES[conv]}" if conv else ""
-    return True, f"auto: packed (attention: {how}{gdn})"
+    return True, f"auto: packed ({'; '.join(kernels_used)})"
 
 
 class DocumentResetMixer(nn.Module):
