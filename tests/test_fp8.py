@@ -102,3 +102,25 @@ def test_cuda_fp8_linear_matches_the_dequantized_product():
     assert (y - exact).abs().max().item() <= 2.0**-7 * exact.abs().max().item()
     ref = x.float() @ weight.t()
     assert ((y - ref).norm() / ref.norm()).item() < 0.05
+
+
+def test_fused_elementwise_matches_the_eager_modules():
+    """target/fused.py: the compiled fused norms and SwiGLU give the eager stack's planes (fp32,
+    1e-5); with FP8 linears, the fused SwiGLU + quantizer gives the unfused FP8 planes; unfusing
+    restores the modules' own forwards."""
+    from dflash_ipc.target.fused import fuse_elementwise, unfuse_elementwise
+
+    model = build_target(TargetConfig(spec=tiny_spec(300), layer_ids=[1, 2], varlen=False), "cpu")
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(4))
+    eager = model.capture(ids)
+    counts = fuse_elementwise(model.stack)
+    assert counts == {"norms": 2 * 3 + 2 + 1, "mlps": 3}  # 3 layers built: 2 norms each, q/k norms of the attention layer, final norm
+    fused = model.capture(ids)
+    assert max((a - b).abs().max().item() for a, b in zip(eager, fused)) <= 1e-5
+    unfuse_elementwise(model.stack)
+    assert all("forward" not in m.__dict__ for m in model.stack.modules())
+    quantize_linears(model.stack, compile_quantizer=False)
+    fp8_eager = model.capture(ids)
+    fuse_elementwise(model.stack)
+    fp8_fused = model.capture(ids)
+    assert max((a - b).abs().max().item() / a.abs().max().item() for a, b in zip(fp8_eager, fp8_fused)) <= 1e-2

@@ -6,7 +6,8 @@
 #             than the conv included), the fla conv alone per document, FP8 _scaled_mm vs the dequantized product
 #   fwd27b    27B shapes, first LAYERS27 (16) of the 64 layers (12 GatedDeltaNet + 4 attention, real widths),
 #             the config's first 16 batches: padded vs packed, bf16 vs FP8 (tok/s and MFU on real tokens),
-#             the FP8-vs-bf16 hidden-state table, the per-op-class profile (packed / padded bf16, packed FP8)
+#             packed with norms + SwiGLU (+ FP8 quantizer) fused (target/fused.py), the FP8-vs-bf16
+#             hidden-state table, the per-op-class profile (padded / packed bf16, packed FP8, fused)
 #   fwd9b     9B-class shapes (configs/bench-9b-x2.toml's target, all 32 layers) on cuda:0: the same variants
 #   smollm2   FP8-vs-bf16 hidden states on SmolLM2's real weights (/root/models/smollm2; skipped when absent)
 #   pipeline  bench pipeline on configs/h200-1gpu.toml with target.quantization = "fp8" (packed by default):
@@ -23,7 +24,7 @@ cap() { local c=$1 l; l=$(( $(left) - ${2:-10} )); (( l < c )) && c=$l; (( c < 5
 
 if want tests; then
   stage "tests: GPU tests of the packed fla path and FP8"
-  timeout -s INT -k 10 $(cap 110) python3 -m pytest -q -m gpu -rA -s -p no:cacheprovider \
+  timeout -s INT -k 10 $(cap 80) python3 -m pytest -q -m gpu -rA -s -p no:cacheprovider \
     tests/test_varlen.py tests/test_fp8.py 2>&1 | tee $OUT/gpu_tests.log | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|auto:|max abs|^E " | tail -20
 fi
 
@@ -34,11 +35,11 @@ fwd() {  # name, timeout cap, args...
     | tee $OUT/$name.log | grep -v "^USDT" | grep -E "target-forward|^  |^    " | cut -c1-200 | tail -${TAIL:-70}
   echo "[$name] exit ${PIPESTATUS[0]}"
 }
-want fwd27b && fwd fwd27b 200 --config configs/h200-1gpu.toml --layers ${LAYERS27:-16} --batches ${BATCHES:-16} --profile
-want fwd9b && TAIL=20 fwd fwd9b 150 --config configs/bench-9b-x2.toml --device cuda:0 --batches ${BATCHES:-16}
+want fwd27b && fwd fwd27b 230 --config configs/h200-1gpu.toml --layers ${LAYERS27:-16} --batches ${BATCHES:-16} --profile --fuse
+want fwd9b && TAIL=24 fwd fwd9b 150 --config configs/bench-9b-x2.toml --device cuda:0 --batches ${BATCHES:-16} --fuse
 if want smollm2; then
   if [ -f /root/models/smollm2/config.json ]; then
-    TAIL=12 fwd smollm2 60 --checkpoint /root/models/smollm2 --device cuda:0
+    TAIL=12 fwd smollm2 50 --checkpoint /root/models/smollm2 --device cuda:0
   else
     stage "smollm2: skipped (/root/models/smollm2 absent)"
   fi
@@ -78,8 +79,9 @@ for name in ("fwd27b.json", "fwd9b.json"):
     for k, r in d.get("results", {}).items():
         print(f"  {k:<12} {r['tokens_per_s']:>10} tok/s real  MFU {r['mfu_real']:.4f}  padding {r['padding_pct']}%")
     print("  ratios", json.dumps(d.get("ratios", {})))
-    for r in d.get("agreement_fp8_vs_bf16", []):
-        print(f"  layer {r['layer']:>3} rel err {r['rel_error']:.4f} cos mean {r['cos_mean']:.6f} min {r['cos_min']:.6f}")
+    for key in ("agreement_fp8_vs_bf16", "agreement_fp8_fused_vs_bf16", "agreement_bf16_fused_vs_bf16"):
+        for r in d.get(key, []):
+            print(f"  {key[10:]} layer {r['layer']:>3} rel err {r['rel_error']:.4f} cos mean {r['cos_mean']:.6f} min {r['cos_min']:.6f}")
     for k, p in d.get("profile", {}).items():
         print(f"  profile {k}: " + ", ".join(f"{c} {v['pct']}%" for c, v in p["classes"].items()))
 d = load("smollm2.json")

@@ -21,6 +21,9 @@
   token's hidden state (mean and min), over real tokens only.
 * **Profile** (``--profile``): one packed and one padded forward of the first batch in bf16
   and one packed in FP8 under ``torch.profiler``, by op class (:mod:`~dflash_ipc.bench.op_profile`).
+* **Fused** (``--fuse``): ``packed-bf16-fused`` and ``packed-fp8-fused``, the same packed forward
+  with the norms and SwiGLU (and the FP8 down projection's quantizer) fused by
+  :mod:`~dflash_ipc.target.fused` (profiled too), and its FP8-vs-bf16 agreement.
 
 Everything lands in one JSON (``--out``, rewritten after each step so a run cut short keeps what
 it measured) and a progress line per step on stderr.
@@ -173,6 +176,7 @@ def run(
     agree_batches: int = 2,
     profile: bool = False,
     fp8: bool = True,
+    fuse: bool = False,
     peak_tflops: float = 790.0,
     device: str = "",
     cache_dir: str = "",
@@ -206,23 +210,39 @@ def run(
     save()
     results: dict[str, Any] = {}
     out["results"] = results
+    out["profile"] = {}
     on_cuda = dev.type == "cuda"
-    if profile:
+
+    def measure(tag: str, variants: tuple[str, ...], profiled: tuple[str, ...]) -> None:
+        """Profile (``--profile``) then time each variant of the model as it is now."""
         ids, lens = batches[0]
-        out["profile"] = {}
-        for v in VARIANTS:
-            run_one(model, v, ids, lens)  # compiled / autotuned before the profiled call
-            out["profile"][f"{v}-bf16"] = prof = profile_classes(lambda v=v: run_one(model, v, ids, lens), on_cuda)
-            _echo(format_table(f"profile {v} bf16, batch {tuple(ids.shape)}", prof))
+        for v in variants:
+            if profile and v in profiled:
+                run_one(model, v, ids, lens)  # compiled / autotuned before the profiled call
+                out["profile"][f"{v}-{tag}"] = prof = profile_classes(lambda v=v: run_one(model, v, ids, lens), on_cuda)
+                _echo(format_table(f"profile {v} {tag}, batch {tuple(ids.shape)}", prof))
+            results[f"{v}-{tag}"] = r = time_variant(model, v, batches, peak_tflops)
+            _echo(f"{v}-{tag}: {r['tokens_per_s']} tok/s real, MFU {r['mfu_real']} (bf16 peak), padding {r['padding_pct']}%")
             save()
-    for v in VARIANTS:
-        results[f"{v}-bf16"] = r = time_variant(model, v, batches, peak_tflops)
-        _echo(f"{v}-bf16: {r['tokens_per_s']} tok/s real, MFU {r['mfu_real']}, padding {r['padding_pct']}%")
-        save()
+
+    def fused(tag: str, ref: list[list[torch.Tensor]] | None = None) -> None:
+        from dflash_ipc.target.fused import fuse_elementwise, unfuse_elementwise
+
+        out[f"fused_{tag}"] = fuse_elementwise(model.stack)
+        try:
+            measure(f"{tag}-fused", ("packed",), ("packed",))
+            if ref is not None:
+                out[f"agreement_{tag}_fused_vs_bf16"] = rows = agreement(ref, _planes(model, batches[:agree_batches]), model.layer_ids)
+                _echo(format_agreement(f"captured hidden states, {tag} + fused elementwise vs bf16", rows))
+        finally:
+            unfuse_elementwise(model.stack)
+
+    measure("bf16", VARIANTS, VARIANTS)
+    ref = _planes(model, batches[:agree_batches])
+    if fuse:
+        fused("bf16", ref)
     if not fp8:
         return out
-    ref = _planes(model, batches[:agree_batches])
-    t0 = time.perf_counter()
     from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
 
     problem = None if fp8_off_gpu else fp8_device_problem(dev, model.dtype)
@@ -231,19 +251,16 @@ def run(
         _echo(f"fp8 skipped: {problem}")
         save()
         return out
+    t0 = time.perf_counter()
     out["fp8_layers"] = quantize_linears(model.stack)
     out["fp8_quantize_s"] = round(time.perf_counter() - t0, 1)
-    for v in VARIANTS:
-        results[f"{v}-fp8"] = r = time_variant(model, v, batches, peak_tflops)
-        _echo(f"{v}-fp8: {r['tokens_per_s']} tok/s real, MFU(bf16 peak) {r['mfu_real']}")
-        save()
+    measure("fp8", VARIANTS, ("packed",))
     out["agreement_fp8_vs_bf16"] = agreement(ref, _planes(model, batches[:agree_batches]), model.layer_ids)
     _echo(format_agreement("captured hidden states, FP8 vs bf16 (packed, real tokens)", out["agreement_fp8_vs_bf16"]))
-    del ref
-    if profile:
-        ids, lens = batches[0]
-        out["profile"]["packed-fp8"] = prof = profile_classes(lambda: run_one(model, "packed", ids, lens), on_cuda)
-        _echo(format_table(f"profile packed fp8, batch {tuple(ids.shape)}", prof))
+    out["ratios"] = _ratios(results)
+    save()
+    if fuse:
+        fused("fp8", ref)
     out["ratios"] = _ratios(results)
     _echo(f"ratios: {json.dumps(out['ratios'])}")
     save()
@@ -260,6 +277,9 @@ def _ratios(results: dict[str, Any]) -> dict[str, float]:
         "fp8_over_bf16_packed": ("packed-fp8", "packed-bf16"),
         "fp8_over_bf16_padded": ("padded-fp8", "padded-bf16"),
         "packed_fp8_over_padded_bf16": ("packed-fp8", "padded-bf16"),
+        "fused_over_eager_packed_bf16": ("packed-bf16-fused", "packed-bf16"),
+        "fused_over_eager_packed_fp8": ("packed-fp8-fused", "packed-fp8"),
+        "packed_fp8_fused_over_padded_bf16": ("packed-fp8-fused", "padded-bf16"),
     }
     out = {}
     for name, (a, b) in pairs.items():
@@ -307,13 +327,14 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
 @click.option("--agree-batches", type=click.IntRange(0), default=2, show_default=True)
 @click.option("--profile/--no-profile", default=False)
 @click.option("--fp8/--no-fp8", default=True)
+@click.option("--fuse", is_flag=True, help="Also: packed with the norms and SwiGLU (and FP8 quantizer) fused (target/fused.py).")
 @click.option("--peak-tflops", type=float, default=790.0, show_default=True)
 @click.option("--device", default="", help="Default: topology.targets[0].")
 @click.option("--cache-dir", default="", help="Tokenized corpus cache (default: a folder under the temp dir).")
 @click.option("--checkpoint", default="", help="Instead: FP8 vs bf16 agreement on this local checkpoint's real weights.")
 @click.option("--fp8-off-gpu", is_flag=True, hidden=True, help="Dry runs: FP8 through torch._scaled_mm on any device (CPU: slow).")
 def main(
-    config_path, out_path, layers, n_batches, agree_batches, profile, fp8, peak_tflops, device, cache_dir, checkpoint, fp8_off_gpu
+    config_path, out_path, layers, n_batches, agree_batches, profile, fp8, fuse, peak_tflops, device, cache_dir, checkpoint, fp8_off_gpu
 ) -> None:
     if checkpoint:
         checkpoint_agreement(checkpoint, out_path, device or "cuda:0")
@@ -328,6 +349,7 @@ def main(
         agree_batches=agree_batches,
         profile=profile,
         fp8=fp8,
+        fuse=fuse,
         peak_tflops=peak_tflops,
         device=device,
         cache_dir=cache_dir,

@@ -81,6 +81,11 @@ class Fp8Linear(nn.Module):
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         xq, xs = self._quantize(x2)
+        return self.matmul_quantized(xq, xs, lead)
+
+    def matmul_quantized(self, xq: torch.Tensor, xs: torch.Tensor, lead: tuple[int, ...] | torch.Size) -> torch.Tensor:
+        """The GEMM on an input already quantized per token (``xq`` [M, K] e4m3, ``xs`` [M, 1]),
+        e.g. by a kernel that fused the quantization into the op before it (target/fused.py)."""
         y = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=xs, scale_b=self.weight_scale, bias=self.bias, out_dtype=self.out_dtype)
         return y.view(*lead, self.out_features)
 
