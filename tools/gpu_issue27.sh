@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 27 on one H200 (~9 min): the packed (fla) forward and the FP8 target, measured.
 #   run(command="bash tools/gpu_issue27.sh", kind="nvidia-h200", carry=[".whl"], timeout_s=600)
+# The first five stages fill the 540 s; the pipeline (64-layer target + drafter, two variants) needs a call of its own:
+#   run(command="STAGES=pipeline bash tools/gpu_issue27.sh", kind="nvidia-h200", carry=[".whl"], timeout_s=600)
 # Stages, each under `timeout` so one failure keeps the others (STAGES picks some: tests,fwd27b,fwd9b,smollm2,pipeline):
 #   tests     GPU tests: packed == standalone per document through fla's chunk + Triton conv (docs shorter
 #             than the conv included), the fla conv alone per document, FP8 _scaled_mm vs the dequantized product

@@ -299,13 +299,15 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
 
     tok = load_tokenizer(model_path)
     docs: list[list[int]] = []
-    for conv in builtin_conversations(64):
-        text = "\n".join(str(m.get("content", "")) for m in conv.get("messages", []))
+    for record in builtin_conversations(64):
+        text = "\n".join(str(m.get("content", "")) for m in record.get("conversations") or record.get("messages") or [])
         ids = tok(text, add_special_tokens=False)["input_ids"][:1024]
         if len(ids) >= 8:
             docs.append(ids)
         if sum(map(len, docs)) >= n_tokens:
             break
+    if not docs:
+        raise ValueError(f"{model_path}'s tokenizer gave no document of 8 tokens or more from the builtin corpus")
     lens = [len(d) for d in docs]
     flat = torch.tensor([t for d in docs for t in d], dtype=torch.int64)
     model = build_target(TargetConfig(model_path=model_path, dtype="bfloat16", varlen=True), device)
