@@ -26,7 +26,7 @@ cap() { local c=$1 l; l=$(( $(left) - ${2:-10} )); (( l < c )) && c=$l; (( c < 5
 
 if want tests; then
   stage "tests: GPU tests of the packed fla path and FP8"
-  timeout -s INT -k 10 $(cap 80) python3 -m pytest -q -m gpu -rA -s -p no:cacheprovider \
+  timeout -s INT -k 10 $(cap 100) python3 -m pytest -q -m gpu -rA -s -p no:cacheprovider \
     tests/test_varlen.py tests/test_fp8.py 2>&1 | tee $OUT/gpu_tests.log | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|auto:|max abs|^E " | tail -20
 fi
 
@@ -38,10 +38,10 @@ fwd() {  # name, timeout cap, args...
   echo "[$name] exit ${PIPESTATUS[0]}"
 }
 want fwd27b && fwd fwd27b 230 --config configs/h200-1gpu.toml --layers ${LAYERS27:-16} --batches ${BATCHES:-16} --profile --fuse
-want fwd9b && TAIL=24 fwd fwd9b 150 --config configs/bench-9b-x2.toml --device cuda:0 --batches ${BATCHES:-16} --fuse
+want fwd9b && TAIL=24 fwd fwd9b 130 --config configs/bench-9b-x2.toml --device cuda:0 --batches ${BATCHES:-16} --fuse
 if want smollm2; then
   if [ -f /root/models/smollm2/config.json ]; then
-    TAIL=12 fwd smollm2 50 --checkpoint /root/models/smollm2 --device cuda:0
+    TAIL=12 fwd smollm2 45 --checkpoint /root/models/smollm2 --device cuda:0
   else
     stage "smollm2: skipped (/root/models/smollm2 absent)"
   fi

@@ -13,6 +13,8 @@
   ``padded`` (``capture`` of the right-padded [B, L] batch) and ``packed`` (``capture_packed``:
   the real tokens in one row); then the same model's linear layers are quantized in place
   (:func:`~dflash_ipc.target.fp8.quantize_linears`) and ``padded-fp8`` / ``packed-fp8`` run.
+  Those four come first; the profiles and the fused variants after (FP8 first, then the bf16
+  linears are put back for theirs), so a run cut short loses the extras, not the headline.
   Throughput counts real tokens; MFU is :func:`~dflash_ipc.target.flops.forward_flops` of the
   real lengths over the time, against ``--peak-tflops`` (bf16 dense: FP8 MFU reads on the same
   scale, so FP8 can pass 100 % of it).
@@ -41,6 +43,7 @@ from typing import Any
 
 import click
 import torch
+from torch import nn
 
 from dflash_ipc.bench.op_profile import format_table, profile_classes
 from dflash_ipc.config import DFlashConfig, load_config
@@ -213,16 +216,18 @@ def run(
     out["profile"] = {}
     on_cuda = dev.type == "cuda"
 
-    def measure(tag: str, variants: tuple[str, ...], profiled: tuple[str, ...]) -> None:
-        """Profile (``--profile``) then time each variant of the model as it is now."""
-        ids, lens = batches[0]
-        for v in variants:
-            if profile and v in profiled:
-                run_one(model, v, ids, lens)  # compiled / autotuned before the profiled call
-                out["profile"][f"{v}-{tag}"] = prof = profile_classes(lambda v=v: run_one(model, v, ids, lens), on_cuda)
-                _echo(format_table(f"profile {v} {tag}, batch {tuple(ids.shape)}", prof))
+    def measure(tag: str, timed: tuple[str, ...], profiled: tuple[str, ...]) -> None:
+        """Time the ``timed`` variants of the model as it is now; profile the ``profiled`` ones
+        (with ``--profile``)."""
+        for v in timed:
             results[f"{v}-{tag}"] = r = time_variant(model, v, batches, peak_tflops)
             _echo(f"{v}-{tag}: {r['tokens_per_s']} tok/s real, MFU {r['mfu_real']} (bf16 peak), padding {r['padding_pct']}%")
+            save()
+        ids, lens = batches[0]
+        for v in profiled if profile else ():
+            run_one(model, v, ids, lens)  # compiled / autotuned before the profiled call
+            out["profile"][f"{v}-{tag}"] = prof = profile_classes(lambda v=v: run_one(model, v, ids, lens), on_cuda)
+            _echo(format_table(f"profile {v} {tag}, batch {tuple(ids.shape)}", prof))
             save()
 
     def fused(tag: str, ref: list[list[torch.Tensor]] | None = None) -> None:
@@ -237,30 +242,40 @@ def run(
         finally:
             unfuse_elementwise(model.stack)
 
-    measure("bf16", VARIANTS, VARIANTS)
+    # headline figures first (bf16, then FP8 on the same weights), profiles and fusion after
+    measure("bf16", VARIANTS, ())
     ref = _planes(model, batches[:agree_batches])
-    if fuse:
-        fused("bf16", ref)
-    if not fp8:
-        return out
     from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
 
     problem = None if fp8_off_gpu else fp8_device_problem(dev, model.dtype)
-    if problem:
-        out["fp8_skipped"] = problem
-        _echo(f"fp8 skipped: {problem}")
+    if not fp8 or problem:
+        if problem:
+            out["fp8_skipped"] = problem
+            _echo(f"fp8 skipped: {problem}")
+        measure("bf16", (), VARIANTS)
+        if fuse:
+            fused("bf16", ref)
+        out["ratios"] = _ratios(results)
         save()
         return out
+    bf16_linears = {name: mod for name, mod in model.stack.named_modules() if type(mod) is nn.Linear}
     t0 = time.perf_counter()
     out["fp8_layers"] = quantize_linears(model.stack)
     out["fp8_quantize_s"] = round(time.perf_counter() - t0, 1)
-    measure("fp8", VARIANTS, ("packed",))
+    measure("fp8", VARIANTS, ())
     out["agreement_fp8_vs_bf16"] = agreement(ref, _planes(model, batches[:agree_batches]), model.layer_ids)
     _echo(format_agreement("captured hidden states, FP8 vs bf16 (packed, real tokens)", out["agreement_fp8_vs_bf16"]))
     out["ratios"] = _ratios(results)
     save()
+    measure("fp8", (), ("packed",))
     if fuse:
         fused("fp8", ref)
+    for name, mod in bf16_linears.items():  # the bf16 weights back, for their profiles and fusion
+        parent, _, child = name.rpartition(".")
+        setattr(model.stack.get_submodule(parent) if parent else model.stack, child, mod)
+    measure("bf16", (), VARIANTS)
+    if fuse:
+        fused("bf16", ref)
     out["ratios"] = _ratios(results)
     _echo(f"ratios: {json.dumps(out['ratios'])}")
     save()
