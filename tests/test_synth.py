@@ -6,6 +6,7 @@ held-out split by prompt hash."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from dflash_ipc.cli import main
 from dflash_ipc.config import ConfigError, load_config
 from dflash_ipc.config_synth import SynthConfig
 from dflash_ipc.data.gen import is_holdout, prompt_key
-from dflash_ipc.data.synth import diversity_path, parse_synth_spec, pre_query_template, synth_prompts_path, user_turn_stops
+from dflash_ipc.data.prequery import pre_query_template, user_turn_stops
+from dflash_ipc.data.synth import diversity_path, parse_synth_spec, synth_prompts_path
 from dflash_ipc.data.synth_filters import PromptFilter, diversity_report
 from dflash_ipc.data.tokenizer import load_tokenizer
 
@@ -216,3 +218,58 @@ def test_synth_gives_up_after_its_draw_budget(tmp_path):
     r = _synth(cfg, tmp_path / "g.jsonl", 3)
     assert r["synth"]["kept"] == 0 and r["synth"]["sampled"] == 8  # ceil(3 * 2) = 6 draws -> two batches of 4
     assert r["to_generate"] == 0
+
+
+def test_multi_turn_adds_second_turns_beside_their_first_and_resumes(tmp_path, tok):
+    from dflash_ipc.data.corpus import load_corpus
+    from dflash_ipc.data.gen import GenOptions
+    from dflash_ipc.data.synth_turns import extend_turns, turns_path
+    from dflash_ipc.data.tokenizer import vocab_identity
+    from dflash_ipc.eval.target_lm import build_target_lm
+
+    path = tmp_path / "mt.toml"
+    synth = "\n[synth]\nmax_prompt_tokens = 6\ndrop_unfinished = false\nmin_chars = 1\nmulti_turn_fraction = 1.0\n"
+    path.write_text(TINY.read_text() + synth)
+    cfg = load_config(path)
+    out, hold = tmp_path / "gen.jsonl", tmp_path / "gen.holdout.jsonl"
+    for i in range(6):
+        answer = f"Boil it for {i} minutes."
+        rec = {
+            "id": f"synth-0-0-{i}",
+            "conversations": [
+                {"role": "user", "content": f"How do I cook dish {i}?"},
+                {"role": "assistant", "content": answer, "token_ids": tok(answer, add_special_tokens=False)["input_ids"]},
+            ],
+            "finish": "length" if i == 5 else "stop",  # a cut answer gets no follow-up
+            "tokenizer_vocab": vocab_identity(tok),
+        }
+        with open(hold if i >= 4 else out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    lm = build_target_lm(cfg.target, "cpu", vocab_size=len(tok))
+    opts = GenOptions(batch_size=4, max_new=3)
+
+    first = extend_turns(cfg, tok, lambda: lm, out, opts)
+    turns = _lines(turns_path(out))
+    assert first["multi_turn_candidates"] == 5 and first["turns_sampled"] == 5 and len(turns) == 5
+    kept = {t["id"] for t in turns if t["content"]}
+    assert first["turns_written"] == len(kept) and first["turns_dropped"] == 5 - len(kept)
+    t2 = {r["id"]: r for r in _lines(out) + _lines(hold) if r["id"].endswith("/t2")}
+    assert set(t2) == {k + "/t2" for k in kept}
+    assert {r["id"] for r in _lines(hold) if r["id"].endswith("/t2")} == {k + "/t2" for k in kept if k.endswith("-4")}
+    for rid, r in t2.items():
+        conv = r["conversations"]
+        assert [m["role"] for m in conv] == ["user", "assistant", "user", "assistant"]
+        assert "token_ids" not in conv[1] and conv[3]["token_ids"]
+        assert conv[2]["content"] == next(t["content"] for t in turns if t["id"] + "/t2" == rid)
+
+    # resumed: nothing sampled again; a lost answer is redone from the kept turn
+    assert extend_turns(cfg, tok, lambda: lm, out, opts) == {**first, "turns_sampled": 0, "turns_written": 0}
+    if kept - {"synth-0-0-4"}:
+        lines = out.read_text().splitlines()
+        kept_lines = [x + "\n" for x in lines if not json.loads(x)["id"].endswith("/t2")]
+        out.write_text("".join(kept_lines) + '{"id": "synth-0-0-0/t2", "conversa')  # and a torn line
+        again = extend_turns(cfg, tok, lambda: lm, out, opts)
+        assert again["turns_sampled"] == 0 and again["turns_written"] == len(kept - {"synth-0-0-4"})
+    # the two-turn records train as chat records
+    corpus = load_corpus(dataclasses.replace(cfg.data, paths=[str(out)]), tok, None)
+    assert corpus.report.num_bad_lines == 0 and corpus.num_samples == len(_lines(out))

@@ -156,10 +156,11 @@ def run_gen_data(
     prompts_path: str | None = None,
     device: str | None = None,
     echo: Callable[[str], None] = lambda s: None,
-    lm=None,
+    get_lm: Callable[[], torch.nn.Module] | None = None,
 ) -> dict:
     """Answer the prompts with the target; returns counts (written, skipped as done, held out).
-    ``lm``: the target's causal LM already loaded (else loaded here when something is left to answer)."""
+    ``get_lm``: gives the target's causal LM (loaded once by the caller), else it is loaded here; either only
+    when something is left to answer."""
     from dflash_ipc.data.tokenizer import (
         check_target_tokenizer,
         load_tokenizer,
@@ -227,7 +228,9 @@ def run_gen_data(
     )
     if not pending:
         return result
-    if lm is None:
+    if get_lm is not None:
+        lm = get_lm()
+    else:
         lm = build_target_lm(cfg.target, torch.device(device or cfg.topology.targets[0]), vocab_size=len(tokenizer))
     stops = stop_token_ids(tokenizer, getattr(lm, "generation_config", None))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

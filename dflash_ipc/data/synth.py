@@ -3,7 +3,7 @@
 writes a realistic user request; the target's answers to those requests then train the drafter on
 the kind of traffic the target serves, with no data set downloaded.
 
-The pre-query prefix comes from the tokenizer's own chat template (:func:`pre_query_template`): a
+The pre-query prefix comes from the tokenizer's own chat template (:mod:`dflash_ipc.data.prequery`): a
 conversation with a sentinel user message is rendered and cut at the sentinel, so a default system
 prompt the template injects is kept and nothing is hard-coded per model. A tokenizer without a chat
 template is refused.
@@ -43,22 +43,21 @@ from typing import Any
 
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.data.gen import GenOptions, generate_batch, run_gen_data, truncate_torn_tail
+from dflash_ipc.data.prequery import pre_query_template, user_turn_stops
 from dflash_ipc.data.synth_filters import PromptFilter, diversity_report, format_report
+from dflash_ipc.data.synth_turns import extend_turns
 from dflash_ipc.fsutil import write_text_atomic
 
 __all__ = [
     "SYNTH_PREFIX",
     "diversity_path",
     "parse_synth_spec",
-    "pre_query_template",
     "run_synth_gen_data",
     "synth_prompts_path",
     "synthesize_prompts",
-    "user_turn_stops",
 ]
 
 SYNTH_PREFIX = "synth:"
-_SENTINEL = "\ue000dflash-ipc-user-turn\ue001"
 
 
 def parse_synth_spec(spec: str | None) -> int | None:
@@ -85,39 +84,6 @@ def diversity_path(out: Path) -> Path:
 
 def _state_path(out: Path) -> Path:
     return _sidecar(Path(out), ".synth-state.json")
-
-
-def _render_cut(tokenizer, messages: list[dict]) -> tuple[str, str]:
-    """The chat template's text of ``messages`` + a sentinel user turn, cut at the sentinel: (before, after)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "the tokenizer has no chat template: prompt synthesis samples user turns from the template's "
-            "pre-query prefix; use an instruction-tuned target's tokenizer or give --prompts a file"
-        )
-    text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=False)
-    if not isinstance(text, str) or text.count(_SENTINEL) != 1:
-        raise ValueError("the chat template does not write a user message verbatim, so it has no pre-query prefix to sample from")
-    before, _, after = text.partition(_SENTINEL)
-    return before, after
-
-
-def pre_query_template(tokenizer, system: str | None = None, history: list[dict] | None = None) -> str:
-    """The template's text up to where a user's words start (after ``history``, with ``system`` if given;
-    else whatever system prompt the template injects by default)."""
-    msgs = ([{"role": "system", "content": system}] if system else []) + list(history or [])
-    return _render_cut(tokenizer, msgs)[0]
-
-
-def user_turn_stops(tokenizer, generation_config: Any = None) -> set[int]:
-    """Ids that end a user turn: the assistant stops, plus the special token the template closes a user turn with."""
-    from dflash_ipc.data.tokenizer import stop_token_ids
-
-    stops = stop_token_ids(tokenizer, generation_config)
-    after = _render_cut(tokenizer, [])[1]
-    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-    if ids and ids[0] in set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {}):
-        stops.add(int(ids[0]))
-    return stops
 
 
 def _steering(cfg_synth, batch: int) -> str | None:
@@ -239,13 +205,9 @@ def run_synth_gen_data(
     synth = synthesize_prompts(cfg, tokenizer, get_lm, out, n, opts.batch_size, echo)
     limit = min(opts.limit or n, n)
     result = run_gen_data(
-        cfg,
-        out,
-        dataclasses.replace(opts, limit=limit),
-        prompts_path=synth["prompts_file"],
-        device=device,
-        echo=echo,
-        lm=loaded[0] if loaded else None,
+        cfg, out, dataclasses.replace(opts, limit=limit), prompts_path=synth["prompts_file"], device=device, echo=echo, get_lm=get_lm
     )
     result["synth"] = synth
+    if cfg.synth.multi_turn_fraction > 0:
+        result["multi_turn"] = extend_turns(cfg, tokenizer, get_lm, out, opts, echo)
     return result

@@ -70,8 +70,9 @@ def _longest_char_run(text: str) -> int:
 class PromptFilter:
     """The filters above, with the index of kept requests (exact keys and MinHash LSH buckets)."""
 
-    def __init__(self, cfg: SynthConfig, special_tokens: Iterable[str] = ()):
+    def __init__(self, cfg: SynthConfig, special_tokens: Iterable[str] = (), dedup: bool = True):
         self.cfg = cfg
+        self.dedup = dedup  # False: no duplicate checks (follow-up turns, whose contexts differ)
         self.markers = sorted({t for t in special_tokens if t} | set(_CONTROL_STRINGS))
         self.dropped: Counter[str] = Counter({r: 0 for r in DROP_REASONS})
         self.kept = 0
@@ -133,6 +134,8 @@ class PromptFilter:
                 return "degenerate"
         if _longest_char_run(t) > c.max_char_run:
             return "degenerate"
+        if not self.dedup:
+            return None
         key = normalize(t)
         if key in self._exact:
             return "exact_dup"
