@@ -455,7 +455,12 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str) -> None:
 @click.option(
     "--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output JSONL (appended to; held-out split beside it)."
 )
-@click.option("--prompts", "prompts_path", default=None, help="Chat records (JSONL, Parquet, saved dataset); default: data.paths.")
+@click.option(
+    "--prompts",
+    "prompts_path",
+    default=None,
+    help="Chat records (JSONL, Parquet, saved dataset), or synth:N (N requests the target writes itself, [synth]); default: data.paths.",
+)
 @click.option(
     "--holdout-fraction",
     type=click.FloatRange(0, 1, max_open=True),
@@ -478,6 +483,7 @@ def gen_data_cmd(
     from pathlib import Path
 
     from dflash_ipc.data.gen import GenOptions, run_gen_data
+    from dflash_ipc.data.synth import parse_synth_spec, run_synth_gen_data
 
     cfg = _load_or_exit(config_path)
     opts = GenOptions(
@@ -489,8 +495,16 @@ def gen_data_cmd(
         limit=limit,
         seed=seed,
     )
+
+    def echo(line: str) -> None:
+        click.echo(line, err=True)
+
     try:
-        result = run_gen_data(cfg, Path(out_path), opts, prompts_path=prompts_path, device=device, echo=lambda s: click.echo(s, err=True))
+        n_synth = parse_synth_spec(prompts_path)
+        if n_synth is not None:
+            result = run_synth_gen_data(cfg, Path(out_path), opts, n_synth, device=device, echo=echo)
+        else:
+            result = run_gen_data(cfg, Path(out_path), opts, prompts_path=prompts_path, device=device, echo=echo)
     except (ValueError, OSError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
