@@ -271,9 +271,8 @@ class TargetConfig:
     capture_last_hidden: bool = False
     async_pack: bool = True
     random_init_seed: int = 1234
-    # Pack each batch's documents back to back in one row (no padding computed; see target/varlen.py).
-    # "auto": packed wherever varlen kernels run it (attention: flash/flex, or for sdpa torch's varlen_attn on
-    # CUDA; GatedDeltaNet: fla's chunk and Triton conv, causal-conv1d if installed); true / false force it.
+    # Each batch's documents back to back in one row, no padding computed (target/varlen.py). "auto": packed wherever
+    # varlen kernels run it (flash/flex or sdpa's varlen_attn on CUDA; fla for GatedDeltaNet); true / false force it.
     varlen: bool | Literal["auto"] = "auto"
     quantization: Quantization = "none"  # "fp8": e4m3 linear layers (config_quant.py, target/fp8.py)
 
