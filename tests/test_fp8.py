@@ -114,7 +114,8 @@ def test_fused_elementwise_matches_the_eager_modules():
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(4))
     eager = model.capture(ids)
     counts = fuse_elementwise(model.stack)
-    assert counts == {"norms": 2 * 3 + 2 + 1, "mlps": 3}  # 3 layers built: 2 norms each, q/k norms of the attention layer, final norm
+    # 3 layers built (2 GatedDeltaNet, 1 attention): 2 norms each, q/k norms, final norm; a gated norm per GatedDeltaNet
+    assert counts == {"norms": 2 * 3 + 2 + 1, "gated_norms": 2, "mlps": 3}
     fused = model.capture(ids)
     assert max((a - b).abs().max().item() for a, b in zip(eager, fused)) <= 1e-5
     unfuse_elementwise(model.stack)

@@ -27,6 +27,7 @@ CLASSES: tuple[tuple[str, str], ...] = (
     ("attention", r"flash|fmha|attention|varlen_attn|sdpa|_efficient_attention|softmax"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|scaled_mm|f8f8|aten::(mm|addmm|bmm|matmul|linear)$|sm90_|sm100_"),
     ("norm", r"rms|norm|rsqrt|reduce|mean|welford"),
+    ("elementwise", r"^triton_(poi|per|red)_fused"),  # inductor's fused kernels (their names list casts as _to_copy)
     ("copy", r"memcpy|memset|copy|\bcat\b|catarraybatched|index|gather|scatter|fill|aten::(cat|index_select|index_copy_|to|_to_copy)$"),
     ("elementwise", r"elementwise|vectorized|unrolled|silu|sigmoid|softplus|exp|mul|add|sub|div|neg|pow|where|clamp|triton_|aten::"),
 )

@@ -8,7 +8,8 @@ rsqrt, scale by ``1 + w``, cast back) and the SwiGLU two more over the 17,408-wi
 functions of their tensors (one compile per function for the whole stack, dynamic in the token
 count; the GEMMs stay cuBLAS / ``_scaled_mm``):
 
-* ``Qwen3_5RMSNorm`` (decoder norms and the final norm) -> one fused kernel, same formula;
+* ``Qwen3_5RMSNorm`` (decoder, q/k and final norms) and the GatedDeltaNet's gated norm
+  ``Qwen3_5RMSNormGated`` (norm, weight, SiLU gate) -> one fused kernel each, same formulas;
 * ``Qwen3_5MLP`` with SiLU -> ``down(silu(gate(x)) * up(x))`` with the product fused, and with an
   FP8 down projection the product and its per-token quantization fused into one kernel.
 
@@ -36,6 +37,13 @@ def _rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -
     return (out * (1.0 + weight.float())).type_as(x)
 
 
+def _rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (out * F.silu(gate.float())).to(dtype)
+
+
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -47,6 +55,10 @@ def _silu_mul_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tens
 
 def _norm_forward(fn: Callable, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return fn(x, norm.weight, norm.eps)
+
+
+def _gated_norm_forward(fn: Callable, norm: nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return fn(x, gate, norm.weight, norm.variance_epsilon)
 
 
 def _mlp_forward(fns: dict[str, Callable], mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -63,15 +75,19 @@ def fuse_elementwise(stack: nn.Module) -> dict[str, int]:
     (see the module docstring); returns how many of each were routed."""
     fns: dict[str, Any] = {
         "norm": torch.compile(_rms_norm_zero_centered, dynamic=True),
+        "gated_norm": torch.compile(_rms_norm_gated, dynamic=True),
         "silu_mul": torch.compile(_silu_mul, dynamic=True),
         "silu_mul_quantize": torch.compile(_silu_mul_quantize, dynamic=True),
     }
-    counts = {"norms": 0, "mlps": 0}
+    counts = {"norms": 0, "gated_norms": 0, "mlps": 0}
     for mod in stack.modules():
         name = type(mod).__name__
         if name == "Qwen3_5RMSNorm":
             mod.forward = functools.partial(_norm_forward, fns["norm"], mod)
             counts["norms"] += 1
+        elif name == "Qwen3_5RMSNormGated" and getattr(mod, "activation", "silu") == "silu":
+            mod.forward = functools.partial(_gated_norm_forward, fns["gated_norm"], mod)
+            counts["gated_norms"] += 1
         elif name == "Qwen3_5MLP" and getattr(mod.config, "hidden_act", "silu") == "silu":
             mod.forward = functools.partial(_mlp_forward, fns, mod)
             counts["mlps"] += 1
