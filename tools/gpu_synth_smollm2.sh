@@ -32,7 +32,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   SYNTH_OV=("synth.max_prompt_tokens=8" "synth.drop_unfinished=false" "synth.min_chars=1")
   TOPO=('topology.targets=["cpu"]' 'topology.drafters=["cpu"]')
 else
-  BUDGET_S=${BUDGET_S:-570}; W=${WORK:-/root/work-synth}; BASE=configs/smollm2-x2.toml; DEV=cuda:0; MODEL=/root/models/smollm2
+  BUDGET_S=${BUDGET_S:-570}; W=${WORK:-/root/work-synth}; BASE=${BASE:-configs/smollm2-1gpu-synth.toml}; DEV=cuda:0; MODEL=/root/models/smollm2
   N_SYNTH=${N_SYNTH:-4000}; N_BUILTIN=${N_BUILTIN:-3000}; SYNTH_BS=${SYNTH_BS:-512}; GEN_BS=${GEN_BS:-256}; GEN_MAX_NEW=${GEN_MAX_NEW:-320}
   HOLDOUT=${HOLDOUT:-0.05}; SYNTH_GEN_S=${SYNTH_GEN_S:-240}; EPOCHS=${EPOCHS:-100}
   # STEP_S: seconds per step with target and drafter on one H200 (issue 24: 0.59 s at these shapes); a
