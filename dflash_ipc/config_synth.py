@@ -34,6 +34,7 @@ class SynthConfig:
     min_distinct_3gram_ratio: float = 0.5
     max_char_run: int = 24
     max_draws_per_prompt: float = 4.0  # give up after this many samples per prompt asked for
+    max_seconds: float = 0.0  # stop sampling after this long (a time budget; the run resumes later); 0: no limit
     # Multi-turn: the target also writes a next user turn after its own answer, then answers it;
     # the fraction of answered prompts that get one (0: single-turn only).
     multi_turn_fraction: float = 0.0
@@ -54,6 +55,7 @@ class SynthConfig:
         _require(0 <= self.min_distinct_3gram_ratio <= 1, "min_distinct_3gram_ratio", "must be in [0, 1]")
         _require(self.max_char_run >= 2, "max_char_run", "must be >= 2")
         _require(self.max_draws_per_prompt >= 1, "max_draws_per_prompt", "must be >= 1")
+        _require(math.isfinite(self.max_seconds) and self.max_seconds >= 0, "max_seconds", "must be >= 0 (0: no time limit)")
         _require(0 <= self.multi_turn_fraction <= 1, "multi_turn_fraction", "must be in [0, 1]")
         _require(
             not self.topics or any("{topic}" in s for s in self.system_prompts),

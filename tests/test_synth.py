@@ -273,3 +273,15 @@ def test_multi_turn_adds_second_turns_beside_their_first_and_resumes(tmp_path, t
     # the two-turn records train as chat records
     corpus = load_corpus(dataclasses.replace(cfg.data, paths=[str(out)]), tok, None)
     assert corpus.report.num_bad_lines == 0 and corpus.num_samples == len(_lines(out))
+
+
+def test_synth_stops_at_its_time_budget_and_the_same_command_continues(tmp_path):
+    cfg = tmp_path / "budget.toml"
+    cfg.write_text(TINY.read_text() + "\n[synth]\nmax_prompt_tokens = 4\ndrop_unfinished = false\nmin_chars = 1\nmax_seconds = 0.001\n")
+    out = tmp_path / "g.jsonl"
+    first = _synth(cfg, out, 40)
+    assert first["synth"]["sampled"] == 4  # one batch: the budget is checked between batches
+    second = _synth(cfg, out, 40)
+    assert second["synth"]["sampled"] == 8 and second["synth"]["new"] == second["synth"]["kept"] - first["synth"]["kept"]
+    ids = [json.loads(x)["id"] for x in synth_prompts_path(out).read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == second["synth"]["kept"]

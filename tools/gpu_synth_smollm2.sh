@@ -9,7 +9,7 @@
 #   DRY_RUN=1 bash tools/gpu_synth_smollm2.sh   # the same chain on CPU at tiny sizes (configs/tiny-cpu.toml)
 # Expects /root/models/smollm2 converted (tools/gpu_smollm2.sh does it) unless DRY_RUN.
 # Knobs (env): PHASE (all|data|train), BUDGET_S, N_SYNTH, N_BUILTIN, SYNTH_BS, GEN_BS, GEN_MAX_NEW, HOLDOUT,
-# SYNTH_GEN_S (seconds for synthesis + its answers), MIX (weights "builtin,synth", e.g. "0.3,0.7"),
+# SYNTH_S (seconds of sampling requests), SYNTH_GEN_S (seconds for synthesis + its answers), MULTI_TURN (0..1), MIX (weights "builtin,synth", e.g. "0.3,0.7"),
 # TRAIN_S, STEP_S, MAX_STEPS, EPOCHS, BLOCK, EVAL_N, EVAL_MAX_NEW, EVAL_RESERVE_S, EXTRA (more overrides), WORK.
 set -u -o pipefail
 T0=$(date +%s)
@@ -33,7 +33,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   TOPO=('topology.targets=["cpu"]' 'topology.drafters=["cpu"]')
 else
   BUDGET_S=${BUDGET_S:-570}; W=${WORK:-/root/work-synth}; BASE=${BASE:-configs/smollm2-1gpu-synth.toml}; DEV=cuda:0; MODEL=/root/models/smollm2
-  N_SYNTH=${N_SYNTH:-3000}; N_BUILTIN=${N_BUILTIN:-3000}; SYNTH_BS=${SYNTH_BS:-512}; GEN_BS=${GEN_BS:-256}; GEN_MAX_NEW=${GEN_MAX_NEW:-320}
+  N_SYNTH=${N_SYNTH:-4000}; N_BUILTIN=${N_BUILTIN:-3000}; SYNTH_BS=${SYNTH_BS:-512}; GEN_BS=${GEN_BS:-256}; GEN_MAX_NEW=${GEN_MAX_NEW:-320}
   HOLDOUT=${HOLDOUT:-0.05}; SYNTH_GEN_S=${SYNTH_GEN_S:-240}; EPOCHS=${EPOCHS:-100}
   # STEP_S: seconds per step with target and drafter on one H200 (issue 24: 0.59 s at these shapes); a
   # PHASE=train call has the whole budget for training
@@ -44,6 +44,11 @@ else
   [ -f "$MODEL/config.json" ] || { echo "$MODEL/config.json missing: convert SmolLM2 first (tools/gpu_smollm2.sh does)"; exit 1; }
 fi
 MIX=${MIX:-0.3,0.7}; BLOCK=${BLOCK:-8}
+# SYNTH_S: seconds of sampling requests (synth.max_seconds: N_SYNTH is a ceiling, the budget decides how many).
+# Answering, not sampling, bounds N_SYNTH: gen-data answered ~15 prompts/s per process at max-new 384 (docs/EVAL.md)
+SYNTH_OV+=("synth.max_seconds=${SYNTH_S:-90}")
+# MULTI_TURN: the share of answered synthesized requests that get a second user turn (and its answer)
+[ "${MULTI_TURN:-0}" != 0 ] && SYNTH_OV+=("synth.multi_turn_fraction=$MULTI_TURN")
 MAX_STEPS=${MAX_STEPS:-$(python3 -c "print(max(2, int($TRAIN_S / $STEP_S)))")}
 MODEL_OV=(); [ -n "$MODEL" ] && MODEL_OV=("target.model_path=\"$MODEL\"")
 mkdir -p "$W"

@@ -96,5 +96,7 @@ def mix_line(report: list[dict], max_epochs: int = 3) -> str:
             f"{s['source']} {s['records']} rec ({s['records_pct']} %) {s['tokens']} tok ({s['tokens_pct']} %)" for s in e["sources"]
         )
         parts.append(f"epoch {e['epoch']}: {srcs}")
-    more = f"; ... {len(report) - max_epochs} more epochs alike" if len(report) > max_epochs else ""
+    more = ""
+    if len(report) > max_epochs:
+        more = f"; {len(report) - max_epochs} more epochs, the same records per source (dflash-ipc plan --json: all)"
     return "mix " + "; ".join(parts) + more

@@ -137,16 +137,17 @@ def synthesize_prompts(
     filt.dropped.update({k: int(v) for k, v in state.get("dropped", {}).items() if k in filt.dropped})
     max_draws = math.ceil(n * sc.max_draws_per_prompt)
     new = 0
+    seconds = 0.0
     if len(kept) < n:
         echo(f"synth: {len(kept)} of {n} prompts kept already; sampling from batch {next_batch} (batch {batch_size})")
         lm = get_lm()
         stops = user_turn_stops(tokenizer, getattr(lm, "generation_config", None))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         opts = GenOptions(batch_size=batch_size, max_new=sc.max_prompt_tokens, temperature=sc.temperature, top_p=sc.top_p)
-        t0 = time.perf_counter()
+        t0, sampled_before = time.perf_counter(), sampled
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a", encoding="utf-8") as f:
-            while len(kept) < n and sampled < max_draws:
+            while len(kept) < n and sampled < max_draws and not (sc.max_seconds and time.perf_counter() - t0 >= sc.max_seconds):
                 k = next_batch
                 prefix = pre_query_template(tokenizer, _steering(sc, k))
                 ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
@@ -166,14 +167,24 @@ def synthesize_prompts(
                 sampled += len(rows)
                 next_batch = k + 1
                 write_text_atomic(state_path, json.dumps({"next_batch": next_batch, "sampled": sampled, "dropped": dict(filt.dropped)}))
-                rate = sampled / max(time.perf_counter() - t0, 1e-9)
+                rate = (sampled - sampled_before) / max(time.perf_counter() - t0, 1e-9)
                 echo(f"synth: {len(kept)}/{n} prompts kept, {sampled} sampled ({rate:.1f} samples/s)")
-        if len(kept) < n:
+        seconds = time.perf_counter() - t0
+        if len(kept) < n and sampled >= max_draws:
             echo(f"synth: stopped at {len(kept)} prompts: {sampled} samples drawn (synth.max_draws_per_prompt = {sc.max_draws_per_prompt})")
+        elif len(kept) < n:
+            echo(f"synth: stopped at {len(kept)} prompts after {seconds:.0f} s (synth.max_seconds; the same command continues)")
     report = diversity_report([r["text"] for r in kept], dict(filt.dropped), sampled)
     write_text_atomic(diversity_path(out), json.dumps(report, indent=2))
     echo(format_report(report))
-    return {"prompts_file": str(path), "kept": len(kept), "new": new, "sampled": sampled, "diversity": str(diversity_path(out))}
+    return {
+        "prompts_file": str(path),
+        "kept": len(kept),
+        "new": new,
+        "sampled": sampled,
+        "seconds": round(seconds, 2),
+        "diversity": str(diversity_path(out)),
+    }
 
 
 def run_synth_gen_data(
