@@ -33,7 +33,7 @@ else
   : "${CONFIG:?set CONFIG (the training config)}" "${DRAFTERS:?set DRAFTERS=\"trained=DIR untrained=DIR\"}"
 fi
 if [ "${SETUP:-1}" = 1 ]; then . tools/gpu_setup.sh; fi
-HOLDOUTS=${HOLDOUTS:-}; TEMPS=${TEMPS:-0}; TOP_P=${TOP_P:-1.0}; SEED=${SEED:-0}; MAX_NEW=${MAX_NEW:-128}
+HOLDOUTS=${HOLDOUTS:-}; TEMPS=${TEMPS:-"0 1"}; TOP_P=${TOP_P:-1.0}; SEED=${SEED:-0}; MAX_NEW=${MAX_NEW:-128}
 WORKERS=${WORKERS:-12}; SPEED_PROMPTS=${SPEED_PROMPTS:-2}; S_PER_PROMPT=${S_PER_PROMPT:-3}; N_MAX=${N_MAX:-164}
 FLOOR_N=${FLOOR_N:-16}; BUDGET_S=${BUDGET_S:-420}
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
