@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash_ipc.chat_template import ChatTemplateConfig
 from dflash_ipc.config_fields import ConfigError, _build, _did_you_mean, _FieldError, _require
 from dflash_ipc.fsutil import write_text_atomic
 
@@ -457,6 +458,7 @@ class DFlashConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    chat_template: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)
     source: str = "<defaults>"
 
     def __post_init__(self) -> None:
@@ -526,6 +528,7 @@ SECTIONS: dict[str, type] = {
     "target": TargetConfig,
     "drafter": DrafterConfig,
     "training": TrainingConfig,
+    "chat_template": ChatTemplateConfig,
 }
 
 

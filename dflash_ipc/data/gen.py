@@ -160,7 +160,7 @@ def run_gen_data(
     """Answer the prompts with the target; returns counts (written, skipped as done, held out)."""
     from dflash_ipc.data.tokenizer import (
         check_target_tokenizer,
-        load_tokenizer,
+        config_tokenizer,
         stop_token_ids,
         vocab_identity,
     )
@@ -172,7 +172,7 @@ def run_gen_data(
     for p in (out, hold):
         _truncate_torn_tail(p)
     done, done_prompts = done_ids(out, hold)
-    tokenizer = load_tokenizer(cfg.target.tokenizer)
+    tokenizer = config_tokenizer(cfg)  # prompts rendered with the [chat_template] kwargs
     check_target_tokenizer(cfg.target, tokenizer)
     paths = [prompts_path] if prompts_path else list(cfg.data.paths)
     clash = [p for p in paths if not p.startswith("builtin:") and Path(p).resolve() in (out.resolve(), hold.resolve())]

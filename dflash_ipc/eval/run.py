@@ -126,7 +126,7 @@ def run_suite(
 ) -> dict:
     """Decode the first ``n`` prompts of each ``(name, source)`` set (source None: ``data.paths``) both
     ways; ``{"sets": {name: summarize report + speed fields}, ...run-wide fields}``."""
-    from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
+    from dflash_ipc.data.tokenizer import check_target_tokenizer, config_tokenizer
 
     if workers < 1 or speed_prompts < 1:
         raise ValueError(f"--workers and --speed-prompts must be >= 1 (got {workers}, {speed_prompts})")
@@ -141,7 +141,8 @@ def run_suite(
     if len(tdevs) > 1 and drafter_device:
         raise ValueError("--drafter-device with several --target-device entries: each worker's drafter runs on its target's device")
     ddevs = tdevs if len(tdevs) > 1 else [drafter_device or cfg.topology.drafters[0]]
-    tokenizer = load_tokenizer(cfg.target.tokenizer)
+    check_template_kwargs(cfg, drafter_dir, echo)
+    tokenizer = config_tokenizer(cfg)
     check_target_tokenizer(cfg.target, tokenizer)
     options = {"humaneval_as": humaneval_as, "mt_bench_turns": mt_bench_turns}
     items: list[list[_Item]] = []
@@ -195,6 +196,7 @@ def run_suite(
         "drafter": str(drafter_dir),
         "cache_rollback": decoder.rollback,
         "max_new": max_new,
+        "chat_template_kwargs": cfg.chat_template.kwargs,
         "mask_token_id": decoder.mask_token_id,
         "humaneval_as": humaneval_as,
         "mt_bench_turns": mt_bench_turns,
@@ -203,6 +205,20 @@ def run_suite(
         "seed": seed,
         "baseline": "plain greedy decoding" if temperature == 0 else f"plain sampling at T={temperature:g}, top-p {top_p:g}",
     }
+
+
+def check_template_kwargs(cfg: DFlashConfig, drafter_dir: str, echo) -> None:
+    """Refuse a drafter trained on chats rendered with other ``[chat_template] kwargs`` than eval's."""
+    from dflash_ipc.drafter.export import recorded_chat_template_kwargs
+
+    recorded, configured = recorded_chat_template_kwargs(drafter_dir), cfg.chat_template.kwargs
+    if recorded is None:
+        echo(f"warning: {drafter_dir} records no chat_template_kwargs (an older export): eval renders with {configured}")
+    elif recorded != configured:
+        raise ValueError(
+            f"{drafter_dir} was trained on chats rendered with chat-template kwargs {recorded}, but {cfg.source} sets "
+            f"[chat_template] kwargs = {configured}: the drafter would see other prompts than it learned; set them alike"
+        )
 
 
 def _set_report(results: list[tuple], speed: list[tuple], block_size: int, items: list[_Item], source: str | None) -> dict:
@@ -233,7 +249,7 @@ class _Decoder:
     """Target and drafter loaded on the given devices; decodes items both ways. Call :meth:`close`."""
 
     def __init__(self, job: _Job, tdev_name: str, ddev_name: str):
-        from dflash_ipc.data.tokenizer import load_tokenizer
+        from dflash_ipc.data.tokenizer import config_tokenizer
         from dflash_ipc.devices import dtype_from_name
         from dflash_ipc.drafter.export import load_exported_drafter
         from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
@@ -243,7 +259,7 @@ class _Decoder:
         cfg_dict, source, drafter_dir, self.max_new, block_size, self.dtype, self.temperature, self.top_p, self.seed = job
         self.cfg = config_from_dict(cfg_dict, source)
         self.tdev, self.ddev = torch.device(tdev_name), torch.device(ddev_name)
-        self.tokenizer = load_tokenizer(self.cfg.target.tokenizer)
+        self.tokenizer = config_tokenizer(self.cfg)
         lm = build_target_lm(self.cfg.target, self.tdev, vocab_size=len(self.tokenizer), dtype=self.dtype)
         hf_config = load_hf_config(self.cfg.target, vocab_size=len(self.tokenizer))
         embed, head = target_head_weights(self.cfg.target, hf_config, self.ddev, dtype_from_name(self.dtype))
