@@ -348,8 +348,9 @@ class _Decoder:
 
 
 def format_suite_table(suite: dict) -> str:
-    """One line per set: prompts, τ, acceptance per position, speculative / greedy tokens/s, lossless."""
-    rows = [("set", "prompts", "tau", "acceptance per position", "spec tok/s", "greedy tok/s", "spec/greedy", "lossless")]
+    """One line per set: prompts, τ, acceptance per position, speculative / plain tokens/s (plain: greedy
+    decoding, or plain sampling at T > 0), lossless."""
+    rows = [("set", "prompts", "tau", "acceptance per position", "spec tok/s", "plain tok/s", "spec/plain", "lossless")]
     for name, r in suite["sets"].items():
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         rows.append(
