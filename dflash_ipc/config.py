@@ -23,14 +23,14 @@ Values that are valid but ignored by the component that would read them (for exa
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import math
-import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash_ipc.chat_template import ChatTemplateConfig
+from dflash_ipc.config_checks import tensorboard_installed, valid_host, zmq_has_curve
 from dflash_ipc.config_fields import ConfigError, _build, _did_you_mean, _FieldError, _require
 from dflash_ipc.config_quant import Quantization, check_target_quantization
 from dflash_ipc.config_synth import SynthConfig, check_mix_weights
@@ -82,7 +82,7 @@ class RunConfig:
             f"must be a plain name without '/', not '.' or '..' (got {self.name!r}): the run directory is runs/<name>",
         )
         _require(
-            not self.tensorboard or _tensorboard_installed(),
+            not self.tensorboard or tensorboard_installed(),
             "tensorboard",
             'is true but the tensorboard package is not installed; pip install "dflash-ipc[tensorboard]" or set it to false',
         )
@@ -102,38 +102,16 @@ class RunConfig:
         )
         _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a TCP port in 1..65535, or 0 for no /metrics endpoint")
         _require(
-            _valid_host(self.control_host),
+            valid_host(self.control_host),
             "control_host",
             f"must be one address or host name of this host, e.g. 127.0.0.1 or 10.0.0.5 (got {self.control_host!r}); "
             "a wildcard would listen on every interface",
         )
         _require(
-            self.control != "tcp" or _zmq_has_curve(),
+            self.control != "tcp" or zmq_has_curve(),
             "control",
             'is "tcp" but this pyzmq/libzmq has no CURVE support, so peers could not be authenticated; use "ipc"',
         )
-
-
-def _valid_host(host: str) -> bool:
-    try:
-        return not ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", host) is not None
-
-
-def _zmq_has_curve() -> bool:
-    import zmq
-
-    return bool(zmq.has("curve"))
-
-
-def _tensorboard_installed() -> bool:
-    # Imported, not just found: torch.utils.tensorboard needs a tensorboard that imports.
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @dataclass
@@ -463,6 +441,7 @@ class DFlashConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     synth: SynthConfig = field(default_factory=SynthConfig)
+    chat_template: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)
     source: str = "<defaults>"
 
     def __post_init__(self) -> None:
@@ -533,6 +512,7 @@ SECTIONS: dict[str, type] = {
     "drafter": DrafterConfig,
     "training": TrainingConfig,
     "synth": SynthConfig,
+    "chat_template": ChatTemplateConfig,
 }
 
 

@@ -186,3 +186,25 @@ def shared_run(tmp_path_factory) -> SharedRun:
             proc.wait()
             raise
     return SharedRun(config, run_dir, proc.pid, code, out_path.read_text(errors="replace"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A random 4-layer Llama checkpoint over the built-in tokenizer's 1,024 ids."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("llama")
+    conf = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(conf).save_pretrained(d)
+    return d

@@ -162,28 +162,6 @@ def test_summary_counts_acceptance_per_position():
     assert rep["tau"] == 2.0 and rep["acceptance_per_position"] == [0.5, 0.5] and rep["lossless"] is True
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A random 4-layer Llama checkpoint over the built-in tokenizer's 1,024 ids."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("llama")
-    conf = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(conf).save_pretrained(d)
-    return d
-
-
 def test_llama_checkpoint_crops_its_cache_and_stays_lossless(tiny_llama):
     cfg = load_config(
         TINY, {"target.model_path": str(tiny_llama), "target.tokenizer": "builtin", "target.spec": {}, "data.builtin_samples": 20}

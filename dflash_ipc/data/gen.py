@@ -163,7 +163,7 @@ def run_gen_data(
     when something is left to answer."""
     from dflash_ipc.data.tokenizer import (
         check_target_tokenizer,
-        load_tokenizer,
+        config_tokenizer,
         stop_token_ids,
         vocab_identity,
     )
@@ -175,7 +175,7 @@ def run_gen_data(
     for p in (out, hold):
         truncate_torn_tail(p)
     done, done_prompts = done_ids(out, hold)
-    tokenizer = load_tokenizer(cfg.target.tokenizer)
+    tokenizer = config_tokenizer(cfg)  # prompts rendered with the [chat_template] kwargs
     check_target_tokenizer(cfg.target, tokenizer)
     paths = [prompts_path] if prompts_path else list(cfg.data.paths)
     clash = [p for p in paths if not p.startswith("builtin:") and Path(p).resolve() in (out.resolve(), hold.resolve())]

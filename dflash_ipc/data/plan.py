@@ -211,13 +211,13 @@ def plan_command(config_path: str | Path, cache_dir: str | Path | None = None) -
     """
     from dflash_ipc.config import load_config
     from dflash_ipc.data.corpus import load_corpus
-    from dflash_ipc.data.tokenizer import load_tokenizer
+    from dflash_ipc.data.tokenizer import config_tokenizer
 
     cfg = load_config(config_path)
     num_shards = len(cfg.topology.targets)
 
     def run(cdir: Path) -> dict[str, Any]:
-        tok = load_tokenizer(cfg.target.tokenizer, cdir)
+        tok = config_tokenizer(cfg)
         corpus = load_corpus(cfg.data, tok, cdir)
         stats = plan_stats(corpus.lengths, cfg.data, cfg.run.seed, num_shards=num_shards, sources=corpus.sources)
         r = corpus.report

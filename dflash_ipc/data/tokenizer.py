@@ -111,6 +111,33 @@ def load_tokenizer(spec: str, cache_dir: Path | None = None) -> PreTrainedTokeni
     return tok
 
 
+# The attribute a tokenizer bound by :func:`bind_chat_template_kwargs` carries its kwargs in.
+TEMPLATE_KWARGS_ATTR = "dflash_chat_template_kwargs"
+
+
+def bind_chat_template_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, Any]) -> PreTrainedTokenizerBase:
+    """``tokenizer`` whose ``apply_chat_template`` passes ``kwargs`` (template variables) on every call,
+    so each renderer (corpus, gen-data, eval) applies the same ones without threading them through
+    its own calls; a call's own keyword arguments win. Part of :func:`tokenizer_identity`."""
+    if not kwargs:
+        return tokenizer
+    render = tokenizer.apply_chat_template
+    bound = dict(kwargs)
+
+    def apply_chat_template(conversation, *args, **call_kwargs):
+        return render(conversation, *args, **{**bound, **call_kwargs})
+
+    tokenizer.apply_chat_template = apply_chat_template
+    setattr(tokenizer, TEMPLATE_KWARGS_ATTR, bound)
+    return tokenizer
+
+
+def config_tokenizer(cfg) -> PreTrainedTokenizerBase:
+    """The tokenizer of a :class:`~dflash_ipc.config.DFlashConfig` (``target.tokenizer``) with its
+    ``[chat_template] kwargs`` bound: what every process that renders chats loads."""
+    return bind_chat_template_kwargs(load_tokenizer(cfg.target.tokenizer), cfg.chat_template.kwargs)
+
+
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: Any = None) -> set[int]:
     """Ids that end a generated turn: eos, ``<|im_end|>`` / ``<|endoftext|>`` where the vocabulary
     has them, and the model's generation-config eos ids."""
@@ -202,6 +229,8 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
         h.update(repr(sorted(tokenizer.get_vocab().items())).encode())
     template = tokenizer.chat_template
     h.update(repr(template).encode())
+    if getattr(tokenizer, TEMPLATE_KWARGS_ATTR, None):  # only when set: unbound tokenizers keep their identity
+        h.update(json.dumps(getattr(tokenizer, TEMPLATE_KWARGS_ATTR), sort_keys=True).encode())
     h.update(repr(sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())).encode())
     return h.hexdigest()
 

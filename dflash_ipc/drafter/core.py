@@ -94,7 +94,7 @@ def build_drafter(cfg: DFlashConfig, device: torch.device | str, *, log_mask_tok
 def export_untrained(cfg: DFlashConfig, out_dir: Path, device: torch.device | str = "cpu") -> Path:
     """Export the drafter exactly as step 0 of `up` initialises it: eval's untrained floor (tau ~ 1)."""
     model = build_drafter(cfg, device)
-    return export_drafter(model, out_dir)
+    return export_drafter(model, out_dir, chat_template_kwargs=cfg.chat_template.kwargs)
 
 
 class DrafterCore:
@@ -416,7 +416,7 @@ class DrafterCore:
         if not self.world.is_main:
             return None
         out = self.shared_root / "export" / "drafter"
-        export_drafter(self.model, out)
+        export_drafter(self.model, out, chat_template_kwargs=self.cfg.chat_template.kwargs)
         return out
 
     def weights_digest(self) -> str:

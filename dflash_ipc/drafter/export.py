@@ -61,7 +61,9 @@ def drafter_hf_config(config: DrafterModelConfig, dtype: torch.dtype) -> dict[st
     return out
 
 
-def export_drafter(model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+def export_drafter(
+    model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None, chat_template_kwargs: dict | None = None
+) -> Path:
     """Write ``config.json`` + ``model.safetensors`` for the SGLang / vLLM DFlash loaders.
 
     Layout, chosen after reading ``sglang: python/sglang/srt/models/dflash.py`` (``DFlashDraftModel``,
@@ -89,6 +91,9 @@ def export_drafter(model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dt
       model's embedding/lm_head"), and vLLM's ``load_weights`` treats both as optional and
       shares the target's when they are absent.
 
+    * ``chat_template_kwargs``: the ``[chat_template] kwargs`` the training data was rendered with
+      (``{}``: none), for eval's check and the serving request; loaders ignore the key.
+
     Note: vLLM needs its V2 model runner for drafters that mix sliding and full layers.
     """
     out = Path(out_dir)
@@ -96,8 +101,17 @@ def export_drafter(model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dt
     dtype = dtype or model.dtype
     write_safetensors(out / EXPORT_WEIGHTS_FILE, model.state_dict(), {"format": "pt"}, dtype=dtype)  # bounded host memory
     cfg = drafter_hf_config(model.config, dtype)
+    cfg[CHAT_TEMPLATE_KWARGS_KEY] = dict(chat_template_kwargs or {})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
+
+
+CHAT_TEMPLATE_KWARGS_KEY = "chat_template_kwargs"
+
+
+def recorded_chat_template_kwargs(path: str | Path) -> dict | None:
+    """The chat-template kwargs an export records; None for an export written before they were recorded."""
+    return json.loads((Path(path) / "config.json").read_text()).get(CHAT_TEMPLATE_KWARGS_KEY)
 
 
 def _config_from_hf_dict(d: Mapping[str, Any]) -> DrafterModelConfig:

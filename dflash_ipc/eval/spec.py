@@ -14,7 +14,9 @@ One prompt (:func:`speculative_generate`)::
 τ = tokens emitted by verification steps / verification steps (the prefill's first token is
 not a step). Plain greedy decoding (:func:`greedy_generate`) runs the same target on the same
 cache type one token per forward; ``lossless`` means every prompt's speculative output equals
-it token for token.
+it token for token. At temperature > 0 both take a :class:`~dflash_ipc.eval.sampling.SpecSampler`:
+the drafts are sampled from the drafter's distributions and verified by speculative sampling, the
+baseline is plain sampling, and losslessness is distributional (see that module).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from dflash_ipc.drafter.blocks import build_block_layout
 from dflash_ipc.drafter.masks import build_attention_masks
 from dflash_ipc.drafter.model import DFlashDrafter
+from dflash_ipc.eval.sampling import SpecSampler
 from dflash_ipc.eval.target_lm import TargetLM
 from dflash_ipc.eval.verify import StepResult, verify_block
 
@@ -51,8 +54,12 @@ class DrafterProposer:
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rows = 0
 
-    @torch.no_grad()
     def __call__(self, context: torch.Tensor, anchor: int, num_drafts: int) -> list[int]:
+        return self.logits(context, anchor, num_drafts).float().argmax(-1).tolist()
+
+    @torch.no_grad()
+    def logits(self, context: torch.Tensor, anchor: int, num_drafts: int) -> torch.Tensor:
+        """The drafter's logits ``[num_drafts, V]`` at block positions 1..num_drafts."""
         d = self.drafter
         n, bs = context.shape[0], num_drafts + 1
         dev = self.device
@@ -67,7 +74,7 @@ class DrafterProposer:
         ids = torch.full((1, bs), d.config.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0] = anchor
         hidden = d.forward_blocks(self._kv, ids, layout.block_position_ids, masks)
-        return d.compute_logits(hidden[1:]).float().argmax(-1).tolist()
+        return d.compute_logits(hidden[1:])
 
 
 @dataclass
@@ -87,44 +94,69 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def greedy_generate(target: TargetLM, prompt: Sequence[int], max_new: int, stop_ids: set[int]) -> GenResult:
-    """Plain greedy decoding: one target forward per token on the KV cache."""
+def greedy_generate(
+    target: TargetLM, prompt: Sequence[int], max_new: int, stop_ids: set[int], sampler: SpecSampler | None = None
+) -> GenResult:
+    """Plain greedy decoding (with ``sampler``: plain sampling): one target forward per token on the KV cache."""
     _sync(target.device)
     t0 = time.perf_counter()
     cache = target.new_cache()
-    greedy, _ = target.forward(list(prompt), cache, capture=False)
-    out = [greedy[-1]]
+    out = [_next_token(target, list(prompt), cache, sampler)]
     forwards = 1
     while len(out) < max_new and out[-1] not in stop_ids:
-        greedy, _ = target.forward([out[-1]], cache, capture=False)
-        out.append(greedy[-1])
+        out.append(_next_token(target, [out[-1]], cache, sampler))
         forwards += 1
     _sync(target.device)
     return GenResult(tokens=out, seconds=time.perf_counter() - t0, target_forwards=forwards)
 
 
+def _next_token(target: TargetLM, ids: list[int], cache, sampler: SpecSampler | None) -> int:
+    if sampler is None:
+        return target.forward(ids, cache, capture=False)[0][-1]
+    return sampler.next_token(target.forward_logits(ids, cache, capture=False)[0])
+
+
 def speculative_generate(
-    target: TargetLM, propose: Proposer, prompt: Sequence[int], max_new: int, stop_ids: set[int], block_size: int, context_device=None
+    target: TargetLM,
+    propose: Proposer,
+    prompt: Sequence[int],
+    max_new: int,
+    stop_ids: set[int],
+    block_size: int,
+    context_device=None,
+    sampler: SpecSampler | None = None,
 ) -> GenResult:
-    """Greedy speculative decoding of one prompt (see the module docstring)."""
+    """Speculative decoding of one prompt (see the module docstring): greedy, or with ``sampler``
+    speculative sampling (:mod:`dflash_ipc.eval.sampling`; ``propose`` then needs ``.logits``)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1 (got {block_size})")
     _sync(target.device)
     t0 = time.perf_counter()
     cache = target.new_cache()
-    greedy, feats = target.forward(list(prompt), cache)
+    if sampler is None:
+        greedy, feats = target.forward(list(prompt), cache)
+        out = [greedy[-1]]
+    else:
+        logits, feats = target.forward_logits(list(prompt), cache)
+        out = [sampler.next_token(logits)]
     context = feats.to(context_device) if context_device is not None else feats
-    out = [greedy[-1]]
     steps: list[StepResult] = []
     forwards = 1
     while len(out) < max_new and out[-1] not in stop_ids:
         anchor = out[-1]
-        drafts = propose(context, anchor, block_size - 1) if block_size > 1 else []
+        if sampler is None:
+            drafts = propose(context, anchor, block_size - 1) if block_size > 1 else []
+        else:
+            drafts, q = sampler.draft(propose.logits(context, anchor, block_size - 1) if block_size > 1 else None)
         block = [anchor] + [int(t) for t in drafts]
         snapshot = copy.deepcopy(cache) if target.rollback == "recompute" else None
-        greedy, feats = target.forward(block, cache)
+        if sampler is None:
+            greedy, feats = target.forward(block, cache)
+            res = verify_block(drafts, greedy, stop_ids, remaining=max_new - len(out))
+        else:
+            logits, feats = target.forward_logits(block, cache)
+            res = sampler.verify(drafts, q, logits, stop_ids, remaining=max_new - len(out))
         forwards += 1
-        res = verify_block(drafts, greedy, stop_ids, remaining=max_new - len(out))
         steps.append(res)
         out.extend(res.tokens)
         if res.stopped or len(out) >= max_new:

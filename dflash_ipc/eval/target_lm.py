@@ -111,6 +111,12 @@ class TargetLM:
     def forward(self, ids: list[int], cache, capture: bool = True) -> tuple[list[int], torch.Tensor | None]:
         """Feed ``ids`` after what ``cache`` holds; returns (greedy token after each position,
         features ``[len(ids), k*H]`` or None)."""
+        logits, feats = self.forward_logits(ids, cache, capture)
+        return logits.float().argmax(-1).tolist(), feats
+
+    @torch.no_grad()
+    def forward_logits(self, ids: list[int], cache, capture: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As :meth:`forward`, with the logits ``[len(ids), V]`` (the model's dtype) instead of the greedy tokens."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         self._capture = capture
         self._captured.clear()
@@ -118,12 +124,11 @@ class TargetLM:
             out = self.lm(input_ids=x, use_cache=True, **{self._cache_kw: cache})
         finally:
             self._capture = False
-        greedy = out.logits[0].float().argmax(-1).tolist()
         feats = None
         if capture:
             feats = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)
         self._captured.clear()
-        return greedy, feats
+        return out.logits[0], feats
 
     def roll_back(self, cache, snapshot, kept_ids: list[int], removed: int):
         """The cache holding only ``kept_ids`` of the last forward: cropped, or ``snapshot`` + a re-run."""

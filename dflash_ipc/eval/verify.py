@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-__all__ = ["StepResult", "verify_block"]
+__all__ = ["StepResult", "finish_step", "verify_block"]
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,24 @@ def verify_block(
     """
     if len(target_argmax) != len(drafts) + 1:
         raise ValueError(f"need one target token per block position: {len(drafts)} drafts, {len(target_argmax)} target tokens")
-    if remaining is not None and remaining < 1:
-        raise ValueError(f"remaining must be >= 1 (got {remaining})")
     accepted = 0
     for d, t in zip(drafts, target_argmax):
         if int(d) != int(t):
             break
         accepted += 1
-    emitted = [int(x) for x in drafts[:accepted]] + [int(target_argmax[accepted])]
+    return finish_step(drafts, accepted, int(target_argmax[accepted]), stop_ids, remaining)
+
+
+def finish_step(
+    drafts: Sequence[int], accepted: int, next_token: int, stop_ids: Collection[int] = (), remaining: int | None = None
+) -> StepResult:
+    """The step that accepted ``drafts[:accepted]`` and then emits ``next_token`` (the bonus or the
+    correction, by whichever rule chose it): cut after a stop token and after ``remaining`` tokens."""
+    if remaining is not None and remaining < 1:
+        raise ValueError(f"remaining must be >= 1 (got {remaining})")
+    if not 0 <= accepted <= len(drafts):
+        raise ValueError(f"accepted must be in [0, {len(drafts)}] (got {accepted})")
+    emitted = [int(x) for x in drafts[:accepted]] + [int(next_token)]
     stopped = False
     for i, tok in enumerate(emitted):
         if tok in stop_ids:

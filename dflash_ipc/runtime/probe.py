@@ -127,10 +127,10 @@ def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
     from dflash_ipc.data.corpus import load_corpus
     from dflash_ipc.data.mix import mix_line, mix_report
     from dflash_ipc.data.plan import plan_epoch
-    from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
+    from dflash_ipc.data.tokenizer import check_target_tokenizer, config_tokenizer
 
     t0 = time.perf_counter()
-    tok = load_tokenizer(cfg.target.tokenizer)
+    tok = config_tokenizer(cfg)  # the corpus exactly as the targets render it
     check_target_tokenizer(cfg.target, tok)
     data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data"
     corpus = load_corpus(cfg.data, tok, data_dir)

@@ -28,7 +28,7 @@ from dflash_ipc.config import DFlashConfig
 from dflash_ipc.control.stats import GpuMemory, TargetWork
 from dflash_ipc.data.corpus import Corpus, load_corpus
 from dflash_ipc.data.plan import PlannedBatch, plan_epoch
-from dflash_ipc.data.tokenizer import load_tokenizer
+from dflash_ipc.data.tokenizer import config_tokenizer
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, BatchLedger
 from dflash_ipc.runtime.nodes import NodeSpec, read_node_spec
 from dflash_ipc.target.fast_path import fast_path_report
@@ -130,7 +130,7 @@ class TargetCore:
         node = read_node_spec(run_dir)
         self.num_shards = node.nnodes * len(cfg.topology.targets)
         self.shard = node.global_rank(rank, len(cfg.topology.targets))
-        self.tokenizer = load_tokenizer(cfg.target.tokenizer)
+        self.tokenizer = config_tokenizer(cfg)  # the [chat_template] kwargs render the corpus (the loss mask)
         data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data"
         self.corpus = load_corpus(cfg.data, self.tokenizer, data_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
