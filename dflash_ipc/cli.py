@@ -234,6 +234,7 @@ def up(
 
     from dflash_ipc.runtime.nodes import NodeOptionError, resolve_node_spec
     from dflash_ipc.runtime.preflight import validate_for_up
+    from dflash_ipc.runtime.run_lock import RunDirBusy
 
     try:  # before anything is created: a bad node option names itself and starts nothing
         node = resolve_node_spec(nnodes, node_rank, master_addr, master_port, shared_dir, os.environ)
@@ -245,7 +246,7 @@ def up(
     try:
         # Before the run directory is created or chmodded: a refused run leaves no trace.
         cfg, resolved_run_dir = validate_for_up(config_path, run_dir, resume=resume, overrides=overrides)
-    except ConfigError as e:
+    except (ConfigError, RunDirBusy) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     for w in cfg.ignored_value_warnings():
@@ -257,6 +258,11 @@ def up(
         cfg, resolved_run_dir, resume=resume, max_restarts=max_restarts, echo=click.echo, live_progress=sys.stdout.isatty(), node=node
     )
     try:
+        try:  # held until this process exits, across every restart: nothing below runs on a directory it does not own
+            sup.own_run_dir()
+        except (RunDirBusy, OSError) as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
         done = sup.finished_already()
         if done:
             click.echo(f"[up] finished already: {done}")
@@ -264,6 +270,7 @@ def up(
         try:
             sup.prepare()
         except (GroupFailed, ProbeFailed, ValueError, OSError) as e:  # ConfigError is a ValueError
+            sup.dir_lock.release(remove_created=True)  # a refused run leaves no directory behind
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
         sys.exit(sup.run())

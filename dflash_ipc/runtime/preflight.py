@@ -12,7 +12,8 @@ starting every process and failing 20 s later in one child's log:
   its layers, attention heads divisible by kv heads (target and drafter), the drafter's hidden
   size, ``drafter.mask_token_id`` and the tokenizer inside its vocabulary,
 * the run directory: never a foreign non-empty directory (``up`` makes it 0700), and one
-  holding checkpoints only with ``--resume``; nothing in it is created or chmodded here.
+  holding checkpoints only with ``--resume``, never one another supervisor owns
+  (:mod:`dflash_ipc.runtime.run_lock`: RunDirBusy); nothing in it is created or chmodded here.
 
 The first two groups need torch and transformers (:func:`check_machine`); the rest do not
 (:func:`check_host`, :func:`check_run_dir`). The supervisor never imports torch: in its process
@@ -32,9 +33,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, load_config
+from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
 
-# Files whose presence marks a directory as a run directory (written by Supervisor.prepare).
-RUN_DIR_MARKERS = ("run_id", "logs", "checkpoints")
+# Files whose presence marks a directory as a run directory (written by Supervisor.prepare; the lock first).
+RUN_DIR_MARKERS = ("run_id", "logs", "checkpoints", LOCK_FILE)
 
 
 def torch_loaded() -> bool:
@@ -54,6 +56,7 @@ def validate_for_up(
     check_host(cfg)
     if torch_loaded():
         check_machine(cfg)
+    refuse_if_owned(run_dir)  # "in use by pid P" before any other word on the directory
     check_run_dir(cfg, run_dir, resume=resume, key=_run_dir_key(cfg, run_dir_override))
     return cfg, run_dir
 

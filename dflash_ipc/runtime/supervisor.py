@@ -2,7 +2,8 @@
 
 Run states (the supervisor's own state machine)::
 
-    validate config ─▶ probe: check model/devices, tokenize + plan once ─▶ prepare RUN_DIR (0700) ─▶ STARTING
+    validate config ─▶ lock RUN_DIR (runtime.run_lock: one supervisor per directory, held to exit)
+      ─▶ probe: check model/devices, tokenize + plan once ─▶ prepare RUN_DIR (0700) ─▶ STARTING
     STARTING: spawn children ─▶ handshake (run.handshake_timeout_s) ─▶ RUNNING (systemd READY=1)
     RUNNING:
       every drafter Done            ─▶ Shutdown targets ─▶ FINISHED, exit 0
@@ -65,6 +66,7 @@ from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_en
 from dflash_ipc.runtime.probe import run_probe
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
 from dflash_ipc.runtime.restarts import GroupFailed, run_with_restarts
+from dflash_ipc.runtime.run_lock import RunDirLock, lock_run_dirs
 from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 
 log = logging.getLogger(__name__)
@@ -147,8 +149,14 @@ class Supervisor:
         self._last_snapshot: StatusSnapshot | None = None
         # Benchmark ceiling: only targets, N batches each, slots released as soon as packed.
         self.forward_only = forward_only
+        self.dir_lock: RunDirLock | None = None  # one supervisor per run dir: own_run_dir() to the end of run()
 
     # ------------------------------------------------------------------ prepare
+
+    def own_run_dir(self) -> None:
+        """Lock the run dir (runtime.run_lock) before anything there is read for the run, touched or spawned."""
+        if self.dir_lock is None:
+            self.dir_lock = lock_run_dirs(self.run_dir, self.node)
 
     def finished_already(self) -> str | None:
         """With --resume: why there is nothing left to train (the committed checkpoint is at or past
@@ -167,6 +175,7 @@ class Supervisor:
 
         The checks that need torch and transformers, tokenizing and planning run first, in the
         probe process (``runtime.probe``): a refused config leaves the run directory uncreated."""
+        self.own_run_dir()
         run_dir = self.run_dir
         if not self.resume and (self.node.checkpoint_root(run_dir) / "latest").exists():
             raise GroupFailed(
@@ -222,6 +231,8 @@ class Supervisor:
             self.node_group.close()
             if metrics is not None:
                 metrics.close()
+            if self.dir_lock is not None:
+                self.dir_lock.release()
 
     def _run_with_restarts(self) -> int:
         def failed() -> None:
