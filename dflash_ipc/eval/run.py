@@ -69,6 +69,7 @@ def run_eval(
 ) -> dict:
     """Decode ``n`` prompts greedily and speculatively; the :func:`~dflash_ipc.eval.spec.summarize` report."""
     from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
+    from dflash_ipc.drafter.export import read_export
     from dflash_ipc.eval.spec import summarize
 
     if workers < 1 or speed_prompts < 1:
@@ -77,6 +78,7 @@ def run_eval(
     if len(tdevs) > 1 and drafter_device:
         raise ValueError("--drafter-device with several --target-device entries: each worker's drafter runs on its target's device")
     ddevs = tdevs if len(tdevs) > 1 else [drafter_device or cfg.topology.drafters[0]]
+    read_export(drafter_dir)  # a damaged export is named now, not after the target is loaded
     tokenizer = load_tokenizer(cfg.target.tokenizer)
     check_target_tokenizer(cfg.target, tokenizer)
     prompts = load_prompts(cfg, tokenizer, prompts_path, n)

@@ -167,37 +167,44 @@ def _lock_one(path: Path, exclusive: bool, wait_s: float) -> int:
 
 
 class RunDirLock:
-    """The locks a supervisor holds on its run dir (and shared dir); see the module docstring."""
+    """The locks a supervisor holds on its run dir (and shared dir); see the module docstring.
+    Made unlocked; :meth:`take` locks (idempotent), :meth:`release` unlocks (idempotent)."""
 
-    def __init__(self) -> None:
+    def __init__(self, directories: list[Path], spec: LockSpec | None = None) -> None:
+        self.directories = list(dict.fromkeys(Path(d).absolute() for d in directories))
+        self.spec = spec or LockSpec()
         self._fds: list[int] = []
         self._files: list[Path] = []
         self._created: list[Path] = []  # directories this lock made (removed again by release(remove_created=True))
 
     @classmethod
     def acquire(cls, directories: list[Path], spec: LockSpec | None = None, wait_s: float = ACQUIRE_WAIT_S) -> RunDirLock:
-        """Every directory's locks (created 0700 if missing), or RunDirBusy naming the owner."""
-        spec = spec or LockSpec()
-        lock = cls()
-        try:
-            for directory in dict.fromkeys(Path(d).absolute() for d in directories):
-                lock._take(directory, spec, wait_s)
-        except BaseException:
-            lock.release(remove_created=True)
-            raise
+        lock = cls(directories, spec)
+        lock.take(wait_s)
         return lock
 
-    def _take(self, directory: Path, spec: LockSpec, wait_s: float) -> None:
+    def take(self, wait_s: float = ACQUIRE_WAIT_S) -> None:
+        """Every directory's locks (each directory created 0700 if missing), or RunDirBusy naming the owner."""
+        if self.held:
+            return
+        try:
+            for directory in self.directories:
+                self._take(directory, wait_s)
+        except BaseException:
+            self.release(remove_created=True)
+            raise
+
+    def _take(self, directory: Path, wait_s: float) -> None:
         missing = [p for p in (directory, *directory.parents) if not p.exists()]
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._created += missing  # deepest first
-        for name, exclusive in spec.files():
+        for name, exclusive in self.spec.files():
             path = directory / name
             fd = _lock_one(path, exclusive, wait_s)
             self._fds.append(fd)
             self._files.append(path)
             if exclusive:
-                record = _owner_record(spec)
+                record = _owner_record(self.spec)
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, record, 0)
 
@@ -205,14 +212,14 @@ class RunDirLock:
     def held(self) -> bool:
         return bool(self._fds)
 
-    def release(self, *, remove_created: bool = False) -> None:
-        """Drop every lock (idempotent). ``remove_created``: also remove the lock files and the
-        directories this lock made, when nothing else was written there since."""
+    def release(self, *, remove_created: bool = False, written: tuple[str, ...] = ()) -> None:
+        """Drop every lock (idempotent). ``remove_created``: also remove the directories this lock made,
+        when they hold nothing but its lock files and the files named in ``written``."""
         if remove_created:
-            ours = {p.name for p in self._files}
+            ours = {p.name for p in self._files} | set(written)
             for directory in self._created:  # deepest first
                 with contextlib.suppress(OSError):
-                    if set(os.listdir(directory)) <= ours:  # nothing but our lock files was written there
+                    if set(os.listdir(directory)) <= ours:  # nothing else was written there
                         for name in ours & set(os.listdir(directory)):
                             (directory / name).unlink()
                         directory.rmdir()
@@ -222,5 +229,5 @@ class RunDirLock:
 
 
 def lock_run_dirs(run_dir: Path, node: NodeSpec) -> RunDirLock:
-    """A supervisor's locks: its run dir, and its shared dir (``--shared-dir``) when that is another one."""
-    return RunDirLock.acquire([run_dir, node.shared_root(run_dir)], LockSpec(node.nnodes, node.node_rank))
+    """A supervisor's locks (not taken yet): its run dir, and its shared dir (``--shared-dir``) when that is another one."""
+    return RunDirLock([run_dir, node.shared_root(run_dir)], LockSpec(node.nnodes, node.node_rank))

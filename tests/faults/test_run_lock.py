@@ -98,11 +98,12 @@ def test_nodes_share_a_directory_but_two_of_one_rank_do_not(tmp_path):
         node0.release()
         node1.release()
     # own run dirs, one --shared-dir: the shared dir is locked per node rank as well
-    a = lock_run_dirs(tmp_path / "a", NodeSpec(2, 0, "127.0.0.1", 29500, str(shared)))
-    b = lock_run_dirs(tmp_path / "b", NodeSpec(2, 1, "127.0.0.1", 29500, str(shared)))
+    a, b, c = (lock_run_dirs(tmp_path / d, NodeSpec(2, r, "127.0.0.1", 29500, str(shared))) for d, r in (("a", 0), ("b", 1), ("c", 0)))
+    a.take()
+    b.take()
     try:
         with pytest.raises(RunDirBusy, match=f"{shared} is in use"):
-            lock_run_dirs(tmp_path / "c", NodeSpec(2, 0, "127.0.0.1", 29500, str(shared)))
+            c.take(wait_s=0.1)
         assert not (tmp_path / "c").exists()  # the refused one removed the run dir it had made
     finally:
         a.release()
