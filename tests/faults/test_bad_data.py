@@ -168,3 +168,18 @@ def test_any_record_the_tokenizer_refuses_costs_only_its_line(tmp_path, tok, mon
     assert corpus.num_samples == 2 and corpus.report.records == 2 and corpus.tokens.tolist() == expected.tokens.tolist()
     [bad] = corpus.report.bad_lines
     assert bad.startswith(f"{path}:2: the tokenizer cannot take it (TypeError: TextEncodeInput must be"), bad
+
+
+def test_a_prompt_line_that_is_not_utf8_is_skipped_with_its_line(tmp_path):
+    """gen-data and eval read prompts through data.readers: a bad line there is skipped too (it
+    ended both commands with "'utf-8' codec can't decode byte 0xff", naming no file)."""
+    from dflash_ipc.data.readers import iter_records, prompt_messages
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(
+        json.dumps(GOOD).encode() + b"\n\xff\xfe\n" + b'{"text": ' + deep(100_000).encode() + b"}\n" + json.dumps(GOOD).encode()
+    )
+    got = list(iter_records([str(path)]))
+    assert [w for w, _ in got] == [f"{path}:{n}" for n in (1, 2, 3, 4)]
+    assert [prompt_messages(r) is not None for _, r in got] == [True, False, False, True]
+    assert got[1][1].reason == "not valid UTF-8 (invalid start byte at byte 0)"

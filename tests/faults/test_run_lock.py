@@ -158,6 +158,10 @@ def test_a_second_up_is_refused_at_every_moment_of_a_live_run(tmp_path):
     try:
         first.wait_until(lambda: lock_owner_pid(run_dir) == first.proc.pid, "the first `up` to own the run dir", poll_s=0.01)
         assert not (run_dir / "logs").exists()  # still probing: the lock came before anything else
+        code, snap = status_json(run_dir)  # answered while the probe runs
+        if not (run_dir / "logs").exists():  # still probing after the answer: it described the probe
+            assert code == 0 and snap["state"] == "preparing" and snap["supervisor_pid"] == first.proc.pid, snap
+            report("run lock: `status` during the first's probe: preparing")
         second("probe")
         first.wait_until(lambda: bool(first.child_pids()), "the children to be spawned", poll_s=0.01)
         run_id = (run_dir / "run_id").read_text()
