@@ -386,8 +386,19 @@ def _plan_topology(n_gpus: int | None, profile_path: str | None, as_json: bool) 
     type=click.Path(file_okay=False, exists=True),
     help="An exported drafter (export/drafter: config.json + model.safetensors).",
 )
-@click.option("--prompts", "prompts_path", default=None, help="Chat records (JSONL, Parquet, saved dataset); default: data.paths.")
-@click.option("--n", type=click.IntRange(1), default=16, show_default=True, help="Prompts to decode.")
+@click.option(
+    "--prompts",
+    "prompts_path",
+    default=None,
+    help="Prompts file (JSONL, .jsonl.gz, Parquet, saved dataset; chat, MT-Bench, HumanEval, GSM8K, Alpaca or plain "
+    "prompt records, by their fields) or `humaneval` (needs the [bench] extra); default: data.paths.",
+)
+@click.option(
+    "--suite",
+    default=None,
+    help="Comma-separated prompt sets (PATH, NAME=PATH or humaneval), decoded by the same processes: one table, one row per set.",
+)
+@click.option("--n", type=click.IntRange(1), default=16, show_default=True, help="Prompts to decode (per set).")
 @click.option("--max-new", type=click.IntRange(1), default=128, show_default=True, help="New tokens per prompt.")
 @click.option("--block-size", type=click.IntRange(0), default=0, help="Block size (1..the drafter's; default: the drafter's).")
 @click.option(
@@ -401,40 +412,59 @@ def _plan_topology(n_gpus: int | None, profile_path: str | None, as_json: bool) 
 @click.option("--target-device", default=None, help="Default: topology.targets[0]; a comma-separated list spreads the workers.")
 @click.option("--drafter-device", default=None, help="Default: topology.drafters[0] (several target devices: each worker's own).")
 @click.option("--workers", type=click.IntRange(1), default=1, show_default=True, help="Decoding processes per target device.")
+@click.option("--speed-prompts", type=click.IntRange(1), default=4, show_default=True, help="With workers: prompts per set timed alone.")
 @click.option(
-    "--speed-prompts", type=click.IntRange(1), default=4, show_default=True, help="With workers: prompts decoded alone to time speed."
+    "--humaneval-as",
+    type=click.Choice(["chat", "raw"]),
+    default="chat",
+    show_default=True,
+    help="HumanEval prompts as a user turn asking for the solution (chat template, as DFlash reports it) or as raw code to continue.",
+)
+@click.option(
+    "--mt-bench-turns",
+    type=click.Choice(["first", "all"]),
+    default="first",
+    show_default=True,
+    help="MT-Bench records: the first turn, or every turn after the target's own answers to the turns before it.",
+)
+@click.option(
+    "--target-quantization",
+    type=click.Choice(["none", "fp8"]),
+    default=None,
+    help="The target's linear layers (default: target.quantization). fp8 needs --dtype bfloat16 on a CUDA GPU >= 8.9.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
-def eval_cmd(
-    config_path, drafter_dir, prompts_path, n, max_new, block_size, dtype, target_device, drafter_device, workers, speed_prompts, as_json
-) -> None:
-    """Greedy DFlash speculative decoding with an exported drafter: tau, acceptance, speed, lossless."""
-    from dflash_ipc.eval.run import run_eval
+def eval_cmd(config_path, drafter_dir, prompts_path, suite, as_json, **options) -> None:
+    """DFlash speculative decoding with an exported drafter: tau, acceptance, speed, lossless (per set with --suite)."""
+    from dflash_ipc.eval.prompts import set_name
+    from dflash_ipc.eval.run import format_suite_table, run_eval, run_suite
 
+    if suite and prompts_path:
+        raise click.UsageError("--suite and --prompts are exclusive: put the file in the suite")
     cfg = _load_or_exit(config_path)
+    target_device, drafter_device = options["target_device"], options["drafter_device"]
     _check_device_option("--target-device", target_device, cfg.topology.targets[0], f"topology.targets[0] of {config_path}")
     if drafter_device or len([d for d in (target_device or "").split(",") if d.strip()]) <= 1:  # else: each target's own device
         _check_device_option("--drafter-device", drafter_device, cfg.topology.drafters[0], f"topology.drafters[0] of {config_path}")
+
+    def echo(line: str) -> None:
+        click.echo(line, err=True)
+
     try:
-        report = run_eval(
-            cfg,
-            drafter_dir,
-            prompts_path=prompts_path,
-            n=n,
-            max_new=max_new,
-            block_size=block_size,
-            dtype=dtype,
-            target_device=target_device,
-            drafter_device=drafter_device,
-            workers=workers,
-            speed_prompts=speed_prompts,
-            echo=lambda s: click.echo(s, err=True),
-        )
+        if suite:
+            sets = [set_name(entry) for entry in suite.split(",") if entry.strip()]
+            report = run_suite(cfg, drafter_dir, sets, echo=echo, **options)
+            click.echo(format_suite_table(report), err=as_json)
+            ok = all(r["lossless"] for r in report["sets"].values())
+        else:
+            report = run_eval(cfg, drafter_dir, prompts_path=prompts_path, echo=echo, **options)
+            ok = report["lossless"]
     except (ValueError, OSError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    click.echo(json.dumps(report) if as_json else json.dumps(report, indent=2))
-    sys.exit(0 if report["lossless"] else 1)
+    if as_json or not suite:
+        click.echo(json.dumps(report) if as_json else json.dumps(report, indent=2))
+    sys.exit(0 if ok else 1)
 
 
 @main.command("export-untrained")
@@ -462,7 +492,12 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str) -> None:
 @click.option(
     "--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output JSONL (appended to; held-out split beside it)."
 )
-@click.option("--prompts", "prompts_path", default=None, help="Chat records (JSONL, Parquet, saved dataset); default: data.paths.")
+@click.option(
+    "--prompts",
+    "prompts_path",
+    default=None,
+    help="Chat records (JSONL, Parquet, saved dataset), or synth:N (N requests the target writes itself, [synth]); default: data.paths.",
+)
 @click.option(
     "--holdout-fraction",
     type=click.FloatRange(0, 1, max_open=True),
@@ -485,6 +520,7 @@ def gen_data_cmd(
     from pathlib import Path
 
     from dflash_ipc.data.gen import GenOptions, run_gen_data
+    from dflash_ipc.data.synth import parse_synth_spec, run_synth_gen_data
 
     cfg = _load_or_exit(config_path)
     _check_device_option("--device", device, cfg.topology.targets[0], f"topology.targets[0] of {config_path}")
@@ -497,8 +533,16 @@ def gen_data_cmd(
         limit=limit,
         seed=seed,
     )
+
+    def echo(line: str) -> None:
+        click.echo(line, err=True)
+
     try:
-        result = run_gen_data(cfg, Path(out_path), opts, prompts_path=prompts_path, device=device, echo=lambda s: click.echo(s, err=True))
+        n_synth = parse_synth_spec(prompts_path)
+        if n_synth is not None:
+            result = run_synth_gen_data(cfg, Path(out_path), opts, n_synth, device=device, echo=echo)
+        else:
+            result = run_gen_data(cfg, Path(out_path), opts, prompts_path=prompts_path, device=device, echo=echo)
     except (ValueError, OSError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

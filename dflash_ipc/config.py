@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_ipc.config_fields import ConfigError, _build, _did_you_mean, _FieldError, _require
+from dflash_ipc.config_quant import Quantization, check_target_quantization
+from dflash_ipc.config_synth import SynthConfig, check_mix_weights
 from dflash_ipc.fsutil import write_text_atomic
 
 # --------------------------------------------------------------------------- components
@@ -223,6 +225,7 @@ class DataConfig:
     # Built-in corpus size (number of conversations); ignored for file paths.
     builtin_samples: int = 2000
     holdout_paths: list[str] = field(default_factory=list)  # held-out chat data (gen-data's OUT.holdout.jsonl), never trained on
+    weights: list[float] = field(default_factory=list)  # the mix: one per path (data/mix.py); empty: every sample once an epoch
 
     def __post_init__(self) -> None:
         _require(len(self.paths) >= 1, "paths", 'needs at least one JSONL path or "builtin:stdlib-docs"')
@@ -247,6 +250,7 @@ class DataConfig:
         _require(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
         _require(self.num_epochs >= 1, "num_epochs", "must be >= 1")
         _require(self.builtin_samples >= 1, "builtin_samples", "must be >= 1")
+        check_mix_weights(self.paths, self.weights)
 
 
 @dataclass
@@ -267,14 +271,15 @@ class TargetConfig:
     capture_last_hidden: bool = False
     async_pack: bool = True
     random_init_seed: int = 1234
-    # Pack each batch's documents back to back in one row (no padding computed; see target/varlen.py).
-    # "auto": packed only where that is the faster forward (a varlen attention kernel: flash/flex, or for
-    # sdpa torch's varlen_attn on CUDA; fla + causal-conv1d for GatedDeltaNet layers); true / false force it.
+    # Each batch's documents back to back in one row, no padding computed (target/varlen.py). "auto": packed wherever
+    # varlen kernels run it (flash/flex or sdpa's varlen_attn on CUDA; fla for GatedDeltaNet); true / false force it.
     varlen: bool | Literal["auto"] = "auto"
+    quantization: Quantization = "none"  # "fp8": e4m3 linear layers (config_quant.py, target/fp8.py)
 
     def __post_init__(self) -> None:
         if not self.tokenizer:
             self.tokenizer = self.model_path or "builtin"
+        check_target_quantization(self.quantization, self.dtype)
         _require(all(i >= 0 for i in self.layer_ids), "layer_ids", "layer ids must be >= 0")
         _require(
             all(b > a for a, b in zip(self.layer_ids, self.layer_ids[1:])),
@@ -457,6 +462,7 @@ class DFlashConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    synth: SynthConfig = field(default_factory=SynthConfig)
     source: str = "<defaults>"
 
     def __post_init__(self) -> None:
@@ -526,6 +532,7 @@ SECTIONS: dict[str, type] = {
     "target": TargetConfig,
     "drafter": DrafterConfig,
     "training": TrainingConfig,
+    "synth": SynthConfig,
 }
 
 

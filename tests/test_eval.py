@@ -144,6 +144,16 @@ def test_eval_cli_untrained_drafter_is_lossless(tiny, tmp_path):
     assert rep["dtype"] == "float32" and rep["cache_rollback"] == "recompute"
 
 
+def test_eval_cli_refuses_an_fp8_target_on_cpu_before_loading_it(tiny, tmp_path):
+    cfg, tok, *_ = tiny
+    d = _drafter(cfg, tok, tmp_path / "drafter")
+    args = ["eval", "--config", str(TINY), "--drafter", str(d), "--n", "1", "--target-quantization", "fp8"]
+    for dtype, why in (("bfloat16", "compute capability >= 8.9"), ("float32", "must be bfloat16")):
+        r = CliRunner().invoke(main, [*args, "--dtype", dtype])
+        assert r.exit_code == 2 and "target.quantization" in r.output and why in r.output, r.output
+        assert "Traceback" not in r.output
+
+
 def test_summary_counts_acceptance_per_position():
     from dflash_ipc.eval.spec import GenResult
 

@@ -7,6 +7,8 @@ The negative controls switch the per-document reset off and show the leak the re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -157,14 +159,23 @@ def test_varlen_and_padded_builds_share_weights_and_fill_the_same_slot(qwen_targ
 
 @pytest.mark.gpu
 def test_cuda_bf16_packed_equals_standalone():
-    """bf16 on the GPU, through flash-linear-attention + causal-conv1d when both are installed
-    (else the padded per-document fallback). Tolerance: 2% of the plane's largest magnitude per
-    document (a few bf16 ulps at the top of the residual stream); kernels chunk a packed row
-    differently from a lone document, so bit equality is not expected."""
+    """bf16 on the GPU through the varlen kernels when fla is installed: fla's chunk over
+    cu_seqlens, its Triton conv over cu_seqlens (or causal-conv1d's seq_idx when that extension is
+    present), torch's varlen attention; documents of 1-3 tokens (shorter than the 4-tap conv)
+    included. Tolerance: 2% of the plane's largest magnitude per document (a few bf16 ulps at the
+    top of the residual stream); kernels chunk a packed row differently from a lone document, so
+    bit equality is not expected."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    cfg = TargetConfig(spec=tiny_spec(VOCAB), layer_ids=[0, 1, 2, 3, 4], capture_last_hidden=True, varlen=True, dtype="bfloat16")
+    import importlib.util
+
+    cfg = TargetConfig(spec=tiny_spec(VOCAB), layer_ids=[0, 1, 2, 3, 4], capture_last_hidden=True, varlen="auto", dtype="bfloat16")
     model = build_target(cfg, "cuda")
+    print(f"auto: {model.varlen_reason}; GatedDeltaNet conv {sorted({m.conv or 'padded' for m in model._mixers})}")
+    if importlib.util.find_spec("fla") is not None:  # packed by default, on the varlen kernels
+        assert model.varlen and model.linear_attention_kernels and "fla chunk_gated_delta_rule(cu_seqlens)" in model.varlen_reason
+    else:
+        model = build_target(dataclasses.replace(cfg, varlen=True), "cuda")
     docs = _docs(MIXED_LENS + [300, 129, 1])
     lens = [int(d.numel()) for d in docs]
     packed = model.capture_packed(torch.cat(docs).cuda(), lens)
@@ -178,6 +189,33 @@ def test_cuda_bf16_packed_equals_standalone():
         start += n
     print(f"cuda bf16 packed vs standalone: kernels={model.linear_attention_kernels} max abs {worst_abs:.4g}, max rel {worst_rel:.4g}")
     assert worst_rel <= 2e-2
+
+
+@pytest.mark.gpu
+def test_cuda_fla_packed_conv_equals_each_document_alone():
+    """fla's Triton conv over cu_seqlens (the adapter the packed GatedDeltaNet swaps in) against
+    the layer's own conv (transformers' torch one, or causal-conv1d) run on each document alone, fp32, SiLU, documents shorter than the
+    4-tap window included: no tap reads another document (tolerance 1e-4: fp32 sums of 4 taps)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("fla")
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+
+    from dflash_ipc.target.varlen import fla_packed_conv
+
+    lens = [1, 2, 3, 4, 5, 64, 65, 200, 1]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 96, sum(lens), device="cuda", generator=g)  # [1, D, n] as the layer hands it
+    w = torch.randn(96, 4, device="cuda", generator=g)
+    docs = PackedDocs.build(lens, torch.device("cuda"))
+    packed = fla_packed_conv(docs)(x, w, None, activation="silu")
+    start, worst = 0, 0.0
+    for n in lens:
+        alone = q35.causal_conv1d_fn(x[:, :, start : start + n].contiguous(), w, None, activation="silu")
+        worst = max(worst, (packed[:, :, start : start + n] - alone).abs().max().item())
+        start += n
+    print(f"fla packed conv vs torch per document: max abs {worst:.3g}")
+    assert worst <= 1e-4
 
 
 def test_auto_packs_only_where_packing_is_the_faster_forward():
@@ -198,7 +236,9 @@ def test_auto_packs_only_where_packing_is_the_faster_forward():
     llama = LlamaModel(conf)
     assert resolve_varlen("auto", llama, "sdpa")[0] is False
     assert resolve_varlen("auto", llama, "flex_attention") == (True, "auto: packed (attention: flex_attention)")
-    assert resolve_varlen(True, llama, "sdpa") == (True, "target.varlen = true")
+    # forced: the reason names what a packed row runs on (CPU: attention per document, padded)
+    assert resolve_varlen(True, llama, "sdpa") == (True, "target.varlen = true (attention: sdpa per document, padded)")
+    assert "GatedDeltaNet: each document padded inside the layer" in resolve_varlen(True, qwen.stack, "sdpa")[1]
     assert resolve_varlen(False, llama, "flex_attention") == (False, "target.varlen = false")
     with pytest.raises(ValueError, match="true, false or 'auto'"):
         resolve_varlen("yes", llama, "sdpa")

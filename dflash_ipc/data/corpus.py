@@ -63,7 +63,9 @@ from dflash_ipc.data.tokenizer import IM_END, tokenizer_identity, vocab_identity
 
 log = logging.getLogger("dflash_ipc.data.corpus")
 
-CACHE_FORMAT = 3  # 2: records cut to max_seq_len * MAX_CHARS_PER_TOKEN characters before tokenizing; 3: stored answer ids, finish "length"
+# 2: records cut to max_seq_len * MAX_CHARS_PER_TOKEN characters before tokenizing; 3: stored answer ids,
+# finish "length"; 4: each sample's source (its data.paths index, for the mix)
+CACHE_FORMAT = 4
 MAX_REPORTED_BAD_LINES = 1000
 _CHUNK = 256  # records tokenized per batched tokenizer call
 _CHUNK_CHARS = 1 << 20  # ... or fewer, once their text reaches this many characters (tokenizing costs ~200 B/char)
@@ -105,11 +107,15 @@ class DataReport:
 
 
 class Corpus:
-    """Tokenized samples stored flat: ``tokens[offsets[i]:offsets[i+1]]`` is sample ``i``."""
+    """Tokenized samples stored flat: ``tokens[offsets[i]:offsets[i+1]]`` is sample ``i``, read from
+    ``data.paths[sources[i]]``."""
 
-    def __init__(self, tokens: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor, report: DataReport):
+    def __init__(self, tokens, loss_mask, offsets, report: DataReport, sources: torch.Tensor | None = None):
         if tokens.shape != loss_mask.shape or offsets.ndim != 1 or int(offsets[-1]) != tokens.numel():
             raise ValueError("inconsistent corpus tensors")
+        self.sources = sources if sources is not None else torch.zeros(offsets.numel() - 1, dtype=torch.int32)
+        if self.sources.shape != (offsets.numel() - 1,):
+            raise ValueError("inconsistent corpus tensors: one source per sample")
         self.tokens = tokens  # int32 [N]
         self.loss_mask = loss_mask  # uint8 [N]
         self.offsets = offsets  # int64 [num_samples + 1]
@@ -305,12 +311,14 @@ class _Builder:
         self.end_token = _turn_end_token(tokenizer)
         self.vocab_size = len(tokenizer)
         self.vocab: str | None = None  # vocab_identity, computed at the first record that stores ids
-        self.pending: list[tuple[str, list[Piece], bool]] = []  # (where, pieces, cut before tokenizing)
+        self.pending: list[tuple[str, list[Piece], bool, int]] = []  # (where, pieces, cut before tokenizing, source)
+        self.source = 0  # index in data.paths of the records being added
         self.pending_chars = 0
         self.max_chars = cfg.max_seq_len * MAX_CHARS_PER_TOKEN
         self.tok_buf = array("i")  # int32 token ids of all kept samples, flat
         self.mask_buf = array("B")  # uint8 loss mask, flat
         self.lengths: list[int] = []
+        self.sources: list[int] = []
 
     def bad(self, where: str, reason: str) -> None:
         msg = f"{where}: {reason}"
@@ -344,7 +352,7 @@ class _Builder:
             return
         self.report.records += 1
         pieces, cut = _clip_pieces(pieces, self.max_chars)
-        self.pending.append((where, pieces, cut))
+        self.pending.append((where, pieces, cut, self.source))
         self.pending_chars += sum(len(t) for t, _ in pieces if isinstance(t, str))
         if len(self.pending) >= _CHUNK or self.pending_chars >= _CHUNK_CHARS:
             self.flush()
@@ -364,14 +372,14 @@ class _Builder:
     def _encode_pending(self) -> list[list[list[int]] | None]:
         """Each pending record's text pieces tokenized, None for a record the tokenizer refuses: one
         batched call, or record by record when the batch is refused, so one bad line costs only itself."""
-        texts = [[t for t, _ in pieces if isinstance(t, str)] for _, pieces, _ in self.pending]
+        texts = [[t for t, _ in pieces if isinstance(t, str)] for _, pieces, _, _ in self.pending]
         try:
             flat = iter(_encode_batch(self.tok, [t for ts in texts for t in ts]))
             return [[next(flat) for _ in ts] for ts in texts]
         except Exception:  # noqa: BLE001 - tokenizers raise TypeError, ValueError, ... for input they cannot take
             pass
         out: list[list[list[int]] | None] = []
-        for (where, _, _), ts in zip(self.pending, texts):
+        for (where, _, _, _), ts in zip(self.pending, texts):
             try:
                 out.append(_encode_batch(self.tok, ts))
             except Exception as e:  # noqa: BLE001
@@ -384,7 +392,7 @@ class _Builder:
         if not self.pending:
             return
         max_len = self.cfg.max_seq_len
-        for (_, pieces, cut_before), ids in zip(self.pending, self._encode_pending()):
+        for (_, pieces, cut_before, source), ids in zip(self.pending, self._encode_pending()):
             if ids is None:
                 continue
             seq: list[int] = []
@@ -407,6 +415,7 @@ class _Builder:
             self.tok_buf.extend(seq)
             self.mask_buf.extend(mask)
             self.lengths.append(len(seq))
+            self.sources.append(source)
         self.pending.clear()
         self.pending_chars = 0
 
@@ -426,7 +435,7 @@ class _Builder:
         r.samples = len(self.lengths)
         r.tokens = int(tokens.numel())
         r.supervised_tokens = int(mask.sum()) if mask.numel() else 0
-        return Corpus(tokens, mask, offsets, r)
+        return Corpus(tokens, mask, offsets, r, torch.tensor(self.sources, dtype=torch.int32))
 
 
 def _piece_chars(piece: str | list[int]) -> int:
@@ -510,7 +519,7 @@ def _load_cached(path: Path, key: str) -> Corpus | None:
         if d.get("format") != CACHE_FORMAT or d.get("key") != key:
             return None
         report = DataReport(**d["report"])
-        return Corpus(d["tokens"], d["loss_mask"], d["offsets"], report)
+        return Corpus(d["tokens"], d["loss_mask"], d["offsets"], report, d["sources"])
     except Exception as e:  # noqa: BLE001 - a broken cache is rebuilt
         log.warning("ignoring unreadable data cache %s: %s", path, e)
         return None
@@ -528,6 +537,7 @@ def _save_cache(path: Path, key: str, corpus: Corpus) -> None:
             "tokens": corpus.tokens,
             "loss_mask": corpus.loss_mask,
             "offsets": corpus.offsets,
+            "sources": corpus.sources,
             "report": report,
         },
         tmp,
@@ -553,6 +563,7 @@ def load_corpus(cfg: DataConfig, tokenizer, cache_dir: Path | None) -> Corpus:
     report = DataReport(sources=list(cfg.paths))
     builder = _Builder(cfg, tokenizer, report)
     for i, p in enumerate(cfg.paths):
+        builder.source = i
         if p.startswith("builtin:"):
             if p != BUILTIN_STDLIB_DOCS:
                 raise DataError(f"data.paths[{i}]: unknown built-in corpus {p!r}; use {BUILTIN_STDLIB_DOCS!r}")

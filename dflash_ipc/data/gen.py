@@ -47,7 +47,7 @@ from dflash_ipc.data.records import ANSWER_IDS_FIELD, VOCAB_FIELD
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenOptions", "done_ids", "holdout_path", "is_holdout", "prompt_key", "run_gen_data"]
+__all__ = ["GenOptions", "done_ids", "generate_batch", "holdout_path", "is_holdout", "prompt_key", "run_gen_data", "truncate_torn_tail"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def done_ids(*paths: Path) -> tuple[set[str], set[str]]:
     return ids, prompts
 
 
-def _truncate_torn_tail(path: Path) -> None:
+def truncate_torn_tail(path: Path) -> None:
     """An interrupted write can leave a last line without its newline: cut it, so appends start clean."""
     if not path.exists() or path.stat().st_size == 0:
         return
@@ -156,8 +156,11 @@ def run_gen_data(
     prompts_path: str | None = None,
     device: str | None = None,
     echo: Callable[[str], None] = lambda s: None,
+    get_lm: Callable[[], torch.nn.Module] | None = None,
 ) -> dict:
-    """Answer the prompts with the target; returns counts (written, skipped as done, held out)."""
+    """Answer the prompts with the target; returns counts (written, skipped as done, held out).
+    ``get_lm``: gives the target's causal LM (loaded once by the caller), else it is loaded here; either only
+    when something is left to answer."""
     from dflash_ipc.data.tokenizer import (
         check_target_tokenizer,
         load_tokenizer,
@@ -170,7 +173,7 @@ def run_gen_data(
     hold = holdout_path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for p in (out, hold):
-        _truncate_torn_tail(p)
+        truncate_torn_tail(p)
     done, done_prompts = done_ids(out, hold)
     tokenizer = load_tokenizer(cfg.target.tokenizer)
     check_target_tokenizer(cfg.target, tokenizer)
@@ -183,6 +186,8 @@ def run_gen_data(
     seen_prompts: set[str] = set()
     skipped_done = no_prompt = duplicates = duplicate_prompts = 0
     for where, rec in iter_records(paths, cfg.data.builtin_samples, cfg.data.max_seq_len):
+        if opts.limit and len(pending) + skipped_done >= opts.limit:  # before the record: all done is also done
+            break
         rid = record_id(where, rec)
         if rid in seen:
             duplicates += 1
@@ -205,8 +210,6 @@ def run_gen_data(
         seen_prompts.add(key)
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         pending.append((rid, msgs, tokenizer(text, add_special_tokens=False)["input_ids"][: cfg.data.max_seq_len]))
-        if opts.limit and len(pending) + skipped_done >= opts.limit:
-            break
     result = {
         "out": str(out),
         "holdout": str(hold),
@@ -225,8 +228,10 @@ def run_gen_data(
     )
     if not pending:
         return result
-    dev = torch.device(device or cfg.topology.targets[0])
-    lm = build_target_lm(cfg.target, dev, vocab_size=len(tokenizer))
+    if get_lm is not None:
+        lm = get_lm()
+    else:
+        lm = build_target_lm(cfg.target, torch.device(device or cfg.topology.targets[0]), vocab_size=len(tokenizer))
     stops = stop_token_ids(tokenizer, getattr(lm, "generation_config", None))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
@@ -238,7 +243,7 @@ def run_gen_data(
         with open(out, "a", encoding="utf-8") as f_out, open(hold, "a", encoding="utf-8") as f_hold:
             for b in range(0, len(pending), opts.batch_size):
                 batch = pending[b : b + opts.batch_size]
-                answers = _generate(lm, [r[2] for r in batch], pad_id, stops, opts, seed=opts.seed * 1_000_003 + b)
+                answers = generate_batch(lm, [r[2] for r in batch], pad_id, stops, opts, seed=opts.seed * 1_000_003 + b)
                 new_tokens = 0
                 for (rid, msgs, _), (ids, finish) in zip(batch, answers):
                     new_tokens += len(ids)
@@ -259,7 +264,7 @@ def run_gen_data(
 
 
 @torch.no_grad()
-def _generate(lm, prompts: list[list[int]], pad_id: int, stops: set[int], opts: GenOptions, seed: int) -> list[tuple[list[int], str]]:
+def generate_batch(lm, prompts: list[list[int]], pad_id: int, stops: set[int], opts: GenOptions, seed: int) -> list[tuple[list[int], str]]:
     """Left-padded batched generation; per prompt (new ids without the stop token, "stop"|"length")."""
     dev = next(lm.parameters()).device
     width = max(len(p) for p in prompts)

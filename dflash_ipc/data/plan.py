@@ -11,7 +11,10 @@
   ``j // num_shards``: every batch goes to exactly one target rank, and its id
   ``BatchId(epoch, shard, index)`` is stable.
 
-Everything is a pure function of ``(lengths, cfg, seed, epoch)``: every rank computes the
+With ``data.weights`` (a mix of sources, :mod:`dflash_ipc.data.mix`) the epoch's samples are first
+drawn by weight from the sources, then planned as above.
+
+Everything is a pure function of ``(lengths, sources, cfg, seed, epoch)``: every rank computes the
 same plan without communicating.
 """
 
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 from dflash_ipc.config import DataConfig
+from dflash_ipc.data.mix import epoch_samples, mix_report
 
 
 @dataclass(frozen=True, order=True)
@@ -97,12 +101,13 @@ def _epoch_rng(seed: int, epoch: int, what: str) -> random.Random:
     return random.Random(f"dflash-ipc/plan/{what}/{seed}/{epoch}")
 
 
-def _global_plan(lens: list[int], cfg: DataConfig, seed: int, epoch: int) -> list[tuple[int, list[int], int, int]]:
+def _global_plan(lens: list[int], cfg: DataConfig, seed: int, epoch: int, sources: Any = None) -> list[tuple[int, list[int], int, int]]:
     """All batches of the epoch in their global (interleaved) order: (bucket, indices, n_tokens, padded_len)."""
     edges = list(cfg.bucket_edges)
     buckets: list[list[int]] = [[] for _ in edges]
-    for i, n in enumerate(lens):
-        buckets[bucket_of(n, edges)].append(i)
+    drawn = epoch_samples(sources, cfg.weights, seed, epoch) if cfg.weights and sources is not None else range(len(lens))
+    for i in drawn:
+        buckets[bucket_of(lens[i], edges)].append(i)
     rng = _epoch_rng(seed, epoch, "samples")
     batches: list[tuple[int, list[int], int, int]] = []
     for b, members in enumerate(buckets):
@@ -126,15 +131,19 @@ def _global_plan(lens: list[int], cfg: DataConfig, seed: int, epoch: int) -> lis
     return batches
 
 
-def plan_epoch(lengths: Any, cfg: DataConfig, seed: int, epoch: int, num_shards: int, shard: int) -> list[PlannedBatch]:
-    """The batches of ``epoch`` that target rank ``shard`` (of ``num_shards``) runs, in order."""
+def plan_epoch(
+    lengths: Any, cfg: DataConfig, seed: int, epoch: int, num_shards: int, shard: int, sources: Any = None
+) -> list[PlannedBatch]:
+    """The batches of ``epoch`` that target rank ``shard`` (of ``num_shards``) runs, in order.
+    ``sources``: each sample's index in ``data.paths`` (``Corpus.sources``), for the mix of ``data.weights``;
+    None plans every sample once (held-out data, a corpus without a mix)."""
     if num_shards < 1 or not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is not in [0, {num_shards})")
     lens = _as_list(lengths)
     if any(n > cfg.token_budget for n in lens):
         raise ValueError(f"a sample is longer than data.token_budget ({cfg.token_budget})")
     out = []
-    for j, (b, idx, ntok, plen) in enumerate(_global_plan(lens, cfg, seed, epoch)):
+    for j, (b, idx, ntok, plen) in enumerate(_global_plan(lens, cfg, seed, epoch, sources)):
         if j % num_shards == shard:
             out.append(PlannedBatch(BatchId(epoch, shard, j // num_shards), b, tuple(idx), ntok, plen))
     return out
@@ -144,11 +153,12 @@ def _pct(x: float) -> float:
     return round(100.0 * x, 2)
 
 
-def plan_stats(lengths: Any, cfg: DataConfig, seed: int, num_shards: int = 1, epoch: int = 0) -> dict[str, Any]:
+def plan_stats(lengths: Any, cfg: DataConfig, seed: int, num_shards: int = 1, epoch: int = 0, sources: Any = None) -> dict[str, Any]:
     """Figures of the epoch plan (all shards together), and of the same data planned with a
-    single bucket (no bucketing) under the same budget, for comparison."""
+    single bucket (no bucketing) under the same budget, for comparison; with a mix, the mix
+    realised in every epoch (records and tokens per source)."""
     lens = _as_list(lengths)
-    shards = [plan_epoch(lens, cfg, seed, epoch, num_shards, s) for s in range(num_shards)]
+    shards = [plan_epoch(lens, cfg, seed, epoch, num_shards, s, sources) for s in range(num_shards)]
     order = sorted((b for sh in shards for b in sh), key=lambda b: (b.id.index, b.id.shard))  # global order
     edges = list(cfg.bucket_edges)
 
@@ -157,7 +167,7 @@ def plan_stats(lengths: Any, cfg: DataConfig, seed: int, num_shards: int = 1, ep
         return _pct((padded - sum(b.n_tokens for b in batches)) / padded) if padded else 0.0
 
     flat_cfg = dataclasses.replace(cfg, bucket_edges=[cfg.max_seq_len])
-    flat = plan_epoch(lens, flat_cfg, seed, epoch, 1, 0)
+    flat = plan_epoch(lens, flat_cfg, seed, epoch, 1, 0, sources)
     toks = [b.n_tokens for b in order]
     buckets = [b.bucket for b in order]
     switches = sum(1 for a, b in zip(buckets, buckets[1:]) if a != b)
@@ -189,6 +199,7 @@ def plan_stats(lengths: Any, cfg: DataConfig, seed: int, num_shards: int = 1, ep
         "bucket_switch_rate": round(switches / (len(order) - 1), 4) if len(order) > 1 else 0.0,
         "first_buckets": buckets[:20],
         "buckets": per_bucket,
+        **({"mix": mix_report(lens, sources, cfg.paths, cfg.weights, seed, cfg.num_epochs)} if cfg.weights and sources is not None else {}),
     }
 
 
@@ -208,7 +219,7 @@ def plan_command(config_path: str | Path, cache_dir: str | Path | None = None) -
     def run(cdir: Path) -> dict[str, Any]:
         tok = load_tokenizer(cfg.target.tokenizer, cdir)
         corpus = load_corpus(cfg.data, tok, cdir)
-        stats = plan_stats(corpus.lengths, cfg.data, cfg.run.seed, num_shards=num_shards)
+        stats = plan_stats(corpus.lengths, cfg.data, cfg.run.seed, num_shards=num_shards, sources=corpus.sources)
         r = corpus.report
         return {
             "config": str(config_path),

@@ -1,17 +1,24 @@
-"""``dflash-ipc eval``: load the target and an exported drafter, decode prompts both ways, report.
+"""``dflash-ipc eval``: load the target and an exported drafter, decode prompt sets both ways, report.
 
-Prompts: the first user turn (with a leading system message) of each chat record of
-``--prompts FILE`` or, without it, of the configured ``data.paths``, rendered with the chat
-template's generation prompt. Stop tokens: the tokenizer's eos, ``<|im_end|>`` where the
-vocabulary has it, and the model's generation-config eos ids.
+Prompts: ``--prompts FILE`` (or each set of ``--suite``) is read by :mod:`dflash_ipc.eval.prompts`,
+every record by its fields (chat, MT-Bench, HumanEval, GSM8K, Alpaca, plain prompt; ``humaneval``
+by name), a record no format reads is an error naming ``file:line``. Without ``--prompts``, the
+first user turn of each chat record of the configured ``data.paths`` (other records skipped). Chat
+prompts are rendered with the chat template's generation prompt. Stop tokens: the tokenizer's eos,
+``<|im_end|>`` where the vocabulary has it, and the model's generation-config eos ids.
+
+A suite is several named sets decoded by one set of processes (models loaded once per process):
+each set is summarized on its own (:func:`~dflash_ipc.eval.spec.summarize`), ``run_eval`` is the
+suite of one set.
 
 ``--workers N`` (per target device; ``--target-device`` may list several, each worker's drafter
 then runs on its target's device) decodes the prompts in N spawned processes per device, each
-loading the target and the drafter; prompt ``i`` goes to worker ``i % total``. Results are merged
-exactly: the per-prompt results are put back in prompt order and summarized as one run (pooled τ =
-tokens / verification steps, acceptance per position from the pooled steps, lossless = every
-prompt). Speed is not measured under that concurrency: the first ``--speed-prompts`` prompts are
-decoded alone first (both ways, in this process) and ``tokens_per_s_*`` / ``speedup`` come from them.
+loading the target and the drafter; the prompts of all sets, in order, go round-robin to the
+workers. Results are merged exactly: the per-prompt results are put back in prompt order and each
+set summarized as one run (pooled τ = tokens / verification steps, acceptance per position from
+the pooled steps, lossless = every prompt). Speed is not measured under that concurrency: the first
+``--speed-prompts`` prompts of each set are decoded alone first (both ways, in this process) and
+``tokens_per_s_*`` / ``speedup`` come from them.
 """
 
 from __future__ import annotations
@@ -28,97 +35,61 @@ import torch
 from dflash_ipc.config import DFlashConfig, config_from_dict
 from dflash_ipc.data.readers import iter_records, prompt_messages
 from dflash_ipc.data.tokenizer import stop_token_ids
+from dflash_ipc.eval.prompts import EvalPrompt, read_eval_prompts, set_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_prompts", "run_eval"]
+__all__ = ["format_suite_table", "load_prompts", "run_eval", "run_suite"]
 
 
-def load_prompts(cfg: DFlashConfig, tokenizer, prompts_path: str | None, n: int) -> list[list[int]]:
-    paths = [prompts_path] if prompts_path else list(cfg.data.paths)
-    out: list[list[int]] = []
-    for _, rec in iter_records(paths, cfg.data.builtin_samples, cfg.data.max_seq_len):
+def render_prompt(tokenizer, prompt: EvalPrompt, max_len: int, messages: list[dict] | None = None) -> list[int]:
+    """Token ids of ``prompt`` (or of ``messages``, a later turn of it): the chat template with the
+    generation prompt, or the raw text as is."""
+    if prompt.raw is not None and messages is None:
+        return tokenizer(prompt.raw)["input_ids"][:max_len]
+    text = tokenizer.apply_chat_template(list(messages or prompt.messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"][:max_len]
+
+
+def _config_prompts(cfg: DFlashConfig, n: int) -> list[EvalPrompt]:
+    out = []
+    for where, rec in iter_records(list(cfg.data.paths), cfg.data.builtin_samples, cfg.data.max_seq_len):
         msgs = prompt_messages(rec)
-        if msgs is None:
-            continue
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if ids:
-            out.append(ids[: cfg.data.max_seq_len])
+        if msgs is not None:
+            out.append(EvalPrompt(where, "chat", tuple(msgs)))
         if len(out) >= n:
             break
     if not out:
-        raise ValueError(f"no chat prompts (records with a user turn) in {', '.join(paths)}")
+        raise ValueError(f"no chat prompts (records with a user turn) in {', '.join(cfg.data.paths)}")
     return out
 
 
-def run_eval(
-    cfg: DFlashConfig,
-    drafter_dir: str,
-    *,
-    prompts_path: str | None = None,
-    n: int = 16,
-    max_new: int = 128,
-    block_size: int = 0,
-    dtype: str = "float32",
-    target_device: str | None = None,
-    drafter_device: str | None = None,
-    workers: int = 1,
-    speed_prompts: int = 4,
-    echo=lambda s: None,
-) -> dict:
-    """Decode ``n`` prompts greedily and speculatively; the :func:`~dflash_ipc.eval.spec.summarize` report."""
-    from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
-    from dflash_ipc.drafter.export import read_export
-    from dflash_ipc.eval.spec import summarize
+def _read_set(cfg: DFlashConfig, source: str | None, n: int, options: dict) -> list[EvalPrompt]:
+    return _config_prompts(cfg, n) if source is None else read_eval_prompts(source, n, **options)
 
-    if workers < 1 or speed_prompts < 1:
-        raise ValueError(f"--workers and --speed-prompts must be >= 1 (got {workers}, {speed_prompts})")
-    tdevs = [d.strip() for d in (target_device or cfg.topology.targets[0]).split(",") if d.strip()]
-    if len(tdevs) > 1 and drafter_device:
-        raise ValueError("--drafter-device with several --target-device entries: each worker's drafter runs on its target's device")
-    ddevs = tdevs if len(tdevs) > 1 else [drafter_device or cfg.topology.drafters[0]]
-    read_export(drafter_dir)  # a damaged export is named now, not after the target is loaded
-    tokenizer = load_tokenizer(cfg.target.tokenizer)
-    check_target_tokenizer(cfg.target, tokenizer)
-    prompts = load_prompts(cfg, tokenizer, prompts_path, n)
-    job = _Job(cfg.to_dict(), cfg.source, str(drafter_dir), max_new, block_size, dtype)
-    total = min(workers * len(tdevs), len(prompts))
-    if total == 1:
-        plain, spec, info = _decode(job, tdevs[0], ddevs[0], list(enumerate(prompts)), echo, len(prompts))
-        report = summarize(spec, plain, info["block_size"])
-        report["speed_prompts"] = len(prompts)
-        report["speed_measured"] = "every prompt, decoded one at a time in one process"
-    else:
-        k = min(speed_prompts, len(prompts))
-        echo(f"eval: speed on {k} prompts decoded alone, then {len(prompts)} prompts in {total} worker processes")
-        speed_plain, speed_spec, info = _decode(job, tdevs[0], ddevs[0], list(enumerate(prompts[:k])), echo, len(prompts))
-        speed = summarize(speed_spec, speed_plain, info["block_size"])
-        shards = [[(i, p) for i, p in enumerate(prompts) if i % total == w] for w in range(total)]
-        threads = max(1, (os.cpu_count() or 1) // total) if tdevs[0] == "cpu" else 0
-        with ProcessPoolExecutor(total, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_worker, job, tdevs[w % len(tdevs)], ddevs[w % len(ddevs)], shards[w], threads) for w in range(total)]
-            done = sorted((r for f in futures for r in f.result()), key=lambda r: r[0])
-        plain, spec = [r[1] for r in done], [r[2] for r in done]
-        echo(f"eval: {sum(a.tokens == b.tokens for a, b in zip(spec, plain))}/{len(spec)} prompts equal greedy")
-        report = summarize(spec, plain, info["block_size"])
-        for key in ("tokens_per_s_spec", "tokens_per_s_greedy", "speedup"):
-            report[key] = speed[key]
-        report["speed_prompts"] = k
-        report["speed_measured"] = f"the first {k} prompts decoded alone in one process, before the {total} workers ran"
-    report.update(
-        {
-            "workers": total,
-            "dtype": dtype,
-            "target_device": ",".join(tdevs),
-            "drafter_device": ",".join(ddevs),
-            "drafter": str(drafter_dir),
-            "cache_rollback": info["rollback"],
-            "max_new": max_new,
-            "mask_token_id": info["mask_token_id"],
-        }
-    )
-    return report
+
+def load_prompts(cfg: DFlashConfig, tokenizer, prompts_path: str | None, n: int, **options) -> list[list[int]]:
+    """Token ids of the first turn of the first ``n`` prompts (``options``: see :func:`read_eval_prompts`)."""
+    return [render_prompt(tokenizer, p, cfg.data.max_seq_len) for p in _read_set(cfg, prompts_path, n, options)]
+
+
+def _with_quantization(cfg: DFlashConfig, quantization: str, dtype: str, tdevs: list[str]) -> DFlashConfig:
+    """The config with eval's target quantization (``--target-quantization`` or target.quantization),
+    refused before any model loads where the target devices cannot run it."""
+    import dataclasses
+
+    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.target.fp8 import fp8_device_problem
+
+    if quantization == "none":
+        return dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, quantization="none"))
+    if quantization != "fp8":
+        raise ValueError(f"target quantization must be none or fp8 (got {quantization!r})")
+    for dev in tdevs:
+        problem = fp8_device_problem(dev, dtype_from_name(dtype))
+        if problem:
+            raise ValueError(f"--target-quantization fp8 (target.quantization) on {dev}: {problem} (eval: --dtype bfloat16 on such a GPU)")
+    return dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, quantization="fp8", dtype=dtype))
 
 
 class _Job(NamedTuple):
@@ -132,61 +103,235 @@ class _Job(NamedTuple):
     dtype: str
 
 
-def _worker(job: _Job, tdev: str, ddev: str, shard: list[tuple[int, list[int]]], threads: int) -> list[tuple]:
+class _Item(NamedTuple):
+    """One prompt to decode: ``key`` = (set index, prompt index), its first turn's ids, the prompt."""
+
+    key: tuple[int, int]
+    ids: list[int]
+    prompt: EvalPrompt
+
+
+def run_eval(cfg: DFlashConfig, drafter_dir: str, *, prompts_path: str | None = None, **kwargs) -> dict:
+    """Decode the first ``n`` prompts greedily and speculatively; the set's report (see :func:`run_suite`)."""
+    name = set_name(prompts_path)[0] if prompts_path else "data.paths"
+    suite = run_suite(cfg, drafter_dir, [(name, prompts_path)], **kwargs)
+    report = suite["sets"][name]
+    report.update({k: v for k, v in suite.items() if k != "sets"})
+    return report
+
+
+def run_suite(
+    cfg: DFlashConfig,
+    drafter_dir: str,
+    sets: list[tuple[str, str | None]],
+    *,
+    n: int = 16,
+    max_new: int = 128,
+    block_size: int = 0,
+    dtype: str = "float32",
+    target_device: str | None = None,
+    drafter_device: str | None = None,
+    workers: int = 1,
+    speed_prompts: int = 4,
+    humaneval_as: str = "chat",
+    mt_bench_turns: str = "first",
+    target_quantization: str | None = None,
+    echo=lambda s: None,
+) -> dict:
+    """Decode the first ``n`` prompts of each ``(name, source)`` set (source None: ``data.paths``) both
+    ways; ``{"sets": {name: summarize report + speed fields}, ...run-wide fields}``."""
+    from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
+    from dflash_ipc.drafter.export import read_export
+
+    if workers < 1 or speed_prompts < 1:
+        raise ValueError(f"--workers and --speed-prompts must be >= 1 (got {workers}, {speed_prompts})")
+    names = [name for name, _ in sets]
+    if not sets or len(set(names)) != len(names):
+        raise ValueError(f"eval sets need distinct names (got {names}): name them NAME=PATH")
+    tdevs = [d.strip() for d in (target_device or cfg.topology.targets[0]).split(",") if d.strip()]
+    if len(tdevs) > 1 and drafter_device:
+        raise ValueError("--drafter-device with several --target-device entries: each worker's drafter runs on its target's device")
+    ddevs = tdevs if len(tdevs) > 1 else [drafter_device or cfg.topology.drafters[0]]
+    cfg = _with_quantization(cfg, target_quantization or cfg.target.quantization, dtype, tdevs)
+    read_export(drafter_dir)  # a damaged export is named now, not after the target is loaded
+    tokenizer = load_tokenizer(cfg.target.tokenizer)
+    check_target_tokenizer(cfg.target, tokenizer)
+    options = {"humaneval_as": humaneval_as, "mt_bench_turns": mt_bench_turns}
+    items: list[list[_Item]] = []
+    for s, (_, source) in enumerate(sets):
+        prompts = _read_set(cfg, source, n, options)
+        items.append([_Item((s, i), render_prompt(tokenizer, p, cfg.data.max_seq_len), p) for i, p in enumerate(prompts)])
+    flat = [it for group in items for it in group]
+    job = _Job(cfg.to_dict(), cfg.source, str(drafter_dir), max_new, block_size, dtype)
+    total = min(workers * len(tdevs), len(flat))
+    decoder = _Decoder(job, tdevs[0], ddevs[0])
+    try:
+        decoder.describe(echo, len(flat), [name for name, _ in sets])
+        if total == 1:
+            speed = results = decoder.decode(flat, echo, names)
+            measured = "every prompt, decoded one at a time in one process"
+        else:
+            k = min(speed_prompts, max(len(g) for g in items))
+            echo(f"eval: speed on up to {k} prompts per set decoded alone, then {len(flat)} prompts in {total} worker processes")
+            speed = decoder.decode([it for g in items for it in g[:k]], echo, names)
+            measured = f"the first {k} prompts of the set decoded alone in one process, before the {total} workers ran"
+    finally:
+        decoder.close()
+    if total > 1:
+        shards = [flat[w::total] for w in range(total)]
+        threads = max(1, (os.cpu_count() or 1) // total) if tdevs[0] == "cpu" else 0
+        with ProcessPoolExecutor(total, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_worker, job, tdevs[w % len(tdevs)], ddevs[w % len(ddevs)], shards[w], threads) for w in range(total)]
+            results = sorted((r for f in futures for r in f.result()), key=lambda r: r[0])
+    reports = {}
+    for s, name in enumerate(names):
+        reports[name] = _set_report(
+            [r for r in results if r[0][0] == s], [r for r in speed if r[0][0] == s], decoder.block_size, items[s], sets[s][1]
+        )
+        reports[name]["speed_measured"] = measured
+        echo(f"eval {name}: {reports[name]['prompts'] - len(reports[name]['mismatched_prompts'])}/{reports[name]['prompts']} equal greedy")
+    return {
+        "sets": reports,
+        "workers": total,
+        "dtype": dtype,
+        "target_device": ",".join(tdevs),
+        "drafter_device": ",".join(ddevs),
+        "drafter": str(drafter_dir),
+        "cache_rollback": decoder.rollback,
+        "max_new": max_new,
+        "mask_token_id": decoder.mask_token_id,
+        "humaneval_as": humaneval_as,
+        "mt_bench_turns": mt_bench_turns,
+    }
+
+
+def _set_report(results: list[tuple], speed: list[tuple], block_size: int, items: list[_Item], source: str | None) -> dict:
+    from dflash_ipc.eval.spec import summarize
+
+    report = summarize([r[2] for r in results], [r[1] for r in results], block_size)
+    timed = summarize([r[2] for r in speed], [r[1] for r in speed], block_size)
+    for key in ("tokens_per_s_spec", "tokens_per_s_greedy", "speedup"):
+        report[key] = timed[key]
+    formats: dict[str, int] = {}
+    for it in items:
+        formats[it.prompt.format] = formats.get(it.prompt.format, 0) + 1
+    report.update({"source": source or "data.paths", "records": len(items), "formats": formats, "speed_prompts": timed["prompts"]})
+    return report
+
+
+def _worker(job: _Job, tdev: str, ddev: str, items: list[_Item], threads: int) -> list[tuple]:
     if threads:
         torch.set_num_threads(threads)
-    plain, spec, _ = _decode(job, tdev, ddev, shard, lambda s: None, 0)
-    return [(i, a, b) for (i, _), a, b in zip(shard, plain, spec)]
-
-
-def _decode(job: _Job, tdev_name: str, ddev_name: str, prompts: list[tuple[int, list[int]]], echo, n_total: int):
-    """Load target and drafter on the given devices, decode ``prompts`` both ways (after an untimed warm-up)."""
-    from dflash_ipc.data.tokenizer import load_tokenizer
-    from dflash_ipc.devices import dtype_from_name
-    from dflash_ipc.drafter.export import load_exported_drafter
-    from dflash_ipc.eval.spec import DrafterProposer, greedy_generate, speculative_generate
-    from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
-    from dflash_ipc.target.heads import target_head_weights
-    from dflash_ipc.target.hf_config import load_hf_config
-
-    cfg_dict, source, drafter_dir, max_new, block_size, dtype = job
-    cfg = config_from_dict(cfg_dict, source)
-    tdev, ddev = torch.device(tdev_name), torch.device(ddev_name)
-    tokenizer = load_tokenizer(cfg.target.tokenizer)
-    lm = build_target_lm(cfg.target, tdev, vocab_size=len(tokenizer), dtype=dtype)
-    hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))
-    embed, head = target_head_weights(cfg.target, hf_config, ddev, dtype_from_name(dtype))
-    drafter = load_exported_drafter(Path(drafter_dir), embed, head, attention="sdpa", device=ddev).to(dtype_from_name(dtype))
-    drafter.eval()
-    dcfg = drafter.config
-    bs = block_size or dcfg.block_size
-    if not 1 <= bs <= dcfg.block_size:
-        raise ValueError(f"--block-size must be in [1, {dcfg.block_size}] (the drafter's block size); got {bs}")
-    target = TargetLM(lm, dcfg.target_layer_ids)
-    stops = stop_token_ids(tokenizer, getattr(lm, "generation_config", None))
-    if n_total and dcfg.mask_token_id in stops:
-        echo(
-            f"warning: the drafter's mask token {dcfg.mask_token_id} is a stop token; a serving engine that scans "
-            "drafts for stop tokens stops early with it (retrain: the default mask token is never a stop token)"
-        )
-    if n_total:
-        echo(
-            f"eval: {n_total} prompts, block {bs}, max_new {max_new}, {dtype}, target {tdev} (cache rollback: "
-            f"{target.rollback}), drafter {ddev}, mask token {dcfg.mask_token_id}, stop ids {sorted(stops)}"
-        )
-    info = {"block_size": bs, "rollback": target.rollback, "mask_token_id": dcfg.mask_token_id}
+    decoder = _Decoder(job, tdev, ddev)
     try:
-        # one untimed warm-up of each path (kernel selection, allocator)
-        greedy_generate(target, prompts[0][1], min(4, max_new), stops)
-        speculative_generate(target, DrafterProposer(drafter), prompts[0][1], min(4, max_new), stops, bs, ddev)
-        plain, spec = [], []
-        for i, p in prompts:
-            plain.append(greedy_generate(target, p, max_new, stops))
-            spec.append(speculative_generate(target, DrafterProposer(drafter), p, max_new, stops, bs, ddev))
-            echo(
-                f"  prompt {i + 1}: {len(spec[-1].tokens)} tokens, tau {spec[-1].tau:.2f}, "
-                f"{'same as greedy' if spec[-1].tokens == plain[-1].tokens else 'DIFFERS from greedy'}"
-            )
+        return decoder.decode(items, lambda s: None, [])
     finally:
-        target.close()
-    return plain, spec, info
+        decoder.close()
+
+
+class _Decoder:
+    """Target and drafter loaded on the given devices; decodes items both ways. Call :meth:`close`."""
+
+    def __init__(self, job: _Job, tdev_name: str, ddev_name: str):
+        from dflash_ipc.data.tokenizer import load_tokenizer
+        from dflash_ipc.devices import dtype_from_name
+        from dflash_ipc.drafter.export import load_exported_drafter
+        from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
+        from dflash_ipc.target.heads import target_head_weights
+        from dflash_ipc.target.hf_config import load_hf_config
+
+        cfg_dict, source, drafter_dir, self.max_new, block_size, self.dtype = job
+        self.cfg = config_from_dict(cfg_dict, source)
+        self.tdev, self.ddev = torch.device(tdev_name), torch.device(ddev_name)
+        self.tokenizer = load_tokenizer(self.cfg.target.tokenizer)
+        lm = build_target_lm(self.cfg.target, self.tdev, vocab_size=len(self.tokenizer), dtype=self.dtype)
+        hf_config = load_hf_config(self.cfg.target, vocab_size=len(self.tokenizer))
+        embed, head = target_head_weights(self.cfg.target, hf_config, self.ddev, dtype_from_name(self.dtype))
+        drafter = load_exported_drafter(Path(drafter_dir), embed, head, attention="sdpa", device=self.ddev)
+        self.drafter = drafter.to(dtype_from_name(self.dtype))
+        self.drafter.eval()
+        dcfg = self.drafter.config
+        self.block_size = block_size or dcfg.block_size
+        if not 1 <= self.block_size <= dcfg.block_size:
+            raise ValueError(f"--block-size must be in [1, {dcfg.block_size}] (the drafter's block size); got {self.block_size}")
+        self.mask_token_id = dcfg.mask_token_id
+        self.target = TargetLM(lm, dcfg.target_layer_ids)
+        self.rollback = self.target.rollback
+        self.stops = stop_token_ids(self.tokenizer, getattr(lm, "generation_config", None))
+        self._warm = False
+
+    def describe(self, echo, n_total: int, names: list[str]) -> None:
+        if self.mask_token_id in self.stops:
+            echo(
+                f"warning: the drafter's mask token {self.mask_token_id} is a stop token; a serving engine that scans "
+                "drafts for stop tokens stops early with it (retrain: the default mask token is never a stop token)"
+            )
+        echo(
+            f"eval: {n_total} prompts in {len(names)} set(s) ({', '.join(names)}), block {self.block_size}, max_new {self.max_new}, "
+            f"{self.dtype}, target {self.tdev} (cache rollback: {self.rollback}), drafter {self.ddev}, "
+            f"mask token {self.mask_token_id}, stop ids {sorted(self.stops)}"
+        )
+
+    def close(self) -> None:
+        self.target.close()
+        self.target = self.drafter = None  # the models go now, not when the report is done
+
+    def _both(self, ids: list[int]):
+        from dflash_ipc.eval.spec import DrafterProposer, greedy_generate, speculative_generate
+
+        plain = greedy_generate(self.target, ids, self.max_new, self.stops)
+        spec = speculative_generate(self.target, DrafterProposer(self.drafter), ids, self.max_new, self.stops, self.block_size, self.ddev)
+        return plain, spec
+
+    def decode(self, items: list[_Item], echo, names: list[str]) -> list[tuple]:
+        """``[((set, prompt, turn), plain, spec)]``: every turn of every item, in order."""
+        from dflash_ipc.eval.spec import DrafterProposer, greedy_generate, speculative_generate
+
+        if not self._warm and items:  # one untimed warm-up of each path (kernel selection, allocator)
+            ids, few = items[0].ids, min(4, self.max_new)
+            greedy_generate(self.target, ids, few, self.stops)
+            speculative_generate(self.target, DrafterProposer(self.drafter), ids, few, self.stops, self.block_size, self.ddev)
+            self._warm = True
+        out = []
+        for it in items:
+            messages, ids = list(it.prompt.messages), it.ids
+            for turn in range(1 + len(it.prompt.followups)):
+                if turn:
+                    # the next user turn after the target's own answer, as a chat client sends it back
+                    answer = [t for t in out[-1][2].tokens if t not in self.stops]
+                    messages += [
+                        {"role": "assistant", "content": self.tokenizer.decode(answer, skip_special_tokens=True)},
+                        {"role": "user", "content": it.prompt.followups[turn - 1]},
+                    ]
+                    ids = render_prompt(self.tokenizer, it.prompt, self.cfg.data.max_seq_len, messages)
+                plain, spec = self._both(ids)
+                out.append(((*it.key, turn), plain, spec))
+                if names:
+                    echo(
+                        f"  {names[it.key[0]]} prompt {it.key[1] + 1}{f' turn {turn + 1}' if turn else ''}: {len(spec.tokens)} tokens, "
+                        f"tau {spec.tau:.2f}, {'same as greedy' if spec.tokens == plain.tokens else 'DIFFERS from greedy'}"
+                    )
+        return out
+
+
+def format_suite_table(suite: dict) -> str:
+    """One line per set: prompts, τ, acceptance per position, speculative / greedy tokens/s, lossless."""
+    rows = [("set", "prompts", "tau", "acceptance per position", "spec tok/s", "greedy tok/s", "spec/greedy", "lossless")]
+    for name, r in suite["sets"].items():
+        acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        rows.append(
+            (
+                name,
+                str(r["prompts"]),
+                f"{r['tau']:.2f}",
+                acc,
+                f"{r['tokens_per_s_spec']:.1f}",
+                f"{r['tokens_per_s_greedy']:.1f}",
+                f"{r['speedup']:.2f}x",
+                "yes" if r["lossless"] else f"NO ({len(r['mismatched_prompts'])} differ)",
+            )
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -77,6 +77,7 @@ def check_machine(cfg: DFlashConfig) -> None:
     """What needs torch or transformers: the CUDA devices, the target's config, tokenizer and drafter."""
     uses_cuda = any(d.startswith("cuda:") for d in (*cfg.topology.targets, *cfg.topology.drafters))
     check_devices(cfg.topology, visible_cuda_devices() if uses_cuda else 0, cfg.source)
+    check_quantization_devices(cfg.source, cfg.target.quantization, cfg.target.dtype, cfg.topology.targets)
     _check_model(cfg)
 
 
@@ -125,6 +126,19 @@ def device_problem(dev: str, n_cuda: int) -> str | None:
     if int(dev[5:]) >= n_cuda:
         return f"{dev!r} but only {n_cuda} CUDA device(s) are visible (cuda:0..cuda:{n_cuda - 1}); pick one of those"
     return None
+
+
+def check_quantization_devices(source: str, quantization: str, dtype: str, devices: list[str], key: str = "target.quantization") -> None:
+    """``target.quantization = "fp8"`` only on devices that run FP8 GEMMs (CUDA, capability >= 8.9)."""
+    if quantization == "none":
+        return
+    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.target.fp8 import fp8_device_problem
+
+    for i, dev in enumerate(devices):
+        problem = fp8_device_problem(dev, dtype_from_name(dtype))
+        if problem:
+            _fail(source, key, f'"{quantization}" on topology.targets[{i}] = {dev!r}: {problem}; set target.quantization = "none"')
 
 
 # --------------------------------------------------------------------------- data

@@ -125,6 +125,7 @@ def check_and_plan(cfg: DFlashConfig, run_dir: Path | None, n_shards: int) -> Da
 
 def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
     from dflash_ipc.data.corpus import load_corpus
+    from dflash_ipc.data.mix import mix_line, mix_report
     from dflash_ipc.data.plan import plan_epoch
     from dflash_ipc.data.tokenizer import check_target_tokenizer, load_tokenizer
 
@@ -134,10 +135,15 @@ def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
     data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data"
     corpus = load_corpus(cfg.data, tok, data_dir)
     per_shard = [
-        sum(len(plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, e, n_shards, s)) for e in range(cfg.data.num_epochs))
+        sum(len(plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, e, n_shards, s, corpus.sources)) for e in range(cfg.data.num_epochs))
         for s in range(n_shards)
     ]
-    return DataPlan(sum(per_shard), per_shard, corpus.num_samples, corpus.report.summary(), time.perf_counter() - t0)
+    summary = corpus.report.summary()
+    if cfg.data.weights:
+        summary += "; " + mix_line(
+            mix_report(corpus.lengths, corpus.sources, cfg.data.paths, cfg.data.weights, cfg.run.seed, cfg.data.num_epochs)
+        )
+    return DataPlan(sum(per_shard), per_shard, corpus.num_samples, summary, time.perf_counter() - t0)
 
 
 # --------------------------------------------------------------------------- the supervisor's side

@@ -109,7 +109,7 @@ class HoldoutSchedule:
         t = cfg.training
         if t.holdout_every == 0 or node.node_rank != 0:
             return None
-        corpus = load_corpus(dataclasses.replace(cfg.data, paths=list(cfg.data.holdout_paths)), tokenizer, data_dir)
+        corpus = load_corpus(dataclasses.replace(cfg.data, paths=list(cfg.data.holdout_paths), weights=[]), tokenizer, data_dir)
         planned = plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, 0, 1, 0)
         chosen = planned[: t.holdout_batches] if t.holdout_batches else planned
         n_targets = len(cfg.topology.targets)
@@ -166,7 +166,9 @@ class TargetCore:
         """Plan every epoch of this shard, leaving out batches already consumed."""
         self.ledger = ledger
         for epoch in range(self.cfg.data.num_epochs):
-            for b in plan_epoch(self.corpus.lengths, self.cfg.data, self.cfg.run.seed, epoch, self.num_shards, self.shard):
+            for b in plan_epoch(
+                self.corpus.lengths, self.cfg.data, self.cfg.run.seed, epoch, self.num_shards, self.shard, self.corpus.sources
+            ):
                 self.planned += 1
                 if tuple(b.id.to_wire()) in ledger:
                     self.skipped_ledgered += 1

@@ -38,10 +38,11 @@ from torch import nn
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.devices import as_device, cuda_device, dtype_from_name
 from dflash_ipc.target.flops import forward_flops
+from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
 from dflash_ipc.target.heads import derived_seed, target_head_weights
 from dflash_ipc.target.hf_config import make_hf_config, resolve_layer_ids, text_config, truncated_spec_config
 from dflash_ipc.target.packed_attention import packed_attention, register_packed_attention
-from dflash_ipc.target.varlen import PackedDocs, install_document_reset, resolve_varlen, uses_packed_attention
+from dflash_ipc.target.varlen import PackedDocs, fla_packed_conv, install_document_reset, resolve_varlen, uses_packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> Ta
 
 
 def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids: list[int], device, dtype) -> TargetModel:
+    if cfg.quantization == "fp8":
+        apply_fp8(stack, device, dtype)
     return TargetModel(
         stack,
         hf_config,
@@ -126,6 +129,15 @@ def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids
         varlen=cfg.varlen,
         attn_implementation=cfg.attn_implementation,
     )
+
+
+def apply_fp8(stack: nn.Module, device, dtype: torch.dtype) -> None:
+    """``target.quantization = "fp8"``: the stack's linear layers in e4m3 (:mod:`~dflash_ipc.target.fp8`)."""
+    problem = fp8_device_problem(device, dtype)
+    if problem:
+        raise ValueError(f'target.quantization = "fp8": {problem}; set target.quantization = "none"')
+    counts = quantize_linears(stack)
+    log.info("target linear layers in FP8 e4m3: %d (%.2f GB), %d kept in %s", counts["fp8"], counts["bytes"] / 1e9, counts["kept"], dtype)
 
 
 def _build_from_checkpoint(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> TargetModel:
@@ -263,10 +275,11 @@ class TargetModel:
             raise ValueError(f"seq_lens sum to {sum(lens)} but the packed row has {ids.shape[1]} tokens")
         docs = PackedDocs.build(lens, self.device)
         padded_index = docs.padded_index() if any(not m.use_kernels for m in self._mixers) else None
+        fla_conv = fla_packed_conv(docs) if any(m.conv == "fla" for m in self._mixers) else None
         kwargs = {"input_ids": ids.to(self.device, non_blocking=True), "position_ids": docs.position_ids}
         kwargs.update(docs.attention_kwargs(self.attn_implementation))  # cu_seqlens for flash / packed attention
         for m in self._mixers:
-            m.set_docs(docs, padded_index)
+            m.set_docs(docs, padded_index, fla_conv)
         return kwargs
 
     def _run_captured(self, forward_kwargs: dict[str, Any], capture_last_hidden: bool | None) -> list[torch.Tensor]:

@@ -11,14 +11,17 @@ installed ``modeling_qwen3_5`` / ``masking_utils`` / ``modeling_flash_attention_
   RoPE reads the same restarted positions, so every document sees positions 0..len-1.
 * **GatedDeltaNet** (Qwen3.5 linear attention). The layer forwards ``cu_seq_lens_q`` to
   flash-linear-attention's ``chunk_gated_delta_rule`` as ``cu_seqlens`` (recurrent state reset per
-  document) and ``seq_idx`` to causal-conv1d's ``causal_conv1d_fn`` (the 4-tap conv never reads
-  the previous document). Transformers' torch fallbacks cannot do either: they refuse those
-  arguments (``ValueError``) and, without them, the state and the conv leak across documents.
-  So :class:`DocumentResetMixer` wraps every GatedDeltaNet: with both fast kernels it adds the
-  two arguments; otherwise (CPU, or a GPU missing fla or causal-conv1d) it scatters the packed
-  row into a right-padded ``[documents, longest, H]`` batch for this layer only, runs the
-  unchanged layer on it (each document starts from a zero state and a zero conv window, exactly
-  its standalone forward) and gathers the real tokens back. Attention and MLPs stay packed.
+  document). The 4-tap conv must not read the previous document either: with the causal-conv1d
+  extension installed, transformers hands it ``seq_idx``; without it, the layer's conv is swapped,
+  for the duration of its call, for fla's own Triton causal conv over ``cu_seqlens``
+  (:func:`fla_packed_conv`; fla ships it, nothing to build). Transformers' torch fallbacks cannot
+  do either: they refuse those arguments (``ValueError``) and, without them, the state and the
+  conv leak across documents. So :class:`DocumentResetMixer` wraps every GatedDeltaNet: with a
+  varlen chunk kernel and a varlen conv (:func:`packed_conv_kernel`) it adds the arguments;
+  otherwise (CPU, or a GPU without fla) it scatters the packed row into a right-padded
+  ``[documents, longest, H]`` batch for this layer only, runs the unchanged layer on it (each
+  document starts from a zero state and a zero conv window, exactly its standalone forward) and
+  gathers the real tokens back. Attention and MLPs stay packed.
 
 The captured planes come out as ``[1, n, H]`` with the documents in batch order: exactly the
 slot's layout (:mod:`~dflash_ipc.target.packing` copies them without a gather).
@@ -26,7 +29,9 @@ slot's layout (:mod:`~dflash_ipc.target.packing` copies them without a gather).
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +47,8 @@ __all__ = [
     "DocumentResetMixer",
     "install_document_reset",
     "gated_delta_net_kernels",
+    "fla_packed_conv",
+    "packed_conv_kernel",
     "resolve_varlen",
     "uses_packed_attention",
 ]
@@ -66,6 +73,7 @@ class PackedDocs:
     seq_lens: list[int]
     position_ids: torch.Tensor  # [1, n] int64, restarting at 0 per document
     cu_seqlens: torch.Tensor  # [D + 1] int32, document boundaries
+    cu_seqlens_cpu: torch.Tensor  # [D + 1] int64 on the host: fla reads its chunk layout without a device sync
     seq_idx: torch.Tensor  # [1, n] int32, the document of each token
     max_len: int
 
@@ -87,6 +95,7 @@ class PackedDocs:
             seq_lens=[int(x) for x in seq_lens],
             position_ids=pos.view(1, n).to(device, non_blocking=True),
             cu_seqlens=cu.to(torch.int32).to(device, non_blocking=True),
+            cu_seqlens_cpu=cu,
             seq_idx=doc.to(torch.int32).view(1, n).to(device, non_blocking=True),
             max_len=int(lens.max()),
         )
@@ -119,52 +128,129 @@ def gated_delta_net_kernels(layer: nn.Module) -> dict[str, str]:
     return out
 
 
-def resolve_varlen(setting: bool | str, stack: nn.Module, attn_implementation: str) -> tuple[bool, str]:
-    """Whether the packed forward runs, and why (``target.varlen``: true, false or "auto").
+def _fla_causal_conv() -> Callable[..., Any] | None:
+    """fla's Triton causal conv (``fla.modules.causal_conv1d.causal_conv1d``), or None where fla
+    (or the triton it needs) does not import."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except Exception:  # ImportError, or triton failing to initialise on a CPU-only host
+        return None
+    return causal_conv1d
 
-    "auto" packs only where packing is the faster forward: every full-attention layer on a varlen
-    kernel (flash-attention's, flex's block mask, or for sdpa/eager torch's varlen flash kernel
-    through :mod:`~dflash_ipc.target.packed_attention`, which needs CUDA and bf16/fp16; elsewhere
-    it runs each document padded), and every GatedDeltaNet on fla *and* causal-conv1d (without them
-    each document runs padded inside that layer). Measured on an H200 at 9B shapes with sdpa over
-    a dense block-diagonal mask, fla and no causal-conv1d, packing was slower than padding
-    (docs/BENCHMARKS.md)."""
-    if isinstance(setting, bool):
-        return setting, f"target.varlen = {str(setting).lower()}"
-    if setting != "auto":
+
+def packed_conv_kernel(kernels: dict[str, str]) -> str | None:
+    """How a packed row's conv keeps documents apart for a layer on ``kernels``: ``"seq_idx"``
+    (the causal-conv1d extension transformers already calls), ``"fla"`` (fla's Triton conv over
+    ``cu_seqlens``, swapped in by :class:`DocumentResetMixer`) or None (no varlen conv here)."""
+    if kernels["conv"] in _FAST:
+        return "seq_idx"
+    if kernels["chunk"] in _FAST and _fla_causal_conv() is not None:
+        return "fla"
+    return None
+
+
+_KERNEL_NAMES = {
+    "seq_idx": "causal-conv1d causal_conv1d_fn(seq_idx)",
+    "fla": "fla.modules.causal_conv1d.causal_conv1d(cu_seqlens, triton)",
+}
+
+
+def fla_packed_conv(docs: PackedDocs) -> Callable[..., torch.Tensor]:
+    """A drop-in for transformers' ``causal_conv1d_fn`` (x ``[1, D, n]``, weight ``[D, W]``) that
+    runs fla's Triton causal conv over ``docs``' boundaries: no tap reads another document."""
+    conv = _fla_causal_conv()
+    if conv is None:
+        raise RuntimeError("fla's causal_conv1d does not import here (flash-linear-attention and triton are needed)")
+
+    def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **_: Any) -> torch.Tensor:
+        # fla takes [B, T, D]; transposing back the layer's [B, D, T] view costs no copy
+        out, _state = conv(
+            hidden_states.transpose(1, 2),
+            weight,
+            bias,
+            activation=activation,
+            cu_seqlens=docs.cu_seqlens,
+            cu_seqlens_cpu=docs.cu_seqlens_cpu,
+        )
+        return out.transpose(1, 2)
+
+    return causal_conv1d_fn
+
+
+@contextlib.contextmanager
+def _layer_conv(layer: nn.Module, conv: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """The GatedDeltaNet's module calls ``conv`` as its ``causal_conv1d_fn`` for one call."""
+    mod = sys.modules[type(layer).__module__]
+    before = mod.causal_conv1d_fn
+    mod.causal_conv1d_fn = conv
+    try:
+        yield
+    finally:
+        mod.causal_conv1d_fn = before
+
+
+def resolve_varlen(setting: bool | str, stack: nn.Module, attn_implementation: str) -> tuple[bool, str]:
+    """Whether the packed forward runs, and why, naming the kernels a packed row runs on
+    (``target.varlen``: true, false or "auto").
+
+    "auto" packs wherever the packed forward runs on varlen kernels: every full-attention layer
+    on one (flash-attention's, flex's block mask, or for sdpa/eager torch's varlen flash kernel
+    through :mod:`~dflash_ipc.target.packed_attention`, which needs CUDA and bf16/fp16), and every
+    GatedDeltaNet on fla's chunk kernel with a varlen conv (:func:`packed_conv_kernel`: fla's own
+    Triton conv is enough, causal-conv1d is used when present). Without them each document would
+    run padded inside that layer, or attend through a dense block-diagonal mask, and packing was
+    measured slower than padding (docs/BENCHMARKS.md)."""
+    if not isinstance(setting, bool) and setting != "auto":
         raise ValueError(f"target.varlen must be true, false or 'auto' (got {setting!r})")
     layers = list(getattr(stack, "layers", []))
-    why_padded = []
+    why_padded, kernels_used = [], []
     param = next(stack.parameters(), None)
     kernel = param is not None and varlen_kernel_usable(param.device, param.dtype)
     attention_ok = attn_implementation in _VARLEN_ATTENTION or (uses_packed_attention(attn_implementation) and kernel)
-    if any(getattr(layer, "self_attn", None) is not None for layer in layers) and not attention_ok:
-        why_padded.append(f"{attn_implementation} attention has no varlen kernel here (torch's varlen_attn needs CUDA and bf16/fp16)")
+    if any(getattr(layer, "self_attn", None) is not None for layer in layers):
+        if attention_ok:
+            how = f"torch varlen_attn via {PACKED_ATTENTION}" if uses_packed_attention(attn_implementation) else attn_implementation
+            kernels_used.append(f"attention: {how}")
+        else:
+            why_padded.append(f"{attn_implementation} attention has no varlen kernel here (torch's varlen_attn needs CUDA and bf16/fp16)")
+            kernels_used.append(f"attention: {attn_implementation} per document, padded")
     linear = [layer.linear_attn for layer in layers if getattr(layer, "linear_attn", None) is not None]
     if linear:
         inner = linear[0].inner if isinstance(linear[0], DocumentResetMixer) else linear[0]
         kernels = gated_delta_net_kernels(inner)
-        if not (kernels["chunk"] in _FAST and kernels["conv"] in _FAST):
-            why_padded.append(f"GatedDeltaNet chunk={kernels['chunk']} conv={kernels['conv']} (packing needs fla and causal-conv1d)")
+        conv = packed_conv_kernel(kernels) if kernels["chunk"] in _FAST else None
+        if conv is None:
+            why_padded.append(f"GatedDeltaNet chunk={kernels['chunk']} conv={kernels['conv']} (packing needs fla)")
+            kernels_used.append("GatedDeltaNet: each document padded inside the layer")
+        else:
+            kernels_used.append(f"GatedDeltaNet: fla chunk_gated_delta_rule(cu_seqlens) + {_KERNEL_NAMES[conv]}")
+    if isinstance(setting, bool):
+        return setting, f"target.varlen = {str(setting).lower()}" + (f" ({'; '.join(kernels_used)})" if setting and kernels_used else "")
     if why_padded:
         return False, "auto: padded, " + "; ".join(why_padded)
-    how = f"torch varlen_attn via {PACKED_ATTENTION}" if uses_packed_attention(attn_implementation) else attn_implementation
-    return True, f"auto: packed (attention: {how}" + ("; GatedDeltaNet: fla cu_seqlens + causal-conv1d seq_idx)" if linear else ")")
+    return True, f"auto: packed ({'; '.join(kernels_used)})"
 
 
 class DocumentResetMixer(nn.Module):
     """A GatedDeltaNet that keeps the documents of a packed row apart (see the module docstring).
 
     ``docs`` is set by :meth:`TargetModel.capture_packed` for one forward and cleared after it;
-    while it is None the layer runs unchanged (the padded path)."""
+    while it is None the layer runs unchanged (the padded path). ``conv``: how the packed conv
+    keeps documents apart (:func:`packed_conv_kernel`), None for the padded per-layer fallback."""
 
-    def __init__(self, inner: nn.Module, use_kernels: bool):
+    def __init__(self, inner: nn.Module, conv: str | None):
         super().__init__()
         self.inner = inner
-        self.use_kernels = bool(use_kernels)  # fla cu_seqlens + causal-conv1d seq_idx
+        self.conv = conv
         self.reset_documents = True  # tests only: False shows the leak across documents
         self.docs: PackedDocs | None = None
         self._padded_index: torch.Tensor | None = None
+        self._fla_conv: Callable[..., torch.Tensor] | None = None
+
+    @property
+    def use_kernels(self) -> bool:
+        """fla's chunk over cu_seqlens and a varlen conv (else the padded per-layer fallback)."""
+        return self.conv is not None
 
     def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         docs = self.docs
@@ -176,8 +262,12 @@ class DocumentResetMixer(nn.Module):
             raise ValueError(f"packed hidden states must be [1, {docs.n_tokens}, H] (got {tuple(hidden_states.shape)})")
         if kwargs.get("attention_mask") is not None:
             raise ValueError("a packed row has no padding: attention_mask must be None")
-        if self.use_kernels:
+        if self.conv == "seq_idx":
             return self.inner(hidden_states, cu_seq_lens_q=docs.cu_seqlens, seq_idx=docs.seq_idx, **kwargs)
+        if self.conv == "fla":
+            assert self._fla_conv is not None
+            with _layer_conv(self.inner, self._fla_conv):
+                return self.inner(hidden_states, cu_seq_lens_q=docs.cu_seqlens, cu_seqlens_cpu=docs.cu_seqlens_cpu, **kwargs)
         # Torch fallback: this layer alone runs right-padded, one document per row.
         if self._padded_index is None:
             self._padded_index = docs.padded_index()
@@ -188,18 +278,21 @@ class DocumentResetMixer(nn.Module):
         out = self.inner(padded.view(len(docs.seq_lens), docs.max_len, width), **kwargs)
         return out.reshape(-1, out.shape[-1]).index_select(0, idx).unsqueeze(0)
 
-    def set_docs(self, docs: PackedDocs | None, padded_index: torch.Tensor | None = None) -> None:
+    def set_docs(
+        self, docs: PackedDocs | None, padded_index: torch.Tensor | None = None, fla_conv: Callable[..., torch.Tensor] | None = None
+    ) -> None:
         self.docs = docs
         self._padded_index = padded_index
+        self._fla_conv = fla_conv
 
 
 def install_document_reset(stack: nn.Module) -> tuple[list[DocumentResetMixer], bool]:
     """Wrap every GatedDeltaNet of ``stack`` (its ``linear_attn``) in a :class:`DocumentResetMixer`.
 
-    Returns the wrappers and whether they use the fast kernels (fla *and* causal-conv1d; one
-    without the other cannot reset both the state and the conv, so the padded fallback runs)."""
+    Returns the wrappers and whether they all run on varlen kernels (fla's chunk and a varlen
+    conv: one without the other cannot reset both the state and the conv, so the padded
+    fallback runs)."""
     mixers: list[DocumentResetMixer] = []
-    use_kernels = False
     for layer in stack.layers:
         inner = getattr(layer, "linear_attn", None)
         if inner is None or isinstance(inner, DocumentResetMixer):
@@ -207,10 +300,8 @@ def install_document_reset(stack: nn.Module) -> tuple[list[DocumentResetMixer], 
                 mixers.append(inner)
             continue
         kernels = gated_delta_net_kernels(inner)
-        use_kernels = kernels["chunk"] in _FAST and kernels["conv"] in _FAST
-        wrapper = DocumentResetMixer(inner, use_kernels)
+        conv = packed_conv_kernel(kernels) if kernels["chunk"] in _FAST else None
+        wrapper = DocumentResetMixer(inner, conv)
         layer.linear_attn = wrapper
         mixers.append(wrapper)
-    if mixers:
-        use_kernels = all(m.use_kernels for m in mixers)
-    return mixers, use_kernels
+    return mixers, bool(mixers) and all(m.use_kernels for m in mixers)

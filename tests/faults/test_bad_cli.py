@@ -99,9 +99,13 @@ CASES: list[tuple[str, list[str], str]] = [
     (
         "eval-prompts-missing",
         ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--prompts", "{T}/none.jsonl"],
-        "none.jsonl: cannot read",
+        "none.jsonl: no such file",
     ),
-    ("eval-prompts-no-chat", ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--prompts", "{TEXT_ONLY}"], "no chat prompts"),
+    (
+        "eval-prompts-no-chat",
+        ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--prompts", "{TEXT_ONLY}"],
+        "text-only.jsonl:1: no prompt format matches the fields",
+    ),
     (
         "eval-block-size-too-big",
         ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--block-size", "99", "--n", "1"],

@@ -164,6 +164,9 @@ CASES = [
         "does not divide the drafter's 4 attention heads",
         {"drafter.num_key_value_heads": 3},
     ),
+    # FP8 target: only in bf16, only on CUDA GPUs of capability >= 8.9
+    Case("fp8-float32", "target.quantization", 'set target.dtype = "bfloat16"', {"target.quantization": "fp8", "target.dtype": "float32"}),
+    Case("fp8-on-cpu", "target.quantization", "compute capability >= 8.9", {"target.quantization": "fp8", "target.dtype": "bfloat16"}),
     Case("drafter-hidden-size", "drafter.hidden_size", "must equal the target's hidden_size (64)", {"drafter.hidden_size": 128}),
     Case("drafter-odd-head-dim", "drafter.head_dim", "even", {"drafter.head_dim": 15}),
     # the world: over tcp every control socket binds run.control_host (192.0.2.1: TEST-NET-1, on no host)
@@ -281,8 +284,12 @@ def run_up(config: Path, run_dir: Path, *extra: str, env: dict[str, str] | None 
 # Those need torch and transformers, which the supervisor never imports: they are refused by its
 # probe process (runtime.probe), each loading torch there (seconds on a busy machine; the rest
 # run in-process above). The garbage config.json is parsed by transformers in the probe.
-CLI_CASES = [c for c in CASES if c.name in {"run-name-dotdot", "handshake-inf", "spec-typo", "device-absent", "model-path-bad-config-json"}]
-PROBE_CASES = {"spec-typo", "device-absent", "model-path-bad-config-json"}
+CLI_CASES = [
+    c
+    for c in CASES
+    if c.name in {"run-name-dotdot", "handshake-inf", "spec-typo", "device-absent", "model-path-bad-config-json", "fp8-on-cpu"}
+]
+PROBE_CASES = {"spec-typo", "device-absent", "model-path-bad-config-json", "fp8-on-cpu"}
 
 
 @pytest.mark.parametrize("case", CLI_CASES, ids=lambda c: c.name)

