@@ -10,12 +10,12 @@ keep a directory locked). The file also records the owner (pid, host, start time
 word a refusal::
 
     up: validate the config (reads only; an owned directory is refused here already: refuse_if_owned)
-      ─▶ RunDirLock.acquire: open RUN_DIR/lock (0600, O_CREAT), flock LOCK_EX|LOCK_NB
+      ─▶ RunDirLock.take (Supervisor.dir_lock): open RUN_DIR/lock (0600, O_CREAT), flock LOCK_EX|LOCK_NB
            held (retried for ACQUIRE_WAIT_S) ─▶ RunDirBusy "RUN_DIR is in use by ... pid P on H", exit 2
-           taken ─▶ write the owner record ─▶ probe, sweep, spawn, restarts ... (held throughout)
+           taken ─▶ write the owner record ─▶ status "preparing", probe, sweep, spawn, restarts ... (held throughout)
       ─▶ exit or death: the kernel drops the lock (the file stays, unlocked)
-      a refusal before anything was written (the probe refused the config): release(remove_created=True)
-      removes the lock file and the directory if the lock created them
+      a start refused after it (the probe refused the config): release(remove_created=True, written=...)
+      removes the directory again if the lock created it and nothing else was written there
 
 Several nodes (``runtime.nodes``) keep working when they share a directory (a run dir on shared
 storage, or one ``--shared-dir``): a node holds ``lock`` *shared* and ``lock.node-<rank>``
