@@ -173,6 +173,19 @@ def _load_or_exit(path: str, *, check_environment: bool = False, check_host: boo
     return cfg
 
 
+def _check_device_option(option: str, value: str | None, default: str, default_from: str) -> None:
+    """Exit 2 naming ``option`` unless every device it lists (comma-separated; left out: ``default``,
+    from ``default_from``) is "cpu" or a CUDA device visible here: torch would fail later, with a traceback."""
+    from dflash_ipc.runtime.preflight import device_problem, visible_cuda_devices
+
+    names = [d.strip() for d in (value or default).split(",") if d.strip()] or [value or default]
+    n_cuda = visible_cuda_devices() if any(d.startswith("cuda:") for d in names) else 0
+    for name in names:
+        if problem := device_problem(name, n_cuda):
+            click.echo(f"error: {option if value else f'{option} (default: {default_from})'}: {problem}", err=True)
+            sys.exit(2)
+
+
 @main.command("check-config")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--file-only", is_flag=True, help="Check the file alone, not the model, devices and data files it names on this machine.")
@@ -193,7 +206,9 @@ def check_config(config_path: str, file_only: bool) -> None:
 @main.command("up")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Run configuration (TOML).")
 @click.option("--run-dir", default=None, help="Run directory (default: run.run_dir or runs/<run.name>).")
-@click.option("--max-steps", type=click.IntRange(0), default=None, help="Override training.max_steps.")
+@click.option(
+    "--max-steps", type=click.IntRange(0), default=None, help="Override training.max_steps (0: train until the data is exhausted)."
+)
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the run directory (fresh if none).")
 @click.option(
     "--max-restarts",
@@ -234,6 +249,7 @@ def up(
 
     from dflash_ipc.runtime.nodes import NodeOptionError, resolve_node_spec
     from dflash_ipc.runtime.preflight import validate_for_up
+    from dflash_ipc.runtime.run_lock import RunDirBusy
 
     try:  # before anything is created: a bad node option names itself and starts nothing
         node = resolve_node_spec(nnodes, node_rank, master_addr, master_port, shared_dir, os.environ)
@@ -245,7 +261,7 @@ def up(
     try:
         # Before the run directory is created or chmodded: a refused run leaves no trace.
         cfg, resolved_run_dir = validate_for_up(config_path, run_dir, resume=resume, overrides=overrides)
-    except ConfigError as e:
+    except (ConfigError, RunDirBusy) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     for w in cfg.ignored_value_warnings():
@@ -257,6 +273,11 @@ def up(
         cfg, resolved_run_dir, resume=resume, max_restarts=max_restarts, echo=click.echo, live_progress=sys.stdout.isatty(), node=node
     )
     try:
+        try:  # held until this process exits, across every restart: nothing below runs on a directory it does not own
+            sup.dir_lock.take()
+        except (RunDirBusy, OSError) as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
         done = sup.finished_already()
         if done:
             click.echo(f"[up] finished already: {done}")
@@ -264,6 +285,7 @@ def up(
         try:
             sup.prepare()
         except (GroupFailed, ProbeFailed, ValueError, OSError) as e:  # ConfigError is a ValueError
+            sup.abandon()  # a refused run leaves no directory behind
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
         sys.exit(sup.run())
@@ -430,6 +452,10 @@ def eval_cmd(config_path, drafter_dir, prompts_path, suite, as_json, **options) 
     if suite and prompts_path:
         raise click.UsageError("--suite and --prompts are exclusive: put the file in the suite")
     cfg = _load_or_exit(config_path)
+    target_device, drafter_device = options["target_device"], options["drafter_device"]
+    _check_device_option("--target-device", target_device, cfg.topology.targets[0], f"topology.targets[0] of {config_path}")
+    if drafter_device or len([d for d in (target_device or "").split(",") if d.strip()]) <= 1:  # else: each target's own device
+        _check_device_option("--drafter-device", drafter_device, cfg.topology.drafters[0], f"topology.drafters[0] of {config_path}")
 
     def echo(line: str) -> None:
         click.echo(line, err=True)
@@ -462,6 +488,7 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str) -> None:
     from dflash_ipc.drafter.core import export_untrained
 
     cfg = _load_or_exit(config_path)
+    _check_device_option("--device", device, "cpu", "cpu")
     try:
         out = export_untrained(cfg, Path(out_dir), device)
     except (ValueError, OSError) as e:
@@ -506,6 +533,7 @@ def gen_data_cmd(
     from dflash_ipc.data.synth import parse_synth_spec, run_synth_gen_data
 
     cfg = _load_or_exit(config_path)
+    _check_device_option("--device", device, cfg.topology.targets[0], f"topology.targets[0] of {config_path}")
     opts = GenOptions(
         batch_size=batch_size,
         max_new=max_new,

@@ -97,3 +97,47 @@ def test_up_without_a_tty_never_repeats_a_progress_line(shared_run):
     assert steps == sorted(steps) and all(s <= SHARED_RUN_STEPS for s in steps)
     assert "None" not in run.output and "\r" not in run.output
     assert f"[up] finished (max_steps {SHARED_RUN_STEPS})" in run.output
+
+
+def _summary(tokens: int, train_s: float):
+    import dataclasses
+
+    from test_protocol import DRAFTER_STATS, DRAFTER_SUMMARY
+
+    work = dataclasses.replace(DRAFTER_STATS.work, tokens=tokens, train_elapsed_s=train_s)
+    return dataclasses.replace(DRAFTER_SUMMARY, final=dataclasses.replace(DRAFTER_STATS, work=work))
+
+
+def test_summary_after_resume_rates_only_this_sessions_steps(tmp_path):
+    """metrics.jsonl of a resumed run holds every step since the start; this session trained the
+    last 10 of 30 in 5 s (issue 25: all 3,000 tokens over this session's 5 s, 600 tokens/s, was printed; 200 is true)."""
+    import json
+
+    from dflash_ipc.runtime.progress import finished_summary
+
+    recs = [{"step": s, "loss": 2.0, "tokens": 100, "elapsed_s": 1.0 * (s if s <= 20 else s - 20) / 2} for s in range(1, 31)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    text = finished_summary(tmp_path, _summary(tokens=1000, train_s=5.0), wall_s=9.0)
+    assert "this session (resumed at step 20): 10 steps, 1000 target tokens in 5.0 s: 200 tokens/s" in text, text
+    assert "all 30 steps: 3000 target tokens" in text and "600 tokens/s" not in text
+    one = finished_summary(tmp_path, _summary(tokens=3000, train_s=5.0), wall_s=9.0)  # a run that was never resumed
+    assert "trained on 3000 target tokens in 5.0 s: 600 tokens/s; wall 9.0 s" in one, one
+
+
+def test_the_checkpoint_resumed_from_and_why_are_in_ups_output():
+    """A fallback from a damaged ``latest`` is said by the supervisor, not only in drafter-0's log:
+    drafter 0's Hello carries its ResumePoint (notes included) over the wire."""
+
+    from dflash_ipc.control import protocol
+    from dflash_ipc.control.protocol import Hello
+    from dflash_ipc.control.stats import ChildInfo, ResumePoint
+    from dflash_ipc.runtime.progress import ready_text
+
+    note = "latest says 'step-000040', which is missing or damaged; falling back to the older complete checkpoint step-000020: ..."
+    hello = Hello(role="drafter", rank=0, pid=1, device="cpu", info=ChildInfo(resume=ResumePoint("/r/checkpoints/step-000020", 20, [note])))
+    received = protocol.decode(protocol.encode(hello))
+    assert ready_text(4, 2.5, {("drafter", 0): received}) == (
+        f"[up] all 4 processes ready after 2.5 s; training\n[up] resumed from /r/checkpoints/step-000020 (step 20)\n[up] checkpoint: {note}"
+    )
+    fresh = Hello(role="drafter", rank=0, pid=1, device="cpu", info=ChildInfo())
+    assert ready_text(4, 2.5, {("drafter", 0): fresh}) == "[up] all 4 processes ready after 2.5 s; training"

@@ -280,7 +280,7 @@ def test_prometheus_parses_with_one_sample_per_process(status):
     inflight = fams["dflash_ipc_process_inflight_to_drafter"]["samples"]
     assert len(inflight) == 2 * 3 and {s["drafter"] for s, _ in inflight} == {"0", "1", "2"}
     state = {s["state"]: v for s, v in fams["dflash_ipc_state"]["samples"]}
-    assert state == {"starting": 0, "running": 1, "stopping": 0, "finished": 0, "failed": 0, "lost": 0}
+    assert state == {"preparing": 0, "starting": 0, "running": 1, "stopping": 0, "finished": 0, "failed": 0, "lost": 0}
     assert fams["dflash_ipc_step"]["samples"] == [({}, 1234.0)]
     assert [s.value for s in lib["dflash_ipc_step"].samples] == [1234.0]
     busy = {s["rank"]: v for s, v in fams["dflash_ipc_process_busy_ratio"]["samples"] if s["role"] == "target"}

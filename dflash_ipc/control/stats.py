@@ -15,7 +15,7 @@ read back as ``None`` by the supervisor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dflash_ipc.control.wire import RejectCounter, Struct, from_wire
@@ -208,6 +208,7 @@ class ResumePoint(Struct):
     NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset({"step"})
     checkpoint: str  # the checkpoint directory
     step: int
+    notes: list[str] = field(default_factory=list)  # why not the one `latest` names, damaged ones skipped, ...
 
 
 @dataclass(frozen=True)

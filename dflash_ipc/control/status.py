@@ -24,8 +24,8 @@ from dflash_ipc.control.wire import Struct, from_wire
 SCHEMA_VERSION = 1
 # "lost": status.json says the run is live, but its supervisor process is gone (killed); set by
 # the reader (ops.status_client), never written by a supervisor.
-RUN_STATES = ("starting", "running", "stopping", "finished", "failed", "lost")
-LIVE_STATES = ("starting", "running", "stopping")
+RUN_STATES = ("preparing", "starting", "running", "stopping", "finished", "failed", "lost")
+LIVE_STATES = ("preparing", "starting", "running", "stopping")
 ROLES = ("target", "drafter")
 SLOT_STATES = ("free", "filling", "ready", "copying")
 

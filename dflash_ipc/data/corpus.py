@@ -311,7 +311,7 @@ class _Builder:
         self.end_token = _turn_end_token(tokenizer)
         self.vocab_size = len(tokenizer)
         self.vocab: str | None = None  # vocab_identity, computed at the first record that stores ids
-        self.pending: list[tuple[list[Piece], bool, int]] = []  # (pieces, cut before tokenizing, source)
+        self.pending: list[tuple[str, list[Piece], bool, int]] = []  # (where, pieces, cut before tokenizing, source)
         self.source = 0  # index in data.paths of the records being added
         self.pending_chars = 0
         self.max_chars = cfg.max_seq_len * MAX_CHARS_PER_TOKEN
@@ -352,7 +352,7 @@ class _Builder:
             return
         self.report.records += 1
         pieces, cut = _clip_pieces(pieces, self.max_chars)
-        self.pending.append((pieces, cut, self.source))
+        self.pending.append((where, pieces, cut, self.source))
         self.pending_chars += sum(len(t) for t, _ in pieces if isinstance(t, str))
         if len(self.pending) >= _CHUNK or self.pending_chars >= _CHUNK_CHARS:
             self.flush()
@@ -369,16 +369,35 @@ class _Builder:
                 "regenerate it with gen-data for this target, or drop token_ids to use the text"
             )
 
+    def _encode_pending(self) -> list[list[list[int]] | None]:
+        """Each pending record's text pieces tokenized, None for a record the tokenizer refuses: one
+        batched call, or record by record when the batch is refused, so one bad line costs only itself."""
+        texts = [[t for t, _ in pieces if isinstance(t, str)] for _, pieces, _, _ in self.pending]
+        try:
+            flat = iter(_encode_batch(self.tok, [t for ts in texts for t in ts]))
+            return [[next(flat) for _ in ts] for ts in texts]
+        except Exception:  # noqa: BLE001 - tokenizers raise TypeError, ValueError, ... for input they cannot take
+            pass
+        out: list[list[list[int]] | None] = []
+        for (where, _, _, _), ts in zip(self.pending, texts):
+            try:
+                out.append(_encode_batch(self.tok, ts))
+            except Exception as e:  # noqa: BLE001
+                self.report.records -= 1
+                self.bad(where, f"the tokenizer cannot take it ({type(e).__name__}: {str(e)[:200]})")
+                out.append(None)
+        return out
+
     def flush(self) -> None:
         if not self.pending:
             return
-        texts = [t for pieces, _, _ in self.pending for t, _ in pieces if isinstance(t, str)]
-        ids = _encode_batch(self.tok, texts)
-        k = 0
         max_len = self.cfg.max_seq_len
-        for pieces, cut_before, source in self.pending:
+        for (_, pieces, cut_before, source), ids in zip(self.pending, self._encode_pending()):
+            if ids is None:
+                continue
             seq: list[int] = []
             mask: list[int] = []
+            k = 0
             for piece, sup in pieces:
                 if isinstance(piece, str):
                     part = ids[k]

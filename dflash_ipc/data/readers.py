@@ -42,6 +42,18 @@ def is_table_source(path: str) -> bool:
     return p.suffix == ".parquet" or (p.is_dir() and (_is_saved_dataset(p) or any(p.glob("*.parquet"))))
 
 
+_END = object()
+
+
+def _next(it: Iterator, where: str) -> Any:
+    """The next item of a reader's iterator (``_END`` at its end); a reader failing mid-file is a
+    DataError naming the file and the row (pyarrow's "Corrupt snappy compressed data." names neither)."""
+    try:
+        return next(it, _END)
+    except Exception as e:  # noqa: BLE001 - pyarrow and datasets raise OSError, ArrowInvalid, ... for damaged data
+        raise _data_error(f"{where}: cannot read the data ({type(e).__name__}: {e})") from None
+
+
 def _parquet_rows(files: list[Path], label: str) -> Iterator[tuple[str, Any]]:
     try:
         import pyarrow.parquet as pq
@@ -55,7 +67,8 @@ def _parquet_rows(files: list[Path], label: str) -> Iterator[tuple[str, Any]]:
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
             raise _data_error(f"{f}: not a readable Parquet file: {e}") from None
         row = 0
-        for batch in pf.iter_batches(batch_size=1024):
+        batches = pf.iter_batches(batch_size=1024)
+        while (batch := _next(batches, f"{f} (the rows from {row + 1})")) is not _END:
             for rec in batch.to_pylist():
                 row += 1
                 yield f"{f}:row {row}", rec
@@ -74,8 +87,11 @@ def _dataset_rows(path: Path) -> Iterator[tuple[str, Any]]:
         if "train" not in ds:
             raise _data_error(f"{path}: a DatasetDict without a 'train' split ({sorted(ds)}); point data.paths at one split's folder")
         ds = ds["train"]
-    for i, rec in enumerate(ds, 1):
+    rows = iter(ds)
+    i = 1
+    while (rec := _next(rows, f"{path}:row {i}")) is not _END:
         yield f"{path}:row {i}", rec
+        i += 1
 
 
 def iter_table_records(path: str) -> Iterator[tuple[str, Any]]:
@@ -91,17 +107,25 @@ def iter_table_records(path: str) -> Iterator[tuple[str, Any]]:
 
 def _jsonl_records(path: str) -> Iterator[tuple[str, Any]]:
     try:
-        f = open(path, encoding="utf-8")  # noqa: SIM115 - opened apart from the with, so an OSError names the path
+        f = open(path, "rb")  # noqa: SIM115 - opened apart from the with, so an OSError names the path
     except OSError as e:
         raise _data_error(f"{path}: cannot read: {e}") from None
     with f:
-        for lineno, line in enumerate(f, 1):
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # a bad line, not the end of the file
+                yield f"{path}:{lineno}", _Unparsable(f"not valid UTF-8 ({e.reason} at byte {e.start})")
+                continue
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(line)
+                rec = json.loads(line)
             except json.JSONDecodeError as e:
-                yield f"{path}:{lineno}", _Unparsable(f"invalid JSON: {e.msg}")
+                rec = _Unparsable(f"invalid JSON: {e.msg}")
+            except RecursionError:
+                rec = _Unparsable("JSON nested too deeply")
+            yield f"{path}:{lineno}", rec
 
 
 class _Unparsable:

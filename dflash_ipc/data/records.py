@@ -19,6 +19,17 @@ class BadRecord(Exception):
     """A record that cannot be used; the message says why (reported with its place)."""
 
 
+def _unicode(text: str, what: str) -> str:
+    """``text`` if every character is one (JSON's ``"\\ud800"`` decodes to a lone surrogate, which no
+    tokenizer takes: the Rust tokenizers refuse the whole batch with a TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start : e.end]
+        raise BadRecord(f"{what} holds a lone surrogate {bad!r} at character {e.start} (not a Unicode character)") from None
+    return text
+
+
 def parse_record(obj: Any) -> tuple[str, Any]:
     """``("chat", messages)`` or ``("text", str)``; raises :class:`BadRecord` with a reason."""
     if not isinstance(obj, dict):
@@ -50,7 +61,8 @@ def parse_record(obj: Any) -> tuple[str, Any]:
                 raise BadRecord(f"{key}[{j}].{ck} must be a string, got {type(content).__name__}")
             msg = {k: v for k, v in m.items() if k not in ("from", "value")}
             msg["role"] = ROLE_ALIASES.get(role, role)
-            msg["content"] = content
+            msg["content"] = _unicode(content, f"{key}[{j}].{ck}")
+            _unicode(role, f"{key}[{j}].{rk}")
             messages.append(msg)
         return "chat", messages
     if "text" in obj:
@@ -59,7 +71,7 @@ def parse_record(obj: Any) -> tuple[str, Any]:
             raise BadRecord(f'"text" must be a string, got {type(text).__name__}')
         if not text.strip():
             raise BadRecord('"text" is empty')
-        return "text", text
+        return "text", _unicode(text, '"text"')
     raise BadRecord('missing field: expected "conversations", "messages" or "text"')
 
 

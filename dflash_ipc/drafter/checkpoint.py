@@ -565,7 +565,8 @@ def load_latest_checkpoint(
     candidates = _list_step_dirs(root)
     if pointer is not None and not any(p.name == pointer for _, p in candidates):
         notes.append(f"{root / LATEST_FILE} points at {pointer!r}, which does not exist")
-    for _, path in candidates:
+    pointed = STEP_DIR_RE.match(pointer or "")
+    for step, path in candidates:
         try:
             ckpt = load_checkpoint(path, map_location=map_location)
         except CheckpointError as e:
@@ -573,7 +574,13 @@ def load_latest_checkpoint(
             log.warning("checkpoint skipped: %s", e)
             continue
         if pointer is not None and path.name != pointer:
-            notes.append(f"{LATEST_FILE} says {pointer!r}; using newer complete checkpoint {path.name}")
+            if pointed is not None and step > int(pointed.group(1)):  # a crash between its commit and the pointer update
+                notes.append(f"{LATEST_FILE} says {pointer!r}; using the newer complete checkpoint {path.name}")
+            else:
+                notes.append(
+                    f"{LATEST_FILE} says {pointer!r}, which is missing or damaged; falling back to the older complete checkpoint "
+                    f"{path.name}: the steps after it are trained again"
+                )
         if expected_config_hash is not None and ckpt.config_hash != expected_config_hash:
             notes.append(f"{path.name} was written with config hash {ckpt.config_hash!r}, the current config is {expected_config_hash!r}")
         ckpt.notes = notes

@@ -182,7 +182,7 @@ class DrafterCore:
         if self.anchor_budget is not None and "anchor_budget" in ckpt.extra:
             self.anchor_budget.load_state_dict(ckpt.extra["anchor_budget"])
             log.info("resume: %d anchors per batch (follow-wait, from the checkpoint)", self.anchor_budget.anchors)
-        self.resumed_from = ResumePoint(checkpoint=str(ckpt.path), step=ckpt.step)
+        self.resumed_from = ResumePoint(checkpoint=str(ckpt.path), step=ckpt.step, notes=list(ckpt.notes))
         self.last_checkpoint = (ckpt.step, ckpt.path)
         if self.world.is_main:
             self._truncate_metrics(ckpt.step)

@@ -140,6 +140,30 @@ def _config_from_hf_dict(d: Mapping[str, Any]) -> DrafterModelConfig:
     )
 
 
+def read_export(path: str | Path) -> DrafterModelConfig:
+    """An export's config, its weights file checked readable (header and size, no tensor read):
+    a ValueError naming the file and what is wrong, before any model is loaded."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    cfg_path, weights = path / "config.json", path / EXPORT_WEIGHTS_FILE
+    for f in (cfg_path, weights):
+        if not f.is_file():
+            raise ValueError(f"{f}: not found; {path} is not an exported drafter (config.json + {EXPORT_WEIGHTS_FILE})")
+    try:
+        cfg = _config_from_hf_dict(json.loads(cfg_path.read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not JSON ({e})") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{cfg_path}: not a DFlash drafter config ({type(e).__name__}: {e})") from None
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            f.keys()
+    except SafetensorError as e:
+        raise ValueError(f"{weights}: not a readable safetensors file ({e}); export the drafter again") from None
+    return cfg
+
+
 def load_exported_drafter(
     path: str | Path,
     embed_weight: torch.Tensor,
@@ -148,13 +172,22 @@ def load_exported_drafter(
     attention: str = "auto",
     device: torch.device | str | None = None,
 ) -> DFlashDrafter:
-    """Rebuild a :class:`DFlashDrafter` from an :func:`export_drafter` directory (strict load)."""
+    """Rebuild a :class:`DFlashDrafter` from an :func:`export_drafter` directory (strict load;
+    a damaged or mismatched export is a ValueError naming its file)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
-    cfg = _config_from_hf_dict(json.loads((path / "config.json").read_text()))
-    state = load_file(str(path / EXPORT_WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
+    cfg = read_export(path)
+    weights = path / EXPORT_WEIGHTS_FILE
+    try:
+        state = load_file(str(weights), device=str(device) if device is not None else "cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{weights}: not a readable safetensors file ({e}); export the drafter again") from None
     dtype = next(iter(state.values())).dtype if state else torch.float32
     model = DFlashDrafter(cfg, embed_weight, lm_head_weight, attention=attention, device=device, init_seed=0).to(dtype)
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{weights} does not fit {path / 'config.json'}: {str(e)[:500]}") from None
     return model

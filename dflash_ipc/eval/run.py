@@ -147,6 +147,7 @@ def run_suite(
     """Decode the first ``n`` prompts of each ``(name, source)`` set (source None: ``data.paths``) both
     ways; ``{"sets": {name: summarize report + speed fields}, ...run-wide fields}``."""
     from dflash_ipc.data.tokenizer import check_target_tokenizer, config_tokenizer
+    from dflash_ipc.drafter.export import read_export
 
     if workers < 1 or speed_prompts < 1:
         raise ValueError(f"--workers and --speed-prompts must be >= 1 (got {workers}, {speed_prompts})")
@@ -162,6 +163,7 @@ def run_suite(
         raise ValueError("--drafter-device with several --target-device entries: each worker's drafter runs on its target's device")
     ddevs = tdevs if len(tdevs) > 1 else [drafter_device or cfg.topology.drafters[0]]
     cfg = _with_quantization(cfg, target_quantization or cfg.target.quantization, dtype, tdevs)
+    read_export(drafter_dir)  # a damaged export is named now, not after the target is loaded
     check_template_kwargs(cfg, drafter_dir, echo)
     tokenizer = config_tokenizer(cfg)
     check_target_tokenizer(cfg.target, tokenizer)

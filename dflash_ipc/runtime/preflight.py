@@ -12,7 +12,8 @@ starting every process and failing 20 s later in one child's log:
   its layers, attention heads divisible by kv heads (target and drafter), the drafter's hidden
   size, ``drafter.mask_token_id`` and the tokenizer inside its vocabulary,
 * the run directory: never a foreign non-empty directory (``up`` makes it 0700), and one
-  holding checkpoints only with ``--resume``; nothing in it is created or chmodded here.
+  holding checkpoints only with ``--resume``, never one another supervisor owns
+  (:mod:`dflash_ipc.runtime.run_lock`: RunDirBusy); nothing in it is created or chmodded here.
 
 The first two groups need torch and transformers (:func:`check_machine`); the rest do not
 (:func:`check_host`, :func:`check_run_dir`). The supervisor never imports torch: in its process
@@ -31,10 +32,11 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, load_config
+from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, _valid_device, load_config
+from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
 
-# Files whose presence marks a directory as a run directory (written by Supervisor.prepare).
-RUN_DIR_MARKERS = ("run_id", "logs", "checkpoints")
+# Files whose presence marks a directory as a run directory (written by Supervisor.prepare; the lock first).
+RUN_DIR_MARKERS = ("run_id", "logs", "checkpoints", LOCK_FILE)
 
 
 def torch_loaded() -> bool:
@@ -54,6 +56,7 @@ def validate_for_up(
     check_host(cfg)
     if torch_loaded():
         check_machine(cfg)
+    refuse_if_owned(run_dir)  # "in use by pid P" before any other word on the directory
     check_run_dir(cfg, run_dir, resume=resume, key=_run_dir_key(cfg, run_dir_override))
     return cfg, run_dir
 
@@ -106,23 +109,23 @@ def check_devices(topology: TopologyConfig, n_cuda: int, source: str) -> None:
     """Every ``cuda:N`` of the topology is one of the ``n_cuda`` devices visible here."""
     for role in ("targets", "drafters"):
         for i, dev in enumerate(getattr(topology, role)):
-            if not dev.startswith("cuda:"):
-                continue
-            index = int(dev[5:])
-            if n_cuda == 0:
-                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-                hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-                _fail(
-                    source,
-                    f"topology.{role}[{i}]",
-                    f'{dev!r} but no CUDA device is visible on this machine{hint}; use "cpu" devices or run on a GPU host',
-                )
-            if index >= n_cuda:
-                _fail(
-                    source,
-                    f"topology.{role}[{i}]",
-                    f"{dev!r} but only {n_cuda} CUDA device(s) are visible (cuda:0..cuda:{n_cuda - 1}); pick one of those",
-                )
+            if problem := device_problem(dev, n_cuda):
+                _fail(source, f"topology.{role}[{i}]", problem)
+
+
+def device_problem(dev: str, n_cuda: int) -> str | None:
+    """Why ``dev`` is no device of this machine ("cpu", or "cuda:N" of the ``n_cuda`` visible), or None."""
+    if not _valid_device(dev):
+        return f'{dev!r} is not a device; use "cpu" or "cuda:N"'
+    if not dev.startswith("cuda:"):
+        return None
+    if n_cuda == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return f'{dev!r} but no CUDA device is visible on this machine{hint}; use "cpu" devices or run on a GPU host'
+    if int(dev[5:]) >= n_cuda:
+        return f"{dev!r} but only {n_cuda} CUDA device(s) are visible (cuda:0..cuda:{n_cuda - 1}); pick one of those"
+    return None
 
 
 def check_quantization_devices(source: str, quantization: str, dtype: str, devices: list[str], key: str = "target.quantization") -> None:

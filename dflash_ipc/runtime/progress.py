@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,18 +166,48 @@ def finished_summary(run_dir: Path, summary: DrafterSummary | None, wall_s: floa
     if recs:
         first = [r["loss"] for r in recs[:10] if r.get("loss") is not None]
         lastl = [r["loss"] for r in recs[-10:] if r.get("loss") is not None]
-        toks = sum(r["tokens"] for r in recs)
-        train_s = recs[-1]["elapsed_s"] if recs[-1].get("elapsed_s") else wall_s
         lines.append(
             f"steps {recs[-1]['step']}, loss {fmt(first[0] if first else None, '.4f')} -> {fmt(lastl[-1] if lastl else None, '.4f')}"
             f" (mean of first 10 {fmt(sum(first) / len(first) if first else None, '.4f')},"
             f" last 10 {fmt(sum(lastl) / len(lastl) if lastl else None, '.4f')})"
         )
-        lines.append(f"trained on {toks} target tokens in {train_s:.1f} s: {toks / max(1e-9, train_s):.0f} tokens/s; wall {wall_s:.1f} s")
+        lines.append(_rate_text(recs, summary, wall_s))
     lines.append(f"checkpoint: {(summary.checkpoint if summary else None) or MISSING}")
     lines.append(f"exported drafter: {(summary.export if summary else None) or MISSING}")
     lines.append(f"metrics: {metrics}; status: dflash-ipc status --run-dir {run_dir}")
     return "[up] finished (" + (summary.reason if summary else "?") + ")\n  " + "\n  ".join(lines)
+
+
+def ready_text(n_processes: int, seconds: float, hellos: Mapping) -> str:
+    """`up`'s line at the end of the handshake; after a resume also the checkpoint drafter 0 loaded
+    and why that one (a damaged ``latest`` fell back to an older checkpoint), not only in its log."""
+    text = f"[up] all {n_processes} processes ready after {seconds:.1f} s; training"
+    hello = hellos.get(("drafter", 0))
+    resume = hello.info.resume if hello is not None and hello.info is not None else None
+    if resume is None:
+        return text
+    return text + f"\n[up] resumed from {resume.checkpoint} (step {resume.step})" + "".join(f"\n[up] checkpoint: {n}" for n in resume.notes)
+
+
+def _rate_text(recs: list[dict], summary: DrafterSummary | None, wall_s: float) -> str:
+    """Tokens/s of this session's steps only: metrics.jsonl of a resumed run also holds the steps
+    before its checkpoint, trained by earlier sessions in time this one did not see."""
+    toks = sum(r["tokens"] for r in recs)
+    work = summary.final.work if summary is not None else None
+    if work is None or work.tokens >= toks:  # one session (or no summary): every step is this session's
+        train_s = recs[-1]["elapsed_s"] if recs[-1].get("elapsed_s") else wall_s
+        return f"trained on {toks} target tokens in {train_s:.1f} s: {toks / max(1e-9, train_s):.0f} tokens/s; wall {wall_s:.1f} s"
+    mine, steps = 0, 0
+    for r in reversed(recs):  # this session's steps are the last ones, their tokens add up to its total
+        if mine >= work.tokens:
+            break
+        mine += r["tokens"]
+        steps += 1
+    train_s = work.train_elapsed_s or wall_s
+    return (
+        f"this session (resumed at step {recs[-1]['step'] - steps}): {steps} steps, {work.tokens} target tokens in {train_s:.1f} s: "
+        f"{work.tokens / max(1e-9, train_s):.0f} tokens/s; wall {wall_s:.1f} s; all {len(recs)} steps: {toks} target tokens"
+    )
 
 
 def progress_snapshot(lead: DrafterStats, children: list, max_steps: int | None) -> ProgressSnapshot:

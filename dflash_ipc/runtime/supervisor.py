@@ -2,7 +2,8 @@
 
 Run states (the supervisor's own state machine)::
 
-    validate config ─▶ probe: check model/devices, tokenize + plan once ─▶ prepare RUN_DIR (0700) ─▶ STARTING
+    validate config ─▶ lock RUN_DIR (runtime.run_lock; held to exit) ─▶ PREPARING (status.json; refused: exit 2)
+      ─▶ probe: check model/devices, tokenize + plan once ─▶ prepare RUN_DIR (0700) ─▶ STARTING
     STARTING: spawn children ─▶ handshake (run.handshake_timeout_s) ─▶ RUNNING (systemd READY=1)
     RUNNING:
       every drafter Done            ─▶ Shutdown targets ─▶ FINISHED, exit 0
@@ -59,12 +60,13 @@ from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests
-from dflash_ipc.runtime import liveness
+from dflash_ipc.runtime import liveness, progress
 from dflash_ipc.runtime.launch import child_argv, key_pipe
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.probe import run_probe
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
 from dflash_ipc.runtime.restarts import GroupFailed, run_with_restarts
+from dflash_ipc.runtime.run_lock import RunDirLock, lock_run_dirs
 from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 
 log = logging.getLogger(__name__)
@@ -131,7 +133,7 @@ class Supervisor:
         # True: a live progress bar on this process's stdout (a TTY); False: plain lines through echo.
         self.live_progress = live_progress
         self._progress_display: PlainProgress | RichProgress | None = None
-        self.state = "starting"
+        self.state = "preparing"
         self.children: list[Child] = []
         self.stop_requested = ""
         self.started_unix = time.time()
@@ -147,6 +149,7 @@ class Supervisor:
         self._last_snapshot: StatusSnapshot | None = None
         # Benchmark ceiling: only targets, N batches each, slots released as soon as packed.
         self.forward_only = forward_only
+        self.dir_lock: RunDirLock = lock_run_dirs(run_dir, self.node)  # one supervisor per run dir: taken by prepare (or earlier)
 
     # ------------------------------------------------------------------ prepare
 
@@ -167,6 +170,8 @@ class Supervisor:
 
         The checks that need torch and transformers, tokenizing and planning run first, in the
         probe process (``runtime.probe``): a refused config leaves the run directory uncreated."""
+        self.dir_lock.take()  # before anything there is touched, swept or spawned; `status` now says "preparing"
+        self._write_status()
         run_dir = self.run_dir
         if not self.resume and (self.node.checkpoint_root(run_dir) / "latest").exists():
             raise GroupFailed(
@@ -222,6 +227,13 @@ class Supervisor:
             self.node_group.close()
             if metrics is not None:
                 metrics.close()
+            self.dir_lock.release()
+
+    def abandon(self) -> None:
+        """A refused start: status.json says failed, and what the lock made for this run goes again."""
+        self.state = "failed"
+        self._write_status()
+        self.dir_lock.release(remove_created=True, written=("status.json",))
 
     def _run_with_restarts(self) -> int:
         def failed() -> None:
@@ -296,7 +308,7 @@ class Supervisor:
             self._write_status()
             t0 = time.perf_counter()
             try:
-                handshake.coordinate(
+                hellos = handshake.coordinate(
                     router,
                     [c.key for c in self.children],
                     self.cfg.run.handshake_timeout_s,
@@ -318,7 +330,7 @@ class Supervisor:
             now = time.monotonic()
             for c in self.children:
                 c.last_beat = now
-            self.echo(f"[up] all {len(self.children)} processes ready after {time.perf_counter() - t0:.1f} s; training")
+            self.echo(progress.ready_text(len(self.children), time.perf_counter() - t0, hellos))
             sdnotify.notify_ready(f"running {len(self.children)} processes")
             self._progress_display = progress_display(self.live_progress, self.echo)
             return self._watch(router, status_sock)

@@ -111,6 +111,14 @@ class Up:
         self._out.close()
 
 
+def lock_owner_pid(run_dir: Path) -> int | None:
+    """The pid the run dir's lock file names (runtime.run_lock), whether or not it still holds it."""
+    try:
+        return json.loads((run_dir / "lock").read_text()).get("pid")
+    except (OSError, ValueError):
+        return None
+
+
 def is_run_process(pid: int, run_dir: Path) -> bool:
     """``pid`` is alive (not a zombie) and is a child of this run (its argv names the run dir)."""
     try:

@@ -130,3 +130,56 @@ def test_19mb_line_does_not_blow_up_memory(tmp_path):
     assert out["samples"] == 2
     # The line itself (19 MB read + decoded + parsed) costs ~100 MB; tokenizing it whole cost 3.6 GB.
     assert out["peak_growth_kib"] < 400 * 1024, out
+
+
+# A JSON escape of half a UTF-16 pair decodes to a lone surrogate, which no tokenizer takes
+# (issue 25 item 5: the Rust tokenizer refused the whole batch, the probe crashed, `up` exited 2
+# with a traceback although on_bad_line = "skip").
+SURROGATE_LINES = [
+    '{"text": "before \\ud800 after"}',
+    '{"conversations": [{"role": "user", "content": "hi \\udfff"}, {"role": "assistant", "content": "Hello there."}]}',
+    '{"messages": [{"role": "user\\ud83d", "content": "hi"}, {"role": "assistant", "content": "Hello there."}]}',
+]
+
+
+def test_a_line_with_a_lone_surrogate_is_a_bad_line(tmp_path, tok):
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD), *SURROGATE_LINES, json.dumps(GOOD)])
+    corpus = load_corpus(data_cfg(path), tok, None)
+    r = corpus.report
+    assert corpus.num_samples == 2 and r.records == 2 and r.num_bad_lines == 3, r.bad_lines
+    assert r.bad_lines == [
+        f"{path}:2: \"text\" holds a lone surrogate '\\ud800' at character 7 (not a Unicode character)",
+        f"{path}:3: conversations[0].content holds a lone surrogate '\\udfff' at character 3 (not a Unicode character)",
+        f"{path}:4: messages[0].role holds a lone surrogate '\\ud83d' at character 4 (not a Unicode character)",
+    ]
+    with pytest.raises(DataError, match=rf"^{path}:2: \"text\" holds a lone surrogate .*on_bad_line = \"error\""):
+        load_corpus(data_cfg(path, on_bad_line="error"), tok, None)
+
+
+def test_any_record_the_tokenizer_refuses_costs_only_its_line(tmp_path, tok, monkeypatch):
+    """Past the record check (turned off here), the real tokenizer refuses the batch: the records are
+    then tokenized one by one, the refused one skipped with its line, the others kept unchanged."""
+    import dflash_ipc.data.records as records
+
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD), SURROGATE_LINES[0], json.dumps(GOOD)])
+    expected = load_corpus(data_cfg(write_lines(tmp_path / "good.jsonl", [json.dumps(GOOD)] * 2)), tok, None)
+    monkeypatch.setattr(records, "_unicode", lambda text, what: text)  # noqa: ARG005
+    corpus = load_corpus(data_cfg(path), tok, None)
+    assert corpus.num_samples == 2 and corpus.report.records == 2 and corpus.tokens.tolist() == expected.tokens.tolist()
+    [bad] = corpus.report.bad_lines
+    assert bad.startswith(f"{path}:2: the tokenizer cannot take it (TypeError: TextEncodeInput must be"), bad
+
+
+def test_a_prompt_line_that_is_not_utf8_is_skipped_with_its_line(tmp_path):
+    """gen-data and eval read prompts through data.readers: a bad line there is skipped too (it
+    ended both commands with "'utf-8' codec can't decode byte 0xff", naming no file)."""
+    from dflash_ipc.data.readers import iter_records, prompt_messages
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(
+        json.dumps(GOOD).encode() + b"\n\xff\xfe\n" + b'{"text": ' + deep(100_000).encode() + b"}\n" + json.dumps(GOOD).encode()
+    )
+    got = list(iter_records([str(path)]))
+    assert [w for w, _ in got] == [f"{path}:{n}" for n in (1, 2, 3, 4)]
+    assert [prompt_messages(r) is not None for _, r in got] == [True, False, False, True]
+    assert got[1][1].reason == "not valid UTF-8 (invalid start byte at byte 0)"

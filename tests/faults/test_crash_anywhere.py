@@ -27,7 +27,7 @@ import time
 import zlib
 
 import pytest
-from fault_harness import Up, leftovers, proc_state, report, status_json, wait_gone, write_config
+from fault_harness import Up, leftovers, lock_owner_pid, proc_state, report, status_json, wait_gone, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -106,6 +106,7 @@ def supervisor_kill_trial(tmp_path, moment: str, seed: int) -> float:
         up.proc.send_signal(signal.SIGKILL)
         up.proc.wait()
         gone_s = wait_gone(up, pids, 30.0)
+        assert lock_owner_pid(run_dir) == up.proc.pid  # its lock file stays, naming it: a restart must not mind (run_lock)
     finally:
         up.close()
     report(f"SIGKILL supervisor at {moment} (seed {seed}): children gone after {gone_s} s")
@@ -163,7 +164,8 @@ def test_sigstop_of_drafter_1_names_drafter_1_not_the_peer_waiting_for_it(tmp_pa
 
 def test_supervisor_killed_during_import_leaves_no_orphan_and_the_run_dir_restarts(tmp_path):
     supervisor_kill_trial(tmp_path, "import", seed=2)
-    # a new `up` on the same run directory: no orphan to adopt, no segment in the way. Two steps
+    # a new `up` on the same run directory: no orphan to adopt, no segment in the way, the dead
+    # supervisor's lock file no obstacle (the kernel released its lock). Two steps
     # show it trains (an orphan or a stale segment fails the handshake or the first slots); the
     # data's end adds nothing here and cost ~25 more steps.
     cfg = tmp_path / "c.toml"

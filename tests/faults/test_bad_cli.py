@@ -1,0 +1,223 @@
+"""Bad command lines, not one traceback (issue 25 item 7): every case runs the real `dflash-ipc`
+command (click's CliRunner on ``dflash_ipc.cli.main``, in-process: it exercises the real command
+and costs no interpreter start), and must exit non-zero with a message naming what to change,
+with no exception escaping the command.
+
+Before: a corrupt or truncated ``model.safetensors`` (SafetensorError), ``cuda:N`` on a CPU-only
+torch (AssertionError), ``--device 'gpu;x'`` (RuntimeError) ended in tracebacks; "Corrupt snappy
+compressed data." and "Expecting value: line 2 ..." named no file. A case that would start a
+run is not here: `up` cases are refused before anything is spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import traceback
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import TINY_CPU, tiny_cpu_config, write_toml
+
+from dflash_ipc.cli import main
+from dflash_ipc.runtime.run_lock import RunDirLock
+
+NO_CUDA = "but no CUDA device is visible on this machine"
+NOT_A_DEVICE = 'is not a device; use "cpu" or "cuda:N"'
+
+# (id, argv with {NAME} placeholders for the files the `files` fixture makes, message fragment)
+CASES: list[tuple[str, list[str], str]] = [
+    # the command line itself
+    ("no-such-command", ["trian"], "No such command 'trian'"),
+    ("up-without-config", ["up"], "Missing option '--config'"),
+    ("config-missing", ["check-config", "--file-only", "--config", "{T}/missing.toml"], "missing.toml"),
+    ("config-is-dir", ["check-config", "--config", "{T}"], "is a directory"),
+    ("config-not-toml", ["check-config", "--file-only", "--config", "{NOT_TOML}"], "not valid TOML"),
+    ("config-not-utf8", ["check-config", "--file-only", "--config", "{LATIN1}"], "not UTF-8 text"),
+    ("config-unknown-key", ["check-config", "--file-only", "--config", "{TYPO}"], "did you mean 'ring_slots'?"),
+    # up: options and the run directory, refused before anything is created or spawned
+    ("up-max-steps-negative", ["up", "--config", "{CFG}", "--max-steps", "-1"], "Invalid value for '--max-steps'"),
+    ("up-max-restarts-negative", ["up", "--config", "{CFG}", "--max-restarts", "-2"], "Invalid value for '--max-restarts'"),
+    ("up-nnodes-zero", ["up", "--config", "{CFG}", "--nnodes", "0"], "--nnodes (NNODES) must be in [1, 4096]"),
+    ("up-nnodes-without-master", ["up", "--config", "{CFG}", "--nnodes", "2"], "--master-addr (MASTER_ADDR) is required"),
+    (
+        "up-node-rank-out-of-range",
+        ["up", "--config", "{CFG}", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "--master-port", "29500"],
+        "--node-rank (NODE_RANK) must be in [0, 2)",
+    ),
+    (
+        "up-master-port-too-big",
+        ["up", "--config", "{CFG}", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "70000"],
+        "--master-port (MASTER_PORT) must be in [1, 65534]",
+    ),
+    ("up-run-dir-is-a-file", ["up", "--config", "{CFG}", "--run-dir", "{A_FILE}"], "exists and is not a directory"),
+    ("up-run-dir-foreign", ["up", "--config", "{CFG}", "--run-dir", "{FOREIGN}"], "is not a dflash-ipc run directory"),
+    ("up-run-dir-has-checkpoints", ["up", "--config", "{CFG}", "--run-dir", "{WITH_CKPT}"], "already holds checkpoints; pass --resume"),
+    ("up-run-dir-in-use", ["up", "--config", "{CFG}", "--run-dir", "{LOCKED}", "--resume"], "is in use by another `dflash-ipc up` (pid"),
+    ("up-shared-dir-is-a-file", ["up", "--config", "{CFG}", "--shared-dir", "{A_FILE}"], "is a file"),
+    ("up-config-typo", ["up", "--config", "{TYPO}", "--run-dir", "{T}/r1"], "transport.ring_slotz: unknown key"),
+    ("up-config-cuda-on-cpu", ["up", "--config", "{CUDA_CFG}", "--run-dir", "{T}/r2"], NO_CUDA),
+    # status
+    ("status-no-run", ["status", "--run-dir", "{T}/nowhere"], "is not a run directory (no status.json)"),
+    ("status-garbage-snapshot", ["status", "--run-dir", "{GARBAGE_STATUS}"], "status.json is not JSON"),
+    # plan
+    ("plan-nothing", ["plan"], "give --config FILE"),
+    ("plan-topology-one-gpu", ["plan", "--topology", "1", "--profile", "{PROFILE_BAD}"], "Invalid value for '--topology'"),
+    ("plan-topology-without-profile", ["plan", "--topology", "4"], "--topology N and --profile FILE go together"),
+    ("plan-profile-missing", ["plan", "--topology", "4", "--profile", "{T}/none.json"], "none.json: cannot read a profile"),
+    ("plan-profile-not-json", ["plan", "--topology", "4", "--profile", "{PROFILE_BAD}"], "profile.json: cannot read a profile: Expecting"),
+    # eval: the export, the devices, the prompts
+    ("eval-drafter-missing", ["eval", "--config", "{CFG}", "--drafter", "{T}/no-export"], "does not exist"),
+    (
+        "eval-safetensors-corrupt",
+        ["eval", "--config", "{CFG}", "--drafter", "{CORRUPT}"],
+        "corrupt/model.safetensors: not a readable safetensors file",
+    ),
+    (
+        "eval-safetensors-truncated",
+        ["eval", "--config", "{CFG}", "--drafter", "{TRUNCATED}"],
+        "truncated/model.safetensors: not a readable safetensors",
+    ),
+    ("eval-export-config-not-json", ["eval", "--config", "{CFG}", "--drafter", "{BAD_JSON}"], "bad-json/config.json: not JSON (Expecting"),
+    ("eval-export-without-config", ["eval", "--config", "{CFG}", "--drafter", "{NO_CONFIG}"], "no-config/config.json: not found"),
+    ("eval-export-config-not-dflash", ["eval", "--config", "{CFG}", "--drafter", "{NOT_DFLASH}"], "not a DFlash drafter config (KeyError"),
+    ("eval-target-cuda-on-cpu", ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--target-device", "cuda:0"], NO_CUDA),
+    ("eval-drafter-device-garbage", ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--drafter-device", "gpu;x"], NOT_A_DEVICE),
+    ("eval-device-list-with-cuda", ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--target-device", "cpu,cuda:7"], NO_CUDA),
+    (
+        "eval-config-cuda-on-cpu",
+        ["eval", "--config", "{CUDA_CFG}", "--drafter", "{EXPORT}"],
+        "--target-device (default: topology.targets[0] of",
+    ),
+    (
+        "eval-prompts-corrupt-parquet",
+        ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--prompts", "{BAD_PARQUET}"],
+        "bad.parquet (the rows from 1): cannot read the data (OSError: Corrupt snappy",
+    ),
+    (
+        "eval-prompts-missing",
+        ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--prompts", "{T}/none.jsonl"],
+        "none.jsonl: no such file",
+    ),
+    (
+        "eval-prompts-no-chat",
+        ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--prompts", "{TEXT_ONLY}"],
+        "text-only.jsonl:1: no prompt format matches the fields",
+    ),
+    (
+        "eval-block-size-too-big",
+        ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--block-size", "99", "--n", "1"],
+        "--block-size must be in [1, 8]",
+    ),
+    ("eval-n-zero", ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--n", "0"], "Invalid value for '--n'"),
+    ("eval-dtype-unknown", ["eval", "--config", "{CFG}", "--drafter", "{EXPORT}", "--dtype", "float8"], "Invalid value for '--dtype'"),
+    # export-untrained
+    ("export-cuda-on-cpu", ["export-untrained", "--config", "{CFG}", "--out", "{T}/e1", "--device", "cuda:1"], NO_CUDA),
+    ("export-device-garbage", ["export-untrained", "--config", "{CFG}", "--out", "{T}/e2", "--device", "gpu;x"], NOT_A_DEVICE),
+    ("export-out-is-a-file", ["export-untrained", "--config", "{CFG}", "--out", "{A_FILE}"], "is a file"),
+    # gen-data
+    ("gen-cuda-on-cpu", ["gen-data", "--config", "{CFG}", "--out", "{T}/g.jsonl", "--device", "cuda:0"], NO_CUDA),
+    ("gen-device-garbage", ["gen-data", "--config", "{CFG}", "--out", "{T}/g.jsonl", "--device", "gpu;x"], NOT_A_DEVICE),
+    (
+        "gen-prompts-corrupt-parquet",
+        ["gen-data", "--config", "{CFG}", "--out", "{T}/g.jsonl", "--prompts", "{BAD_PARQUET}"],
+        "bad.parquet (the rows from 1): cannot read the data (OSError: Corrupt snappy",
+    ),
+    (
+        "gen-holdout-fraction-one",
+        ["gen-data", "--config", "{CFG}", "--out", "{T}/g.jsonl", "--holdout-fraction", "1"],
+        "Invalid value for '--holdout-fraction'",
+    ),
+    ("gen-top-p-zero", ["gen-data", "--config", "{CFG}", "--out", "{T}/g.jsonl", "--top-p", "0"], "Invalid value for '--top-p'"),
+    ("gen-out-is-a-dir", ["gen-data", "--config", "{CFG}", "--out", "{T}"], "is a directory"),
+    # bench
+    ("bench-backend-unknown", ["bench", "transport", "--backend", "carrier-pigeon"], "Invalid value for '--backend'"),
+    (
+        "bench-slow-consumer-out-of-range",
+        ["bench", "transport", "--consumers", "2", "--slow-consumer", "5"],
+        "must be a consumer rank in [0, 2)",
+    ),
+    ("bench-variant-unknown", ["bench", "pipeline", "--config", "{CFG}", "--variants", "forward-only,warp-drive"], "--variants"),
+]
+
+
+def _corrupt_parquet(path: Path) -> None:
+    """A Parquet file whose footer reads but whose snappy data pages do not."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "eps"]) for _ in range(200)) for _ in range(300)]
+    pq.write_table(pa.table({"text": texts}), path, compression="snappy", use_dictionary=False)
+    data = bytearray(path.read_bytes())
+    for i in range(5000, 5064):
+        data[i] ^= 0xA5
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Every file the cases name, made once (one export of the tiny drafter, damaged copies of it)."""
+    t = tmp_path_factory.mktemp("cli")
+    out = {"T": t, "CFG": TINY_CPU}
+    r = CliRunner().invoke(main, ["export-untrained", "--config", str(TINY_CPU), "--out", str(t / "export")])
+    assert r.exit_code == 0, r.output
+    out["EXPORT"] = export = t / "export"
+
+    def damaged(name: str, change) -> Path:
+        d = t / name
+        shutil.copytree(export, d)
+        change(d)
+        return d
+
+    weights = (export / "model.safetensors").read_bytes()
+    out["CORRUPT"] = damaged("corrupt", lambda d: (d / "model.safetensors").write_bytes(os.urandom(4096)))
+    out["TRUNCATED"] = damaged("truncated", lambda d: (d / "model.safetensors").write_bytes(weights[: len(weights) // 2]))
+    out["BAD_JSON"] = damaged("bad-json", lambda d: (d / "config.json").write_text("{\n,\n"))
+    out["NO_CONFIG"] = damaged("no-config", lambda d: (d / "config.json").unlink())
+    out["NOT_DFLASH"] = damaged("not-dflash", lambda d: (d / "config.json").write_text('{"model_type": "llama"}'))
+    (t / "not.toml").write_text("[run\nname = 1\n")
+    out["NOT_TOML"] = t / "not.toml"
+    (t / "latin1.toml").write_bytes(b'[run]\nname = "caf\xe9"\n')
+    out["LATIN1"] = t / "latin1.toml"
+    out["TYPO"] = write_toml(t / "typo.toml", tiny_cpu_config(transport={"ring_slotz": 4}))
+    cuda = tiny_cpu_config(topology={"targets": ["cuda:0"], "drafters": ["cuda:1"]}, transport={"backend": "auto"})
+    out["CUDA_CFG"] = write_toml(t / "cuda.toml", cuda)
+    (t / "a-file").write_text("x")
+    out["A_FILE"] = t / "a-file"
+    (t / "foreign").mkdir()
+    (t / "foreign" / "thesis.tex").write_text("x")
+    out["FOREIGN"] = t / "foreign"
+    (t / "with-ckpt" / "checkpoints").mkdir(parents=True)
+    (t / "with-ckpt" / "checkpoints" / "latest").write_text("step-000001\n")
+    out["WITH_CKPT"] = t / "with-ckpt"
+    out["LOCKED"] = t / "locked"
+    (t / "garbage-status").mkdir()
+    (t / "garbage-status" / "status.json").write_text("{\n")
+    out["GARBAGE_STATUS"] = t / "garbage-status"
+    (t / "profile.json").write_text("{\n,}")
+    out["PROFILE_BAD"] = t / "profile.json"
+    _corrupt_parquet(t / "bad.parquet")
+    out["BAD_PARQUET"] = t / "bad.parquet"
+    (t / "text-only.jsonl").write_text('{"text": "no chat here"}\n')
+    out["TEXT_ONLY"] = t / "text-only.jsonl"
+    lock = RunDirLock.acquire([t / "locked"])  # another owner (a lock is per open file, so this process counts)
+    yield {k: str(v) for k, v in out.items()}
+    lock.release()
+
+
+def test_at_least_forty_cases():
+    assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("argv, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_command_line_is_refused_by_name_without_a_traceback(files, argv, fragment):
+    args = [a.format(**files) for a in argv]
+    r = CliRunner().invoke(main, args)
+    escaped = "" if r.exception is None or isinstance(r.exception, SystemExit) else "".join(traceback.format_exception(r.exception))
+    assert not escaped, f"dflash-ipc {' '.join(args)} raised:\n{escaped}"
+    assert r.exit_code not in (0, None), r.output
+    assert fragment in r.output, r.output
+    assert "Traceback" not in r.output, r.output
