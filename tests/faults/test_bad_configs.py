@@ -146,8 +146,8 @@ CASES = [
         "multiple of its linear_num_key_heads",
         {"target.spec.linear_num_value_heads": 3},
     ),
-    Case("spec-layer-types-length", "target.spec", "layer_types", {"target.spec.num_hidden_layers": 4}),
-    Case("spec-wrong-type", "target.spec", "hidden_size", {"target.spec.hidden_size": "64"}),
+    Case("spec-layer-types-length", "target.spec.layer_types", "lists 6 layer types", {"target.spec.num_hidden_layers": 4}),
+    Case("spec-wrong-type", "target.spec.hidden_size", "must be an integer (got str '64')", {"target.spec.hidden_size": "64"}),
     Case("tokenizer-missing", "target.tokenizer", 'neither "builtin" nor a local directory', {"target.tokenizer": "/nonexistent/tok"}),
     # drafter against the target
     Case("mask-token-out-of-vocab", "drafter.mask_token_id", "outside the target's vocabulary [0, 1024)", {"drafter.mask_token_id": 5000}),
@@ -172,7 +172,68 @@ CASES = [
         "run.control_host",
         "cannot listen on '192.0.2.1' here",
         {"run.control": "tcp", "run.control_host": "192.0.2.1", "transport.backend": "nccl"},
+    ),  # target.spec values (issue 25 item 2): every key against Qwen3_5TextConfig, every number finite and in range
+    Case("spec-rms-norm-eps-inf", "target.spec.rms_norm_eps", "finite", {"target.spec.rms_norm_eps": float("inf")}),
+    Case("spec-rms-norm-eps-negative", "target.spec.rms_norm_eps", "must be in (0, 1)", {"target.spec.rms_norm_eps": -1e-6}),
+    Case("spec-initializer-range-nan", "target.spec.initializer_range", "finite", {"target.spec.initializer_range": float("nan")}),
+    Case("spec-initializer-range-zero", "target.spec.initializer_range", "must be in (0, 10]", {"target.spec.initializer_range": 0.0}),
+    Case(
+        "spec-rope-theta-typo",
+        "target.spec.rope_parameters.rope_thetaa",
+        "did you mean 'rope_theta'",
+        {"target.spec.rope_parameters.rope_thetaa": 1e4},
     ),
+    Case(
+        "spec-rope-theta-negative", "target.spec.rope_parameters.rope_theta", "(0, inf)", {"target.spec.rope_parameters.rope_theta": -1.0}
+    ),
+    Case(
+        "spec-partial-rotary-zero",
+        "target.spec.rope_parameters.partial_rotary_factor",
+        "(0, 1]",
+        {"target.spec.rope_parameters.partial_rotary_factor": 0.0},
+    ),
+    Case(
+        "spec-mrope-nan",
+        "target.spec.rope_parameters.mrope_section[2]",
+        "finite",
+        {"target.spec.rope_parameters.mrope_section": [2, 1, float("nan")]},
+    ),
+    Case("spec-hidden-size-float", "target.spec.hidden_size", "must be an integer", {"target.spec.hidden_size": 1e9}),
+    Case("spec-layers-zero", "target.spec.num_hidden_layers", ">= 1", {"target.spec.num_hidden_layers": 0}),
+    Case("spec-positions-int64", "target.spec.max_position_embeddings", "64-bit", {"target.spec.max_position_embeddings": 2**70}),
+    Case("spec-head-dim-odd", "target.spec.head_dim", "even", {"target.spec.head_dim": 15}),
+    Case("spec-dropout-one", "target.spec.attention_dropout", "[0, 1)", {"target.spec.attention_dropout": 1.0}),
+    Case(
+        "spec-layer-type-typo",
+        "target.spec.layer_types[5]",
+        "did you mean 'full_attention'",
+        {"target.spec.layer_types": ["linear_attention"] * 5 + ["full_atention"]},
+    ),
+    Case("spec-activation-unknown", "target.spec.hidden_act", "did you mean 'swish'", {"target.spec.hidden_act": "swish2"}),
+    Case("spec-eos-negative", "target.spec.eos_token_id", ">= 0", {"target.spec.eos_token_id": -3}),
+    Case("spec-tie-not-bool", "target.spec.tie_word_embeddings", "must be a bool", {"target.spec.tie_word_embeddings": "no"}),
+    # resources (item 3): what the rings, models and optimizer state need, before spawn (sizes no machine has)
+    Case("rings-token-budget", "data.token_budget", "/dev/shm", {"data.token_budget": 2**40}),
+    Case("rings-max-batch-size", "data.max_batch_size", "/dev/shm", {"data.max_batch_size": 2**63 - 1}),
+    Case("rings-target-hidden-size", "target.spec.hidden_size", "of shared memory in /dev/shm", {"target.spec.hidden_size": 10**9}),
+    Case(
+        "drafter-layers-host-memory",
+        "drafter.num_layers",
+        "of host memory",
+        {"drafter.num_layers": 1_000_000, "drafter.layer_types": DELETE},
+    ),
+    Case("drafter-intermediate-host-memory", "drafter.intermediate_size", "of host memory", {"drafter.intermediate_size": 10**9}),
+    Case(
+        "target-shape-overflows",
+        "target.spec",
+        "cannot size the target",
+        {"target.spec.hidden_size": 2**31, "target.spec.intermediate_size": 2**40},
+    ),
+    # config parts of item 7
+    Case("max-steps-beyond-int64", "training.max_steps", "does not fit a 64-bit integer", {"training.max_steps": 99999999999999999999}),
+    Case("samples-beyond-int64", "data.builtin_samples", "64-bit", {"data.builtin_samples": 2**64}),
+    Case("holdout-file-missing", "data.holdout_paths[0]", "not found", {"data.holdout_paths": ["/nonexistent/holdout.jsonl"]}),
+    Case("no-target-model", "target.spec", "names no target model", {"target.spec": DELETE}),
 ]
 
 
@@ -184,7 +245,7 @@ def case_config(tmp_path: Path, case: Case) -> Path:
 
 
 def test_corpus_is_large_and_base_config_passes(tmp_path):
-    assert len(CASES) >= 30
+    assert len(CASES) >= 60
     assert len({c.name for c in CASES}) == len(CASES)
     cfg, run_dir = validate_for_up(write_toml(tmp_path / "ok.toml", base_config()), str(tmp_path / "run"))
     assert cfg.target.spec["hidden_size"] == 64 and run_dir == tmp_path / "run"
