@@ -5,14 +5,18 @@ about the world, so that ``dflash-ipc up`` refuses a run that cannot work (exit 
 starting every process and failing 20 s later in one child's log:
 
 * the CUDA devices exist (a CPU-only host, an index past ``torch.cuda.device_count()``),
+* the config names a target at all (an empty file would build a 4096-wide random default),
 * the target: ``target.model_path`` is a Hugging Face checkpoint directory (``config.json``
-  and safetensors weights present; only ``config.json`` is read, never the weights), or
-  ``target.spec`` names only ``Qwen3_5TextConfig`` fields and builds a config,
+  and safetensors weights present; only ``config.json`` and the weights' headers are read), or
+  every key and value of ``target.spec`` fits ``Qwen3_5TextConfig`` (:mod:`.spec_check`),
 * what depends on the target's shape: ``target.layer_ids`` / ``num_capture_layers`` within
   its layers, attention heads divisible by kv heads (target and drafter), the drafter's hidden
   size, ``drafter.mask_token_id`` and the tokenizer inside its vocabulary,
+* memory: rings, models and optimizer state against host memory, /dev/shm and each GPU
+  (:mod:`.resources`),
 * the run directory: never a foreign non-empty directory (``up`` makes it 0700), and one
-  holding checkpoints only with ``--resume``; nothing in it is created or chmodded here.
+  holding checkpoints only with ``--resume``, from checkpoints this config wrote
+  (:mod:`.resume_check`); nothing in it is created or chmodded here.
 
 The first two groups need torch and transformers (:func:`check_machine`); the rest do not
 (:func:`check_host`, :func:`check_run_dir`). The supervisor never imports torch: in its process

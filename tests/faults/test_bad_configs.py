@@ -338,12 +338,12 @@ def run_up(config: Path, run_dir: Path, *extra: str, env: dict[str, str] | None 
     return cli("up", "--config", str(config), "--run-dir", str(run_dir), *extra, cwd=config.parent, env=env)
 
 
-# Two refused by the file alone (fast), three by the checks against the machine and the model.
+# Three refused by the file alone (fast), five by the checks against the machine and the model.
 # Those need torch and transformers, which the supervisor never imports: they are refused by its
 # probe process (runtime.probe), each loading torch there (seconds on a busy machine; the rest
 # run in-process above). The garbage config.json is parsed by transformers in the probe.
-CLI_CASES = [c for c in CASES if c.name in {"run-name-dotdot", "handshake-inf", "spec-typo", "device-absent", "model-path-bad-config-json"}]
-PROBE_CASES = {"spec-typo", "device-absent", "model-path-bad-config-json"}
+PROBE_CASES = {"spec-typo", "device-absent", "model-path-bad-config-json", "spec-rms-norm-eps-inf", "drafter-layers-host-memory"}
+CLI_CASES = [c for c in CASES if c.name in {"run-name-dotdot", "handshake-inf", "max-steps-beyond-int64", *PROBE_CASES}]
 
 
 @pytest.mark.parametrize("case", CLI_CASES, ids=lambda c: c.name)
