@@ -25,6 +25,7 @@ furthest above its default.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,22 +125,22 @@ def target_weight_params(cfg: TargetConfig, hf_config: Any, n_build: int) -> int
 
 def checkpoint_params(model_dir: Path) -> int:
     """Elements of every tensor of a safetensors checkpoint, from the files' headers alone."""
-    from dflash_ipc.target.heads import _safetensors_files
+    index = model_dir / "model.safetensors.index.json"
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    return sum(_safetensors_elements(model_dir / name) for name in names)
 
-    total = 0
-    for name in sorted(set(_safetensors_files(model_dir).values())):
-        with open(model_dir / name, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100 << 20:
-                raise ValueError(f"{model_dir / name}: a {n}-byte header is not a safetensors header")
+
+def _safetensors_elements(path: Path) -> int:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < n <= 100 << 20:
+            raise ValueError(f"{path} is not a safetensors file (no header)")
+        try:
             header = json.loads(f.read(n))
-        for key, info in header.items():
-            if key != "__metadata__":
-                count = 1
-                for d in info["shape"]:
-                    count *= int(d)
-                total += count
-    return total
+            return sum(math.prod(int(d) for d in info["shape"]) for key, info in header.items() if key != "__metadata__")
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: a malformed safetensors header ({type(e).__name__}: {e})") from None
 
 
 def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_shape: Any, backend: str) -> list[Need]:

@@ -65,6 +65,16 @@ def _model_dir(tmp: Path, *, config_json: str | None, weights: bool) -> str:
     return str(d)
 
 
+def _llama_config_json() -> str:
+    """A small model's config.json that passes every check but the weights'."""
+    from transformers import LlamaConfig
+
+    conf = LlamaConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2
+    )
+    return conf.to_json_string()
+
+
 @dataclass
 class Case:
     name: str
@@ -130,6 +140,12 @@ CASES = [
         "target.model_path",
         "cannot be read",
         setup=lambda tmp: {"target.model_path": _model_dir(tmp, config_json="{not json", weights=True)},
+    ),
+    Case(
+        "model-path-garbage-weights",
+        "target.model_path",
+        "is not a safetensors file",
+        setup=lambda tmp: {"target.model_path": _model_dir(tmp, config_json=_llama_config_json(), weights=True)},
     ),
     # target: shape against the model's config
     Case("layer-ids-beyond-model", "target.layer_ids", "outside the target's 6 decoder layers", {"target.layer_ids": [1, 50]}),
