@@ -101,6 +101,8 @@ def _coerce(value: Any, tp: Any, dotted: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _FieldError(dotted, f"must be an integer (got {type(value).__name__} {value!r})")
+        if not -(2**63) <= value < 2**63:  # tomllib reads any length; TOML's integers, like torch's, are 64-bit
+            raise _FieldError(dotted, f"{value} does not fit a 64-bit integer (TOML integers are 64-bit); use a smaller value")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -222,6 +222,8 @@ def test_full_run_trains_checkpoints_and_exports(shared_run):
 
     ckpt = run_dir / "checkpoints" / step_dir_name(FULL_STEPS)
     assert (ckpt / META_FILE).is_file() and checkpoint_step(ckpt) == FULL_STEPS
+    # the run's config rides in the checkpoint, so `up --resume` can name the keys a later config changed
+    assert json.loads((ckpt / META_FILE).read_text())["extra"]["config"] == json.loads((run_dir / "config.json").read_text())["config"]
     assert latest_checkpoint(run_dir) == ckpt
     export = run_dir / "export" / "drafter"
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()

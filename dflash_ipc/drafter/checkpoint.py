@@ -31,7 +31,6 @@ N: need ~X"; the half-written ``.tmp-*`` is removed, earlier checkpoints are unt
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -207,12 +206,6 @@ def _cpu_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def config_hash(obj: Any) -> str:
-    """Stable short hash of a JSON-able config (e.g. ``DFlashConfig.to_dict()``)."""
-    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _fsync_path(path: Path) -> None:

@@ -7,9 +7,11 @@ torch: runtime/probe.py) can tell how far a run got from ``latest`` and ``meta.j
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 CKPT_FORMAT = "dflash-ipc-ckpt/1"
 LEDGER_FORMAT = "dflash-ipc-ledger/1"
@@ -49,3 +51,15 @@ def latest_committed_step(ckpt_root: Path | str) -> int | None:
     if not isinstance(meta, dict) or meta.get("format") != CKPT_FORMAT or meta.get("step") != int(m.group(1)):
         return None
     return int(m.group(1))
+
+
+def config_hash(obj: Any) -> str:
+    """Stable short hash of a JSON-able config (e.g. ``DFlashConfig.to_dict()``)."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def run_config_hash(config: dict[str, Any]) -> str:
+    """The hash a checkpoint's meta.json records: of the run's config, ``training.max_steps`` left out
+    (a resumed run may train further)."""
+    return config_hash(config | {"training": {**config["training"], "max_steps": None}})

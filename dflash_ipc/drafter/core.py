@@ -39,13 +39,13 @@ from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.drafter.anchor_budget import AnchorBudget
 from dflash_ipc.drafter.checkpoint import (
     BatchLedger,
-    config_hash,
     gather_ledger,
     load_latest_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
+from dflash_ipc.drafter.ckpt_layout import run_config_hash
 from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
@@ -117,7 +117,7 @@ class DrafterCore:
         self.shared_root = read_node_spec(run_dir).shared_root(run_dir)
         self.ckpt_root = self.shared_root / "checkpoints"
         self.trained_ids: list[tuple] = []  # every batch this rank trained on in this process (its own ledger)
-        self.config_hash = config_hash(cfg.to_dict() | {"training": {**cfg.to_dict()["training"], "max_steps": None}})
+        self.config_hash = run_config_hash(cfg.to_dict())
         self.metrics_path = run_dir / "metrics.jsonl"
         self.tokens_total = 0
         self.t_start = time.perf_counter()
@@ -407,7 +407,8 @@ class DrafterCore:
         return path
 
     def _checkpoint_extra(self, reason: str) -> dict:
-        extra = {"reason": reason, "tokens_total": self.tokens_total}
+        # the config itself, so a resume can name the keys that differ (runtime/resume_check.py)
+        extra = {"reason": reason, "tokens_total": self.tokens_total, "config": self.cfg.to_dict()}
         if self.anchor_budget is not None:
             extra["anchor_budget"] = self.anchor_budget.state_dict()
         return extra

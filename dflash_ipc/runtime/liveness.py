@@ -14,6 +14,7 @@ import psutil
 
 from dflash_ipc.control.stats import DrafterStats, TargetStats
 from dflash_ipc.control.status import ProcessStatus, SlotCounts
+from dflash_ipc.transport.shm_names import SHM_DIR, shm_free_bytes
 
 
 def host_memory_text(proc: psutil.Process, *more: str) -> str:
@@ -28,12 +29,24 @@ def host_memory_text(proc: psutil.Process, *more: str) -> str:
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
+    if code == -signal.SIGBUS:  # a write to a tmpfs page that could not be allocated
+        return f"killed by signal SIGBUS: shared-memory exhaustion (most likely {SHM_DIR} ran out while a ring was written)"
     if code < 0:
         try:
             return f"killed by signal {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def shm_exhaustion_hint(code: int | None) -> str:
+    """For a child killed by SIGBUS: /dev/shm's free space now and what to change; else ""."""
+    if code != -signal.SIGBUS:
+        return ""
+    return (
+        f"\n  {SHM_DIR} has {shm_free_bytes()} bytes free now: enlarge it (docker: --shm-size), remove leftovers of "
+        f"killed runs ({SHM_DIR}/dflash-ipc-*), or lower transport.ring_slots / data.token_budget"
+    )
 
 
 def is_stopped(popen: subprocess.Popen | None) -> bool:

@@ -5,15 +5,19 @@ about the world, so that ``dflash-ipc up`` refuses a run that cannot work (exit 
 starting every process and failing 20 s later in one child's log:
 
 * the CUDA devices exist (a CPU-only host, an index past ``torch.cuda.device_count()``),
+* the config names a target at all (an empty file would build a 4096-wide random default),
 * the target: ``target.model_path`` is a Hugging Face checkpoint directory (``config.json``
-  and safetensors weights present; only ``config.json`` is read, never the weights), or
-  ``target.spec`` names only ``Qwen3_5TextConfig`` fields and builds a config,
+  and safetensors weights present; only ``config.json`` and the weights' headers are read), or
+  every key and value of ``target.spec`` fits ``Qwen3_5TextConfig`` (:mod:`.spec_check`),
 * what depends on the target's shape: ``target.layer_ids`` / ``num_capture_layers`` within
   its layers, attention heads divisible by kv heads (target and drafter), the drafter's hidden
   size, ``drafter.mask_token_id`` and the tokenizer inside its vocabulary,
+* memory: rings, models and optimizer state against host memory, /dev/shm and each GPU
+  (:mod:`.resources`),
 * the run directory: never a foreign non-empty directory (``up`` makes it 0700), and one
-  holding checkpoints only with ``--resume``, never one another supervisor owns
-  (:mod:`dflash_ipc.runtime.run_lock`: RunDirBusy); nothing in it is created or chmodded here.
+  holding checkpoints only with ``--resume``, from checkpoints this config wrote
+  (:mod:`.resume_check`), never one another supervisor owns (:mod:`dflash_ipc.runtime.run_lock`:
+  RunDirBusy); nothing in it is created or chmodded here.
 
 The first two groups need torch and transformers (:func:`check_machine`); the rest do not
 (:func:`check_host`, :func:`check_run_dir`). The supervisor never imports torch: in its process
@@ -25,14 +29,13 @@ Every refusal is a :class:`~dflash_ipc.config.ConfigError` ``FILE: dotted.key: w
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, _valid_device, load_config
+from dflash_ipc.runtime.resume_check import check_resume_config
 from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
 
 # Files whose presence marks a directory as a run directory (written by Supervisor.prepare; the lock first).
@@ -58,6 +61,8 @@ def validate_for_up(
         check_machine(cfg)
     refuse_if_owned(run_dir)  # "in use by pid P" before any other word on the directory
     check_run_dir(cfg, run_dir, resume=resume, key=_run_dir_key(cfg, run_dir_override))
+    if resume:
+        check_resume_config(cfg, run_dir / "checkpoints")
     return cfg, run_dir
 
 
@@ -69,6 +74,7 @@ def check_environment(cfg: DFlashConfig) -> None:
 
 def check_host(cfg: DFlashConfig) -> None:
     """What needs neither torch nor transformers: the control host and the data files."""
+    _check_names_a_model(cfg)
     _check_control_host(cfg)
     _check_data_paths(cfg)
 
@@ -145,15 +151,28 @@ def check_quantization_devices(source: str, quantization: str, dtype: str, devic
 
 
 def _check_data_paths(cfg: DFlashConfig) -> None:
-    for i, p in enumerate(cfg.data.paths):
-        if p.startswith("builtin:"):
-            continue
-        path = Path(p).expanduser()
-        if not path.is_file():
-            what = "is a directory; list the JSONL files" if path.is_dir() else "not found"
-            _fail(cfg.source, f"data.paths[{i}]", f"{p}: {what}")
-        if not os.access(path, os.R_OK):
-            _fail(cfg.source, f"data.paths[{i}]", f"{p}: not readable by this user")
+    for key, paths in (("data.paths", cfg.data.paths), ("data.holdout_paths", cfg.data.holdout_paths)):
+        for i, p in enumerate(paths):
+            if p.startswith("builtin:"):
+                continue
+            path = Path(p).expanduser()
+            if not path.is_file():
+                what = "is a directory; list the JSONL files" if path.is_dir() else "not found"
+                _fail(cfg.source, f"{key}[{i}]", f"{p}: {what}")
+            if not os.access(path, os.R_OK):
+                _fail(cfg.source, f"{key}[{i}]", f"{p}: not readable by this user")
+
+
+def _check_names_a_model(cfg: DFlashConfig) -> None:
+    """A config must say which target it trains for: without one the defaults build a 4096-wide,
+    32-layer random target (a drafter of it held 12.5 GB on a CPU box before anything failed)."""
+    if not cfg.target.model_path and not cfg.target.spec:
+        _fail(
+            cfg.source,
+            "target.spec",
+            "the config names no target model: set target.model_path (a Hugging Face checkpoint directory) or "
+            "target.spec (a random-weight Qwen3.5 shape; configs/tiny-cpu.toml has a small one to start from)",
+        )
 
 
 # --------------------------------------------------------------------------- target and drafter shapes
@@ -232,17 +251,34 @@ def _check_model(cfg: DFlashConfig) -> None:
             f"{drafter.num_key_value_heads} does not divide the drafter's "
             f"{heads} attention heads" + ("" if drafter.num_attention_heads else " (the target's; drafter.num_attention_heads = 0)"),
         )
-    _check_drafter_resolves(cfg, hf_config, layer_ids, mask_id)
+    check_memory(cfg, hf_config, layer_ids, _check_drafter_resolves(cfg, hf_config, layer_ids, mask_id))
 
 
-def _check_drafter_resolves(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], mask_id: int) -> None:
+def _check_drafter_resolves(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], mask_id: int) -> Any:
     """What the drafter process will build from these configs: any remaining refusal, before spawn."""
     from dflash_ipc.drafter.model import DrafterModelConfig
 
     try:
-        DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
+        return DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
     except ValueError as e:
         _fail(cfg.source, "drafter", f"does not fit the target: {e}")
+
+
+def check_memory(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_shape: Any, available: Any = None) -> None:
+    """Rings, models and optimizer state against this machine's host memory, /dev/shm and GPUs
+    (:mod:`dflash_ipc.runtime.resources`); ``available`` (a ``resources.Available``): measured if None."""
+    from dflash_ipc.runtime import resources
+
+    backend = cfg.resolved_backend()
+    if backend == "auto":
+        from dflash_ipc.transport.factory import choose_backend
+
+        backend, _ = choose_backend(cfg.topology.targets[0], cfg.topology.drafters)
+    try:
+        needs = resources.estimate(cfg, hf_config, layer_ids, drafter_shape, backend)
+    except (OSError, ValueError, RuntimeError) as e:  # a shape too large to build, unreadable weights
+        _fail(cfg.source, "target.model_path" if cfg.target.model_path else "target.spec", f"cannot size the target: {e}")
+    resources.check_fits(cfg, needs, available if available is not None else resources.measure_available(cfg))
 
 
 def _checkpoint_config(source: str, model_path: str) -> Any:
@@ -267,25 +303,11 @@ def _checkpoint_config(source: str, model_path: str) -> Any:
         _fail(source, key, f"{path / 'config.json'} cannot be read as a model config: {type(e).__name__}: {e}")
 
 
-def spec_fields() -> set[str]:
-    """The keys ``target.spec`` accepts: the init parameters of ``Qwen3_5TextConfig``."""
-    from transformers import Qwen3_5TextConfig
-
-    params = inspect.signature(Qwen3_5TextConfig.__init__).parameters.values()
-    return {p.name for p in params if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-
-
 def _spec_config(source: str, spec: dict[str, Any], vocab_size: int, attn_implementation: str) -> Any:
+    from dflash_ipc.runtime.spec_check import check_spec
     from dflash_ipc.target.hf_config import make_hf_config
 
-    valid = spec_fields()
-    for key in spec:
-        if key not in valid:
-            close = difflib.get_close_matches(key, sorted(valid), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            # Qwen3_5TextConfig keeps unknown keyword arguments as attributes and ignores them:
-            # a typo would silently build a model of the default (27B-class) shape.
-            _fail(source, f"target.spec.{key}", f"unknown Qwen3_5TextConfig field{hint}")
+    check_spec(source, spec)
     try:
         return make_hf_config(spec, vocab_size, attn_implementation)
     except Exception as e:  # noqa: BLE001 - transformers validates with several exception types

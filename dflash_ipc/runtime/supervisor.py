@@ -66,6 +66,7 @@ from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_en
 from dflash_ipc.runtime.probe import run_probe
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
 from dflash_ipc.runtime.restarts import GroupFailed, run_with_restarts
+from dflash_ipc.runtime.resume_check import check_resume_config
 from dflash_ipc.runtime.run_lock import RunDirLock, lock_run_dirs
 from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 
@@ -177,6 +178,8 @@ class Supervisor:
             raise GroupFailed(
                 f"{self.node.shared_root(run_dir)} already holds checkpoints; pass --resume to continue that run, or use another --run-dir"
             )
+        if self.resume:  # the shared checkpoint root of several nodes, too (the run dir's: validate_for_up)
+            check_resume_config(self.cfg, self.node.checkpoint_root(run_dir))
         n_shards = self.node.nnodes * len(self.cfg.topology.targets)  # every target of every node: one global shard each
         plan = run_probe(self.cfg, run_dir, n_shards)
         self.echo(f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)")
@@ -539,6 +542,7 @@ class Supervisor:
         if ch is not None:
             if ch.popen is not None and ch.popen.poll() is not None and liveness.describe_exit(ch.popen.returncode) not in text:
                 text += f" [{liveness.describe_exit(ch.popen.returncode)}]"
+            text += liveness.shm_exhaustion_hint(ch.popen.returncode if ch.popen is not None else None)
             text += f"\n  last lines of {self.run_dir}/logs/{ch.name}.log:\n{liveness.log_tail(self.run_dir / 'logs' / f'{ch.name}.log')}"
         return text
 

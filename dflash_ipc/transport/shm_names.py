@@ -25,6 +25,12 @@ def shm_name(run_id: str, producer_rank: int) -> str:
     return f"{SHM_PREFIX}-{run_id}-target{producer_rank}"
 
 
+def shm_free_bytes() -> int:
+    """Bytes an unprivileged process can still write to /dev/shm (its tmpfs's free space)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
 def sweep_run_shm(run_id: str) -> list[str]:
     """Unlink every shared-memory segment of one run (leftovers of a killed producer)."""
     removed = []

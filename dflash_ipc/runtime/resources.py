@@ -1,0 +1,266 @@
+"""Memory a run needs, estimated before any process starts, against what this machine has.
+
+A config whose rings, models or optimizer state cannot fit used to start every process and fail
+40 s later in one child's log ("need 147573952589682778112 bytes"), or hang until the handshake
+timeout while a drafter allocated 100,000 layers. The preflight (in ``up``'s probe process and in
+``check-config``) adds up, per place, what the run will certainly hold:
+
+* each target: its weights (the spec's stack built on the meta device, or the checkpoint's
+  tensors as its safetensors headers list them, all loaded before the unused layers are
+  dropped) and one batch of captured planes;
+* each drafter: its trainable parameters with the optimizer's state (fp32 master, gradient and
+  two AdamW moments per parameter, plus the compute copy when it is not fp32) and the target's
+  frozen embedding and LM head;
+* each target's ring: ``transport.ring_slots`` slots of the slot layout, in shared memory
+  (``cpu-shm``, ``host-pinned``: /dev/shm, which is host memory too) or on the target's GPU
+  (``cuda-ipc``, ``nccl``);
+
+and refuses a place whose total exceeds what it has: host memory (available RAM), /dev/shm (free
+space, less a margin: a tmpfs that runs out kills the writer with SIGBUS), each GPU (free memory).
+The figures are lower bounds (activations are left out), so nothing that would fit is refused.
+The refusal names the key that drives the largest item: of the keys that size it, the one
+furthest above its default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from dflash_ipc.config import ConfigError, DataConfig, DFlashConfig, DrafterConfig, TargetConfig, TransportConfig
+from dflash_ipc.transport.shm_names import SHM_DIR, shm_free_bytes
+
+# Free space /dev/shm keeps beyond the rings (other processes, tmpfs rounding).
+SHM_MARGIN_BYTES = 16 << 20
+# AdamW per trainable parameter: fp32 master weight, fp32 gradient, two fp32 moments.
+OPTIMIZER_BYTES_PER_PARAM = 16
+HOST = "host memory"
+SHM = f"shared memory ({SHM_DIR})"
+
+# The sizes of a Qwen3_5TextConfig built without them: a spec value far above these drives its size.
+_SPEC_REFERENCE = {
+    "vocab_size": 248320,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+}
+
+
+@dataclass
+class Need:
+    """One item of memory: ``nbytes`` at ``place``; ``factors`` (key, value, reference) size it."""
+
+    what: str
+    place: str
+    nbytes: int
+    factors: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def blamed_key(self) -> tuple[str, int]:
+        key, value, _ = max(self.factors, key=lambda f: f[1] / max(1, f[2]))
+        return key, value
+
+
+@dataclass
+class Available:
+    """Bytes free per place: ``host`` RAM, ``shm`` (/dev/shm), ``cuda`` by device index."""
+
+    host: int
+    shm: int
+    cuda: dict[int, int] = field(default_factory=dict)
+
+
+def human(n: int) -> str:
+    value = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            return f"{n} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- estimates
+
+
+def slot_bytes(cfg: DFlashConfig, num_planes: int, hidden: int) -> int:
+    from dflash_ipc.transport.slots import SlotLayout
+
+    layout = SlotLayout(num_planes, hidden, cfg.data.token_budget + cfg.transport.slot_tokens, cfg.data.max_batch_size, cfg.target.dtype)
+    return layout.slot_bytes
+
+
+def drafter_trainable_params(m: Any) -> int:
+    """Trainable parameters of a DFlash drafter of shape ``m`` (a DrafterModelConfig), as
+    :class:`~dflash_ipc.drafter.model.DFlashDrafter` declares them (tests/test_resources.py holds the two equal)."""
+    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    per_layer = 2 * h + h * q + 2 * h * kv + q * h + 2 * m.head_dim + 3 * h * m.intermediate_size
+    return m.num_context_planes * h * h + 2 * h + m.num_layers * per_layer
+
+
+def target_weight_params(cfg: TargetConfig, hf_config: Any, n_build: int) -> int:
+    """Parameters the target process loads: the checkpoint's every tensor, or the spec's stack."""
+    if cfg.model_path:
+        return checkpoint_params(Path(cfg.model_path))
+    import torch
+    from transformers import Qwen3_5TextModel
+
+    from dflash_ipc.target.hf_config import truncated_spec_config
+
+    n_layers = int(hf_config.num_hidden_layers)
+    conf = hf_config if n_build == n_layers else truncated_spec_config(hf_config, n_build)
+    with torch.device("meta"):
+        stack = Qwen3_5TextModel._from_config(conf)
+    return sum(p.numel() for p in stack.parameters())
+
+
+def checkpoint_params(model_dir: Path) -> int:
+    """Elements of every tensor of a safetensors checkpoint, from the files' headers alone."""
+    index = model_dir / "model.safetensors.index.json"
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    return sum(_safetensors_elements(model_dir / name) for name in names)
+
+
+def _safetensors_elements(path: Path) -> int:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < n <= 100 << 20:
+            raise ValueError(f"{path} is not a safetensors file (no header)")
+        try:
+            header = json.loads(f.read(n))
+            return sum(math.prod(int(d) for d in info["shape"]) for key, info in header.items() if key != "__metadata__")
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: a malformed safetensors header ({type(e).__name__}: {e})") from None
+
+
+def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_shape: Any, backend: str) -> list[Need]:
+    """What the run will hold, item by item (see the module docstring)."""
+    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.target.hf_config import text_config
+
+    tc = text_config(hf_config)
+    hidden, vocab, n_layers = int(tc.hidden_size), int(tc.vocab_size), int(tc.num_hidden_layers)
+    num_planes = len(layer_ids) + (1 if cfg.target.capture_last_hidden else 0)
+    n_build = n_layers if cfg.target.capture_last_hidden else max(layer_ids) + 1
+    t_size = dtype_from_name(cfg.target.dtype).itemsize
+    d_size = dtype_from_name(cfg.drafter.dtype).itemsize
+    spec_factors = _spec_factors(cfg, hidden)
+    hidden_factor = next((f for f in spec_factors if f[0].endswith(".hidden_size")), ("target.model_path", hidden, hidden))
+    tokens = cfg.data.token_budget + cfg.transport.slot_tokens
+    data_ref, transport_ref = DataConfig(), TransportConfig()
+    ring_factors = [
+        ("data.token_budget", tokens, data_ref.token_budget),
+        ("data.max_batch_size", cfg.data.max_batch_size, data_ref.max_batch_size),
+        ("transport.ring_slots", cfg.transport.ring_slots, transport_ref.ring_slots),
+        ("target.num_capture_layers", num_planes, TargetConfig().num_capture_layers),
+        hidden_factor,
+    ]
+    plane_factors = [f for f in ring_factors if f[0] not in ("data.max_batch_size", "transport.ring_slots")]
+    weights = target_weight_params(cfg.target, hf_config, n_build) * t_size
+    ring = cfg.transport.ring_slots * slot_bytes(cfg, num_planes, hidden)
+    trainable = drafter_trainable_params(drafter_shape)
+    heads = (1 if _tied(hf_config) else 2) * vocab * hidden * d_size
+    drafter_bytes = trainable * (OPTIMIZER_BYTES_PER_PARAM + (0 if d_size == 4 else d_size)) + heads
+    d_ref = DrafterConfig()
+    drafter_factors = [
+        ("drafter.num_layers", cfg.drafter.num_layers, d_ref.num_layers),
+        ("drafter.intermediate_size", drafter_shape.intermediate_size, drafter_shape.intermediate_size),
+        hidden_factor,
+    ]
+    if cfg.drafter.intermediate_size:
+        drafter_factors[1] = ("drafter.intermediate_size", cfg.drafter.intermediate_size, int(tc.intermediate_size))
+    needs = []
+    for rank, dev in enumerate(cfg.topology.targets):
+        place = _place(dev)
+        weights_what = f"target-{rank} weights ({_count(weights // t_size)} parameters, {cfg.target.dtype})"
+        needs.append(Need(weights_what, place, weights, spec_factors or [("target.model_path", 1, 1)]))
+        needs.append(Need(f"target-{rank} captured planes", place, num_planes * tokens * hidden * t_size, plane_factors))
+        ring_place = SHM if backend in ("cpu-shm", "host-pinned") else place
+        ring_what = f"target-{rank} ring ({cfg.transport.ring_slots} slots x {human(ring // cfg.transport.ring_slots)})"
+        needs.append(Need(ring_what, ring_place, ring, ring_factors))
+    for rank, dev in enumerate(cfg.topology.drafters):
+        what = f"drafter-{rank} ({_count(trainable)} trainable parameters with AdamW state, frozen embedding and LM head)"
+        needs.append(Need(what, _place(dev), drafter_bytes, drafter_factors))
+    return needs
+
+
+def _spec_factors(cfg: DFlashConfig, hidden: int) -> list[tuple[str, int, int]]:
+    spec = {} if cfg.target.model_path else cfg.target.spec
+    out = [(f"target.spec.{k}", int(v), ref) for k, ref in _SPEC_REFERENCE.items() if isinstance(v := spec.get(k), int) and v > 0]
+    if not cfg.target.model_path and not any(k.endswith(".hidden_size") for k, _, _ in out):
+        out.append(("target.spec.hidden_size", hidden, _SPEC_REFERENCE["hidden_size"]))
+    return out
+
+
+def _tied(hf_config: Any) -> bool:
+    from dflash_ipc.target.heads import _tied
+
+    return _tied(hf_config)
+
+
+def _count(n: int) -> str:
+    return f"{n:.3g}" if n >= 1e6 else str(n)
+
+
+def _place(device: str) -> str:
+    return HOST if device == "cpu" else device
+
+
+# --------------------------------------------------------------------------- this machine
+
+
+def measure_available(cfg: DFlashConfig) -> Available:
+    """Free host memory, /dev/shm space and memory of each CUDA device the topology names."""
+    import psutil
+
+    cuda: dict[int, int] = {}
+    devices = {int(d[5:]) for d in (*cfg.topology.targets, *cfg.topology.drafters) if d.startswith("cuda:")}
+    if devices:
+        import torch
+
+        for i in sorted(devices):
+            cuda[i] = int(torch.cuda.mem_get_info(i)[0])
+    return Available(host=int(psutil.virtual_memory().available), shm=shm_free_bytes(), cuda=cuda)
+
+
+def check_fits(cfg: DFlashConfig, needs: list[Need], available: Available) -> None:
+    """Refuse the first place whose needs exceed what it has, naming the key that drives them."""
+    shm_total = sum(n.nbytes for n in needs if n.place == SHM)
+    if shm_total and shm_total + SHM_MARGIN_BYTES > available.shm:
+        _refuse(
+            cfg,
+            [n for n in needs if n.place == SHM],
+            f"the rings need {human(shm_total)} of shared memory in {SHM_DIR} (plus a {human(SHM_MARGIN_BYTES)} margin) "
+            f"but {SHM_DIR} has {human(available.shm)} free",
+            f"; or remove leftovers of killed runs ({SHM_DIR}/dflash-ipc-*), or enlarge {SHM_DIR} (docker: --shm-size)",
+        )
+    # tmpfs pages are host memory: shared rings count there too
+    host = [n for n in needs if n.place in (HOST, SHM)]
+    host_total = sum(n.nbytes for n in host)
+    if host and host_total > available.host:
+        _refuse(cfg, host, f"the run needs at least {human(host_total)} of {HOST} but {human(available.host)} is available", "")
+    for index, free in sorted(available.cuda.items()):
+        place = f"cuda:{index}"
+        on_device = [n for n in needs if n.place == place]
+        total = sum(n.nbytes for n in on_device)
+        if on_device and total > free:
+            _refuse(cfg, on_device, f"{place} would hold at least {human(total)} but has {human(free)} free", "")
+
+
+def _refuse(cfg: DFlashConfig, needs: list[Need], headline: str, hint: str) -> NoReturn:
+    biggest = sorted(needs, key=lambda n: n.nbytes, reverse=True)
+    items = "; ".join(f"{n.what}: {human(n.nbytes)}" for n in biggest[:4])
+    more = f"; and {len(biggest) - 4} more" if len(biggest) > 4 else ""
+    key, value = biggest[0].blamed_key()
+    message = f"{headline} ({items}{more}); {key} = {value} sizes the largest: lower it{hint}"
+    raise ConfigError.at(cfg.source, key, message)

@@ -1,0 +1,65 @@
+"""The memory estimate of the preflight (runtime/resources.py) against the real models it estimates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_CPU
+
+from dflash_ipc.config import ConfigError, config_from_dict, load_config
+from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
+from dflash_ipc.runtime import resources
+from dflash_ipc.runtime.preflight import check_memory
+from dflash_ipc.target.hf_config import default_layer_ids, make_hf_config
+from dflash_ipc.target.model import build_target
+
+
+def shapes(cfg):
+    hf = make_hf_config(cfg.target.spec, 1024)
+    ids = default_layer_ids(int(hf.num_hidden_layers), cfg.target.num_capture_layers)
+    return hf, ids, DrafterModelConfig.from_configs(cfg.drafter, hf, ids, 5)
+
+
+@pytest.mark.parametrize("patch", [{}, {"num_layers": 3, "layer_types": [], "intermediate_size": 96, "num_key_value_heads": 4}])
+def test_drafter_parameter_count_is_the_models(patch):
+    raw = load_config(TINY_CPU).to_dict()
+    raw["drafter"].update(patch)
+    cfg = config_from_dict(raw)
+    _, _, shape = shapes(cfg)
+    heads = torch.zeros(shape.vocab_size, shape.hidden_size)
+    model = DFlashDrafter(shape, heads, heads.clone(), attention="sdpa")
+    assert resources.drafter_trainable_params(shape) == sum(p.numel() for p in model.trainable_parameters())
+
+
+def test_target_weights_are_the_built_models():
+    cfg = load_config(TINY_CPU)
+    hf, ids, _ = shapes(cfg)
+    target = build_target(cfg.target, "cpu", vocab_size=1024)
+    built = sum(p.numel() for p in target.stack.parameters())
+    assert resources.target_weight_params(cfg.target, hf, target.num_layers_built) == built
+
+
+def test_checkpoint_params_from_safetensors_headers(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4))
+    model.save_pretrained(tmp_path)
+    assert resources.checkpoint_params(tmp_path) == sum(p.numel() for p in model.state_dict().values())
+
+
+@pytest.mark.gpu
+def test_gpu_memory_measured_on_cuda_0():
+    """On a GPU: the tiny stack on cuda:0 fits the measured free memory; a drafter of 10^6 layers does not."""
+    raw = load_config(TINY_CPU).to_dict()
+    raw["topology"] = {"targets": ["cuda:0"], "drafters": ["cuda:0"], "dist_backend": "auto"}
+    raw["transport"]["backend"] = "cuda-ipc"
+    cfg = config_from_dict(raw, "gpu.toml")
+    hf, ids, shape = shapes(cfg)
+    free = resources.measure_available(cfg).cuda[0]
+    assert 0 < free <= torch.cuda.get_device_properties(0).total_memory
+    check_memory(cfg, hf, ids, shape)
+    raw["drafter"].update(num_layers=1_000_000, layer_types=[])
+    big = config_from_dict(raw, "gpu.toml")
+    hf, ids, shape = shapes(big)
+    with pytest.raises(ConfigError, match=r"^gpu\.toml: drafter\.num_layers: cuda:0 would hold at least .* but has .* free"):
+        check_memory(big, hf, ids, shape)
