@@ -81,6 +81,7 @@ class Child:
     popen: subprocess.Popen | None = None
     started: float = 0.0
     last_beat: float | None = None
+    loop_age_s: float = 0.0  # the last heartbeat's: seconds since the child's loop last progressed
     stats: TargetStats | DrafterStats | None = None  # the latest heartbeat's figures (after Done: the final ones)
     done: Done | None = None
     dead_error: str | None = None
@@ -417,6 +418,7 @@ class Supervisor:
                 raise GroupFailed(node_failure)
             now = time.monotonic()
             silent = liveness.silent_child(self.children, now, cfg.run.heartbeat_timeout_s) if not targets_stopped else None
+            silent = silent or (liveness.stalled_child(self.children, now, cfg.run.stall_timeout_s) if not targets_stopped else None)
             if silent is not None:  # in a run of several nodes, likely waiting in a collective for a hung node
                 hung = self.node_group.suspect()
                 raise GroupFailed(f"{hung}; here {silent[1]}" if hung else self._failure_text(silent[1], silent[0]))
@@ -476,6 +478,7 @@ class Supervisor:
             self.rejects.reject("wrong_sender", f"{type(msg).__name__} for {msg.role}-{msg.rank} from {ch.name}")
         elif isinstance(msg, Heartbeat):
             ch.last_beat = time.monotonic()
+            ch.loop_age_s = msg.loop_age_s
             ch.stats = msg.stats
         elif isinstance(msg, Done):
             ch.done = msg
