@@ -401,7 +401,7 @@ class TrainingConfig:
     checkpoint_every: int = 0  # 0: only at the end and on shutdown
     keep_checkpoints: int = 2
     export_on_finish: bool = True
-    # Write a checkpoint when training ends (benchmarks turn it off: at 27B shapes it is ~20 GB).
+    # Write a checkpoint when training ends (benchmarks turn it off: at large shapes it is many GB).
     checkpoint_on_finish: bool = True
     holdout_every: int = 0  # ~every N steps a pass over data.holdout_paths measures tau_holdout (docs/EVAL.md); 0: off
     holdout_batches: int = 4  # batches per held-out pass; 0: all of them

@@ -13,7 +13,8 @@ Life of a child (drawn once here, used by every role)::
     PDEATHSIG=SIGTERM, SIGTERM/SIGINT handlers ─▶ compile-worker cap ─▶ device + CPU share ─▶ ChildSockets
         │
         ▼
-    RUNNING: main_fn(child) ── polls child.stop (child.read_control drains the DEALER)
+    RUNNING: main_fn(child) ── polls child.stop (child.read_control drains the DEALER); after its
+        │    handshake a heartbeat thread beats on its own clock (start_heartbeats, runtime/heartbeat.py)
         │
         ├── Shutdown msg / SIGTERM / SIGINT / parent died ──▶ STOPPING: stop.requested is set;
         │       main_fn finishes its step, checkpoints if it must, sends Done, returns ──▶ exit 0

@@ -9,7 +9,8 @@ Run states (the supervisor's own state machine)::
       SIGTERM / SIGINT              ─▶ STOPPING: Shutdown(checkpoint) to drafters; they agree on
                                        a step boundary, checkpoint, Done ─▶ Shutdown targets ─▶ exit 0
       a child exits unexpectedly,
-      sends Dead, or misses heartbeats ─▶ FAILED: teardown (Shutdown, SIGTERM, SIGKILL after
+      sends Dead, misses heartbeats,
+      or its loop stalls            ─▶ FAILED: teardown (Shutdown, SIGTERM, SIGKILL after
                                        run.teardown_grace_s), sweep shared memory, exit 1 naming the
                                        process, its exit code or signal, and the tail of its log;
                                        with --max-restarts K: restart the group from the last
@@ -24,7 +25,9 @@ child spawned under that identity (any shape, any key, an orphan of an earlier a
 Hello from another pid) is rejected and counted (``supervisor_rejected_by_kind`` in status),
 never fatal. When heartbeats stop, the process blamed is one that the kernel reports stopped
 (SIGSTOP, ``T`` state) if any, else the one whose last heartbeat is oldest: a drafter waiting in
-a collective for a stuck peer goes silent too, but later. Status is served from the moment the
+a collective for a stuck peer goes silent too, but later. Heartbeats come from a thread of the
+child (``runtime.heartbeat``), so a long step never silences them; a child that beats while its
+loop has not moved for run.stall_timeout_s is the stall rule's (``liveness.stalled_child``). Status is served from the moment the
 children are spawned (state ``starting``), SIGTERM during the handshake stops the run at once
 (exit 0, nothing trained), and the socket files are removed when the supervisor exits. It serves its status snapshot
 read-only on ``sock/status`` (REP; over tcp: ``control.json`` names both endpoints, see
