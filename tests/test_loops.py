@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import holdout_file
 from loop_harness import InprocIO, InprocRun, small_config
 
 from dflash_ipc.control.protocol import Done, EndOfData, Shutdown, SlotReady
-from dflash_ipc.data.builtin_corpus import builtin_conversations
 from dflash_ipc.drafter import loop as drafter_loop
 from dflash_ipc.drafter.anchor_budget import AnchorBudget
 from dflash_ipc.drafter.checkpoint import load_latest_checkpoint, read_latest_pointer
@@ -120,9 +120,7 @@ def test_checkpoints_every_n_steps_and_at_max_steps_never_twice(tmp_path, inproc
 
 
 def test_held_out_passes_reach_drafter_0_are_scored_and_never_trained_on(tmp_path, inproc):
-    holdout = tmp_path / "holdout.jsonl"
-    recs = builtin_conversations(150, 256)[120:]  # conversations the training data (the first 120) does not hold
-    holdout.write_text("".join(json.dumps({"id": f"h{i}", **r}) + "\n" for i, r in enumerate(recs)))
+    holdout = holdout_file(tmp_path, 120)  # conversations the training data (the first 120) does not hold
     cfg = small_config(tmp_path, targets=2, data={"holdout_paths": [str(holdout)]}, training={"holdout_every": 3, "holdout_batches": 2})
     run = inproc(cfg)
     run.run()
