@@ -51,8 +51,7 @@ class RunConfig:
     handshake_timeout_s: float = 120.0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 60.0
-    # A child that heartbeats but whose loop did not move for this long is hung (a first step's compile, a checkpoint take less).
-    stall_timeout_s: float = 1800.0
+    stall_timeout_s: float = 1800.0  # beating, but its loop still this long: hung (a first step's compile takes less)
     teardown_grace_s: float = 15.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # "auto": on GPU hosts give each process its own share of the CPU cores, so one process's

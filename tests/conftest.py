@@ -182,7 +182,8 @@ def shared_run(tmp_path_factory) -> SharedRun:
     tensorboard = importlib.util.find_spec("tensorboard") is not None
     holdout = {"holdout_paths": [str(holdout_file(work, SMALL_RUN["data"]["builtin_samples"]))]}
     passes = {"holdout_every": 3, "holdout_batches": 2}
-    raw = small_run_config(drafter=FOLLOW_WAIT, run={"tensorboard": tensorboard}, data=holdout, training=passes)
+    # the drafters warm up (configs/tiny-cpu.toml turns it off on CPU): one run proves the shell's branch
+    raw = small_run_config(drafter=FOLLOW_WAIT | {"warm_up": True}, run={"tensorboard": tensorboard}, data=holdout, training=passes)
     config = write_toml(work / "full.toml", raw)
     run_dir = work / "full"
     out_path = work / "full.out"

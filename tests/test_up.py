@@ -217,6 +217,7 @@ def test_full_run_trains_checkpoints_and_exports(shared_run):
     assert set(anchors) <= {32, 48, 64} and all(abs(b - a) in (0, 16) for a, b in zip(anchors, anchors[1:])), anchors
     moves = [(str(a), str(b)) for a, b in zip(anchors, anchors[1:]) if a != b]
     drafter_log = (run_dir / "logs" / "drafter-0.log").read_text()
+    assert "warm-up: one forward+backward on a dummy 1024-token batch" in drafter_log  # conftest.shared_run warms up
     logged = re.findall(r"anchors per batch (\d+) -> (\d+): wait \d+% over the last 2 steps", drafter_log)
     assert logged[: len(moves)] == moves and len(logged) - len(moves) in (0, 1), (logged, moves)  # + 1: a move after the last step
 
