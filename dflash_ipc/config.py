@@ -51,7 +51,7 @@ class RunConfig:
     handshake_timeout_s: float = 120.0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 60.0
-    stall_timeout_s: float = 1800.0  # beating, but its loop still this long: hung (a first step's compile takes less)
+    stall_timeout_s: float = 0.0  # beating, but its loop still this long: hung. 0: 10x heartbeat_timeout_s
     teardown_grace_s: float = 15.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # "auto": on GPU hosts give each process its own share of the CPU cores, so one process's
@@ -84,7 +84,7 @@ class RunConfig:
             'is true but the tensorboard package is not installed; pip install "dflash-ipc[tensorboard]" or set it to false',
         )
         require(1 <= self.compile_threads <= 64, "compile_threads", f"must be between 1 and 64 (got {self.compile_threads})")
-        for key in ("handshake_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "stall_timeout_s"):
+        for key in ("handshake_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
             value = getattr(self, key)
             require(0 < value <= MAX_TIMEOUT_S, key, f"must be > 0 and <= {MAX_TIMEOUT_S:g} seconds (7 days; got {value:g})")
         require(
@@ -92,7 +92,8 @@ class RunConfig:
             "heartbeat_timeout_s",
             f"must be at least 3x run.heartbeat_interval_s ({3 * self.heartbeat_interval_s:g} s); raise it",
         )
-        require(self.stall_timeout_s >= self.heartbeat_timeout_s, "stall_timeout_s", "must be >= run.heartbeat_timeout_s; raise it")
+        ok = self.stall_timeout_s == 0 or self.heartbeat_timeout_s <= self.stall_timeout_s <= MAX_TIMEOUT_S
+        require(ok, "stall_timeout_s", "must be 0 (10x heartbeat_timeout_s) or between heartbeat_timeout_s and 7 days")
         require(
             0 <= self.teardown_grace_s <= MAX_TIMEOUT_S,
             "teardown_grace_s",

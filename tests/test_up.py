@@ -381,29 +381,7 @@ def test_sigterm_checkpoints_and_resume_consumes_every_batch_once(stopped_and_re
     assert_no_leftovers(second)
 
 
-# --------------------------------------------------------------------------- 4. a child killed
-
-
-def test_child_killed_fails_the_run_and_cleans_up(work, started):
-    cfg = write_config(work / "kill.toml")
-    up = Up(cfg, work / "kill")
-    started.append(up)
-    up.wait_until(lambda: up.steps_logged() >= 2, "step 2")
-    victim = up.child_pids()["target-0"][0]
-    run_id = (up.run_dir / "run_id").read_text().strip()
-    assert list_run_shm(run_id), "the targets' rings should exist while running"
-    os.kill(victim, signal.SIGKILL)
-    code = up.wait()
-    out = up.output
-    assert code != 0, out
-    failed = out[out.index("[up] FAILED") :]
-    assert failed.startswith(f"[up] FAILED: target-0 (pid {victim}) killed by signal SIGKILL\n"), failed
-    # the tail of its log
-    assert f"last lines of {up.run_dir}/logs/target-0.log" in failed
-    last_logged = [ln for ln in (up.run_dir / "logs" / "target-0.log").read_text().splitlines() if ln.strip()][-1]
-    assert last_logged.strip() in failed
-    assert json.loads((up.run_dir / "status.json").read_text())["state"] == "failed"
-    assert_no_leftovers(up)
+# --------------------------------------------------------------------------- 4. a child killed: tests/faults/test_crash_anywhere.py
 
 
 # --------------------------------------------------------------------------- 5. restart after a failure

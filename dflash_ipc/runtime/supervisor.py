@@ -421,7 +421,8 @@ class Supervisor:
                 raise GroupFailed(node_failure)
             now = time.monotonic()
             silent = liveness.silent_child(self.children, now, cfg.run.heartbeat_timeout_s) if not targets_stopped else None
-            silent = silent or (liveness.stalled_child(self.children, now, cfg.run.stall_timeout_s) if not targets_stopped else None)
+            stall_s = cfg.run.stall_timeout_s or 10 * cfg.run.heartbeat_timeout_s
+            silent = silent or (liveness.stalled_child(self.children, now, stall_s) if not targets_stopped else None)
             if silent is not None:  # in a run of several nodes, likely waiting in a collective for a hung node
                 hung = self.node_group.suspect()
                 raise GroupFailed(f"{hung}; here {silent[1]}" if hung else self._failure_text(silent[1], silent[0]))
