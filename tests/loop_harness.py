@@ -28,7 +28,7 @@ from dflash_ipc.control.stats import Vitals
 from dflash_ipc.drafter.core import DrafterCore
 from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.loop import DrafterLoop
-from dflash_ipc.ledger import BatchLedger
+from dflash_ipc.ledger import BatchLedger, read_ledger
 from dflash_ipc.runtime.child import StopFlag
 from dflash_ipc.target.core import TargetCore
 from dflash_ipc.target.loop import TargetLoop
@@ -105,7 +105,7 @@ def _wire(msg: Message) -> Message:
 class InprocRun:
     """Targets and one drafter of ``cfg`` in this process, wired as `up` wires them."""
 
-    def __init__(self, cfg: DFlashConfig, run_dir: Path, *, ledger: BatchLedger | None = None, drafter_io: InprocIO | None = None):
+    def __init__(self, cfg: DFlashConfig, run_dir: Path, *, resume: bool = False, drafter_io: InprocIO | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg, self.run_dir = cfg, run_dir
         self.run_id = new_run_id()
@@ -116,16 +116,21 @@ class InprocRun:
         self.targets, self.rings = [], []
         self.planned: set[tuple[int, ...]] = set()  # the training batches of every target's schedule
         beat = cfg.run.heartbeat_interval_s
+        drafter_core, ledger = None, BatchLedger()
+        if resume:  # as `up` does: drafter 0 names the checkpoint it resumes from, the targets skip its ledger
+            assert cfg.training.max_steps, "a resumed in-process run needs training.max_steps (its LR schedule's length)"
+            drafter_core = DrafterCore(cfg, run_dir, DistInfo.single("cpu"), cpu, cfg.training.max_steps, resume=True)
+            ledger = read_ledger(drafter_core.resumed_from.checkpoint if drafter_core.resumed_from else None)
         for r in range(n_targets):
             core = TargetCore(cfg, r, run_dir, cpu)
             ring = create_producer_ring("cpu-shm", core.layout, cfg.transport.ring_slots, run_id=self.run_id, producer_rank=r)
             self.rings.append(ring)
-            core.start(ledger or BatchLedger())
+            core.start(ledger)
             self.planned.update(tuple(i) for i in core.scheduled_ids())
             plane = ProducerDataPlane(r, ring, 1, cfg.transport.max_outstanding_per_drafter, self._to_drafter(r), self.target_io[r].rejects)
             self.targets.append(TargetLoop(core, ring, plane, self.target_io[r], heartbeat_interval_s=beat))
         total = cfg.training.max_steps or sum(t.core.batches_left for t in self.targets)
-        self.drafter_core = DrafterCore(cfg, run_dir, DistInfo.single("cpu"), cpu, total, resume=False)
+        self.drafter_core = drafter_core or DrafterCore(cfg, run_dir, DistInfo.single("cpu"), cpu, total, resume=False)
         self.consumer_rings = [open_consumer_ring(ring.descriptor(), cpu, consumer_rank=0) for ring in self.rings]
         slot_bytes = max(r.layout.slot_bytes for r in self.consumer_rings)
         buffers = [torch.empty(slot_bytes, dtype=torch.uint8) for _ in range(cfg.transport.drafter_prefetch + 1)]

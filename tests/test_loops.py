@@ -74,6 +74,30 @@ def test_a_shutdown_stops_at_the_step_boundary_and_checkpoints_what_was_trained(
     assert sorted(ckpt.ledger) == sorted(tuple(i) for i in run.drafter_core.trained_ids)  # a batch in hand stays out
 
 
+def test_a_resumed_run_repeats_no_consumed_batch_and_skips_none(tmp_path, inproc):
+    """Stop at step 3 (its checkpoint's ledger: those 3 batches), resume in the same run directory:
+    the targets skip exactly the ledger, and the two runs together train every planned batch once."""
+    cfg = small_config(tmp_path, targets=2, training={"max_steps": 100, "export_on_finish": False})
+    first = inproc(cfg)
+
+    def stop_after_three(r: InprocRun) -> None:
+        if r.drafter_core.step == 3 and not r.drafter_io.control and not r.drafter_io.stop.requested:
+            r.drafter_io.control.append(Shutdown(reason="operator", checkpoint=True))
+
+    first.run(on_step=stop_after_three)
+    before = [tuple(i) for i in first.drafter_core.trained_ids]
+    assert len(before) == 3 and checkpoint_steps(first) == [3]
+    again = InprocRun(cfg, first.run_dir, resume=True)
+    try:
+        assert again.drafter_core.step == 3 and sum(t.core.skipped_ledgered for t in again.targets) == 3
+        assert again.run().reason == "data exhausted"
+        after = [tuple(i) for i in again.drafter_core.trained_ids]
+        assert not set(before) & set(after) and sorted(before + after) == sorted(first.planned)
+        assert set(load_latest_checkpoint(again.run_dir / "checkpoints").ledger) == first.planned
+    finally:
+        again.close()
+
+
 class LateShutdownIO(InprocIO):
     """The supervisor's Shutdown reaches this rank only while it waits for it (a peer saw it first)."""
 
