@@ -146,7 +146,7 @@ class DrafterLoop:
                 return False
             self.train(batch)
             self.checkpoint()
-        self.heartbeat()
+        self.heartbeat(force=batch is not None)  # a step taken: its figures go out with the next beat
         self.io.progressed()
         return True
 
