@@ -74,12 +74,12 @@ class TargetLM:
     """Forwards on a cache that return greedy tokens and captured features. Call :meth:`close`."""
 
     def __init__(self, lm: nn.Module, layer_ids: list[int]):
-        from dflash_ipc.target.model import _find_decoder_stack
+        from dflash_ipc.target.model import find_decoder_stack
 
         self.lm = lm
         self.layer_ids = list(layer_ids)
         self.device = next(lm.parameters()).device
-        layers = _find_decoder_stack(lm).layers
+        layers = find_decoder_stack(lm).layers
         bad = [i for i in self.layer_ids if not 0 <= i < len(layers)]
         if bad:
             raise ValueError(f"drafter's target_layer_ids {bad} outside the target's {len(layers)} decoder layers")

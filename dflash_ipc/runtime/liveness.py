@@ -135,6 +135,21 @@ def silent_child(children: list, now: float, timeout: float) -> tuple[Any, str] 
     return ch, text + (f"; silent since, waiting for it: {', '.join(others)}" if others else "")
 
 
+def stalled_child(children: list, now: float, timeout: float) -> tuple[Any, str] | None:
+    """The child to blame when one lives (its heartbeat thread beats) but its loop stopped moving:
+    the one stalled longest (its peers in a collective stall later, waiting for it)."""
+    ages = [
+        (c.loop_age_s + (now - c.last_beat), c) for c in children if c.done is None and c.last_beat is not None and c.popen.poll() is None
+    ]
+    stalled = [(age, c) for age, c in ages if age > timeout]
+    if not stalled:
+        return None
+    age, ch = max(stalled, key=lambda item: item[0])
+    text = f"{ch.name} (pid {ch.popen.pid}) is alive but its loop made no progress for {age:.1f} s (run.stall_timeout_s = {timeout:g})"
+    others = [c.name for _, c in stalled if c is not ch]
+    return ch, text + (f"; stalled since, waiting for it: {', '.join(others)}" if others else "")
+
+
 def process_status(ch: Any, now: float, now_m: float) -> ProcessStatus:
     """One child's line in the status snapshot (``ch``: the supervisor's Child record)."""
     s = ch.stats
