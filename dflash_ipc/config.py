@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_ipc.chat_template import ChatTemplateConfig
-from dflash_ipc.config_checks import tensorboard_installed, valid_host, zmq_has_curve
+from dflash_ipc.config_checks import tensorboard_installed, valid_device, valid_host, zmq_has_curve
 from dflash_ipc.config_fields import ConfigError, FieldError, build_section, did_you_mean, require
 from dflash_ipc.config_quant import Quantization, check_target_quantization
 from dflash_ipc.config_synth import SynthConfig, check_mix_weights
@@ -128,7 +128,7 @@ class TopologyConfig:
         require(len(self.drafters) >= 1, "drafters", 'needs at least one drafter device, e.g. ["cuda:1"]')
         for name, devs in (("targets", self.targets), ("drafters", self.drafters)):
             for i, dev in enumerate(devs):
-                require(_valid_device(dev), f"{name}[{i}]", f'{dev!r} is not a device; use "cpu" or "cuda:N"')
+                require(valid_device(dev), f"{name}[{i}]", f'{dev!r} is not a device; use "cpu" or "cuda:N"')
         uses_cuda = any(d.startswith("cuda") for d in self.targets + self.drafters)
         require(
             not (self.dist_backend == "nccl" and any(d == "cpu" for d in self.drafters)),
@@ -159,14 +159,6 @@ class TopologyConfig:
         if self.dist_backend != "auto":
             return self.dist_backend
         return "nccl" if self.on_cuda else "gloo"
-
-
-def _valid_device(dev: str) -> bool:
-    if dev == "cpu":
-        return True
-    if dev.startswith("cuda:"):
-        return dev[5:].isdigit()
-    return False
 
 
 @dataclass

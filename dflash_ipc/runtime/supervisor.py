@@ -105,15 +105,6 @@ class StoppedDuringStart(RuntimeError):
     pass
 
 
-def cpu_shares_for(n_children: int) -> list[list[int]] | None:
-    """Split this process's CPU cores into n contiguous shares (None if there are too few)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2 * n_children:
-        return None
-    size = len(cores) // n_children
-    return [cores[i * size : (i + 1) * size] for i in range(n_children)]
-
-
 class Supervisor:
     def __init__(
         self,
@@ -273,7 +264,7 @@ class Supervisor:
         if not self.forward_only:
             self.children += [Child("drafter", r, d) for r, d in enumerate(cfg.topology.drafters)]
         rendezvous = drafter_envs(self.node, len(cfg.topology.drafters))
-        cpu_shares = cpu_shares_for(len(self.children)) if (cfg.run.cpu_affinity == "auto" and cfg.topology.on_cuda) else None
+        cpu_shares = liveness.cpu_shares_for(len(self.children)) if (cfg.run.cpu_affinity == "auto" and cfg.topology.on_cuda) else None
         for i, ch in enumerate(self.children):
             env = dict(base_env)
             key_fd = key_pipe(self._auth.key)
@@ -543,15 +534,7 @@ class Supervisor:
                 ch.popen.wait()
 
     def _failure_text(self, what: str, ch: Child | None = None) -> str:
-        if ch is None:
-            ch = next((c for c in self.children if c.name in what), None)
-        text = what
-        if ch is not None:
-            if ch.popen is not None and ch.popen.poll() is not None and liveness.describe_exit(ch.popen.returncode) not in text:
-                text += f" [{liveness.describe_exit(ch.popen.returncode)}]"
-            text += liveness.shm_exhaustion_hint(ch.popen.returncode if ch.popen is not None else None)
-            text += f"\n  last lines of {self.run_dir}/logs/{ch.name}.log:\n{liveness.log_tail(self.run_dir / 'logs' / f'{ch.name}.log')}"
-        return text
+        return liveness.failure_text(what, self.children, self.run_dir / "logs", ch)
 
     # ------------------------------------------------------------------ status
 
