@@ -53,7 +53,7 @@ def test_up_with_the_nccl_transport_trains_every_planned_batch_once(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "finished (data exhausted)" in out, out[-2000:]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("target-*.log"))
-    assert re.search(r"ring: nccl, 4 slots", logs), logs[-2000:]
+    assert re.search(r"ring: nccl \(transport\.backend\), 4 slots", logs), logs[-2000:]
     planned = _plan_ids(run_dir)
     ledger = _ledger(run_dir)
     assert len(planned) > 4

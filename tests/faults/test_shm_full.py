@@ -65,8 +65,8 @@ def test_rings_larger_than_free_shm_refused_with_injected_figure():
     with pytest.raises(ConfigError) as ei:
         check_memory(cfg, hf, ids, shape, resources.Available(host=plenty, shm=rings + resources.SHM_MARGIN_BYTES - 1))
     msg = str(ei.value)
-    assert msg.startswith("tiny.toml: transport.ring_slots: the rings need 12.1 MiB of shared memory in /dev/shm"), msg
-    assert "target-0 ring (4 slots x 1.5 MiB)" in msg and "target-1 ring" in msg and "--shm-size" in msg
+    assert msg.startswith(f"tiny.toml: transport.ring_slots: the rings need {rings / 2**20:.1f} MiB of shared memory in /dev/shm"), msg
+    assert "target-0 ring (4 slots x " in msg and "target-1 ring" in msg and "--shm-size" in msg
     # host memory counts the rings too (tmpfs pages are RAM)
     with pytest.raises(ConfigError, match=r"the run needs at least .* of host memory but 1\.0 MiB is available"):
         check_memory(cfg, hf, ids, shape, resources.Available(host=1 << 20, shm=plenty))
@@ -92,10 +92,15 @@ def test_gpu_memory_refused_per_device():
 def test_up_in_a_small_dev_shm_is_refused_before_spawn(tmp_path):
     """The trial: 8 MiB /dev/shm died of SIGBUS after 105 s. Now `up` exits 2 naming /dev/shm, nothing spawned."""
     path = write_toml(tmp_path / "tiny.toml", base_config())
+    cfg = config_from_dict(base_config(), str(path))
+    hf, ids, shape = tiny_shapes(cfg)
+    rings = sum(n.nbytes for n in resources.estimate(cfg, hf, ids, shape, "cpu-shm") if n.place == resources.SHM)
+    assert rings + resources.SHM_MARGIN_BYTES > 8 << 20  # the embedded default's rings do not fit an 8 MiB /dev/shm
     run_dir = tmp_path / "run"
     proc = in_small_shm(sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(path), "--run-dir", str(run_dir), cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.startswith(f"error: {path}: transport.ring_slots: the rings need 12.1 MiB of shared memory in /dev/shm"), proc.stderr
+    need = f"the rings need {rings / 2**20:.1f} MiB of shared memory in /dev/shm"
+    assert proc.stderr.startswith(f"error: {path}: transport.ring_slots: {need}"), proc.stderr
     assert "but /dev/shm has 8.0 MiB free" in proc.stderr and "Traceback" not in proc.stderr
     assert not run_dir.exists()  # refused by the probe, before the run directory (and any child) exists
 
