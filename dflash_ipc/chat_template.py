@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_ipc.config_fields import _require
+from dflash_ipc.config_fields import require
 
 __all__ = ["RESERVED_KWARGS", "ChatTemplateConfig"]
 
@@ -58,9 +58,9 @@ class ChatTemplateConfig:
 
     def __post_init__(self) -> None:
         for key, value in self.kwargs.items():
-            _require(key.isidentifier(), "kwargs", f"{key!r} is not a template variable name (letters, digits, _)")
-            _require(key not in RESERVED_KWARGS, "kwargs", f"{key!r} is set by apply_chat_template itself; remove it")
+            require(key.isidentifier(), "kwargs", f"{key!r} is not a template variable name (letters, digits, _)")
+            require(key not in RESERVED_KWARGS, "kwargs", f"{key!r} is set by apply_chat_template itself; remove it")
             try:
                 json.dumps(value)
             except (TypeError, ValueError):
-                _require(False, "kwargs", f"{key} = {value!r}: only strings, numbers, booleans, arrays and tables")
+                require(False, "kwargs", f"{key} = {value!r}: only strings, numbers, booleans, arrays and tables")

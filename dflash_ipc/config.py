@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_ipc.chat_template import ChatTemplateConfig
-from dflash_ipc.config_checks import tensorboard_installed, valid_host, zmq_has_curve
-from dflash_ipc.config_fields import ConfigError, _build, _did_you_mean, _FieldError, _require
+from dflash_ipc.config_checks import tensorboard_installed, valid_device, valid_host, zmq_has_curve
+from dflash_ipc.config_fields import ConfigError, FieldError, build_section, did_you_mean, require
 from dflash_ipc.config_quant import Quantization, check_target_quantization
 from dflash_ipc.config_synth import SynthConfig, check_mix_weights
 from dflash_ipc.fsutil import write_text_atomic
@@ -53,6 +53,7 @@ class RunConfig:
     handshake_timeout_s: float = 120.0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 60.0
+    stall_timeout_s: float = 0.0  # beating, but its loop still this long: hung. 0: 10x heartbeat_timeout_s
     teardown_grace_s: float = 15.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # "auto": on GPU hosts give each process its own share of the CPU cores, so one process's
@@ -63,10 +64,8 @@ class RunConfig:
     # Serve the live status snapshot as Prometheus metrics on http://127.0.0.1:PORT/metrics
     # (loopback only: scrape through an SSH tunnel or a local Prometheus). 0: no endpoint.
     metrics_port: int = 0
-    # TorchInductor compile workers per process. Above 1 inductor starts a pool of worker
-    # processes (each a Python importing torch and triton, ~0.4 GB RSS; the default is one per
-    # core, up to 32), which held 15.7 GB in one drafter's tree. 1 compiles in the process itself:
-    # slower only for the first compile, which the drafter's handshake warm-up already hides.
+    # TorchInductor compile workers per process. Above 1 every process starts a pool of workers, each a Python importing
+    # torch and triton; 1 compiles in the process: slower only for the first compile, which the drafter's warm-up hides.
     compile_threads: int = 1
     # Control plane transport: "ipc" (Unix sockets in the 0700 run dir) or "tcp" (ZeroMQ over TCP
     # on control_host, every peer authenticated with the run's CURVE keys; only with
@@ -76,38 +75,40 @@ class RunConfig:
     control_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             bool(self.name) and self.name not in (".", "..") and not any(c in self.name for c in "/\\\0"),
             "name",
             f"must be a plain name without '/', not '.' or '..' (got {self.name!r}): the run directory is runs/<name>",
         )
-        _require(
+        require(
             not self.tensorboard or tensorboard_installed(),
             "tensorboard",
             'is true but the tensorboard package is not installed; pip install "dflash-ipc[tensorboard]" or set it to false',
         )
-        _require(1 <= self.compile_threads <= 64, "compile_threads", f"must be between 1 and 64 (got {self.compile_threads})")
+        require(1 <= self.compile_threads <= 64, "compile_threads", f"must be between 1 and 64 (got {self.compile_threads})")
         for key in ("handshake_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
             value = getattr(self, key)
-            _require(0 < value <= MAX_TIMEOUT_S, key, f"must be > 0 and <= {MAX_TIMEOUT_S:g} seconds (7 days; got {value:g})")
-        _require(
+            require(0 < value <= MAX_TIMEOUT_S, key, f"must be > 0 and <= {MAX_TIMEOUT_S:g} seconds (7 days; got {value:g})")
+        require(
             self.heartbeat_timeout_s >= 3 * self.heartbeat_interval_s,
             "heartbeat_timeout_s",
             f"must be at least 3x run.heartbeat_interval_s ({3 * self.heartbeat_interval_s:g} s); raise it",
         )
-        _require(
+        ok = self.stall_timeout_s == 0 or self.heartbeat_timeout_s <= self.stall_timeout_s <= MAX_TIMEOUT_S
+        require(ok, "stall_timeout_s", "must be 0 (10x heartbeat_timeout_s) or between heartbeat_timeout_s and 7 days")
+        require(
             0 <= self.teardown_grace_s <= MAX_TIMEOUT_S,
             "teardown_grace_s",
             f"must be >= 0 and <= {MAX_TIMEOUT_S:g} seconds (got {self.teardown_grace_s:g})",
         )
-        _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a TCP port in 1..65535, or 0 for no /metrics endpoint")
-        _require(
+        require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a TCP port in 1..65535, or 0 for no /metrics endpoint")
+        require(
             valid_host(self.control_host),
             "control_host",
             f"must be one address or host name of this host, e.g. 127.0.0.1 or 10.0.0.5 (got {self.control_host!r}); "
             "a wildcard would listen on every interface",
         )
-        _require(
+        require(
             self.control != "tcp" or zmq_has_curve(),
             "control",
             'is "tcp" but this pyzmq/libzmq has no CURVE support, so peers could not be authenticated; use "ipc"',
@@ -123,18 +124,18 @@ class TopologyConfig:
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
 
     def __post_init__(self) -> None:
-        _require(len(self.targets) >= 1, "targets", 'needs at least one target device, e.g. ["cuda:0"]')
-        _require(len(self.drafters) >= 1, "drafters", 'needs at least one drafter device, e.g. ["cuda:1"]')
+        require(len(self.targets) >= 1, "targets", 'needs at least one target device, e.g. ["cuda:0"]')
+        require(len(self.drafters) >= 1, "drafters", 'needs at least one drafter device, e.g. ["cuda:1"]')
         for name, devs in (("targets", self.targets), ("drafters", self.drafters)):
             for i, dev in enumerate(devs):
-                _require(_valid_device(dev), f"{name}[{i}]", f'{dev!r} is not a device; use "cpu" or "cuda:N"')
+                require(valid_device(dev), f"{name}[{i}]", f'{dev!r} is not a device; use "cpu" or "cuda:N"')
         uses_cuda = any(d.startswith("cuda") for d in self.targets + self.drafters)
-        _require(
+        require(
             not (self.dist_backend == "nccl" and any(d == "cpu" for d in self.drafters)),
             "dist_backend",
             'nccl needs every drafter on a cuda device; use "gloo" or "auto"',
         )
-        _require(
+        require(
             not (uses_cuda and any(d == "cpu" for d in self.targets + self.drafters)),
             "targets",
             "mixing cpu and cuda processes in one run is not supported; put all on cuda or all on cpu",
@@ -143,7 +144,7 @@ class TopologyConfig:
             seen: dict[int, int] = {}
             for i, dev in enumerate(self.drafters):
                 index = int(dev[5:])
-                _require(
+                require(
                     index not in seen,
                     f"drafters[{i}]",
                     f"{dev!r} is already drafters[{seen.get(index)}]: NCCL needs one GPU per drafter; give each drafter its own device",
@@ -160,14 +161,6 @@ class TopologyConfig:
         return "nccl" if self.on_cuda else "gloo"
 
 
-def _valid_device(dev: str) -> bool:
-    if dev == "cpu":
-        return True
-    if dev.startswith("cuda:"):
-        return dev[5:].isdigit()
-    return False
-
-
 @dataclass
 class TransportConfig:
     # "nccl": slots sent point to point over torch.distributed (NCCL on GPU, gloo on CPU), for
@@ -182,11 +175,11 @@ class TransportConfig:
     slot_tokens: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.ring_slots >= 2, "ring_slots", f"must be >= 2 (got {self.ring_slots}); raise it to at least 2")
-        _require(self.ring_slots <= 64, "ring_slots", f"must be <= 64 (got {self.ring_slots})")
-        _require(self.max_outstanding_per_drafter >= 1, "max_outstanding_per_drafter", "must be >= 1")
-        _require(self.drafter_prefetch >= 1, "drafter_prefetch", "must be >= 1")
-        _require(self.slot_tokens >= 0, "slot_tokens", "must be >= 0")
+        require(self.ring_slots >= 2, "ring_slots", f"must be >= 2 (got {self.ring_slots}); raise it to at least 2")
+        require(self.ring_slots <= 64, "ring_slots", f"must be <= 64 (got {self.ring_slots})")
+        require(self.max_outstanding_per_drafter >= 1, "max_outstanding_per_drafter", "must be >= 1")
+        require(self.drafter_prefetch >= 1, "drafter_prefetch", "must be >= 1")
+        require(self.slot_tokens >= 0, "slot_tokens", "must be >= 0")
 
 
 @dataclass
@@ -206,28 +199,28 @@ class DataConfig:
     weights: list[float] = field(default_factory=list)  # the mix: one per path (data/mix.py); empty: every sample once an epoch
 
     def __post_init__(self) -> None:
-        _require(len(self.paths) >= 1, "paths", 'needs at least one JSONL path or "builtin:stdlib-docs"')
-        _require(self.max_seq_len >= 8, "max_seq_len", "must be >= 8 tokens")
-        _require(len(self.bucket_edges) >= 1, "bucket_edges", "needs at least one edge")
-        _require(
+        require(len(self.paths) >= 1, "paths", 'needs at least one JSONL path or "builtin:stdlib-docs"')
+        require(self.max_seq_len >= 8, "max_seq_len", "must be >= 8 tokens")
+        require(len(self.bucket_edges) >= 1, "bucket_edges", "needs at least one edge")
+        require(
             all(b > a for a, b in zip(self.bucket_edges, self.bucket_edges[1:])),
             "bucket_edges",
             f"must be strictly increasing (got {self.bucket_edges})",
         )
-        _require(self.bucket_edges[0] >= 2, "bucket_edges", "edges must be >= 2 tokens")
-        _require(
+        require(self.bucket_edges[0] >= 2, "bucket_edges", "edges must be >= 2 tokens")
+        require(
             self.bucket_edges[-1] == self.max_seq_len,
             "bucket_edges",
             f"the last edge must equal data.max_seq_len ({self.max_seq_len}); got {self.bucket_edges[-1]}",
         )
-        _require(
+        require(
             self.token_budget >= self.max_seq_len,
             "token_budget",
             f"must be >= data.max_seq_len ({self.max_seq_len}) so the longest sequence fits one batch",
         )
-        _require(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
-        _require(self.num_epochs >= 1, "num_epochs", "must be >= 1")
-        _require(self.builtin_samples >= 1, "builtin_samples", "must be >= 1")
+        require(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
+        require(self.num_epochs >= 1, "num_epochs", "must be >= 1")
+        require(self.builtin_samples >= 1, "builtin_samples", "must be >= 1")
         check_mix_weights(self.paths, self.weights)
 
 
@@ -258,14 +251,14 @@ class TargetConfig:
         if not self.tokenizer:
             self.tokenizer = self.model_path or "builtin"
         check_target_quantization(self.quantization, self.dtype)
-        _require(all(i >= 0 for i in self.layer_ids), "layer_ids", "layer ids must be >= 0")
-        _require(
+        require(all(i >= 0 for i in self.layer_ids), "layer_ids", "layer ids must be >= 0")
+        require(
             all(b > a for a, b in zip(self.layer_ids, self.layer_ids[1:])),
             "layer_ids",
             f"must be strictly ascending (got {self.layer_ids}): serving engines collect hidden states in layer order, "
             f"so a drafter trained on another order reads the wrong planes; use {sorted(set(self.layer_ids))}",
         )
-        _require(self.num_capture_layers >= 1, "num_capture_layers", "must be >= 1")
+        require(self.num_capture_layers >= 1, "num_capture_layers", "must be >= 1")
 
 
 @dataclass
@@ -303,54 +296,54 @@ class DrafterConfig:
     mask_token_id: int = -1  # -1: a reserved/unused id, never a stop token (data.tokenizer.choose_mask_token)
 
     def __post_init__(self) -> None:
-        _require(self.num_layers >= 1, "num_layers", "must be >= 1")
-        _require(
+        require(self.num_layers >= 1, "num_layers", "must be >= 1")
+        require(
             not self.layer_types or len(self.layer_types) == self.num_layers,
             "layer_types",
             f"must list exactly drafter.num_layers ({self.num_layers}) entries or be empty",
         )
-        _require(self.sliding_window >= 1, "sliding_window", "must be >= 1")
-        _require(2 <= self.block_size <= 64, "block_size", "must be between 2 and 64")
-        _require(self.num_anchors >= 1, "num_anchors", "must be >= 1")
-        _require(self.max_anchors_per_batch >= 0, "max_anchors_per_batch", "must be >= 0 (0 = no cap)")
-        _require(self.anchor_chunk >= 0, "anchor_chunk", "must be >= 0 (0 = all anchors in one forward)")
+        require(self.sliding_window >= 1, "sliding_window", "must be >= 1")
+        require(2 <= self.block_size <= 64, "block_size", "must be between 2 and 64")
+        require(self.num_anchors >= 1, "num_anchors", "must be >= 1")
+        require(self.max_anchors_per_batch >= 0, "max_anchors_per_batch", "must be >= 0 (0 = no cap)")
+        require(self.anchor_chunk >= 0, "anchor_chunk", "must be >= 0 (0 = all anchors in one forward)")
         self._check_anchor_budget()
-        _require(self.noise_std >= 0, "noise_std", "must be >= 0")
+        require(self.noise_std >= 0, "noise_std", "must be >= 0")
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
-            _require(getattr(self, name) >= 0, name, "must be >= 0 (0 = same as the target)")
+            require(getattr(self, name) >= 0, name, "must be >= 0 (0 = same as the target)")
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
-        _require(
+        require(
             not (heads and kv_heads and heads % kv_heads),
             "num_attention_heads",
             f"must be a multiple of drafter.num_key_value_heads ({kv_heads}); got {heads}",
         )
-        _require(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE (got {self.head_dim})")
-        _require(self.mask_token_id >= -1, "mask_token_id", "must be a token id >= 0, or -1 for the tokenizer's mask token")
+        require(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE (got {self.head_dim})")
+        require(self.mask_token_id >= -1, "mask_token_id", "must be a token id >= 0, or -1 for the tokenizer's mask token")
 
     def _check_anchor_budget(self) -> None:
         wait = self.anchor_target_wait
-        _require(0 < wait < 1, "anchor_target_wait", f"must be a fraction between 0 and 1 (got {wait})")
-        _require(self.anchor_window >= 1, "anchor_window", f"must be >= 1 step (got {self.anchor_window})")
-        _require(self.max_anchors_auto >= 0, "max_anchors_auto", "must be >= 0 (0 = 8 x drafter.max_anchors_per_batch)")
+        require(0 < wait < 1, "anchor_target_wait", f"must be a fraction between 0 and 1 (got {wait})")
+        require(self.anchor_window >= 1, "anchor_window", f"must be >= 1 step (got {self.anchor_window})")
+        require(self.max_anchors_auto >= 0, "max_anchors_auto", "must be >= 0 (0 = 8 x drafter.max_anchors_per_batch)")
         if self.anchor_budget != "follow-wait":
             return
-        _require(
+        require(
             self.anchor_chunk > 0,
             "anchor_budget",
             "follow-wait moves the budget one drafter.anchor_chunk at a time: set drafter.anchor_chunk > 0 "
             "(the anchors one forward holds, e.g. 2048)",
         )
-        _require(
+        require(
             self.max_anchors_per_batch > 0,
             "anchor_budget",
             "follow-wait starts at drafter.max_anchors_per_batch and never goes below it: set it > 0 (e.g. 2048)",
         )
-        _require(
+        require(
             self.max_anchors_auto % self.anchor_chunk == 0,
             "max_anchors_auto",
             f"must be a multiple of drafter.anchor_chunk ({self.anchor_chunk}), or 0; got {self.max_anchors_auto}",
         )
-        _require(
+        require(
             self.max_anchors_auto == 0 or self.max_anchors_auto >= self.max_anchors_per_batch,
             "max_anchors_auto",
             f"must be >= drafter.max_anchors_per_batch ({self.max_anchors_per_batch}), the start; got {self.max_anchors_auto}",
@@ -383,7 +376,7 @@ class TrainingConfig:
     checkpoint_every: int = 0  # 0: only at the end and on shutdown
     keep_checkpoints: int = 2
     export_on_finish: bool = True
-    # Write a checkpoint when training ends (benchmarks turn it off: at 27B shapes it is ~20 GB).
+    # Write a checkpoint when training ends (benchmarks turn it off: at large shapes it is many GB).
     checkpoint_on_finish: bool = True
     holdout_every: int = 0  # ~every N steps a pass over data.holdout_paths measures tau_holdout (docs/EVAL.md); 0: off
     holdout_batches: int = 4  # batches per held-out pass; 0: all of them
@@ -392,37 +385,37 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         for key in ("holdout_every", "holdout_batches"):
-            _require(getattr(self, key) >= 0, key, "must be >= 0 (0: off / every held-out batch in a pass)")
-        _require(
+            require(getattr(self, key) >= 0, key, "must be >= 0 (0: off / every held-out batch in a pass)")
+        require(
             self.holdout_max_new >= 0,
             "holdout_max_new",
             f"must be >= 0 (got {self.holdout_max_new}): set it to eval's --max-new, or 0 to simulate whole answers",
         )
-        _require(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
-        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
-        _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        _require(
+        require(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        require(
             0 <= self.warmup_fraction < 1,
             "warmup_fraction",
             f"must be in [0, 1) (got {self.warmup_fraction}); e.g. 0.04 warms up over 4% of the steps, 0 uses training.warmup_steps",
         )
-        _require(self.max_steps >= 0, "max_steps", "must be >= 0 (0 = until the data is exhausted)")
-        _require(
+        require(self.max_steps >= 0, "max_steps", "must be >= 0 (0 = until the data is exhausted)")
+        require(
             0 <= self.weight_decay < 1 and math.isfinite(self.weight_decay),
             "weight_decay",
             f"must be in [0, 1) (got {self.weight_decay}); AdamW multiplies it by the learning rate, 0 disables it",
         )
-        _require(
+        require(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
             "betas",
             f"must be two numbers in [0, 1), e.g. [0.9, 0.95] (got {self.betas})",
         )
-        _require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
-        _require(self.loss_gamma > 0, "loss_gamma", "must be > 0")
-        _require(self.ce_chunk_tokens >= 16, "ce_chunk_tokens", "must be >= 16")
-        _require(self.kl_weight >= 0, "kl_weight", "must be >= 0")
-        _require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
-        _require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
+        require(self.loss_gamma > 0, "loss_gamma", "must be > 0")
+        require(self.ce_chunk_tokens >= 16, "ce_chunk_tokens", "must be >= 16")
+        require(self.kl_weight >= 0, "kl_weight", "must be >= 0")
+        require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
 
     def resolved_warmup_steps(self, total_steps: int) -> int:
         """Warm-up length for a schedule of ``total_steps``: warmup_fraction of it (at least 1) if set."""
@@ -446,27 +439,27 @@ class DFlashConfig:
 
     def __post_init__(self) -> None:
         if self.transport.backend == "cpu-shm":
-            _require(not self.topology.on_cuda, "transport.backend", 'cpu-shm needs cpu devices; use "auto" on GPUs')
+            require(not self.topology.on_cuda, "transport.backend", 'cpu-shm needs cpu devices; use "auto" on GPUs')
         if self.transport.backend in ("cuda-ipc", "host-pinned"):
-            _require(
+            require(
                 self.topology.on_cuda,
                 "transport.backend",
                 f'{self.transport.backend} needs cuda devices; use "cpu-shm" or "auto" on CPU',
             )
-        _require(
+        require(
             self.run.control == "ipc" or self.transport.backend == "nccl",
             "run.control",
             'is "tcp", which is for targets and drafters on different hosts: set transport.backend = "nccl" too, or use "ipc"',
         )
         if self.training.kl_weight > 0:
-            _require(
+            require(
                 self.target.capture_last_hidden,
                 "training.kl_weight",
                 "needs target.capture_last_hidden = true (the KL loss reads the target's last hidden state)",
             )
-        _require(self.training.holdout_every == 0 or bool(self.data.holdout_paths), "training.holdout_every", "needs data.holdout_paths")
+        require(self.training.holdout_every == 0 or bool(self.data.holdout_paths), "training.holdout_every", "needs data.holdout_paths")
         shared = set(self.data.holdout_paths) & set(self.data.paths)
-        _require(not shared, "data.holdout_paths", f"{sorted(shared)} also in data.paths: held-out data is never trained on")
+        require(not shared, "data.holdout_paths", f"{sorted(shared)} also in data.paths: held-out data is never trained on")
 
     def resolved_backend(self) -> str:
         """The transport backend, with "auto" resolved where no GPU probing is needed."""
@@ -543,16 +536,16 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DF
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> DFlashConfig:
     unknown = [k for k in raw if k not in SECTIONS]
     if unknown:
-        raise ConfigError(f"{source}: {unknown[0]}: unknown section{_did_you_mean(unknown[0], SECTIONS)}")
+        raise ConfigError(f"{source}: {unknown[0]}: unknown section{did_you_mean(unknown[0], SECTIONS)}")
     built = {}
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: {name}: must be a table ([{name}])")
-        built[name] = _build(cls, table, name, source)
+        built[name] = build_section(cls, table, name, source)
     try:
         return DFlashConfig(**built, source=source)
-    except _FieldError as e:
+    except FieldError as e:
         raise ConfigError(f"{source}: {e.key}: {e.message}") from None
 
 

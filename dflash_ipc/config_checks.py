@@ -1,11 +1,11 @@
-"""Checks of the run section that look outside the config: host names, libzmq's CURVE, TensorBoard."""
+"""Checks of single config values: device names, host names, and what is installed (libzmq's CURVE, TensorBoard)."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
 
-__all__ = ["tensorboard_installed", "valid_host", "zmq_has_curve"]
+__all__ = ["tensorboard_installed", "valid_device", "valid_host", "zmq_has_curve"]
 
 
 def valid_host(host: str) -> bool:
@@ -28,3 +28,11 @@ def tensorboard_installed() -> bool:
     except ImportError:
         return False
     return True
+
+
+def valid_device(dev: str) -> bool:
+    if dev == "cpu":
+        return True
+    if dev.startswith("cuda:"):
+        return dev[5:].isdigit()
+    return False

@@ -28,33 +28,33 @@ class ConfigError(ValueError):
         return err
 
 
-def _require(cond: bool, key: str, message: str) -> None:
+def require(cond: bool, key: str, message: str) -> None:
     if not cond:
-        raise _FieldError(key, message)
+        raise FieldError(key, message)
 
 
-class _FieldError(ValueError):
+class FieldError(ValueError):
     def __init__(self, key: str, message: str):
         super().__init__(message)
         self.key = key
         self.message = message
 
 
-def _build(cls: type, table: dict[str, Any], prefix: str, source: str) -> Any:
+def build_section(cls: type, table: dict[str, Any], prefix: str, source: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in table.items():
         dotted = f"{prefix}.{key}"
         if key not in fields:
-            raise ConfigError(f"{source}: {dotted}: unknown key{_did_you_mean(key, fields)}")
+            raise ConfigError(f"{source}: {dotted}: unknown key{did_you_mean(key, fields)}")
         try:
             kwargs[key] = _coerce(value, hints[key], dotted)
-        except _FieldError as e:
+        except FieldError as e:
             raise ConfigError(f"{source}: {e.key}: {e.message}") from None
     try:
         return cls(**kwargs)
-    except _FieldError as e:
+    except FieldError as e:
         raise ConfigError(f"{source}: {prefix}.{e.key}: {e.message}") from None
 
 
@@ -74,50 +74,50 @@ def _coerce(value: Any, tp: Any, dotted: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise _FieldError(dotted, f"must be one of {', '.join(repr(c) for c in choices)} (got {value!r})")
+            raise FieldError(dotted, f"must be one of {', '.join(repr(c) for c in choices)} (got {value!r})")
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise _FieldError(dotted, f"must be a {_type_name(tp)} (got {type(value).__name__} {value!r})")
+            raise FieldError(dotted, f"must be a {_type_name(tp)} (got {type(value).__name__} {value!r})")
         (item_tp,) = typing.get_args(tp)
         return [_coerce(v, item_tp, f"{dotted}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise _FieldError(dotted, f"must be a table (got {type(value).__name__})")
+            raise FieldError(dotted, f"must be a table (got {type(value).__name__})")
         return dict(value)
     if origin in (typing.Union, types.UnionType):
         for alt in typing.get_args(tp):
             try:
                 return _coerce(value, alt, dotted)
-            except _FieldError:
+            except FieldError:
                 continue
-        raise _FieldError(dotted, f"must be {_type_name(tp)} (got {value!r})")
+        raise FieldError(dotted, f"must be {_type_name(tp)} (got {value!r})")
     if tp is Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise _FieldError(dotted, f"must be true or false (got {value!r})")
+            raise FieldError(dotted, f"must be true or false (got {value!r})")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _FieldError(dotted, f"must be an integer (got {type(value).__name__} {value!r})")
+            raise FieldError(dotted, f"must be an integer (got {type(value).__name__} {value!r})")
         if not -(2**63) <= value < 2**63:  # tomllib reads any length; TOML's integers, like torch's, are 64-bit
-            raise _FieldError(dotted, f"{value} does not fit a 64-bit integer (TOML integers are 64-bit); use a smaller value")
+            raise FieldError(dotted, f"{value} does not fit a 64-bit integer (TOML integers are 64-bit); use a smaller value")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _FieldError(dotted, f"must be a number (got {type(value).__name__} {value!r})")
+            raise FieldError(dotted, f"must be a number (got {type(value).__name__} {value!r})")
         if not math.isfinite(value):
-            raise _FieldError(dotted, f"must be a finite number (got {value!r})")
+            raise FieldError(dotted, f"must be a finite number (got {value!r})")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise _FieldError(dotted, f"must be a string (got {type(value).__name__} {value!r})")
+            raise FieldError(dotted, f"must be a string (got {type(value).__name__} {value!r})")
         return value
-    raise _FieldError(dotted, f"unsupported type {tp}")
+    raise FieldError(dotted, f"unsupported type {tp}")
 
 
-def _did_you_mean(key: str, valid: Any) -> str:
+def did_you_mean(key: str, valid: Any) -> str:
     close = difflib.get_close_matches(key, list(valid), n=1)
     valid_list = ", ".join(sorted(valid))
     hint = f"; did you mean {close[0]!r}?" if close else ""

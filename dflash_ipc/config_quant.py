@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from dflash_ipc.config_fields import _require
+from dflash_ipc.config_fields import require
 
 Quantization = Literal["none", "fp8"]
 
 
 def check_target_quantization(quantization: str, dtype: str) -> None:
     """The combinations of ``target.quantization`` and ``target.dtype`` that can run."""
-    _require(
+    require(
         quantization == "none" or dtype == "bfloat16",
         "quantization",
         f'"{quantization}" writes its GEMMs in bf16: set target.dtype = "bfloat16" (got "{dtype}") or target.quantization = "none"',

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dflash_ipc.config_fields import _require
+from dflash_ipc.config_fields import require
 
 
 @dataclass
@@ -40,24 +40,24 @@ class SynthConfig:
     multi_turn_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(math.isfinite(self.temperature) and self.temperature > 0, "temperature", "must be > 0 (synthesis samples)")
-        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (got {self.top_p})")
-        _require(self.max_prompt_tokens >= 4, "max_prompt_tokens", "must be >= 4")
-        _require(self.min_chars >= 1, "min_chars", "must be >= 1")
-        _require(self.max_chars > self.min_chars, "max_chars", f"must be > synth.min_chars ({self.min_chars})")
-        _require(0 < self.near_dup_threshold <= 1, "near_dup_threshold", "must be in (0, 1] (1: exact duplicates only)")
-        _require(self.num_perm >= 1, "num_perm", "must be >= 1")
-        _require(
+        require(math.isfinite(self.temperature) and self.temperature > 0, "temperature", "must be > 0 (synthesis samples)")
+        require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (got {self.top_p})")
+        require(self.max_prompt_tokens >= 4, "max_prompt_tokens", "must be >= 4")
+        require(self.min_chars >= 1, "min_chars", "must be >= 1")
+        require(self.max_chars > self.min_chars, "max_chars", f"must be > synth.min_chars ({self.min_chars})")
+        require(0 < self.near_dup_threshold <= 1, "near_dup_threshold", "must be in (0, 1] (1: exact duplicates only)")
+        require(self.num_perm >= 1, "num_perm", "must be >= 1")
+        require(
             1 <= self.lsh_bands <= self.num_perm and self.num_perm % self.lsh_bands == 0,
             "lsh_bands",
             f"must divide synth.num_perm ({self.num_perm})",
         )
-        _require(0 <= self.min_distinct_3gram_ratio <= 1, "min_distinct_3gram_ratio", "must be in [0, 1]")
-        _require(self.max_char_run >= 2, "max_char_run", "must be >= 2")
-        _require(self.max_draws_per_prompt >= 1, "max_draws_per_prompt", "must be >= 1")
-        _require(math.isfinite(self.max_seconds) and self.max_seconds >= 0, "max_seconds", "must be >= 0 (0: no time limit)")
-        _require(0 <= self.multi_turn_fraction <= 1, "multi_turn_fraction", "must be in [0, 1]")
-        _require(
+        require(0 <= self.min_distinct_3gram_ratio <= 1, "min_distinct_3gram_ratio", "must be in [0, 1]")
+        require(self.max_char_run >= 2, "max_char_run", "must be >= 2")
+        require(self.max_draws_per_prompt >= 1, "max_draws_per_prompt", "must be >= 1")
+        require(math.isfinite(self.max_seconds) and self.max_seconds >= 0, "max_seconds", "must be >= 0 (0: no time limit)")
+        require(0 <= self.multi_turn_fraction <= 1, "multi_turn_fraction", "must be in [0, 1]")
+        require(
             not self.topics or any("{topic}" in s for s in self.system_prompts),
             "topics",
             'needs a synth.system_prompts entry with "{topic}" in it, where each topic goes',
@@ -68,11 +68,11 @@ def check_mix_weights(paths: list[str], weights: list[float]) -> None:
     """``data.weights``: empty (every sample once per epoch), or one weight >= 0 per ``data.paths`` entry, sum > 0."""
     if not weights:
         return
-    _require(
+    require(
         len(weights) == len(paths),
         "weights",
         f"has {len(weights)} entries for {len(paths)} data.paths: give one weight per path, in the same order",
     )
     bad = [w for w in weights if not (math.isfinite(w) and w >= 0)]
-    _require(not bad, "weights", f"must be finite and >= 0 (got {bad[0] if bad else ''})")
-    _require(sum(weights) > 0, "weights", "sum to 0: give at least one path a weight > 0")
+    require(not bad, "weights", f"must be finite and >= 0 (got {bad[0] if bad else ''})")
+    require(sum(weights) > 0, "weights", "sum to 0: give at least one path a weight > 0")

@@ -20,6 +20,7 @@ import dataclasses
 import faulthandler
 import functools
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -137,6 +138,16 @@ SHARED_RUN_STEPS = 12
 FOLLOW_WAIT = {"anchor_budget": "follow-wait", "anchor_chunk": 16, "max_anchors_per_batch": 32, "max_anchors_auto": 64, "anchor_window": 2}
 
 
+def holdout_file(directory: Path, after: int) -> Path:
+    """Chat records the training data (the first ``after`` built-in conversations) does not hold."""
+    from dflash_ipc.data.builtin_corpus import builtin_conversations
+
+    path = directory / "gen.holdout.jsonl"
+    recs = builtin_conversations(after + 60, 256)[after:]
+    path.write_text("".join(json.dumps({"id": f"h{i}", **r}) + "\n" for i, r in enumerate(recs)))
+    return path
+
+
 def small_run_config(**sections: dict[str, Any]) -> dict[str, Any]:
     """SMALL_RUN over configs/tiny-cpu.toml, each ``section={key: value}`` merged into it."""
     return _merge_sections(tiny_cpu_config(**SMALL_RUN), sections)
@@ -160,15 +171,20 @@ class SharedRun:
 
 @pytest.fixture(scope="session")
 def shared_run(tmp_path_factory) -> SharedRun:
-    """One `dflash-ipc up --max-steps SHARED_RUN_STEPS` of the SMALL_RUN config that three modules
+    """One `dflash-ipc up --max-steps SHARED_RUN_STEPS` of the SMALL_RUN config that four modules
     read, instead of one process group each (a run costs ~45 CPU-s on 2 cores): test_up's full run
     (trains, checkpoints, exports, status, a lean supervisor, follow-wait anchors), test_progress
-    (plain progress lines without a TTY) and test_tensorboard (event files beside metrics.jsonl).
+    (plain progress lines without a TTY), test_tensorboard (event files beside metrics.jsonl) and
+    test_holdout (held-out passes every 3 steps with two drafters: scored, never trained on).
     No property read depends on another's setting. TensorBoard is on when its optional package
     imports; the debug switch makes the supervisor say at exit which heavy modules it imported."""
     work = tmp_path_factory.mktemp("shared-run")
     tensorboard = importlib.util.find_spec("tensorboard") is not None
-    config = write_toml(work / "full.toml", small_run_config(drafter=FOLLOW_WAIT, run={"tensorboard": tensorboard}))
+    holdout = {"holdout_paths": [str(holdout_file(work, SMALL_RUN["data"]["builtin_samples"]))]}
+    passes = {"holdout_every": 3, "holdout_batches": 2}
+    # the drafters warm up (configs/tiny-cpu.toml turns it off on CPU): one run proves the shell's branch
+    raw = small_run_config(drafter=FOLLOW_WAIT | {"warm_up": True}, run={"tensorboard": tensorboard}, data=holdout, training=passes)
+    config = write_toml(work / "full.toml", raw)
     run_dir = work / "full"
     out_path = work / "full.out"
     with open(out_path, "wb") as out:

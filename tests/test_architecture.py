@@ -253,3 +253,69 @@ def test_every_from_import_of_the_package_resolves():
                         except ImportError:
                             missing.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{alias.name}")
     assert not missing, "names imported but not defined:\n" + "\n".join(missing)
+
+
+# --------------------------------------------------------------------------- layers point down
+
+#: The pure cores: they never reach up into the process machinery (runtime), operations (ops),
+#: benchmarks (bench) or the process shells (procs).
+CORE_PACKAGES = ("target", "drafter", "data", "transport", "control")
+ABOVE_THE_CORES = ("runtime", "ops", "bench", "procs")
+ROLES = ("target", "drafter")
+#: What the drafter reads of the target package: the frozen target model's description (its HF
+#: configuration and layer ids; its embedding and LM head weights), which the drafter is built on.
+#: Nothing of the target's process (core, loop, model, packing) crosses.
+TARGET_MODEL_FACTS = {"dflash_ipc.target.hf_config", "dflash_ipc.target.heads"}
+
+
+def _subpackage(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else ""
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    pairs = ((m, d) for m, deps in graph.items() for d in deps)
+    return sorted(f"{m} -> {d}" for m, d in pairs if _subpackage(m) in CORE_PACKAGES and _subpackage(d) in ABOVE_THE_CORES)
+
+
+def cross_role_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if _subpackage(m) in ROLES
+        for d in deps
+        if _subpackage(d) in ROLES and _subpackage(d) != _subpackage(m) and d not in TARGET_MODEL_FACTS
+    )
+
+
+def test_cores_never_import_the_layers_above_them():
+    bad = upward_imports(import_graph())
+    assert not bad, "a core imports a layer above it (move what it needs down into a leaf module):\n" + "\n".join(bad)
+
+
+def test_no_role_imports_another_roles_package():
+    bad = cross_role_imports(import_graph())
+    assert not bad, "a role imports another role's package (share it through a leaf module, e.g. ledger, node_spec):\n" + "\n".join(bad)
+
+
+def test_no_private_name_is_imported_across_modules():
+    bad = []
+    for path in [*(REPO / "dflash_ipc").rglob("*.py"), *(REPO / "procs").glob("*.py")]:
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("dflash_ipc")):
+                names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                bad += [f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{n}" for n in names]
+    assert not bad, "private names imported from another module (make them public where they are defined):\n" + "\n".join(bad)
+
+
+def test_the_layer_rules_catch_planted_violations():
+    graph = {
+        "dflash_ipc.target.core": {"dflash_ipc.runtime.nodes", "dflash_ipc.drafter.checkpoint", "dflash_ipc.ledger"},
+        "dflash_ipc.drafter.core": {"dflash_ipc.target.hf_config", "dflash_ipc.procs.target"},
+        "dflash_ipc.runtime.supervisor": {"dflash_ipc.target.core"},
+    }
+    assert upward_imports(graph) == [
+        "dflash_ipc.drafter.core -> dflash_ipc.procs.target",
+        "dflash_ipc.target.core -> dflash_ipc.runtime.nodes",
+    ]
+    assert cross_role_imports(graph) == ["dflash_ipc.target.core -> dflash_ipc.drafter.checkpoint"]

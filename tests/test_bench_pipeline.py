@@ -1,4 +1,9 @@
-"""`dflash-ipc bench pipeline` on CPU: real process groups per variant, figures in one JSON."""
+"""`dflash-ipc bench pipeline` on CPU: real process groups per variant, figures in one JSON.
+
+Two variants run here, the pipeline and its forward-only ceiling (the ratio the bench exists
+for); what the other variants change is checked against the config loader in
+tests/test_bench_variants.py (warmup's cut-down target, depth-N, anchors-N, anchors-auto), and the
+follow-wait figures the bench reads from metrics.jsonl there too."""
 
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
             "--steps",
             "4",
             "--variants",
-            "warmup,forward-only,cuda-ipc,anchors-auto",
+            "forward-only,cuda-ipc",
             "--out",
             str(out),
             "--json",
@@ -40,8 +45,7 @@ def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     v = result["variants"]
-    assert set(v) == {"warmup", "forward-only", "cuda-ipc", "anchors-auto"}
-    assert all(t["layers_run"] == 4 for t in v["warmup"]["targets"])  # the cut-down target
+    assert set(v) == {"forward-only", "cuda-ipc"}
     assert all(x["exit_code"] == 0 for x in v.values())
     assert v["cuda-ipc"]["backend"] == "cpu-shm" and v["cuda-ipc"]["ring_slots"] == 4  # CPU: cpu-shm rings, the config's depth
     assert v["cuda-ipc"]["steps"] == 4 and v["cuda-ipc"]["tokens_per_s"] > 0
@@ -61,11 +65,7 @@ def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
     assert all(x["peak_host_rss_bytes"] > 0 for x in v.values())
     assert 0 < result["ratio_pipeline_to_forward_only"]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["variant"] for x in lines] == ["warmup", "forward-only", "cuda-ipc", "anchors-auto"]
-    # follow-wait from one chunk (the config sets no cap): 4 steps are inside the 4 + 2 settle steps, so it never moves
-    auto = v["anchors-auto"]
-    assert auto["anchors_final"] == 2048 and auto["anchor_moves"] == [[1, 2048]] and auto["steps_at_final_anchors"] == 3
-    assert 0 <= auto["drafter_wait_pct_at_final_anchors"] <= 100 and "ratio_anchors-auto_to_cuda_ipc" in result
+    assert [x["variant"] for x in lines] == ["forward-only", "cuda-ipc"]
     # whole-run figure and the measured profile, with the split advice for this run's 4 processes and for 8
     assert 0 < ipc["whole_run_tokens_per_s"] and ipc["drafter_busy_tokens_per_s_per_gpu"] > 0 and ipc["target_slot_wait_s"] >= 0
     assert "steady_tokens_per_s" not in ipc  # 4 steps never get past the start-up backlog of a 4-slot ring

@@ -24,6 +24,19 @@ def test_padded_is_forward_only_without_varlen(tmp_path):
     assert _load(tmp_path, forced).target.varlen is True
 
 
+def test_warmup_variant_cuts_the_target_to_its_first_four_layers(tmp_path):
+    """What the CPU bench test no longer runs as a process group of its own: the target it builds."""
+    from dflash_ipc.target.hf_config import load_hf_config, text_config
+
+    full = _load(tmp_path, {})
+    cfg = _load(tmp_path, pipeline.warmup_overrides(full))
+    assert cfg.target.spec["layer_types"] == full.target.spec["layer_types"][:4] and cfg.target.layer_ids == [1, 3]
+    assert int(text_config(load_hf_config(cfg.target, vocab_size=1024)).num_hidden_layers) == 4
+    assert {k: v for k, v in cfg.target.spec.items() if k not in ("num_hidden_layers", "layer_types")} == {
+        k: v for k, v in full.target.spec.items() if k not in ("num_hidden_layers", "layer_types")
+    }  # the same widths
+
+
 @pytest.mark.parametrize("name,slots", [("depth-2", 2), ("depth-8", 8), ("depth-16", 16)])
 def test_depth_variant_sets_the_ring_depth_only(tmp_path, name, slots):
     """What the CPU bench test no longer runs as a process group of its own (it cost ~19 s)."""

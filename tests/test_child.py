@@ -7,6 +7,7 @@ nets only.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -76,31 +77,36 @@ class FakeSupervisor:
         self.ctx.term()
 
 
-@pytest.fixture
-def role(tmp_path):
+@contextlib.contextmanager
+def role_processes(tmp_path: Path, script_text: str):
+    """A role script under run_child, a FakeSupervisor, and ``start(*args)`` for child processes
+    of it (killed, if still running, on the way out)."""
     script = tmp_path / "demo_role.py"
-    script.write_text(ROLE_SCRIPT)
+    script.write_text(script_text)
     run_dir = tmp_path / "run"
     sup = FakeSupervisor(run_dir)
     procs = []
 
-    def start(mode: str) -> subprocess.Popen:
-        p = subprocess.Popen(
-            [sys.executable, str(script), "--run-dir", str(run_dir), "--rank", "0", "--mode", mode],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        procs.append(p)
-        return p
+    def start(*args: str) -> subprocess.Popen:
+        argv = [sys.executable, str(script), "--run-dir", str(run_dir), "--rank", "0", *args]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        return procs[-1]
 
-    yield start, sup, run_dir
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-        p.stdout.close()
-    sup.close()
+    try:
+        yield start, sup, run_dir
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            p.stdout.close()
+        sup.close()
+
+
+@pytest.fixture
+def role(tmp_path):
+    with role_processes(tmp_path, ROLE_SCRIPT) as (start, sup, run_dir):
+        yield (lambda mode: start("--mode", mode)), sup, run_dir
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:

@@ -169,6 +169,8 @@ def test_wrong_type_names_dotted_key(tmp_path, data, key, fragment):
         ({"run": {"handshake_timeout_s": 0}}, "run.handshake_timeout_s", "> 0"),
         ({"run": {"handshake_timeout_s": float("nan")}}, "run.handshake_timeout_s", "finite"),
         ({"run": {"heartbeat_interval_s": 1, "heartbeat_timeout_s": 2}}, "run.heartbeat_timeout_s", "3x"),
+        ({"run": {"heartbeat_timeout_s": 60, "stall_timeout_s": 5}}, "run.stall_timeout_s", "between heartbeat_timeout_s"),
+        ({"run": {"stall_timeout_s": float("inf")}}, "run.stall_timeout_s", "finite"),
         ({"run": {"name": "a/b"}}, "run.name", "without '/'"),
         ({"run": {"metrics_port": 65536}}, "run.metrics_port", "TCP port"),
         ({"run": {"metrics_port": -1}}, "run.metrics_port", "or 0 for no /metrics"),

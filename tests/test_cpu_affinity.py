@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from dflash_ipc.runtime.supervisor import cpu_shares_for
+from dflash_ipc.runtime.liveness import cpu_shares_for
 
 
 def test_cpu_shares_are_disjoint_and_cover_equal_parts():

@@ -1,5 +1,6 @@
 """Held-out tau during training (training.holdout_every): targets forward held-out batches, drafter 0
-scores them by eval's rule and never trains on them. Real `up` runs on the tiny CPU model."""
+scores them by eval's rule and never trains on them: the role loops in-process on the tiny CPU model
+(tests/loop_harness.py), and the session's shared `up` run (two targets, two drafters)."""
 
 from __future__ import annotations
 
@@ -7,32 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_up, tiny_cpu_config, write_toml
+import torch
+from conftest import holdout_file, tiny_cpu_config
+from loop_harness import InprocRun, small_config
 
 from dflash_ipc.config import ConfigError, config_from_dict
-from dflash_ipc.data.builtin_corpus import builtin_conversations
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, read_latest_pointer
-
-
-def _holdout_file(tmp_path: Path) -> Path:
-    """Chat records the training data (the first 300 built-in conversations) does not hold."""
-    path = tmp_path / "gen.holdout.jsonl"
-    recs = builtin_conversations(360, 256)[300:]
-    path.write_text("".join(json.dumps({"id": f"h{i}", **r}) + "\n" for i, r in enumerate(recs)))
-    return path
-
-
-def _config(tmp_path: Path, name: str, holdout: Path | None, targets: int, drafters: int, **run) -> Path:
-    raw = tiny_cpu_config(
-        data={"builtin_samples": 300, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024},
-        run={"teardown_grace_s": 3.0, **run},
-        topology={"targets": ["cpu"] * targets, "drafters": ["cpu"] * drafters},
-        training={"checkpoint_every": 0, "max_steps": 0},
-    )
-    if holdout is not None:
-        raw["data"]["holdout_paths"] = [str(holdout)]
-        raw["training"].update(holdout_every=3, holdout_batches=2)
-    return write_toml(tmp_path / f"{name}.toml", raw)
 
 
 def _ledger(run_dir: Path) -> set[tuple[int, ...]]:
@@ -47,21 +28,34 @@ def _ranks(run_dir: Path) -> list[dict]:
 TRAIN_KEYS = ("step", "loss", "tokens", "acc", "acc_per_pos", "tau", "tau_blocks", "grad_norm", "lr")
 
 
-@pytest.mark.slow
+def _inproc_run(tmp_path: Path, name: str, holdout: Path | None, steps: int) -> tuple[InprocRun, list[dict]]:
+    """One target and one drafter of the run's loops in this process (tests/loop_harness.py)."""
+    sections = {"data": {"builtin_samples": 300}, "training": {"max_steps": steps}}
+    if holdout is not None:
+        sections["data"]["holdout_paths"] = [str(holdout)]
+        sections["training"].update(holdout_every=3, holdout_batches=2)
+    (tmp_path / name).mkdir()
+    torch.manual_seed(0)  # both runs start from the same global RNG state, as two fresh processes would
+    run = InprocRun(small_config(tmp_path / name, targets=1, **sections), tmp_path / name / "run")
+    try:
+        run.run()
+        recs = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        run.close()
+    return run, recs
+
+
 def test_held_out_batches_are_scored_and_never_trained_on(tmp_path):
-    holdout = _holdout_file(tmp_path)
+    """The same run with and without held-out passes (the role loops in-process): the same training
+    batches in the same order, identical weights, ledger and per-step figures."""
+    holdout = holdout_file(tmp_path, 300)
     steps = 8
-    plain = run_up(_config(tmp_path, "plain", None, 1, 1), tmp_path / "plain", steps, cwd=tmp_path)
-    assert plain.returncode == 0, plain.stdout[-4000:]
-    held = run_up(_config(tmp_path, "held", holdout, 1, 1), tmp_path / "held", steps, cwd=tmp_path)
-    assert held.returncode == 0, held.stdout[-4000:]
-    # The same training batches, in the same order: identical weights, ledger and per-step figures.
-    (a,), (b,) = _ranks(tmp_path / "plain"), _ranks(tmp_path / "held")
-    assert b["batch_ids"] == a["batch_ids"] and len(a["batch_ids"]) == steps
-    assert b["weights_sha256"] == a["weights_sha256"]
-    assert _ledger(tmp_path / "held") == _ledger(tmp_path / "plain") == {tuple(i) for i in a["batch_ids"]}
-    ma = [json.loads(x) for x in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
-    mb = [json.loads(x) for x in (tmp_path / "held" / "metrics.jsonl").read_text().splitlines()]
+    plain, ma = _inproc_run(tmp_path, "plain", None, steps)
+    held, mb = _inproc_run(tmp_path, "held", holdout, steps)
+    a, b = plain.drafter_core, held.drafter_core
+    assert b.trained_ids == a.trained_ids and len(a.trained_ids) == steps
+    assert b.weights_digest() == a.weights_digest()
+    assert _ledger(held.run_dir) == _ledger(plain.run_dir) == set(a.trained_ids)
     assert [{k: r[k] for k in TRAIN_KEYS} for r in mb] == [{k: r[k] for k in TRAIN_KEYS} for r in ma]
     # Passes before step 1 (the untrained floor), then every 3 training batches (1 target, 1 drafter).
     logged = [r for r in mb if "tau_holdout" in r]
@@ -69,19 +63,18 @@ def test_held_out_batches_are_scored_and_never_trained_on(tmp_path):
     assert [r["holdout_pass"] for r in logged] == [0, 1, 2]
     assert all(r["tau_holdout"] >= 1.0 and r["tau_holdout_blocks"] > 0 for r in logged)
     assert not any("tau_holdout" in r for r in ma)
-    assert "held-out pass 0 at step 0" in (tmp_path / "held" / "logs" / "drafter-0.log").read_text()
 
 
 @pytest.mark.slow
-def test_held_out_passes_with_two_targets_and_two_drafters(tmp_path):
+def test_held_out_passes_with_two_targets_and_two_drafters(shared_run):
+    """The session's shared run (conftest.shared_run: 2 targets, 2 drafters, held-out passes on)."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_dir = tmp_path / "run"
-    proc = run_up(_config(tmp_path, "dp", _holdout_file(tmp_path), 2, 2, tensorboard=True), run_dir, 9, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_dir = shared_run.run_dir
+    assert shared_run.returncode == 0, shared_run.output[-4000:]
     ranks = _ranks(run_dir)
-    assert len({r["weights_sha256"] for r in ranks}) == 1  # no held-out batch entered an all-reduce
+    assert len(ranks) == 2 and len({r["weights_sha256"] for r in ranks}) == 1  # no held-out batch entered an all-reduce
     trained = [tuple(i) for r in ranks for i in r["batch_ids"]]
     assert len(trained) == len(set(trained)) and _ledger(run_dir) == set(trained)
     logged = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "tau_holdout" in r]
@@ -89,6 +82,7 @@ def test_held_out_passes_with_two_targets_and_two_drafters(tmp_path):
     # pass arrives, so that pass measures step 0 or 1 (with one target it is step 0, test above)
     steps = [r["holdout_step"] for r in logged]
     assert logged and steps[0] <= 1 and steps == sorted(steps) and all(r["tau_holdout"] >= 1.0 for r in logged)
+    assert "held-out pass 0 at step" in (run_dir / "logs" / "drafter-0.log").read_text()
     acc = EventAccumulator(str(run_dir))
     acc.Reload()
     assert [s.value for s in acc.Scalars("holdout/tau")] == pytest.approx([r["tau_holdout"] for r in logged], rel=1e-5)

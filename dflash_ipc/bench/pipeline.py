@@ -211,7 +211,7 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
     n_targets = len(probe.topology.targets)
     forward_only = max(2, -(-steps * len(probe.topology.drafters) // n_targets)) if fwd else 0
     if name == "warmup":
-        overrides.update(_warmup_overrides(probe))
+        overrides.update(warmup_overrides(probe))
         # the pipeline variants forward up to a ring's depth of batches beyond their steps
         forward_only += probe.transport.ring_slots + 2
     cfg = load_config(config_path, overrides)
@@ -310,7 +310,7 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
     return out
 
 
-def _warmup_overrides(probe) -> dict:
+def warmup_overrides(probe) -> dict:
     """The first four decoder layers of the configured target (same widths, both layer types)."""
     spec = dict(probe.target.spec)
     if not spec:

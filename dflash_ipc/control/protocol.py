@@ -64,6 +64,7 @@ class Message:
             "bucket",
             "batches_sent",
             "holdout_pass_batches",
+            "loop_age_s",
         }
     )
 
@@ -106,7 +107,11 @@ def _one_payload(msg: Message, roles: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Live figures of one child; the payload field is the one named by ``role``."""
+    """Live figures of one child; the payload field is the one named by ``role``.
+
+    A thread of the child sends it every run.heartbeat_interval_s whatever its loop does, so a
+    long step (the first one compiles) never silences it; ``loop_age_s`` is how long ago the
+    loop last completed an iteration (the supervisor's stall rule, run.stall_timeout_s)."""
 
     TAG: ClassVar[str] = "heartbeat"
     ROLES: ClassVar[tuple[str, ...]] = ("target", "drafter")
@@ -114,6 +119,7 @@ class Heartbeat(Message):
     rank: int
     target: TargetStats | None = None
     drafter: DrafterStats | None = None
+    loop_age_s: float = 0.0
 
     def __post_init__(self) -> None:
         _one_payload(self, self.ROLES)

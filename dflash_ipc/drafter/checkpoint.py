@@ -62,11 +62,9 @@ from dflash_ipc.drafter.ckpt_layout import (  # noqa: F401 - the layout's names,
     step_dir_name,
 )
 from dflash_ipc.drafter.safetensors_stream import write_safetensors
+from dflash_ipc.ledger import BatchId, BatchLedger  # noqa: F401 - re-exported for the checkpoint's readers
 
 log = logging.getLogger(__name__)
-
-
-BatchId = tuple[int, ...]
 
 
 def cpu_snapshot(obj: Any) -> Any:
@@ -83,75 +81,6 @@ def cpu_snapshot(obj: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- ledger
-
-
-class BatchLedger:
-    """The set of batch ids consumed by optimizer steps; an id is a tuple of ints."""
-
-    def __init__(self, ids: Iterable[Sequence[int]] = ()):
-        self._ids: set[BatchId] = set()
-        self.add(ids)
-
-    @staticmethod
-    def _norm(bid: Sequence[int]) -> BatchId:
-        t = tuple(int(x) for x in bid)
-        if not t:
-            raise ValueError("a batch id must have at least one integer")
-        return t
-
-    def add(self, ids: Iterable[Sequence[int]]) -> None:
-        for bid in ids:
-            self._ids.add(self._norm(bid))
-
-    def add_one(self, bid: Sequence[int]) -> None:
-        self._ids.add(self._norm(bid))
-
-    def merge(self, other: BatchLedger | Iterable[Sequence[int]]) -> BatchLedger:
-        if isinstance(other, BatchLedger):
-            self._ids |= other._ids
-        else:
-            self.add(other)
-        return self
-
-    def __contains__(self, bid: object) -> bool:
-        try:
-            return tuple(int(x) for x in bid) in self._ids  # type: ignore[union-attr]
-        except (TypeError, ValueError):
-            return False
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def __iter__(self):
-        return iter(sorted(self._ids))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, BatchLedger) and self._ids == other._ids
-
-    def __repr__(self) -> str:
-        return f"BatchLedger({len(self._ids)} ids)"
-
-    def copy(self) -> BatchLedger:
-        out = BatchLedger()
-        out._ids = set(self._ids)
-        return out
-
-    def to_wire(self) -> dict[str, Any]:
-        """Plain JSON/msgpack-friendly form: {"format": ..., "ids": [[int, ...], ...]} (sorted)."""
-        return {"format": LEDGER_FORMAT, "ids": [list(t) for t in sorted(self._ids)]}
-
-    @classmethod
-    def from_wire(cls, wire: dict[str, Any] | list) -> BatchLedger:
-        if isinstance(wire, dict):
-            fmt = wire.get("format")
-            if fmt != LEDGER_FORMAT:
-                raise ValueError(f"unsupported ledger format {fmt!r} (expected {LEDGER_FORMAT})")
-            ids = wire.get("ids")
-        else:
-            ids = wire
-        if not isinstance(ids, list):
-            raise ValueError("ledger wire form needs a list of ids")
-        return cls(ids)
 
 
 def gather_ledger(local_new_ids: Iterable[Sequence[int]], world: Any = None) -> list[BatchId]:

@@ -13,12 +13,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dflash_ipc.ledger import LEDGER_FILE, LEDGER_FORMAT  # noqa: F401 - a checkpoint's names, the ledger's among them
+
 CKPT_FORMAT = "dflash-ipc-ckpt/1"
-LEDGER_FORMAT = "dflash-ipc-ledger/1"
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"
 OPTIM_FILE = "optimizer.safetensors"
-LEDGER_FILE = "ledger.json"
 META_FILE = "meta.json"
 LATEST_FILE = "latest"
 STEP_DIR_RE = re.compile(r"^step-(\d+)$")

@@ -53,7 +53,7 @@ from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acc
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, num_parameters
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.fsutil import write_text_atomic
-from dflash_ipc.runtime.nodes import read_node_spec
+from dflash_ipc.node_spec import read_node_spec
 from dflash_ipc.target.heads import target_head_weights
 from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, text_config
 from dflash_ipc.transport.slots import SlotViews
@@ -233,8 +233,8 @@ class DrafterCore:
         data, n = self.cfg.data, self.cfg.data.token_budget
         lens = [data.max_seq_len] * (n // data.max_seq_len) + ([n % data.max_seq_len] if n % data.max_seq_len else [])
         planes = self.model.config.num_context_planes + int(self.cfg.target.capture_last_hidden)
-        # Drawn where it is used: a host draw in fp32 staged 5 GB at the 27B shapes
-        # (5 planes x 49,152 tokens x 5,120) in every drafter's host memory, at start-up.
+        # Drawn where it is used: a host draw in fp32 would stage planes x tokens x hidden
+        # floats in every drafter's host memory, at start-up.
         g = torch.Generator(device=self.device).manual_seed(0)
         dtype = dtype_from_name(self.cfg.target.dtype)
         return SlotViews(
@@ -423,9 +423,8 @@ class DrafterCore:
     def weights_digest(self) -> str:
         """sha256 of this rank's trainable weights (data parallel: the same on every rank).
 
-        One tensor on the host at a time: copying the whole state first held the fp32 weights
-        twice over on the host (7.1 GB and its bytes at the 27B shapes' 1.78B parameters), the
-        drafter's 9.8 GB peak host RSS."""
+        One tensor on the host at a time: copying the whole state first would hold the fp32
+        weights twice over on the host (the tensors and their bytes), a drafter's peak host RSS."""
         h = hashlib.sha256()
         for name, t in sorted(self.trainer.trainable_tensors(), key=lambda item: item[0]):
             h.update(name.encode())

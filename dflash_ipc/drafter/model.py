@@ -355,8 +355,8 @@ class DFlashDrafter(nn.Module):
             if tuple(w.shape) != (v, h):
                 raise ValueError(f"{name} must be [vocab_size={v}, hidden_size={h}], got {tuple(w.shape)}")
         # The trainable parts are declared on the meta device and allocated once, where they
-        # will live: built on the host in fp32 and moved, a 27B-shape drafter (1.8 B trainable
-        # parameters) staged 7 GB of host memory per process just to be born.
+        # will live: built on the host in fp32 and moved, a large drafter would stage all its
+        # weights in every process's host memory just to be born.
         with torch.device("meta"):
             self.fc = nn.Linear(config.num_context_planes * h, h, bias=False)
             self.hidden_norm = RMSNorm(h, config.rms_norm_eps)

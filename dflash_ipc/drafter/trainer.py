@@ -357,11 +357,11 @@ class DrafterTrainer:
     def allocate_optimizer_state(self) -> None:
         """Create AdamW's per-parameter state now, as its first step would: zero moments, step 0.
 
-        The moments are twice the master weights (14.3 GB at the 27B drafter shapes); the drafter's
-        warm-up takes them before the handshake, so that its memory peak is a step's and a GPU too
-        small for the step fails there. The next step is bit-identical to one on a fresh optimizer:
-        it starts from exactly this state (tests/test_trainer.py). A no-op once the optimizer has
-        state (a resumed run's, or after a step).
+        The moments are twice the master weights; the drafter's warm-up takes them before the
+        handshake, so that its memory peak is a step's and a GPU too small for the step fails there.
+        The next step is bit-identical to one on a fresh optimizer: it starts from exactly this
+        state (tests/test_trainer.py). A no-op once the optimizer has state (a resumed run's, or
+        after a step).
         """
         if self.optimizer.state:
             return
@@ -460,8 +460,8 @@ class DrafterTrainer:
         A checkpoint leaves the big tensors out and streams them from the device instead: the
         master weights are its model.safetensors (master precision, :meth:`trainable_tensors`), the
         moments its optimizer.safetensors (:meth:`moment_tensors`; each left here as the string
-        ``moment:<key>``); :meth:`load_state_dict` takes them back from there. At 27B drafter shapes
-        the host copies were 7.1 GB (master) + 14.3 GB (moments) per checkpoint."""
+        ``moment:<key>``); :meth:`load_state_dict` takes them back from there, so a checkpoint
+        never holds host copies of the master weights or the moments (three times the weights)."""
         optimizer = self.optimizer.state_dict()
         if not include_moments:
             optimizer = {

@@ -49,9 +49,9 @@ def build_target_lm(cfg: TargetConfig, device, vocab_size: int | None = None, dt
             kwargs["device_map"] = {"": str(device) if device.index is not None else f"{device.type}:0"}
         lm = AutoModelForCausalLM.from_pretrained(cfg.model_path, **kwargs).to(device)
         if cfg.quantization == "fp8":  # the decoder's linears; the LM head stays in the target's dtype
-            from dflash_ipc.target.model import _find_decoder_stack, apply_fp8
+            from dflash_ipc.target.model import apply_fp8, find_decoder_stack
 
-            apply_fp8(_find_decoder_stack(lm), device, torch_dtype)
+            apply_fp8(find_decoder_stack(lm), device, torch_dtype)
     else:
         from transformers import Qwen3_5ForCausalLM
 
@@ -74,12 +74,12 @@ class TargetLM:
     """Forwards on a cache that return greedy tokens and captured features. Call :meth:`close`."""
 
     def __init__(self, lm: nn.Module, layer_ids: list[int]):
-        from dflash_ipc.target.model import _find_decoder_stack
+        from dflash_ipc.target.model import find_decoder_stack
 
         self.lm = lm
         self.layer_ids = list(layer_ids)
         self.device = next(lm.parameters()).device
-        layers = _find_decoder_stack(lm).layers
+        layers = find_decoder_stack(lm).layers
         bad = [i for i in self.layer_ids if not 0 <= i < len(layers)]
         if bad:
             raise ValueError(f"drafter's target_layer_ids {bad} outside the target's {len(layers)} decoder layers")

@@ -13,7 +13,8 @@ Life of a child (drawn once here, used by every role)::
     PDEATHSIG=SIGTERM, SIGTERM/SIGINT handlers ─▶ compile-worker cap ─▶ device + CPU share ─▶ ChildSockets
         │
         ▼
-    RUNNING: main_fn(child) ── polls child.stop (child.read_control drains the DEALER)
+    RUNNING: main_fn(child) ── polls child.stop (child.read_control drains the DEALER); after its
+        │    handshake a heartbeat thread beats on its own clock (start_heartbeats, runtime/heartbeat.py)
         │
         ├── Shutdown msg / SIGTERM / SIGINT / parent died ──▶ STOPPING: stop.requested is set;
         │       main_fn finishes its step, checkpoints if it must, sends Done, returns ──▶ exit 0
@@ -44,6 +45,7 @@ import faulthandler
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,7 @@ from typing import Any, TextIO
 
 import setproctitle
 
+from dflash_ipc.runtime.heartbeat import HeartbeatSender
 from dflash_ipc.runtime.launch import read_key, remove_supervisor_sockets, set_parent_death_signal
 
 
@@ -192,6 +195,8 @@ class ChildSockets:
             self.plane.close()
             raise
         self.pushes: list = []
+        # The DEALER is shared with the heartbeat thread: every use of it holds this lock.
+        self.dealer_lock = threading.Lock()
 
     def connect_peers(self, endpoints: list[str], peer_role: str) -> list:
         """PUSH sockets to peers 0..n-1 of ``peer_role``; from now on the PULL accepts their frames."""
@@ -208,10 +213,11 @@ class ChildSockets:
 
         channels.send(self.pushes[peer], msg, self.auth)
 
-    def send_to_supervisor(self, msg) -> None:
+    def send_to_supervisor(self, msg, flags: int = 0) -> None:
         from dflash_ipc.control import channels
 
-        channels.send(self.dealer, msg, self.auth)
+        with self.dealer_lock:
+            channels.send(self.dealer, msg, self.auth, flags)
 
     def drain_peers(self, rejects) -> list[tuple[int | None, Any]]:
         """Data-plane messages waiting on the PULL, each with its sender's rank (None without a
@@ -244,9 +250,11 @@ class ChildSockets:
         from dflash_ipc.control import channels
         from dflash_ipc.control.protocol import Shutdown
 
-        if wait_ms:
-            self.dealer.poll(wait_ms)
-        for msg in channels.drain(self.dealer, rejects):
+        with self.dealer_lock:
+            if wait_ms:
+                self.dealer.poll(wait_ms)
+            msgs = channels.drain(self.dealer, rejects)
+        for msg in msgs:
             if isinstance(msg, Shutdown):
                 stop.set(f"shutdown: {msg.reason}")
         if os.getppid() != parent_pid:
@@ -259,6 +267,11 @@ class ChildSockets:
         p.register(self.pull, zmq.POLLIN)
         p.register(self.dealer, zmq.POLLIN)
         return p
+
+    def wait(self, poller, timeout_ms: int) -> None:
+        """Wait up to ``timeout_ms`` for a peer's or the supervisor's message (``poller()``)."""
+        with self.dealer_lock:
+            poller.poll(timeout_ms)
 
     def close(self, linger_ms: int = 1000) -> None:
         for s in self.pushes:
@@ -296,10 +309,63 @@ class ChildContext:
     rejects: Any  # protocol.RejectCounter
     # The role's resources, closed last-registered first after main_fn returns or raises.
     closing: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    heartbeats: HeartbeatSender | None = None
+    _poller: Any = field(default=None, repr=False)
+    _proc: Any = field(default=None, repr=False)
 
+    # -- what a role's loop needs (control.loop_io.LoopIO)
     def read_control(self, wait_ms: int = 0) -> None:
         """Apply the supervisor's Shutdown and notice a dead supervisor (sets ``stop``)."""
         self.socks.read_control(self.rejects, self.stop, self.parent_pid, wait_ms)
+
+    def drain_peers(self) -> list:
+        return self.socks.drain_peers(self.rejects)
+
+    def wait(self, timeout_ms: int) -> None:
+        if self._poller is None:
+            self._poller = self.socks.poller()
+        self.socks.wait(self._poller, timeout_ms)
+
+    def start_heartbeats(self, interval_s: float) -> None:
+        """Heartbeats from a thread of their own from now on (after the handshake), until Done."""
+        import zmq
+
+        self.heartbeats = HeartbeatSender(lambda beat: self.socks.send_to_supervisor(beat, zmq.NOBLOCK), interval_s)
+        self.closing.callback(self.heartbeats.close)
+        self.heartbeats.start()
+
+    def report(self, beat) -> None:
+        if self.heartbeats is not None:
+            self.heartbeats.report(beat)
+
+    def progressed(self) -> None:
+        if self.heartbeats is not None:
+            self.heartbeats.progressed()
+
+    def send_to_supervisor(self, msg) -> None:
+        """Done: the heartbeats stop first, so no beat follows the final report."""
+        if self.heartbeats is not None:
+            self.heartbeats.close()
+        self.socks.send_to_supervisor(msg)
+
+    def vitals(self, state: str, uptime_s: float):
+        import psutil
+
+        from dflash_ipc.control.stats import Vitals
+
+        if self._proc is None:
+            self._proc = psutil.Process()
+        return Vitals.measure(state, uptime_s, self._proc, self.rejects)
+
+
+def placement_from_config(role: str, args: argparse.Namespace) -> Placement:
+    """A target's or drafter's placement: its device of the run's resolved config (RUN_DIR/config.resolved.toml)."""
+    from dflash_ipc.config import load_resolved_config
+
+    cfg = load_resolved_config(Path(args.run_dir))
+    devices = cfg.topology.targets if role == "target" else cfg.topology.drafters
+    on_host = len(cfg.topology.targets) + len(cfg.topology.drafters)
+    return Placement(devices[args.rank], on_host, cfg.run.log_level, cfg, compile_threads=cfg.run.compile_threads)
 
 
 def child_arg_parser(role: str, description: str = "") -> argparse.ArgumentParser:
@@ -331,7 +397,7 @@ def run_child(
     role: str,
     main_fn: Callable[[ChildContext], int | None],
     *,
-    place: Callable[[argparse.Namespace], Placement],
+    place: Callable[[argparse.Namespace], Placement] | None = None,
     pull_endpoint: Callable[[Path, int], str],
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
     argv: Sequence[str] | None = None,
@@ -340,8 +406,9 @@ def run_child(
 ) -> int:
     """Run one child process of role ``role`` around ``main_fn``; returns the exit code.
 
-    ``place(args)`` loads what the role needs to know where it runs (before logging exists, so
-    a bad run directory fails loudly on stderr); ``pull_endpoint(run_dir, rank)`` is the address
+    ``place(args)`` (default: :func:`placement_from_config`, the run's resolved config) loads
+    what the role needs to know where it runs (before logging exists, so a bad run directory
+    fails loudly on stderr); ``pull_endpoint(run_dir, rank)`` is the address
     of the child's own PULL socket. ``main_fn`` returns 0/None for a clean exit; an exception is
     logged and reported to the supervisor as Dead, and the exit code is 1."""
     from dflash_ipc.control.protocol import RejectCounter
@@ -352,7 +419,7 @@ def run_child(
     args = parser.parse_args(argv)
     key = read_key(args.key_fd)
     run_dir = Path(args.run_dir)
-    placement = place(args)
+    placement = place(args) if place is not None else placement_from_config(role, args)
     log, stop, log_file = _setup_process(role, args.rank, run_dir, placement.log_level, args.supervisor_pid)
     parent_pid = args.supervisor_pid or os.getppid()
     socks: ChildSockets | None = None

@@ -47,8 +47,7 @@ def pin_malloc_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     By default glibc raises the threshold to the size of every mmapped block freed (up to 32 MiB),
     so after the first steps a trainer's tensors of a few MiB are carved out of the heap instead,
     where blocks of shifting sizes fragment it and RSS creeps up for hundreds of steps (the soak's
-    drafters: +11 MiB over 1,000 steps, in whichever rank's heap fragmented). A fixed threshold
-    turns that adjustment off: a large block is mapped when allocated and unmapped when freed.
+    figures: docs/FAULTS.md). A fixed threshold turns that adjustment off: a large block is mapped when allocated and unmapped when freed.
     """
     if sys.platform != "linux":
         return False

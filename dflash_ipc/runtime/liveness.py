@@ -3,6 +3,7 @@ stopped, which child to blame when heartbeats stop, and its line in the status s
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 import subprocess
@@ -24,6 +25,28 @@ def host_memory_text(proc: psutil.Process, *more: str) -> str:
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     host = f"host RSS {proc.memory_info().rss / 2**30:.2f} GiB (peak so far {peak_kib / 2**20:.2f} GiB)"
     return "; ".join((host, *filter(None, more)))
+
+
+def cpu_shares_for(n_children: int) -> list[list[int]] | None:
+    """Split this process's CPU cores into n contiguous shares (None if there are too few)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 * n_children:
+        return None
+    size = len(cores) // n_children
+    return [cores[i * size : (i + 1) * size] for i in range(n_children)]
+
+
+def failure_text(what: str, children: list, logs_dir: Path, ch: Any = None) -> str:
+    """``what`` went wrong, with the blamed child's exit, a shared-memory hint and its log's tail."""
+    if ch is None:
+        ch = next((c for c in children if c.name in what), None)
+    text = what
+    if ch is not None:
+        if ch.popen is not None and ch.popen.poll() is not None and describe_exit(ch.popen.returncode) not in text:
+            text += f" [{describe_exit(ch.popen.returncode)}]"
+        text += shm_exhaustion_hint(ch.popen.returncode if ch.popen is not None else None)
+        text += f"\n  last lines of {logs_dir}/{ch.name}.log:\n{log_tail(logs_dir / f'{ch.name}.log')}"
+    return text
 
 
 def describe_exit(code: int | None) -> str:
@@ -133,6 +156,21 @@ def silent_child(children: list, now: float, timeout: float) -> tuple[Any, str] 
     others = [c.name for c in overdue if c is not ch]
     text = f"{ch.name} (pid {ch.popen.pid}) stopped answering{why}: no heartbeat for {age:.1f} s (run.heartbeat_timeout_s = {timeout:g})"
     return ch, text + (f"; silent since, waiting for it: {', '.join(others)}" if others else "")
+
+
+def stalled_child(children: list, now: float, timeout: float) -> tuple[Any, str] | None:
+    """The child to blame when one lives (its heartbeat thread beats) but its loop stopped moving:
+    the one stalled longest (its peers in a collective stall later, waiting for it)."""
+    ages = [
+        (c.loop_age_s + (now - c.last_beat), c) for c in children if c.done is None and c.last_beat is not None and c.popen.poll() is None
+    ]
+    stalled = [(age, c) for age, c in ages if age > timeout]
+    if not stalled:
+        return None
+    age, ch = max(stalled, key=lambda item: item[0])
+    text = f"{ch.name} (pid {ch.popen.pid}) is alive but its loop made no progress for {age:.1f} s (run.stall_timeout_s = {timeout:g})"
+    others = [c.name for _, c in stalled if c is not ch]
+    return ch, text + (f"; stalled since, waiting for it: {', '.join(others)}" if others else "")
 
 
 def process_status(ch: Any, now: float, now_m: float) -> ProcessStatus:

@@ -52,67 +52,13 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 from dflash_ipc.control.status import NodeStatus
-from dflash_ipc.control.wire import Struct, from_wire, to_wire
+from dflash_ipc.node_spec import MAX_NODES, NODE_FILE, NodeOptionError, NodeSpec, read_node_spec, write_node_spec  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
-
-NODE_FILE = "node.json"
-MAX_NODES = 4096
-
-
-class NodeOptionError(ValueError):
-    """A bad --nnodes/--node-rank/--master-addr/--master-port (or its environment variable)."""
-
-
-@dataclass(frozen=True)
-class NodeSpec(Struct):
-    """This node's place in the run (``node.json`` in the run dir; the children read it)."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = ""  # empty: single node (the supervisor picks a loopback port for the drafters)
-    master_port: int = 0
-    shared_dir: str = ""  # empty: the run dir
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.nnodes <= MAX_NODES:
-            raise NodeOptionError(f"--nnodes (NNODES) must be in [1, {MAX_NODES}] (got {self.nnodes})")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise NodeOptionError(
-                f"--node-rank (NODE_RANK) must be in [0, {self.nnodes}) for --nnodes {self.nnodes} (got {self.node_rank})"
-            )
-        if self.nnodes > 1:
-            if not self.master_addr:
-                raise NodeOptionError(
-                    "--master-addr (MASTER_ADDR) is required with --nnodes > 1: the host of node 0, reachable from every node"
-                )
-            if not 1 <= self.master_port <= 65534:
-                raise NodeOptionError(
-                    f"--master-port (MASTER_PORT) must be in [1, 65534] with --nnodes > 1 (got {self.master_port}); "
-                    "the supervisors use MASTER_PORT+1 too"
-                )
-
-    @property
-    def multi(self) -> bool:
-        return self.nnodes > 1
-
-    def shared_root(self, run_dir: Path) -> Path:
-        """Where global rank 0 writes checkpoints and the export, and every node reads them on --resume."""
-        return Path(self.shared_dir) if self.shared_dir else run_dir
-
-    def checkpoint_root(self, run_dir: Path) -> Path:
-        return self.shared_root(run_dir) / "checkpoints"
-
-    def global_rank(self, local_rank: int, per_node: int) -> int:
-        return self.node_rank * per_node + local_rank
-
-    def label(self) -> str:
-        return f"node {self.node_rank}/{self.nnodes}"
 
 
 def _int_option(option: str, env_var: str, value: int | None, env: Mapping[str, str]) -> int | None:
@@ -170,18 +116,6 @@ def drafter_envs(spec: NodeSpec, per_node: int) -> list[dict[str, str]]:
         )
         for local in range(per_node)
     ]
-
-
-def write_node_spec(run_dir: Path, spec: NodeSpec) -> None:
-    (run_dir / NODE_FILE).write_text(json.dumps(to_wire(spec)) + "\n")
-
-
-def read_node_spec(run_dir: Path) -> NodeSpec:
-    """This node's spec as `up` wrote it; a run dir without one (single-node runs before) is node 0 of 1."""
-    path = run_dir / NODE_FILE
-    if not path.exists():
-        return NodeSpec()
-    return from_wire(NodeSpec, json.loads(path.read_text()), NODE_FILE)
 
 
 def run_digest(config: dict, plan: dict) -> str:

@@ -34,7 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, _valid_device, load_config
+from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, load_config
+from dflash_ipc.config_checks import valid_device
 from dflash_ipc.runtime.resume_check import check_resume_config
 from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
 
@@ -121,7 +122,7 @@ def check_devices(topology: TopologyConfig, n_cuda: int, source: str) -> None:
 
 def device_problem(dev: str, n_cuda: int) -> str | None:
     """Why ``dev`` is no device of this machine ("cpu", or "cuda:N" of the ``n_cuda`` visible), or None."""
-    if not _valid_device(dev):
+    if not valid_device(dev):
         return f'{dev!r} is not a device; use "cpu" or "cuda:N"'
     if not dev.startswith("cuda:"):
         return None

@@ -203,9 +203,9 @@ def _spec_factors(cfg: DFlashConfig, hidden: int) -> list[tuple[str, int, int]]:
 
 
 def _tied(hf_config: Any) -> bool:
-    from dflash_ipc.target.heads import _tied
+    from dflash_ipc.target.heads import is_tied
 
-    return _tied(hf_config)
+    return is_tied(hf_config)
 
 
 def _count(n: int) -> str:

@@ -10,7 +10,8 @@ Run states (the supervisor's own state machine)::
       SIGTERM / SIGINT              ─▶ STOPPING: Shutdown(checkpoint) to drafters; they agree on
                                        a step boundary, checkpoint, Done ─▶ Shutdown targets ─▶ exit 0
       a child exits unexpectedly,
-      sends Dead, or misses heartbeats ─▶ FAILED: teardown (Shutdown, SIGTERM, SIGKILL after
+      sends Dead, misses heartbeats,
+      or its loop stalls            ─▶ FAILED: teardown (Shutdown, SIGTERM, SIGKILL after
                                        run.teardown_grace_s), sweep shared memory, exit 1 naming the
                                        process, its exit code or signal, and the tail of its log;
                                        with --max-restarts K: restart the group from the last
@@ -25,7 +26,9 @@ child spawned under that identity (any shape, any key, an orphan of an earlier a
 Hello from another pid) is rejected and counted (``supervisor_rejected_by_kind`` in status),
 never fatal. When heartbeats stop, the process blamed is one that the kernel reports stopped
 (SIGSTOP, ``T`` state) if any, else the one whose last heartbeat is oldest: a drafter waiting in
-a collective for a stuck peer goes silent too, but later. Status is served from the moment the
+a collective for a stuck peer goes silent too, but later. Heartbeats come from a thread of the
+child (``runtime.heartbeat``), so a long step never silences them; a child that beats while its
+loop has not moved for run.stall_timeout_s is the stall rule's (``liveness.stalled_child``). Status is served from the moment the
 children are spawned (state ``starting``), SIGTERM during the handshake stops the run at once
 (exit 0, nothing trained), and the socket files are removed when the supervisor exits. It serves its status snapshot
 read-only on ``sock/status`` (REP; over tcp: ``control.json`` names both endpoints, see
@@ -84,6 +87,7 @@ class Child:
     popen: subprocess.Popen | None = None
     started: float = 0.0
     last_beat: float | None = None
+    loop_age_s: float = 0.0  # the last heartbeat's: seconds since the child's loop last progressed
     stats: TargetStats | DrafterStats | None = None  # the latest heartbeat's figures (after Done: the final ones)
     done: Done | None = None
     dead_error: str | None = None
@@ -99,15 +103,6 @@ class Child:
 
 class StoppedDuringStart(RuntimeError):
     pass
-
-
-def cpu_shares_for(n_children: int) -> list[list[int]] | None:
-    """Split this process's CPU cores into n contiguous shares (None if there are too few)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2 * n_children:
-        return None
-    size = len(cores) // n_children
-    return [cores[i * size : (i + 1) * size] for i in range(n_children)]
 
 
 class Supervisor:
@@ -269,7 +264,7 @@ class Supervisor:
         if not self.forward_only:
             self.children += [Child("drafter", r, d) for r, d in enumerate(cfg.topology.drafters)]
         rendezvous = drafter_envs(self.node, len(cfg.topology.drafters))
-        cpu_shares = cpu_shares_for(len(self.children)) if (cfg.run.cpu_affinity == "auto" and cfg.topology.on_cuda) else None
+        cpu_shares = liveness.cpu_shares_for(len(self.children)) if (cfg.run.cpu_affinity == "auto" and cfg.topology.on_cuda) else None
         for i, ch in enumerate(self.children):
             env = dict(base_env)
             key_fd = key_pipe(self._auth.key)
@@ -432,6 +427,8 @@ class Supervisor:
                 raise GroupFailed(node_failure)
             now = time.monotonic()
             silent = liveness.silent_child(self.children, now, cfg.run.heartbeat_timeout_s) if not targets_stopped else None
+            stall_s = cfg.run.stall_timeout_s or 10 * cfg.run.heartbeat_timeout_s
+            silent = silent or (liveness.stalled_child(self.children, now, stall_s) if not targets_stopped else None)
             if silent is not None:  # in a run of several nodes, likely waiting in a collective for a hung node
                 hung = self.node_group.suspect()
                 raise GroupFailed(f"{hung}; here {silent[1]}" if hung else self._failure_text(silent[1], silent[0]))
@@ -491,6 +488,7 @@ class Supervisor:
             self.rejects.reject("wrong_sender", f"{type(msg).__name__} for {msg.role}-{msg.rank} from {ch.name}")
         elif isinstance(msg, Heartbeat):
             ch.last_beat = time.monotonic()
+            ch.loop_age_s = msg.loop_age_s
             ch.stats = msg.stats
         elif isinstance(msg, Done):
             ch.done = msg
@@ -536,15 +534,7 @@ class Supervisor:
                 ch.popen.wait()
 
     def _failure_text(self, what: str, ch: Child | None = None) -> str:
-        if ch is None:
-            ch = next((c for c in self.children if c.name in what), None)
-        text = what
-        if ch is not None:
-            if ch.popen is not None and ch.popen.poll() is not None and liveness.describe_exit(ch.popen.returncode) not in text:
-                text += f" [{liveness.describe_exit(ch.popen.returncode)}]"
-            text += liveness.shm_exhaustion_hint(ch.popen.returncode if ch.popen is not None else None)
-            text += f"\n  last lines of {self.run_dir}/logs/{ch.name}.log:\n{liveness.log_tail(self.run_dir / 'logs' / f'{ch.name}.log')}"
-        return text
+        return liveness.failure_text(what, self.children, self.run_dir / "logs", ch)
 
     # ------------------------------------------------------------------ status
 

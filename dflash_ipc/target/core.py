@@ -15,7 +15,6 @@ At most one forward runs ahead of the free slots, so slot waits are bounded and 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections import deque
@@ -29,8 +28,8 @@ from dflash_ipc.control.stats import GpuMemory, TargetWork
 from dflash_ipc.data.corpus import Corpus, load_corpus
 from dflash_ipc.data.plan import PlannedBatch, plan_epoch
 from dflash_ipc.data.tokenizer import config_tokenizer
-from dflash_ipc.drafter.checkpoint import LEDGER_FILE, BatchLedger
-from dflash_ipc.runtime.nodes import NodeSpec, read_node_spec
+from dflash_ipc.ledger import BatchLedger
+from dflash_ipc.node_spec import NodeSpec, read_node_spec
 from dflash_ipc.target.fast_path import fast_path_report
 from dflash_ipc.target.model import TargetModel, build_target
 from dflash_ipc.target.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta
@@ -48,12 +47,6 @@ def slot_layout_for(cfg: DFlashConfig, model: TargetModel) -> SlotLayout:
         max_seqs=cfg.data.max_batch_size,
         plane_dtype=cfg.target.dtype,
     )
-
-
-def read_ledger(checkpoint_dir: str | None) -> BatchLedger:
-    if not checkpoint_dir:
-        return BatchLedger()
-    return BatchLedger.from_wire(json.loads((Path(checkpoint_dir) / LEDGER_FILE).read_text()))
 
 
 @dataclass
@@ -177,6 +170,10 @@ class TargetCore:
         self.packer = AsyncPacker(self.layout, self.device, async_pack=self.cfg.target.async_pack)
         self.overlap = OverlapMeter(self.device)
         self.t_start = time.perf_counter()
+
+    def scheduled_ids(self) -> list[list[int]]:
+        """The plan ids of the training batches still to forward, in order."""
+        return [b.id.to_wire() for b in self._schedule]
 
     @property
     def batches_left(self) -> int:
@@ -323,6 +320,26 @@ class TargetCore:
             bare_forwards=self.bare_forwards,
             layers_run=self.model.layers_run,
             gpu=GpuMemory.of(self.device),
+        )
+
+    def describe_kernels(self) -> str:
+        """The forward's kernels, for the start-up log."""
+        fp = self.fast_path
+        if not fp.get("gated_delta_net_layers"):  # e.g. a Llama target: no linear-attention layers
+            return f"{type(self.model.stack).__name__}, attention {self.cfg.target.attn_implementation}"
+        fla = "active" if fp.get("fla") else "NOT active (slow torch fallback)"
+        conv = "active" if fp.get("causal_conv1d") else "not active (torch conv fallback)"
+        return f"GatedDeltaNet kernels: flash-linear-attention {fla}, causal-conv1d {conv} ({fp.get('implementations')})"
+
+    def describe_forward(self) -> str:
+        return f"{'packed (varlen)' if self.model.varlen else 'padded'} ({self.model.varlen_reason})"
+
+    def describe_pack_overlap(self) -> str:
+        s = self.stats(final=True)
+        return (
+            f"forward {s.forward_ms:.1f} ms/batch; pack {s.pack_ms:.2f} ms/batch off the critical path, {s.pack_overlap_pct:.1f}% of it "
+            f"while a forward ran (exposed {s.pack_exposed_ms:.2f} ms/batch over {s.packs_measured} packs); "
+            f"handing a batch to the packer took {s.pack_submit_ms:.2f} ms"
         )
 
     def close(self) -> None:

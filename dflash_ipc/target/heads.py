@@ -45,7 +45,7 @@ def _random_matrix(rows: int, cols: int, std: float, seed: int, tag: str, device
     return fill_normal_(out, std, _head_generator(seed, tag))
 
 
-def _tied(hf_config: Any) -> bool:
+def is_tied(hf_config: Any) -> bool:
     tc = text_config(hf_config)
     return bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False))
 
@@ -96,7 +96,7 @@ def target_head_weights(cfg: TargetConfig, hf_config: Any, device, dtype: torch.
         weight_map = _safetensors_files(model_dir)
         embed_key = _pick_embed_key(weight_map)
         head_key = None
-        if not _tied(hf_config):
+        if not is_tied(hf_config):
             for cand in ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"):
                 if cand in weight_map:
                     head_key = cand
@@ -114,7 +114,7 @@ def target_head_weights(cfg: TargetConfig, hf_config: Any, device, dtype: torch.
     v, h = int(tc.vocab_size), int(tc.hidden_size)
     std = float(getattr(tc, "initializer_range", 0.02))
     embed = _random_matrix(v, h, std, cfg.random_init_seed, "embed_tokens", device, dtype)
-    if _tied(hf_config):
+    if is_tied(hf_config):
         return embed, embed
     head = _random_matrix(v, h, std, cfg.random_init_seed, "lm_head", device, dtype)
     return embed, head

@@ -54,7 +54,7 @@ class _StopForward(Exception):
     """Raised by the last capture hook: nothing after the last captured layer is computed."""
 
 
-def _find_decoder_stack(model: nn.Module) -> nn.Module:
+def find_decoder_stack(model: nn.Module) -> nn.Module:
     """The decoder stack (a module with ``.layers`` and input embeddings) inside a causal LM."""
     for path in ("model.language_model", "language_model", "model", "transformer", ""):
         mod = model
@@ -154,7 +154,7 @@ def _build_from_checkpoint(cfg: TargetConfig, device: torch.device, dtype: torch
             log.warning("accelerate is not installed: loading %s through host memory (pip install accelerate)", cfg.model_path)
             move_after = True
     model = AutoModelForCausalLM.from_pretrained(cfg.model_path, **kwargs)
-    stack = _find_decoder_stack(model)
+    stack = find_decoder_stack(model)
     del model  # drops the LM head (and any vision tower) with it
     n_layers = len(stack.layers)
     layer_ids = resolve_layer_ids(cfg, n_layers)

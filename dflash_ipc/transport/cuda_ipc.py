@@ -16,7 +16,7 @@ cuda-ipc
     mapping copies on the ring's GPU instead). ``copy_out``: if the slot's event has completed
     (host query) the copy of the used ranges is issued on the consumer's own copy stream;
     otherwise a stream **of the ring's device** waits on the event (waiting on an interprocess
-    event from a stream of another device crashes the process, see GPU_NOTES) and an ordinary
+    event from a stream of another device segfaults the consumer: docs/GPU_TRANSPORT.md) and an ordinary
     event carries the dependency to the copy stream. A completion event is the ticket. Several
     tickets may be in flight; nothing waits on the host.
 

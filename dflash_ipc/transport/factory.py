@@ -105,3 +105,11 @@ def choose_backend(producer_device: DeviceLike, consumer_devices: Sequence[Devic
         return "cuda-ipc", f"every consumer is on the producer's GPU cuda:{p}"
     lst = ", ".join(f"cuda:{c}" for c in sorted(peers))
     return "cuda-ipc", f"cuda:{p} has peer access with {lst}" + (" (others on the same GPU)" if len(peers) < len(cds) else "")
+
+
+def resolve_backend(backend: str, producer_device: DeviceLike, consumer_devices: Sequence[DeviceLike]) -> tuple[str, str]:
+    """``transport.backend`` as configured, or auto's choice (:func:`choose_backend`); with the reason to log."""
+    if backend != "auto":
+        return backend, "transport.backend"
+    chosen, reason = choose_backend(producer_device, consumer_devices)
+    return chosen, f"transport.backend = auto: {reason}"

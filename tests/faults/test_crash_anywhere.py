@@ -19,6 +19,7 @@ Random moments come from a seeded generator; every trial prints its seed (``FAUL
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -91,6 +92,11 @@ def child_kill_trial(tmp_path, victim: str, moment: str, seed: int) -> float:
     assert code == 1, out[-3000:]
     failed = out[out.index("[up] FAILED") :]
     assert re.search(rf"{victim} \(pid {pids[victim]}\) killed by signal SIGKILL", failed), failed[:2000]
+    if moment == "step":  # it logged: the report quotes its log's tail
+        assert f"last lines of {up.run_dir}/logs/{victim}.log" in failed, failed[:2000]
+        last_logged = [ln for ln in (up.run_dir / "logs" / f"{victim}.log").read_text().splitlines() if ln.strip()][-1]
+        assert last_logged.strip() in failed
+        assert json.loads((up.run_dir / "status.json").read_text())["state"] == "failed"
     assert leftovers(up, pids) == []
     return detect
 
@@ -153,8 +159,9 @@ def sigstop_trial(tmp_path, victim: str, seed: int) -> float:
 # --------------------------------------------------------------------------- CI: one of each
 
 
-def test_sigkill_drafter_mid_step_is_named_and_nothing_is_left(tmp_path):
-    child_kill_trial(tmp_path, "drafter-1", "step", seed=11)
+def test_sigkill_target_mid_step_is_named_with_its_log_tail_and_nothing_is_left(tmp_path):
+    """A drafter killed mid-step is named the same way in test_up's restart test."""
+    child_kill_trial(tmp_path, "target-0", "step", seed=11)
 
 
 def test_sigstop_of_drafter_1_names_drafter_1_not_the_peer_waiting_for_it(tmp_path):

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 26 on one H200 (the role loops moved into the cores, heartbeats from a thread): the GPU
+# suite (its two-GPU cases skip on one GPU), then the 27B-shape pipeline sharing the GPU
+# (configs/h200-1gpu.toml: the warmup variant compiles, then the forward-only ceiling and the
+# cuda-ipc pipeline). Two calls, one stage each, within the 600 s a command may run:
+#   run(command="STAGE=tests bash tools/gpu_core_check.sh", kind="nvidia-h200", carry=[<the .whl/ wheels>], timeout_s=600)
+#   run(command="STAGE=pipeline bash tools/gpu_core_check.sh", kind="nvidia-h200", carry=[<the .whl/ wheels>], timeout_s=600)
+# Writes $OUT/gpu_tests.log, or $OUT/pipeline.json + variants.jsonl + pipeline.err.
+set -u
+BUDGET_S=${BUDGET_S:-575}
+. tools/gpu_setup.sh
+nvidia-smi -L
+case "${STAGE:-tests}" in
+  tests)
+    timeout -s INT $(( $(left) - 10 )) python3 -m pytest -q -m gpu -rA -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc $?" >> "$OUT/gpu_tests.log"; tail -5 "$OUT/gpu_tests.log" ;;
+  pipeline)
+    set -o pipefail
+    timeout -s INT $(( $(left) - 15 )) python3 -m dflash_ipc.cli bench pipeline --config configs/h200-1gpu.toml --steps ${STEPS:-14} \
+      --variants ${VARIANTS:-warmup,forward-only,cuda-ipc} --out "$OUT/variants.jsonl" --json 2>"$OUT/pipeline.err" | tail -1 > "$OUT/pipeline.json"
+    echo "pipeline rc $?"; cat "$OUT/pipeline.json" | head -c 3000 ;;
+esac
