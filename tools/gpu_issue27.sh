@@ -2,9 +2,10 @@
 # Issue 27 on one H200 (~9 min): the packed (fla) forward and the FP8 target, measured.
 #   run(command="bash tools/gpu_issue27.sh", kind="nvidia-h200", carry=[".whl"], timeout_s=600)
 # After the 2026-12-01 15:31 run (the bf16 packed GPU test passed; the tests stage's 100 s ended inside the
-# second test; fwd27b's tok/s invalid, see docs/BENCHMARKS.md), the next call (~8.5 min):
+# second test; fwd27b's tok/s invalid, see docs/BENCHMARKS.md), the next calls (~9 min each):
 #   STAGES=tests,fwd27b,fwd9b TESTS="tests/test_fp8.py tests/test_varlen.py --deselect
 #     tests/test_varlen.py::test_cuda_bf16_packed_equals_standalone" TESTS_S=120 BUDGET_S=540 bash tools/gpu_issue27.sh
+#   STAGES=fwd9b FWD9B_S=480 BUDGET_S=540 bash tools/gpu_issue27.sh     (only if fwd9b was cut short in the first)
 # The first five stages fill the 540 s; the pipeline (64-layer target + drafter, two variants) needs a call of its own:
 #   run(command="STAGES=pipeline bash tools/gpu_issue27.sh", kind="nvidia-h200", carry=[".whl"], timeout_s=600)
 # Stages, each under `timeout` so one failure keeps the others (STAGES picks some: tests,fwd27b,fwd9b,smollm2,pipeline):
@@ -15,7 +16,8 @@
 #             packed with norms + SwiGLU (+ FP8 quantizer) fused (target/fused.py), the FP8-vs-bf16
 #             hidden-state table, the per-op-class profile (padded / packed bf16, packed FP8, fused)
 #   fwd9b     9B-class shapes (configs/bench-9b-x2.toml's target, all 32 layers) on cuda:0: the same variants
-# TESTS (the pytest arguments of the tests stage) and TESTS_S (its cap, 100 s) pick and bound that stage.
+# TESTS (the pytest arguments of the tests stage) and TESTS_S (its cap, 100 s) pick and bound that stage;
+# FWD27B_S (260) and FWD9B_S (150) cap those two stages (each also ends where BUDGET_S does).
 #   smollm2   FP8-vs-bf16 hidden states on SmolLM2's real weights (/root/models/smollm2; skipped when absent)
 #   pipeline  bench pipeline on configs/h200-1gpu.toml with target.quantization = "fp8" (packed by default):
 #             forward-only then cuda-ipc, target and drafter sharing the GPU; whatever time is left
@@ -42,8 +44,8 @@ fwd() {  # name, timeout cap, args...
     | tee $OUT/$name.log | grep -v "^USDT" | grep -E "target-forward|^  |^    " | cut -c1-200 | tail -${TAIL:-70}
   echo "[$name] exit ${PIPESTATUS[0]}"
 }
-want fwd27b && fwd fwd27b 230 --config configs/h200-1gpu.toml --layers ${LAYERS27:-16} --batches ${BATCHES:-8} --profile --fuse
-want fwd9b && TAIL=24 fwd fwd9b 150 --config configs/bench-9b-x2.toml --device cuda:0 --batches ${BATCHES:-8} --fuse
+want fwd27b && fwd fwd27b ${FWD27B_S:-260} --config configs/h200-1gpu.toml --layers ${LAYERS27:-16} --batches ${BATCHES:-8} --profile --fuse
+want fwd9b && TAIL=24 fwd fwd9b ${FWD9B_S:-150} --config configs/bench-9b-x2.toml --device cuda:0 --batches ${BATCHES:-8} --fuse
 if want smollm2; then
   if [ -f /root/models/smollm2/config.json ]; then
     TAIL=12 fwd smollm2 45 --checkpoint /root/models/smollm2 --device cuda:0
