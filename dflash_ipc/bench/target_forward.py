@@ -117,9 +117,9 @@ def time_variant(model: TargetModel, variant: str, batches, peak_tflops: float, 
     each batch CUDA-synchronized.
 
     Every batch of a plan has its own shape, and the first call of a shape pays for fla's Triton
-    autotuning, ``torch.compile``'s recompiles and cuBLAS's heuristics (seconds, against ~0.3 s
-    for the forward itself): a warm-up over a few batches leaves those costs in the timed pass,
-    and in the first variant's most of all. So each variant visits every batch before its
+    autotuning, ``torch.compile``'s recompiles and cuBLAS's heuristics, often many times the
+    forward itself: a warm-up over a few batches leaves those costs in the timed pass, and in
+    the first variant's most of all (later variants reuse what it tuned). So each variant visits every batch before its
     timed pass; the warm-up's own time is kept (``warmup_s``) to show what it absorbed."""
     if warmup_passes < 1:
         raise ValueError(f"warmup_passes must be >= 1 (a timed first call of a shape is not a throughput); got {warmup_passes}")
