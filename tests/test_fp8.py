@@ -55,6 +55,47 @@ def test_fp8_linear_is_the_scaled_product_and_close_to_bf16():
     assert fp8.weight_fp8.dtype == E4M3 and not any(p.requires_grad for p in fp8.parameters())
 
 
+def test_fp8_linear_at_27b_width_is_e4m3_rounding_and_nothing_more():
+    """A 5120-wide input (27B's hidden size) against the exact fp32 product: weight rows and
+    tokens of magnitudes 100x apart, outlier channels (50x) and outlier tokens (10x), so a
+    scale of the wrong granularity (per tensor, or transposed) would push the small rows into
+    e4m3's subnormals and show. Rows are independent under per-row scales, so 2,048 of the
+    FFN's 17,408 output rows stand for all of them.
+
+    e4m3 rounds to nearest with 3 mantissa bits: a relative error uniform over a spacing of
+    2^-3 of the leading power of two, i.e. rms 2^-3 / sqrt(12) * sqrt(E[1/m^2]) = 0.0266 for
+    mantissas m log-uniform on [1, 2). Two rounded operands over random signs: sqrt(2) * 0.0266
+    = 0.038 on the product. The tolerances below are those figures with 20 % margin."""
+    g = torch.Generator().manual_seed(5)
+    k, n, m = 5120, 2048, 96
+    w = torch.randn(n, k, generator=g) * 0.02 * torch.logspace(-1, 1, n).unsqueeze(1)
+    x = torch.randn(m, k, generator=g) * torch.exp(0.5 * torch.randn(k, generator=g))
+    x[:, torch.randperm(k, generator=g)[:8]] *= 50
+    x[torch.randperm(m, generator=g)[:4]] *= 10
+    x = x * torch.logspace(-1, 1, m).unsqueeze(1)
+    lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    xb, wb = x.to(torch.bfloat16), lin.weight.detach().float()
+    fp8 = Fp8Linear(lin)
+    y = fp8(xb).float()
+    exact = xb.float() @ wb.t()
+
+    def rel(a: torch.Tensor, b: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+        return (a - b).norm(dim=dim) / b.norm(dim=dim)
+
+    w_err = rel(fp8.dequantized_weight(), wb, dim=1)  # per output row
+    assert 0.8 * 0.0266 < w_err.mean().item() < 1.2 * 0.0266 and w_err.max().item() < 0.035, w_err
+    xq, xs = quantize_rows(xb)
+    x_err = rel(xq.float() * xs, xb.float(), dim=1)  # per token
+    assert x_err.max().item() < 1.2 * 0.0266, x_err
+    per_token = rel(y, exact, dim=1)
+    assert per_token.max().item() < 1.2 * 0.038, per_token
+    # the GEMM adds one bf16 rounding to the dequantized product, nothing more
+    deq = (xq.float() * xs) @ fp8.dequantized_weight().t()
+    assert rel(y, deq).item() < 2.0**-8
+
+
 def test_quantize_linears_on_a_real_tiny_target_keeps_capture_close():
     """Every linear of the tiny Qwen3.5 stack whose widths are multiples of 16 goes FP8 (the
     4-wide GatedDeltaNet gates stay), embeddings untouched; the captured planes stay close."""

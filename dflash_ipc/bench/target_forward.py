@@ -9,7 +9,8 @@
   decoder layers (the real per-layer shapes; ratios, not whole-model times), capturing
   ``target.num_capture_layers`` layers spread from layer 1 to layer N-1 (so all N run). Without
   it the config's own capture layers, as the pipeline runs them (up to the last captured one).
-* **Variants** (each: two warm-up batches untimed, then all K timed, CUDA-synchronized):
+* **Variants** (each: ``--warmup-passes`` untimed passes over all K batches, then all K timed,
+  each CUDA-synchronized; see :func:`time_variant` for why every batch is warmed):
   ``padded`` (``capture`` of the right-padded [B, L] batch) and ``packed`` (``capture_packed``:
   the real tokens in one row); then the same model's linear layers are quantized in place
   (:func:`~dflash_ipc.target.fp8.quantize_linears`) and ``padded-fp8`` / ``packed-fp8`` run.
@@ -111,11 +112,23 @@ def run_one(model: TargetModel, variant: str, ids: torch.Tensor, lens: list[int]
     return model.capture(ids.to(model.device, non_blocking=True))
 
 
-def time_variant(model: TargetModel, variant: str, batches, peak_tflops: float, warmup: int = 2) -> dict[str, Any]:
-    """Warm-up batches untimed, then every batch timed one by one (synchronized)."""
-    for ids, lens in batches[:warmup]:
-        run_one(model, variant, ids, lens)
+def time_variant(model: TargetModel, variant: str, batches, peak_tflops: float, warmup_passes: int = 1) -> dict[str, Any]:
+    """``warmup_passes`` untimed passes over **every** batch, then one timed pass over all of them,
+    each batch CUDA-synchronized.
+
+    Every batch of a plan has its own shape, and the first call of a shape pays for fla's Triton
+    autotuning, ``torch.compile``'s recompiles and cuBLAS's heuristics, often many times the
+    forward itself: a warm-up over a few batches leaves those costs in the timed pass, and in
+    the first variant's most of all (later variants reuse what it tuned). So each variant visits every batch before its
+    timed pass; the warm-up's own time is kept (``warmup_s``) to show what it absorbed."""
+    if warmup_passes < 1:
+        raise ValueError(f"warmup_passes must be >= 1 (a timed first call of a shape is not a throughput); got {warmup_passes}")
+    t0 = time.perf_counter()
+    for _ in range(warmup_passes):
+        for ids, lens in batches:
+            run_one(model, variant, ids, lens)
     _sync(model)
+    warmup_s = time.perf_counter() - t0
     times = []
     for ids, lens in batches:
         t0 = time.perf_counter()
@@ -129,6 +142,8 @@ def time_variant(model: TargetModel, variant: str, batches, peak_tflops: float, 
     return {
         "variant": variant,
         "batches": len(batches),
+        "warmup_passes": warmup_passes,
+        "warmup_s": round(warmup_s, 2),
         "seconds": round(total, 4),
         "real_tokens": real,
         "computed_tokens": computed,
@@ -176,6 +191,7 @@ def run(
     *,
     layers: int = 0,
     n_batches: int = 8,
+    warmup_passes: int = 1,
     agree_batches: int = 2,
     profile: bool = False,
     fp8: bool = True,
@@ -189,6 +205,7 @@ def run(
     cfg = load_config(config_path)
     dev = torch.device(device or cfg.topology.targets[0])
     out: dict[str, Any] = {"config": config_path, "device": str(dev), "peak_tflops": peak_tflops}
+    out["timing"] = {"warmup_passes_per_variant": warmup_passes, "timed_passes_per_variant": 1, "each_warmup_pass": "every batch"}
     out_file = Path(out_path)
 
     def save() -> None:
@@ -220,7 +237,7 @@ def run(
         """Time the ``timed`` variants of the model as it is now; profile the ``profiled`` ones
         (with ``--profile``)."""
         for v in timed:
-            results[f"{v}-{tag}"] = r = time_variant(model, v, batches, peak_tflops)
+            results[f"{v}-{tag}"] = r = time_variant(model, v, batches, peak_tflops, warmup_passes)
             _echo(f"{v}-{tag}: {r['tokens_per_s']} tok/s real, MFU {r['mfu_real']} (bf16 peak), padding {r['padding_pct']}%")
             save()
         ids, lens = batches[0]
@@ -341,6 +358,13 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="JSON written here (rewritten as it goes).")
 @click.option("--layers", type=click.IntRange(0), default=0, help="Keep the first N decoder layers of a spec target (0: all).")
 @click.option("--batches", "n_batches", type=click.IntRange(3), default=8, show_default=True)
+@click.option(
+    "--warmup-passes",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Untimed passes over every batch before each variant's timed pass.",
+)
 @click.option("--agree-batches", type=click.IntRange(0), default=2, show_default=True)
 @click.option("--profile/--no-profile", default=False)
 @click.option("--fp8/--no-fp8", default=True)
@@ -351,7 +375,20 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
 @click.option("--checkpoint", default="", help="Instead: FP8 vs bf16 agreement on this local checkpoint's real weights.")
 @click.option("--fp8-off-gpu", is_flag=True, hidden=True, help="Dry runs: FP8 through torch._scaled_mm on any device (CPU: slow).")
 def main(
-    config_path, out_path, layers, n_batches, agree_batches, profile, fp8, fuse, peak_tflops, device, cache_dir, checkpoint, fp8_off_gpu
+    config_path,
+    out_path,
+    layers,
+    n_batches,
+    warmup_passes,
+    agree_batches,
+    profile,
+    fp8,
+    fuse,
+    peak_tflops,
+    device,
+    cache_dir,
+    checkpoint,
+    fp8_off_gpu,
 ) -> None:
     if checkpoint:
         checkpoint_agreement(checkpoint, out_path, device or "cuda:0")
@@ -363,6 +400,7 @@ def main(
         out_path,
         layers=layers,
         n_batches=n_batches,
+        warmup_passes=warmup_passes,
         agree_batches=agree_batches,
         profile=profile,
         fp8=fp8,
