@@ -522,9 +522,16 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str) -> None:
 @click.option("--limit", type=click.IntRange(0), default=0, show_default=True, help="Use only the first N prompts (0: all).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="Default: topology.targets[0].")
+@click.option(
+    "--decode",
+    type=click.Choice(["dynamic", "static", "compiled"]),
+    default="dynamic",
+    show_default=True,
+    help="KV cache of generate: dynamic, static, or static with a torch.compile'd decode step (CUDA graphs on a GPU).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def gen_data_cmd(
-    config_path, out_path, prompts_path, holdout_fraction, batch_size, max_new, temperature, top_p, limit, seed, device, as_json
+    config_path, out_path, prompts_path, holdout_fraction, batch_size, max_new, temperature, top_p, limit, seed, device, decode, as_json
 ):
     """The target answers the first user turn of every chat record (resumable self-distillation data)."""
     from pathlib import Path
@@ -542,6 +549,7 @@ def gen_data_cmd(
         holdout_fraction=holdout_fraction,
         limit=limit,
         seed=seed,
+        decode=decode,
     )
 
     def echo(line: str) -> None:

@@ -154,3 +154,47 @@ def test_unreadable_parquet_is_a_clear_data_error(tmp_path):
     cfg.paths = [str(bad)]
     with pytest.raises(DataError, match="bad.parquet: not a readable Parquet file"):
         load_corpus(cfg, tok, None)
+
+
+def test_static_and_compiled_decoding_give_the_ids_of_the_dynamic_cache(tiny_llama):
+    # an attention-only model (SmolLM2's family): the static cache applies to it (a hybrid model keeps its own)
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from dflash_ipc.data.gen import GenOptions, generate_batch
+
+    lm = LlamaForCausalLM.from_pretrained(tiny_llama).eval()
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [3] * 20, [1, 2]]
+    dyn = GenOptions(max_new=12)
+    free = generate_batch(lm, prompts, 0, {1023}, dyn, seed=0)
+    # a stop token the first answer reaches mid-way: cut there in every mode
+    stop = free[0][0][4]
+    ref = generate_batch(lm, prompts, 0, {stop}, dyn, seed=0)
+    assert ref[0] == (free[0][0][:4], "stop") and any(f == "length" for _, f in ref)
+    compiled_graphs = []
+
+    @torch._dynamo.register_backend(name="dflash_test_counting")
+    def counting(gm, example_inputs):
+        compiled_graphs.append(gm)
+        return gm.forward
+
+    try:
+        for mode, backend in (("static", "inductor"), ("compiled", "dflash_test_counting")):
+            opts = GenOptions(max_new=12, decode=mode, compile_backend=backend)
+            assert generate_batch(lm, prompts, 0, {stop}, opts, seed=0) == ref, mode
+        assert compiled_graphs  # the compiled mode did run a compiled forward
+    finally:
+        torch._dynamo.reset()
+
+
+def test_decode_mode_is_checked():
+    from dflash_ipc.data.gen import GenOptions
+
+    with pytest.raises(ValueError, match="decode must be one of dynamic, static, compiled"):
+        GenOptions(decode="graphs")
+    # synthesis samples with gen-data's batch and decode mode, never its split or limit
+    sampling = GenOptions(batch_size=7, decode="compiled", holdout_fraction=0.1, limit=3).sampling(5, 1.0, 0.9)
+    assert (sampling.batch_size, sampling.decode, sampling.max_new, sampling.temperature, sampling.top_p) == (7, "compiled", 5, 1.0, 0.9)
+    assert (sampling.holdout_fraction, sampling.limit) == (0.0, 0)
+    r = CliRunner().invoke(main, ["gen-data", "--config", str(TINY), "--out", "/tmp/never.jsonl", "--decode", "graphs"])
+    assert r.exit_code == 2 and "graphs" in r.output

@@ -7,12 +7,16 @@
 #   HOLDOUTS="synth=W/synth.holdout.jsonl builtin=W/gen.holdout.jsonl" BUDGET_S=420 bash tools/gpu_eval_suite.sh
 #   DRY_RUN=1 bash tools/gpu_eval_suite.sh     # the same on CPU: tiny config, untrained drafters, tiny sizes
 # Writes under $OUT: suite_<drafter>_T<t>.json (eval --json), .log (progress), .txt (its table), and
-# suite_table.md (every run in one table). A drafter named untrained* is the floor: T = 0 only, FLOOR_N prompts per set.
+# suite_table.md (every run in one table). A drafter named untrained* is the floor: T = 0 only, FLOOR_N prompts per
+# set in FLOOR_S seconds; the other runs share the rest of the budget equally.
 # Knobs (env): CONFIG, DRAFTERS (name=dir ...), HOLDOUTS (name=file ...; absent files are skipped), SETS (default: the
 # holdouts + humaneval + everyday=configs/eval/everyday.jsonl), TEMPS ("0 1"), TOP_P (1.0), SEED (0), MAX_NEW (128),
-# WORKERS (eval processes, 12), SPEED_PROMPTS (per set, 2), S_PER_PROMPT (seconds per prompt decoded both ways by one
-# worker at MAX_NEW: 3.5, ~3 measured at 128 for SmolLM2-135M with 8 workers), N_MAX (per set, 164), FLOOR_N (16),
-# BUDGET_S (the whole call, 420), DEVICE (target and drafter of every worker, cuda:0), SETUP (1: source tools/gpu_setup.sh; 0 when the package is already set up).
+# WORKERS (eval processes, 8), SPEED_PROMPTS (per set, 1), S_ALONE (seconds per speed prompt decoded alone both ways:
+# 5), S_PER_PROMPT (seconds per prompt per worker in the pool, WORKERS sharing one GPU: 9), STARTUP_S (loading the
+# model, then the pool's workers: 50), N_MAX (per set, 164), FLOOR_N (8), FLOOR_S (140), BUDGET_S (the whole call,
+# 420), DEVICE (target and drafter of every worker, cuda:0), SETUP (1: source tools/gpu_setup.sh; 0 when the package
+# is already set up). The time figures are at MAX_NEW 128 and scale with it; docs/EVAL.md says where they come from
+# (2026-12-01: 12 workers left 64 prompts of the untrained floor unfinished in 194 s, and 132 trained in 97 s).
 set -u -o pipefail
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1
@@ -28,14 +32,14 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   DRAFTERS=${DRAFTERS:-"trained=$W/trained untrained=$W/untrained"}
   HOLDOUTS=${HOLDOUTS:-"builtin=$W/builtin.holdout.jsonl"}
   MAX_NEW=${MAX_NEW:-8}; WORKERS=${WORKERS:-2}; SPEED_PROMPTS=${SPEED_PROMPTS:-1}; N_MAX=${N_MAX:-2}; FLOOR_N=${FLOOR_N:-1}
-  S_PER_PROMPT=${S_PER_PROMPT:-2}; BUDGET_S=${BUDGET_S:-900}; SETUP=0; DEVICE=cpu
+  S_PER_PROMPT=${S_PER_PROMPT:-2}; S_ALONE=${S_ALONE:-2}; BUDGET_S=${BUDGET_S:-900}; FLOOR_S=${FLOOR_S:-300}; SETUP=0; DEVICE=cpu
 else
   : "${CONFIG:?set CONFIG (the training config)}" "${DRAFTERS:?set DRAFTERS=\"trained=DIR untrained=DIR\"}"
 fi
 if [ "${SETUP:-1}" = 1 ]; then . tools/gpu_setup.sh; fi
 HOLDOUTS=${HOLDOUTS:-}; TEMPS=${TEMPS:-"0 1"}; TOP_P=${TOP_P:-1.0}; SEED=${SEED:-0}; MAX_NEW=${MAX_NEW:-128}
-WORKERS=${WORKERS:-12}; SPEED_PROMPTS=${SPEED_PROMPTS:-2}; S_PER_PROMPT=${S_PER_PROMPT:-3.5}; N_MAX=${N_MAX:-164}
-FLOOR_N=${FLOOR_N:-16}; BUDGET_S=${BUDGET_S:-420}; DEVICE=${DEVICE:-cuda:0}
+WORKERS=${WORKERS:-8}; SPEED_PROMPTS=${SPEED_PROMPTS:-1}; S_ALONE=${S_ALONE:-5}; S_PER_PROMPT=${S_PER_PROMPT:-9}; N_MAX=${N_MAX:-164}
+STARTUP_S=${STARTUP_S:-50}; FLOOR_N=${FLOOR_N:-8}; FLOOR_S=${FLOOR_S:-140}; BUDGET_S=${BUDGET_S:-420}; DEVICE=${DEVICE:-cuda:0}
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 stage() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
 
@@ -57,15 +61,18 @@ for d in $DRAFTERS; do
   done
 done
 stage "${#RUNS[@]} runs on $NSETS sets ($SETS), max-new $MAX_NEW, $WORKERS workers, budget $BUDGET_S s"
-i=0
+FLOORS=0
+for run in "${RUNS[@]}"; do case "${run%%=*}" in untrained*) FLOORS=$((FLOORS + 1)) ;; esac; done
+OTHERS=$(( ${#RUNS[@]} - FLOORS ))
 for run in "${RUNS[@]}"; do
   d=${run%@*}; t=${run##*@}; name=${d%%=*}; dir=${d#*=}
-  L=$(left); share=$(( L / (${#RUNS[@]} - i) )); i=$((i + 1))
+  L=$(left)
   case "$name" in
-    untrained*) N=$FLOOR_N ;;
-    # prompts per set that fit the run's share: ~40 s to start the workers, the speed prompts alone, then the pool
-    # (planned on 85% of the share: a run killed at its timeout reports nothing)
-    *) N=$(python3 -c "print(max(1, min($N_MAX, int((0.85 * $share - 40 - $SPEED_PROMPTS * $NSETS * $S_PER_PROMPT) * $WORKERS / ($S_PER_PROMPT * $NSETS)))))") ;;
+    untrained*) share=$(( L < FLOOR_S ? L : FLOOR_S )); FLOORS=$((FLOORS - 1)); N=$FLOOR_N ;;
+    # prompts per set that fit the run's share: the start, the speed prompts alone, then the pool (planned on 85% of
+    # the share: a run killed at its timeout reports nothing)
+    *) share=$(( (L - FLOORS * FLOOR_S) / OTHERS )); OTHERS=$((OTHERS - 1))
+       N=$(python3 -c "print(max(1, min($N_MAX, int((0.85 * $share - $STARTUP_S - $SPEED_PROMPTS * $NSETS * $S_ALONE) * $WORKERS / ($S_PER_PROMPT * $NSETS)))))") ;;
   esac
   TEMP_ARGS=()
   [ "$t" != 0 ] && TEMP_ARGS=(--temperature "$t" --top-p "$TOP_P" --seed "$SEED")

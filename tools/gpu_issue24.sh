@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# Issue 24 on one H200 in warm calls (the machine keeps /root between them):
-#   STEP=data  : join the SmolLM2 GGUF (first part stashed under /root/parts by the call before, the second
-#                carried in .big/p2), convert it, then synthesize + answer prompts and answer the built-in
-#                questions (tools/gpu_synth_smollm2.sh PHASE=data)
-#   STEP=train : train on the mix (tools/gpu_synth_smollm2.sh PHASE=train), export, export the untrained floor
+# Issue 24 on one H200 in warm calls (the machine keeps /root between them); the plan with each call's budget
+# from the measured rates is in docs/EVAL.md ("Next session's GPU plan"):
+#   STEP=stash : stash the GGUF's first part (carried in .big/p1) under /root/parts for the data call, then (PROBE=1)
+#                time gen-data's decoding on random SmolLM2-shaped weights: dynamic vs compiled cache at batch
+#                512 and 2048 (tools/gen_decode_bench.py, $OUT/gen_decode.json) -> pick DECODE for the data call
+#   STEP=data  : join the GGUF (second part carried in .big/p2), convert it, then synthesize + answer prompts and
+#                answer the built-in questions (tools/gpu_synth_smollm2.sh PHASE=data)
+#   STEP=train : export the untrained floor, then train on the mix (tools/gpu_synth_smollm2.sh PHASE=train EVAL=0),
+#                all inside BUDGET_S (give the call BUDGET_S + 45 s)
 #   STEP=eval  : the suite table (tools/gpu_eval_suite.sh): held-out synthesized, held-out built-in, HumanEval,
 #                everyday; trained at T = 0 and T = 1, the untrained floor at T = 0
-# Knobs pass through to those scripts (BUDGET_S, N_SYNTH, N_BUILTIN, SYNTH_BS, TRAIN_S, STEP_S, TEMPS, ...).
+# Knobs pass through to those scripts (BUDGET_S, N_SYNTH, N_BUILTIN, SYNTH_BS, DECODE, TRAIN_S, STEP_S, TEMPS, ...).
 set -u
 W=${WORK:-/root/work-synth}
-case "${STEP:?STEP=data|train|eval}" in
+case "${STEP:?STEP=stash|data|train|eval}" in
+  stash)
+    mkdir -p /root/parts && cp .big/p1/smolpart.* /root/parts/ && ls -la /root/parts
+    if [ "${PROBE:-1}" = 1 ]; then
+      . tools/gpu_setup.sh
+      timeout "${PROBE_S:-150}" python3 tools/gen_decode_bench.py --random-smollm2 --device cuda:0 --modes dynamic,compiled \
+        --batch-sizes "${PROBE_BS:-512,2048}" --max-new "${PROBE_MAX_NEW:-64}" --batches 1 --out "$OUT/gen_decode.json" 2> "$OUT/gen_decode.log"
+      echo "probe exit $?"; tail -n 5 "$OUT/gen_decode.log"
+    fi ;;
   data)
     mkdir -p /root/smollm2 /root/parts
     if [ ! -f /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
@@ -20,10 +32,9 @@ case "${STEP:?STEP=data|train|eval}" in
     if [ ! -f /root/models/smollm2/config.json ]; then
       python3 tools/smollm2_to_hf.py --gguf /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/models/smollm2 2>&1 | tail -n 3
     fi
-    PHASE=data bash tools/gpu_synth_smollm2.sh ;;
+    SETUP=0 PHASE=data bash tools/gpu_synth_smollm2.sh ;;
   train)
-    PHASE=train EVAL_RESERVE_S=${EVAL_RESERVE_S:-25} bash tools/gpu_synth_smollm2.sh
-    python3 -m dflash_ipc.cli export-untrained --config "$W/train.toml" --out "$W/untrained" --device cuda:0 2>&1 | tail -n 1 ;;
+    PHASE=train EVAL=0 UNTRAINED=$W/untrained BUDGET_S=${BUDGET_S:-550} bash tools/gpu_synth_smollm2.sh ;;
   eval)
     CONFIG=$W/train.toml DRAFTERS="trained=$W/run/export/drafter untrained=$W/untrained" TEMPS=${TEMPS:-"0 1"} \
       HOLDOUTS="synth=$W/synth.holdout.jsonl builtin=$W/builtin.holdout.jsonl" bash tools/gpu_eval_suite.sh ;;

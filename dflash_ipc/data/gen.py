@@ -26,10 +26,22 @@ already in either (a torn last line of an interrupted run is ignored and redone)
 Generation is batched (left-padded, sorted by prompt length) with transformers' ``generate``
 on the target's device: greedy, or sampled with temperature / top-p, up to ``max_new``
 tokens, stopping at the chat template's end-of-turn token.
+
+Decoding (``GenOptions.decode``, ``gen-data --decode``): ``dynamic`` is ``generate``'s default cache
+(it grows by concatenation; every decode step launches each layer's kernels from Python, so a small
+model's step time hardly grows with the batch and the batch size sets the rate: docs/EVAL.md);
+``static`` preallocates the KV cache for ``width + max_new`` tokens (attention-only models: a
+hybrid model's own cache stays, transformers ignores the flag); ``compiled`` adds a
+``torch.compile``d decode step on that static cache (``CompileConfig``, inductor's
+``reduce-overhead``: CUDA graphs, no per-kernel launch from Python). With a static cache the
+left-padded width is rounded up to a power of two, so batches of similar prompts reuse one
+compiled graph (shapes, not values, decide a recompile). Greedy outputs are the same ids in
+every mode (tests/test_gen_data.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -47,7 +59,20 @@ from dflash_ipc.data.records import ANSWER_IDS_FIELD, VOCAB_FIELD
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenOptions", "done_ids", "generate_batch", "holdout_path", "is_holdout", "prompt_key", "run_gen_data", "truncate_torn_tail"]
+__all__ = [
+    "DECODE_MODES",
+    "GenOptions",
+    "done_ids",
+    "generate_batch",
+    "holdout_path",
+    "is_holdout",
+    "prompt_key",
+    "run_gen_data",
+    "truncate_torn_tail",
+]
+
+
+DECODE_MODES = ("dynamic", "static", "compiled")
 
 
 @dataclass(frozen=True)
@@ -59,8 +84,12 @@ class GenOptions:
     holdout_fraction: float = 0.0
     limit: int = 0  # 0: every prompt
     seed: int = 0
+    decode: str = "dynamic"  # one of DECODE_MODES
+    compile_backend: str = "inductor"  # torch.compile backend of decode = "compiled"
 
     def __post_init__(self) -> None:
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)} (got {self.decode!r})")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (got {self.batch_size})")
         if self.max_new < 1:
@@ -73,6 +102,10 @@ class GenOptions:
             raise ValueError(f"holdout_fraction must be in [0, 1) (got {self.holdout_fraction})")
         if self.limit < 0:
             raise ValueError(f"limit must be >= 0 (got {self.limit})")
+
+    def sampling(self, max_new: int, temperature: float, top_p: float) -> GenOptions:
+        """These options (batch, decode mode) for sampling text of another kind (synthesized user turns)."""
+        return dataclasses.replace(self, max_new=max_new, temperature=temperature, top_p=top_p, holdout_fraction=0.0, limit=0)
 
 
 def holdout_path(out: Path) -> Path:
@@ -268,6 +301,8 @@ def generate_batch(lm, prompts: list[list[int]], pad_id: int, stops: set[int], o
     """Left-padded batched generation; per prompt (new ids without the stop token, "stop"|"length")."""
     dev = next(lm.parameters()).device
     width = max(len(p) for p in prompts)
+    if opts.decode != "dynamic":
+        width = max(16, 1 << (width - 1).bit_length())  # a power of two: one compiled graph per width class
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
@@ -280,6 +315,7 @@ def generate_batch(lm, prompts: list[list[int]], pad_id: int, stops: set[int], o
         kwargs.update(temperature=opts.temperature, top_p=opts.top_p, top_k=0)
     else:
         kwargs.update(temperature=None, top_p=None, top_k=None)
+    kwargs.update(_decode_kwargs(opts))
     gen = lm.generate(
         input_ids=ids.to(dev),
         attention_mask=mask.to(dev),
@@ -293,3 +329,18 @@ def generate_batch(lm, prompts: list[list[int]], pad_id: int, stops: set[int], o
         cut = next((k for k, t in enumerate(row) if t in stops), None)
         out.append((row[:cut], "stop") if cut is not None else (row, "length"))
     return out
+
+
+def _decode_kwargs(opts: GenOptions) -> dict:
+    """``generate`` keywords of ``opts.decode``: none (dynamic cache), a static cache, or a static cache
+    with a compiled forward (on every device: a CPU run compiles too, as asked)."""
+    if opts.decode == "dynamic":
+        return {}
+    if opts.decode == "static":
+        return {"cache_implementation": "static"}
+    from transformers import CompileConfig
+
+    # reduce-overhead (CUDA graphs) is inductor's mode; another backend takes no mode
+    cc = CompileConfig(backend=opts.compile_backend, mode="reduce-overhead" if opts.compile_backend == "inductor" else None)
+    cc._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    return {"cache_implementation": "static", "compile_config": cc}

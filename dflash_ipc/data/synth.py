@@ -116,11 +116,12 @@ def synthesize_prompts(
     get_lm: Callable[[], Any],
     out: Path,
     n: int,
-    batch_size: int,
+    gen: GenOptions,
     echo: Callable[[str], None] = lambda s: None,
 ) -> dict:
     """Sample until ``OUT.prompts.jsonl`` holds at least ``n`` kept requests (or the draws run out);
-    write the diversity report; return it with the counts of this call."""
+    write the diversity report; return it with the counts of this call. ``gen``: gen-data's options, whose
+    batch size and decode mode the sampling uses (``synth.*`` sets the rest)."""
     import time
 
     sc = cfg.synth
@@ -138,12 +139,14 @@ def synthesize_prompts(
     max_draws = math.ceil(n * sc.max_draws_per_prompt)
     new = 0
     seconds = 0.0
+    batch_size = gen.batch_size
     if len(kept) < n:
-        echo(f"synth: {len(kept)} of {n} prompts kept already; sampling from batch {next_batch} (batch {batch_size})")
+        where = f"batch {next_batch} (batch {batch_size}, {gen.decode} decoding)"
+        echo(f"synth: {len(kept)} of {n} prompts kept already; sampling from {where}")
         lm = get_lm()
         stops = user_turn_stops(tokenizer, getattr(lm, "generation_config", None))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        opts = GenOptions(batch_size=batch_size, max_new=sc.max_prompt_tokens, temperature=sc.temperature, top_p=sc.top_p)
+        opts = gen.sampling(sc.max_prompt_tokens, sc.temperature, sc.top_p)
         t0, sampled_before = time.perf_counter(), sampled
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a", encoding="utf-8") as f:
@@ -213,7 +216,7 @@ def run_synth_gen_data(
             loaded.append(build_target_lm(cfg.target, torch.device(device or cfg.topology.targets[0]), vocab_size=len(tokenizer)))
         return loaded[0]
 
-    synth = synthesize_prompts(cfg, tokenizer, get_lm, out, n, opts.batch_size, echo)
+    synth = synthesize_prompts(cfg, tokenizer, get_lm, out, n, opts, echo)
     limit = min(opts.limit or n, n)
     result = run_gen_data(
         cfg, out, dataclasses.replace(opts, limit=limit), prompts_path=synth["prompts_file"], device=device, echo=echo, get_lm=get_lm

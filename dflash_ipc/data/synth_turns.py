@@ -95,7 +95,7 @@ def extend_turns(
     missing = sorted((r for r, _ in todo if r["id"] not in turns), key=lambda r: r["id"])
     if missing:
         stops = user_turn_stops(tokenizer, getattr(lm, "generation_config", None))
-        sample = GenOptions(batch_size=opts.batch_size, max_new=sc.max_prompt_tokens, temperature=sc.temperature, top_p=sc.top_p)
+        sample = opts.sampling(sc.max_prompt_tokens, sc.temperature, sc.top_p)
         ids = {
             r["id"]: tokenizer(pre_query_template(tokenizer, history=history(r)), add_special_tokens=False)["input_ids"] for r in missing
         }
