@@ -155,6 +155,21 @@ def truncate_torn_tail(path: Path) -> None:
         f.truncate(keep)
 
 
+def read_complete_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file that this command appends to: a torn last line is cut off the file
+    first, a line that does not parse is skipped."""
+    truncate_torn_tail(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 class _Progress:
     """A rich progress bar on a terminal, plain lines otherwise."""
 

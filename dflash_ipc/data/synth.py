@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ipc.config import DFlashConfig
-from dflash_ipc.data.gen import GenOptions, generate_batch, run_gen_data, truncate_torn_tail
+from dflash_ipc.data.gen import GenOptions, generate_batch, read_complete_jsonl, run_gen_data
 from dflash_ipc.data.prequery import pre_query_template, user_turn_stops
 from dflash_ipc.data.synth_filters import PromptFilter, diversity_report, format_report
 from dflash_ipc.data.synth_turns import extend_turns
@@ -97,13 +97,9 @@ def _steering(cfg_synth, batch: int) -> str | None:
 
 def _read_kept(path: Path) -> list[dict]:
     """The complete lines of the prompts file (a torn last line is cut off the file)."""
-    truncate_torn_tail(path)
-    if not path.exists():
-        return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for rec in read_complete_jsonl(path):
         try:
-            rec = json.loads(line)
             rows.append({"id": str(rec["id"]), "batch": int(rec["batch"]), "text": rec["conversations"][0]["content"]})
         except (ValueError, KeyError, TypeError, IndexError):
             continue

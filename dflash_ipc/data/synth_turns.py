@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ipc.config import DFlashConfig
-from dflash_ipc.data.gen import GenOptions, generate_batch, holdout_path, is_holdout, truncate_torn_tail
+from dflash_ipc.data.gen import GenOptions, generate_batch, holdout_path, is_holdout, read_complete_jsonl
 from dflash_ipc.data.prequery import pre_query_template, user_turn_stops
 from dflash_ipc.data.records import ANSWER_IDS_FIELD, VOCAB_FIELD
 from dflash_ipc.data.synth_filters import PromptFilter
@@ -38,19 +38,6 @@ TURN_SUFFIX = "/t2"
 
 def turns_path(out: Path) -> Path:
     return Path(out).with_name(Path(out).stem + ".turns.jsonl")
-
-
-def _records(path: Path) -> list[dict]:
-    truncate_torn_tail(path)
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def extend_turns(
@@ -70,7 +57,7 @@ def extend_turns(
     parents: list[tuple[dict, bool]] = []
     answered: set[str] = set()
     for held, path in files.items():
-        for rec in _records(path):
+        for rec in read_complete_jsonl(path):
             rid = str(rec.get("id", ""))
             if rid.endswith(TURN_SUFFIX):
                 answered.add(rid[: -len(TURN_SUFFIX)])
@@ -78,7 +65,7 @@ def extend_turns(
                 if is_holdout("multi-turn:" + rid, sc.multi_turn_fraction):  # by hash: the same records on every run
                     parents.append((rec, held))
     tpath = turns_path(out)
-    turns = {str(t["id"]): t for t in _records(tpath) if "id" in t}
+    turns = {str(t["id"]): t for t in read_complete_jsonl(tpath) if "id" in t}
     todo = [(rec, held) for rec, held in parents if rec["id"] not in answered]
     result = {"multi_turn_candidates": len(parents), "turns_sampled": 0, "turns_dropped": 0, "turns_written": 0}
     if not todo:
