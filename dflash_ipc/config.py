@@ -370,7 +370,11 @@ class TrainingConfig:
     weight_decay: float = 0.01  # AdamW, on matrices only (norms and biases: none); SpecForge uses 0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW; SpecForge uses [0.9, 0.999]
     grad_clip: float = 1.0
-    loss_gamma: float = 7.0
+    loss_gamma: float = 7.0  # "decay" weighting: slot s >= 1 of a block weighs exp(-(s-1)/loss_gamma)
+    # "dpace": D-PACE (arXiv 2605.18810), slot weights from the drafter's own confidence (drafter/loss.py)
+    loss_weighting: Literal["decay", "dpace"] = "decay"
+    dpace_alpha: float = 0.5  # D-PACE smoothing q~ = (1 - alpha) q + alpha of the confidence q; 1: fixed weights
+    dpace_normalizer: Literal["blocks", "weights"] = "blocks"  # divide the loss by the blocks or by the sum of weights
     ce_chunk_tokens: int = 2048
     kl_weight: float = 0.0
     checkpoint_every: int = 0  # 0: only at the end and on shutdown
@@ -412,6 +416,7 @@ class TrainingConfig:
         )
         require(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
         require(self.loss_gamma > 0, "loss_gamma", "must be > 0")
+        require(0 < self.dpace_alpha <= 1, "dpace_alpha", f"must be in (0, 1] (got {self.dpace_alpha}); 0.5 is the paper's")
         require(self.ce_chunk_tokens >= 16, "ce_chunk_tokens", "must be >= 16")
         require(self.kl_weight >= 0, "kl_weight", "must be >= 0")
         require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")

@@ -25,6 +25,10 @@ from dflash_ipc.transport.slots import SlotViews
 LAYERS = ["sliding_attention", "full_attention"]
 LENS = [9, 14, 7, 12]
 TC = TrainingConfig(lr=1e-2, warmup_steps=0, max_steps=3, grad_clip=0.0, ce_chunk_tokens=16)
+# D-PACE: weights from the drafter's own confidence, normalised by the blocks or by the weights' sum
+DPACE = dataclasses.replace(TC, loss_weighting="dpace")
+DPACE_W = dataclasses.replace(DPACE, dpace_normalizer="weights")
+WEIGHTINGS = pytest.mark.parametrize("tc", [TC, DPACE, DPACE_W], ids=["decay", "dpace-blocks", "dpace-weights"])
 
 
 def chunked(dc: DrafterConfig, anchor_chunk: int) -> DrafterConfig:
@@ -55,12 +59,12 @@ def test_compute_loss_chunks_add_up_to_the_whole_batch():
             torch.testing.assert_close(g[n], grads[0][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-def _train(anchor_chunk: int, views_per_step: list[SlotViews], trainer_kwargs: dict | None = None):
+def _train(anchor_chunk: int, views_per_step: list[SlotViews], trainer_kwargs: dict | None = None, tc: TrainingConfig = TC):
     model, dc = tiny_model(LAYERS, num_anchors=64, seed=5)
     dc = chunked(dc, anchor_chunk)
     # Adam's eps keeps the update Lipschitz in the gradient: at the default 1e-8 a gradient element near 0
     # turns into a ~sign step, and fp32 summation-order noise (1e-7) would move it by up to lr.
-    tr = DrafterTrainer(model, TC, eps=1e-3, **(trainer_kwargs or {}))
+    tr = DrafterTrainer(model, tc, eps=1e-3, **(trainer_kwargs or {}))
     calls = []
 
     def accumulate(loss_sum):
@@ -69,19 +73,20 @@ def _train(anchor_chunk: int, views_per_step: list[SlotViews], trainer_kwargs: d
 
     stats, grads = [], []
     for views in views_per_step:
-        out = L.compute_loss(model, views, dc, TC, torch.Generator().manual_seed(1), accumulate)
+        out = L.compute_loss(model, views, dc, tc, torch.Generator().manual_seed(1), accumulate)
         stats.append(tr.step(out.loss_sum, out.weight_sum))
         grads.append(tr._grad_flat.clone())  # the global-weight-normalised gradient of this step
     tr.close()
     return tr.trainable_state_dict(), stats, grads, len(calls)
 
 
-def test_one_step_over_k_chunks_equals_one_step_over_all_anchors():
+@WEIGHTINGS
+def test_one_step_over_k_chunks_equals_one_step_over_all_anchors(tc):
     steps = [packed_views(LENS, seed=s) for s in (3, 4, 5)]
-    ref_w, ref_stats, ref_g, ref_calls = _train(0, steps)
+    ref_w, ref_stats, ref_g, ref_calls = _train(0, steps, tc=tc)
     assert ref_calls == 0
     for chunk in (4, 7):
-        w, st, g, calls = _train(chunk, steps)
+        w, st, g, calls = _train(chunk, steps, tc=tc)
         assert calls >= 3 * 2  # every step ran several chunks, all but the last through accumulate
         for a, b in zip(g, ref_g):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)  # fp32 summation order
@@ -129,25 +134,26 @@ def _halves(seed: int) -> list[SlotViews]:
     return [part(0, cut, LENS[:2]), part(cut, n, LENS[2:])]
 
 
-def _dp_worker(rank: int, port: int, out_dir: str) -> None:
+def _dp_worker(rank: int, port: int, out_dir: str, tc: TrainingConfig = TC) -> None:
     with process_group_rank(rank, port) as world:
-        weights, stats, _, calls = _train(3, [_halves(s)[rank] for s in (3, 4)], {"world": world, "bucket_mb": 1e-4})
+        weights, stats, _, calls = _train(3, [_halves(s)[rank] for s in (3, 4)], {"world": world, "bucket_mb": 1e-4}, tc)
         torch.save(
             {"weights": weights, "weight": [s.global_weight for s in stats], "calls": calls}, os.path.join(out_dir, f"rank{rank}.pt")
         )
 
 
 @pytest.mark.slow  # two gloo ranks
-def test_two_ranks_with_anchor_chunks_equal_one_rank_without(tmp_path):
+@WEIGHTINGS
+def test_two_ranks_with_anchor_chunks_equal_one_rank_without(tmp_path, tc):
     """Data parallel + micro-batching: each rank chunks its half; the token-weighted reduction
-    (global loss sum / global weight) still gives the one-process, one-forward step."""
-    mp.spawn(_dp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    (global loss sum / global weight) still gives the one-process, one-forward step. D-PACE's
+    normaliser (blocks, or its confidence-dependent weights) is a sum over blocks, all-reduced alike."""
+    mp.spawn(_dp_worker, args=(free_port(), str(tmp_path), tc), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
-    ref_w, ref_stats, _, _ = _train(0, [packed_views(LENS, seed=s) for s in (3, 4)])
-    a, b = _halves(3)
-    w_a = L.compute_loss(tiny_model(LAYERS, num_anchors=64)[0], a, tiny_model(LAYERS, num_anchors=64)[1], TC).weight_sum
-    w_b = L.compute_loss(tiny_model(LAYERS, num_anchors=64)[0], b, tiny_model(LAYERS, num_anchors=64)[1], TC).weight_sum
-    assert abs(float(w_a) - float(w_b)) > 0.5  # unequal halves: a mean of per-rank means would differ
+    ref_w, ref_stats, _, _ = _train(0, [packed_views(LENS, seed=s) for s in (3, 4)], tc=tc)
+    model, dc = tiny_model(LAYERS, num_anchors=64, seed=5)
+    w_a, w_b = (float(L.compute_loss(model, h, dc, tc, torch.Generator().manual_seed(1)).weight_sum) for h in _halves(3))
+    assert abs(w_a - w_b) > 0.5  # unequal halves: a mean of per-rank means would differ
     assert r0["calls"] > 0 and r1["calls"] > 0
     for gw0, gw1, r in zip(r0["weight"], r1["weight"], ref_stats):
         assert gw0 == gw1 == pytest.approx(r.global_weight, rel=1e-6)

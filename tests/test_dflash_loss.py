@@ -323,8 +323,10 @@ def test_chunked_loss_frozen_head_gets_no_grad():
 # --------------------------------------------------------------------------- compute_loss
 
 
-def manual_loss(model, views, anchors, gamma, kl_weight=0.0):
-    """Recompute compute_loss's numbers for given anchors with plain (unchunked) ops."""
+def manual_loss(model, views, anchors, gamma, kl_weight=0.0, weights_of=None):
+    """Recompute compute_loss's numbers for given anchors with plain (unchunked) ops.
+
+    ``weights_of(ce [N, bs], valid [N, bs])``: the slot weights instead of block_labels' decay."""
     bs = model.config.block_size
     k = model.config.num_context_planes
     n = views.token_ids.numel()
@@ -342,6 +344,8 @@ def manual_loss(model, views, anchors, gamma, kl_weight=0.0):
     )
     logits = model.compute_logits(hidden).float().view(len(anchors), bs, -1)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.labels.reshape(-1), reduction="none")
+    if weights_of is not None:
+        lab = lab._replace(weights=weights_of(ce.view_as(lab.valid), lab.valid))
     total = (ce * lab.weights.reshape(-1)).sum()
     if kl_weight:
         th = views.planes[k][(lab.label_pos - 1).clamp(min=0)]

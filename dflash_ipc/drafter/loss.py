@@ -15,7 +15,9 @@ Optional KL to the target: ``KL(p_target || q_draft)`` per supervised slot, with
 token ``a_j + s`` comes from its last hidden state one position earlier (causal LM), the
 alignment SpecForge's ``_aligned_target_hidden`` uses (``label_index - 1``). Total:
 ``sum_w CE + kl_weight * sum_w KL`` (same weights ``w``), **not** divided; divide
-``loss_sum`` by ``weight_sum`` (summed over ranks) to get the mean.
+``loss_sum`` by ``weight_sum`` (summed over ranks) to get the mean. The weights ``w`` are the
+fixed decay of :func:`block_labels` or, with ``training.loss_weighting = "dpace"``, the drafter's
+own confidence (:func:`dpace_weights`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ __all__ = [
     "accuracy_per_pos",
     "expected_acceptance_length",
     "block_acceptance_lengths",
+    "dpace_weights",
 ]
 
 
@@ -74,7 +77,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_w, target_hidden, kl_weight, chunk):
+    def forward(ctx, hidden, weight, labels, row_w, target_hidden, kl_weight, chunk, reweight):
         r = hidden.shape[0]
         dev = hidden.device
         lse = torch.empty(r, dtype=torch.float32, device=dev)
@@ -92,17 +95,19 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 t_logp = F.log_softmax(F.linear(target_hidden[s:e], weight).float(), dim=-1)
                 kl[s:e] = (t_logp.exp() * (t_logp - (logits - lse_c[:, None]))).sum(-1)
             del logits
+        if reweight is not None:
+            row_w = reweight(ce).to(torch.float32)
         ce_sum = (ce * row_w).sum()
         kl_sum = (kl * row_w).sum()
         total = ce_sum + kl_weight * kl_sum
         ctx.save_for_backward(hidden, weight, labels, row_w, lse, target_hidden)
         ctx.kl_weight = float(kl_weight)
         ctx.chunk = int(chunk)
-        ctx.mark_non_differentiable(ce_sum, kl_sum, pred)
-        return total, ce_sum, kl_sum, pred
+        ctx.mark_non_differentiable(ce_sum, kl_sum, pred, row_w)
+        return total, ce_sum, kl_sum, pred, row_w
 
     @staticmethod
-    def backward(ctx, g_total, _g_ce, _g_kl, _g_pred):
+    def backward(ctx, g_total, _g_ce, _g_kl, _g_pred, _g_row_w):
         hidden, weight, labels, row_w, lse, target_hidden = ctx.saved_tensors
         klw, chunk = ctx.kl_weight, ctx.chunk
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -126,7 +131,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 grad_w += g.t() @ hidden[s:e].float()
         if want_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 class ChunkedLossResult(NamedTuple):
@@ -134,6 +139,7 @@ class ChunkedLossResult(NamedTuple):
     ce_sum: torch.Tensor  # detached
     kl_sum: torch.Tensor  # detached
     pred: torch.Tensor  # [R] argmax token of the draft
+    row_weights: torch.Tensor  # [R] float32: the weights applied (``reweight``'s when given)
 
 
 def chunked_lm_loss(
@@ -145,6 +151,7 @@ def chunked_lm_loss(
     *,
     target_hidden: torch.Tensor | None = None,
     kl_weight: float = 0.0,
+    reweight: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> ChunkedLossResult:
     """Weighted full-vocabulary CE of ``lm_head(hidden)`` vs ``labels``, ``chunk_rows`` rows at a time.
 
@@ -152,14 +159,53 @@ def chunked_lm_loss(
     ``kl_weight * sum_w KL(softmax(lm_head(target_hidden)) || softmax(lm_head(hidden)))``; the
     target distribution is a constant (no gradient flows through it). Gradients reach
     ``hidden`` and, if it requires grad, ``lm_head_weight`` (through the draft logits).
+    ``reweight`` maps the per-row CE (``[R]``, float32, no graph) to the row weights used instead
+    of ``row_weights``: weights that depend on the draft's own predictions (D-PACE) at no extra
+    pass over the vocabulary; they are constants to the gradient (stop-gradient).
     """
     if chunk_rows < 1:
         raise ValueError("chunk_rows must be >= 1")
     weight = lm_head_weight.to(hidden.dtype)
     row_w = row_weights.to(torch.float32)
     th = target_hidden.to(hidden.dtype) if (target_hidden is not None and kl_weight > 0) else None
-    total, ce_sum, kl_sum, pred = _ChunkedLMLoss.apply(hidden, weight, labels.to(torch.int64), row_w, th, float(kl_weight), int(chunk_rows))
-    return ChunkedLossResult(total, ce_sum, kl_sum, pred)
+    total, ce_sum, kl_sum, pred, row_w = _ChunkedLMLoss.apply(
+        hidden, weight, labels.to(torch.int64), row_w, th, float(kl_weight), int(chunk_rows), reweight
+    )
+    return ChunkedLossResult(total, ce_sum, kl_sum, pred, row_w)
+
+
+# --------------------------------------------------------------------------- D-PACE
+
+
+def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights ``[N, block_size]`` from the draft's probability of each label (arXiv 2605.18810).
+
+    ``confidence[j, s]``: the drafter's probability ``q`` of block ``j``'s label at slot ``s`` (any
+    value where ``valid`` is false). With the smoothed ``q~ = (1 - alpha) q + alpha`` at valid slots
+    and 1 elsewhere (a slot without a label neither ends nor weakens the prefix)::
+
+        w[j, s] = valid[j, s] * sum_{m >= s, valid[j, m]} prod_{i <= m} q~[j, i]
+
+    ``sum_m prod_{i<=m} q~_i`` is the block's expected accepted draft length when each slot is
+    accepted with probability ``q~``, and ``w_s`` its derivative by ``log q~_s``: the weighted CE
+    ``sum_s w_s * (-log q_s)`` with ``w`` held constant has the gradient of minus that expected
+    length (exactly so at ``alpha -> 0``). Early slots weigh most (every later acceptance goes
+    through them); a slot behind a weak prefix weighs little until the prefix is learnt.
+    """
+    q = torch.where(valid, (1.0 - alpha) * confidence.detach().to(torch.float32) + alpha, 1.0)
+    reach = torch.cumprod(q, dim=1) * valid
+    return reach.flip(1).cumsum(1).flip(1) * valid
+
+
+def _dpace_reweight(valid: torch.Tensor, rows: torch.Tensor, alpha: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``reweight`` for :func:`chunked_lm_loss`: per-row CE of the valid slots ``rows`` -> D-PACE row weights."""
+
+    def reweight(ce: torch.Tensor) -> torch.Tensor:
+        confidence = torch.zeros(valid.numel(), dtype=torch.float32, device=ce.device)
+        confidence[rows] = torch.exp(-ce)
+        return dpace_weights(confidence.view_as(valid), valid, alpha).reshape(-1)[rows]
+
+    return reweight
 
 
 # --------------------------------------------------------------------------- compute_loss
@@ -230,6 +276,14 @@ def compute_loss(
     ``anchors``: ``(positions, document index)``, ascending, instead of sampled ones (held-out passes
     anchor at every valid position; the generator is then only used for noise). ``per_block``: also
     return each block's eval-rule acceptance length (``LossOutput.block_accept``).
+
+    ``training.loss_weighting = "dpace"``: each block's slot weights are :func:`dpace_weights` of
+    the drafter's own probabilities of its labels in this forward (detached, so the weights steer
+    the gradient without receiving any). A block lies in one anchor chunk, so chunking cannot change
+    them. ``weight_sum`` is then the number of blocks with a label (``dpace_normalizer = "blocks"``:
+    the loss is the mean over blocks of the expected-accepted-length credit, as the paper's author
+    asks in SpecForge issue 828) or the sum of the D-PACE weights (``"weights"``: SpecForge's first
+    integration); either is a sum over blocks, so the trainer's all-reduce makes it the global one.
     """
     mcfg = model.config
     bs = mcfg.block_size
@@ -260,7 +314,13 @@ def compute_loss(
     if anchors.numel() == 0:
         return _empty_output(model, bs, dev)
     lab = block_labels(token_ids, loss_mask, anchors, doc.doc_end[anchor_doc], bs, training_cfg.loss_gamma)
-    weight_sum = lab.weights.reshape(-1)[lab.valid.reshape(-1).nonzero().squeeze(1)].sum()
+    dpace = training_cfg.loss_weighting == "dpace"
+    if not dpace:
+        weight_sum = lab.weights.reshape(-1)[lab.valid.reshape(-1).nonzero().squeeze(1)].sum()
+    elif training_cfg.dpace_normalizer == "blocks":
+        weight_sum = lab.valid.any(dim=1).sum().to(torch.float32)
+    else:
+        weight_sum = torch.zeros((), dtype=torch.float32, device=dev)  # the chunks' D-PACE weights, added below
     context = concat_context(planes[:k], drafter_cfg.noise_std, generator)
     backend = model.attention_backend(dev)
 
@@ -294,7 +354,10 @@ def compute_loss(
             training_cfg.ce_chunk_tokens,
             target_hidden=target_hidden,
             kl_weight=training_cfg.kl_weight,
+            reweight=_dpace_reweight(part.valid, rows, training_cfg.dpace_alpha) if dpace else None,
         )
+        if dpace and training_cfg.dpace_normalizer == "weights":
+            weight_sum += res.row_weights.sum()
         slot = rows % bs
         correct.index_add_(0, slot, (res.pred == labels).to(torch.float32))
         count.index_add_(0, slot, torch.ones(rows.numel(), dtype=torch.float32, device=dev))
