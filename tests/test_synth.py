@@ -285,3 +285,19 @@ def test_synth_stops_at_its_time_budget_and_the_same_command_continues(tmp_path)
     assert second["synth"]["sampled"] == 8 and second["synth"]["new"] == second["synth"]["kept"] - first["synth"]["kept"]
     ids = [json.loads(x)["id"] for x in synth_prompts_path(out).read_text().splitlines()]
     assert len(ids) == len(set(ids)) == second["synth"]["kept"]
+
+
+def test_a_spent_time_budget_still_samples_one_batch_per_call(tmp_path, monkeypatch):
+    """However slow the process is scheduled between starting the clock and the first batch (here a clock
+    that jumps an hour each read), each call samples one batch before it looks at synth.max_seconds, so a
+    re-run always makes progress."""
+    import itertools
+    import time
+
+    cfg = tmp_path / "slow.toml"
+    cfg.write_text(TINY.read_text() + "\n[synth]\nmax_prompt_tokens = 4\ndrop_unfinished = false\nmin_chars = 1\nmax_seconds = 1\n")
+    hours = itertools.count(step=3600.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(hours))
+    out = tmp_path / "g.jsonl"
+    assert _synth(cfg, out, 40)["synth"]["sampled"] == 4
+    assert _synth(cfg, out, 40)["synth"]["sampled"] == 8

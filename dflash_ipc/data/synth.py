@@ -146,7 +146,7 @@ def synthesize_prompts(
         t0, sampled_before = time.perf_counter(), sampled
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a", encoding="utf-8") as f:
-            while len(kept) < n and sampled < max_draws and not (sc.max_seconds and time.perf_counter() - t0 >= sc.max_seconds):
+            while len(kept) < n and sampled < max_draws:
                 k = next_batch
                 prefix = pre_query_template(tokenizer, _steering(sc, k))
                 ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
@@ -168,6 +168,9 @@ def synthesize_prompts(
                 write_text_atomic(state_path, json.dumps({"next_batch": next_batch, "sampled": sampled, "dropped": dict(filt.dropped)}))
                 rate = (sampled - sampled_before) / max(time.perf_counter() - t0, 1e-9)
                 echo(f"synth: {len(kept)}/{n} prompts kept, {sampled} sampled ({rate:.1f} samples/s)")
+                # The budget is checked after a batch, never before the first: every call makes progress.
+                if sc.max_seconds and time.perf_counter() - t0 >= sc.max_seconds:
+                    break
         seconds = time.perf_counter() - t0
         if len(kept) < n and sampled >= max_draws:
             echo(f"synth: stopped at {len(kept)} prompts: {sampled} samples drawn (synth.max_draws_per_prompt = {sc.max_draws_per_prompt})")
