@@ -6,10 +6,10 @@
 #                512 and 2048 (tools/gen_decode_bench.py, $OUT/gen_decode.json) -> pick DECODE for the data call
 #   STEP=data  : join the GGUF (second part carried in .big/p2), convert it, then synthesize + answer prompts and
 #                answer the built-in questions (tools/gpu_synth_smollm2.sh PHASE=data)
-#   STEP=train : export the untrained floor, then train on the mix (tools/gpu_synth_smollm2.sh PHASE=train EVAL=0),
-#                all inside BUDGET_S (give the call BUDGET_S + 45 s)
+#   STEP=train : train on the mix (tools/gpu_synth_smollm2.sh PHASE=train EVAL=0), all inside BUDGET_S (give the call
+#                BUDGET_S + 45 s); UNTRAINED=DIR exports the untrained floor first (by default the eval call does)
 #   STEP=eval  : the suite table (tools/gpu_eval_suite.sh): held-out synthesized, held-out built-in, HumanEval,
-#                everyday; trained at T = 0 and T = 1, the untrained floor at T = 0
+#                everyday; trained at T = 0 and T = 1, the untrained floor at T = 0 (exported first when missing)
 # Knobs pass through to those scripts (BUDGET_S, N_SYNTH, N_BUILTIN, SYNTH_BS, DECODE, TRAIN_S, STEP_S, TEMPS, ...).
 set -u
 W=${WORK:-/root/work-synth}
@@ -34,8 +34,13 @@ case "${STEP:?STEP=stash|data|train|eval}" in
     fi
     SETUP=0 PHASE=data bash tools/gpu_synth_smollm2.sh ;;
   train)
-    PHASE=train EVAL=0 UNTRAINED=$W/untrained BUDGET_S=${BUDGET_S:-550} bash tools/gpu_synth_smollm2.sh ;;
+    # the untrained floor is exported by the eval call (UNTRAINED=...: here instead, inside this budget)
+    PHASE=train EVAL=0 UNTRAINED=${UNTRAINED:-} BUDGET_S=${BUDGET_S:-550} bash tools/gpu_synth_smollm2.sh ;;
   eval)
+    if [ ! -f "$W/untrained/config.json" ]; then
+      . tools/gpu_setup.sh && export SETUP=0
+      timeout 90 python3 -m dflash_ipc.cli export-untrained --config "$W/train.toml" --out "$W/untrained" --device cuda:0 2>&1 | tail -n 1
+    fi
     CONFIG=$W/train.toml DRAFTERS="trained=$W/run/export/drafter untrained=$W/untrained" TEMPS=${TEMPS:-"0 1"} \
       HOLDOUTS="synth=$W/synth.holdout.jsonl builtin=$W/builtin.holdout.jsonl" bash tools/gpu_eval_suite.sh ;;
 esac
