@@ -194,6 +194,10 @@ def test_suite_decodes_every_set_in_workers_exactly_as_in_one_process(tmp_path, 
     for name in one["sets"]:
         for key in ("tau", "tau_per_prompt", "verify_steps", "acceptance_per_position", "tokens", "prompts"):
             assert rep["sets"][name][key] == one["sets"][name][key], (name, key)
+    for name in ("everyday", "gsm"):  # one turn per record: the set's first prompt is the one timed alone
+        assert rep["sets"][name]["speed_tau"] == pytest.approx(rep["sets"][name]["tau_per_prompt"][0], abs=1e-4), name
+    for name, s in one["sets"].items():  # one process times every prompt: the estimate at the set's tau is the measurement
+        assert s["speed_tau"] == s["tau"] and s["speedup_at_set_tau"] == pytest.approx(s["speedup"], rel=2e-3), name
     table = format_suite_table(one).splitlines()
     assert table[0].split()[:3] == ["set", "prompts", "tau"] and len(table) == 2 + 3
     assert table[4].startswith("multi") and table[4].split()[1] == "4" and table[4].endswith("yes")

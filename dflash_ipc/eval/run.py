@@ -18,7 +18,8 @@ workers. Results are merged exactly: the per-prompt results are put back in prom
 set summarized as one run (pooled τ = tokens / verification steps, acceptance per position from
 the pooled steps, lossless = every prompt). Speed is not measured under that concurrency: the first
 ``--speed-prompts`` prompts of each set are decoded alone first (both ways, in this process) and
-``tokens_per_s_*`` / ``speedup`` come from them.
+``tokens_per_s_*`` / ``speedup`` come from them, with their own τ (``speed_tau``) beside; since that τ
+may be far from the set's, ``speedup_at_set_tau`` applies their measured step costs to the set's τ.
 """
 
 from __future__ import annotations
@@ -251,6 +252,8 @@ def _set_report(results: list[tuple], speed: list[tuple], block_size: int, items
     timed = summarize([r[2] for r in speed], [r[1] for r in speed], block_size)
     for key in ("tokens_per_s_spec", "tokens_per_s_greedy", "speedup"):
         report[key] = timed[key]
+    report["speed_tau"] = timed["tau"]
+    report["speedup_at_set_tau"] = _speedup_at_tau(speed, report["tau"])
     formats: dict[str, int] = {}
     for it in items:
         formats[it.prompt.format] = formats.get(it.prompt.format, 0) + 1
@@ -370,10 +373,31 @@ class _Decoder:
         return out
 
 
+def _speedup_at_tau(speed: list[tuple], tau: float) -> float:
+    """The set's speed-up at its pooled τ, from the timed prompts' measured costs. A few timed prompts carry
+    their own τ, which may be far from the set's; the cost of a verify step (draft + verify) hardly depends
+    on how many of its tokens are accepted, so the timed prompts' tokens made at the set's τ take
+    ``produced / τ`` steps (``produced``: their tokens from verify steps, the prefill's first token aside)
+    at the measured seconds per step, against the measured plain tokens/s."""
+    spec = [r[2] for r in speed]
+    steps = sum(len(g.steps) for g in spec)
+    produced = sum(len(st.tokens) for g in spec for st in g.steps)
+    spec_s, spec_tokens = sum(g.seconds for g in spec), sum(len(g.tokens) for g in spec)
+    plain_s, plain_tokens = sum(r[1].seconds for r in speed), sum(len(r[1].tokens) for r in speed)
+    if not steps or tau <= 0 or spec_s <= 0 or plain_s <= 0 or plain_tokens == 0:
+        return 0.0
+    seconds_at_tau = (produced / tau) * (spec_s / steps)
+    return round((spec_tokens / seconds_at_tau) / (plain_tokens / plain_s), 4)
+
+
 def format_suite_table(suite: dict) -> str:
     """One line per set: prompts, τ, acceptance per position, speculative / plain tokens/s (plain: greedy
-    decoding, or plain sampling at T > 0), lossless."""
-    rows = [("set", "prompts", "tau", "acceptance per position", "spec tok/s", "plain tok/s", "spec/plain", "lossless")]
+    decoding, or plain sampling at T > 0) of the timed prompts, their own τ, the speed-up at the set's τ
+    (:func:`_speedup_at_tau`), lossless."""
+    rows = [
+        ("set", "prompts", "tau", "acceptance per position", "spec tok/s", "plain tok/s", "spec/plain", "timed tau", "at set tau")
+        + ("lossless",)
+    ]
     for name, r in suite["sets"].items():
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         rows.append(
@@ -385,6 +409,8 @@ def format_suite_table(suite: dict) -> str:
                 f"{r['tokens_per_s_spec']:.1f}",
                 f"{r['tokens_per_s_greedy']:.1f}",
                 f"{r['speedup']:.2f}x",
+                f"{r['speed_tau']:.2f}",
+                f"{r['speedup_at_set_tau']:.2f}x",
                 "distributional" if r["lossless"] is None else "yes" if r["lossless"] else f"NO ({len(r['mismatched_prompts'])} differ)",
             )
         )
