@@ -86,17 +86,17 @@ stage "done"
 python3 - "$OUT" <<'EOF' | tee "$OUT/suite_table.md"
 import json, sys
 from pathlib import Path
-rows = ["| drafter | T | set | prompts | τ | acceptance per position | spec / plain | lossless |", "|---|---|---|---|---|---|---|---|"]
+rows = ["| drafter | T | set | prompts | τ | acceptance per position | spec / plain (timed τ) | at the set's τ | lossless |", "|---|---|---|---|---|---|---|---|---|"]
 for p in sorted(Path(sys.argv[1]).glob("suite_*_T*.json")):
     name, t = p.stem.removeprefix("suite_").rsplit("_T", 1)
     try:
         rep = json.loads(p.read_text().strip().splitlines()[-1])
     except (IndexError, ValueError):
-        rows.append(f"| {name} | {t} | (no result: see {p.with_suffix('.log').name}) | | | | | |")
+        rows.append(f"| {name} | {t} | (no result: see {p.with_suffix('.log').name}) | | | | | | |")
         continue
     for s, r in rep["sets"].items():
         acc = " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         ok = "distributional (T > 0)" if r["lossless"] is None else "yes" if r["lossless"] else f"NO ({len(r['mismatched_prompts'])} differ)"
-        rows.append(f"| {name} | {t} | {s} | {r['prompts']} | {r['tau']:.2f} | {acc} | {r['speedup']:.2f}× | {ok} |")
+        rows.append(f"| {name} | {t} | {s} | {r['prompts']} | {r['tau']:.2f} | {acc} | {r['speedup']:.2f}× ({r['speed_tau']:.2f}) | {r['speedup_at_set_tau']:.2f}× | {ok} |")
 print("\n".join(rows))
 EOF
