@@ -12,7 +12,8 @@
 # Knobs (env): CONFIG, DRAFTERS (name=dir ...), HOLDOUTS (name=file ...; absent files are skipped), SETS (default: the
 # holdouts + humaneval + everyday=configs/eval/everyday.jsonl), TEMPS ("0 1"), TOP_P (1.0), SEED (0), MAX_NEW (128),
 # WORKERS (eval processes, 8), SPEED_PROMPTS (per set, 1), S_ALONE (seconds per speed prompt decoded alone both ways:
-# 5), S_PER_PROMPT (seconds per prompt per worker in the pool, WORKERS sharing one GPU: 9), STARTUP_S (loading the
+# 5), S_PER_PROMPT (seconds per prompt per worker in the pool, WORKERS sharing one GPU: 9; times T_COST, 1.6, at T > 0:
+# on 2026-12-01 about 8.6 s at T = 0 and 12 s at T = 1, docs/EVAL.md), STARTUP_S (loading the
 # model, then the pool's workers: 50), N_MAX (per set, 164), FLOOR_N (8), FLOOR_S (140), BUDGET_S (the whole call,
 # 420), DEVICE (target and drafter of every worker, cuda:0), SETUP (1: source tools/gpu_setup.sh; 0 when the package
 # is already set up). The time figures are at MAX_NEW 128 and scale with it; docs/EVAL.md says where they come from
@@ -39,7 +40,7 @@ fi
 if [ "${SETUP:-1}" = 1 ]; then . tools/gpu_setup.sh; fi
 HOLDOUTS=${HOLDOUTS:-}; TEMPS=${TEMPS:-"0 1"}; TOP_P=${TOP_P:-1.0}; SEED=${SEED:-0}; MAX_NEW=${MAX_NEW:-128}
 WORKERS=${WORKERS:-8}; SPEED_PROMPTS=${SPEED_PROMPTS:-1}; S_ALONE=${S_ALONE:-5}; S_PER_PROMPT=${S_PER_PROMPT:-9}; N_MAX=${N_MAX:-164}
-STARTUP_S=${STARTUP_S:-50}; FLOOR_N=${FLOOR_N:-8}; FLOOR_S=${FLOOR_S:-140}; BUDGET_S=${BUDGET_S:-420}; DEVICE=${DEVICE:-cuda:0}
+STARTUP_S=${STARTUP_S:-50}; T_COST=${T_COST:-1.6}; FLOOR_N=${FLOOR_N:-8}; FLOOR_S=${FLOOR_S:-140}; BUDGET_S=${BUDGET_S:-420}; DEVICE=${DEVICE:-cuda:0}
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 stage() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
 
@@ -72,7 +73,9 @@ for run in "${RUNS[@]}"; do
     # prompts per set that fit the run's share: the start, the speed prompts alone, then the pool (planned on 85% of
     # the share: a run killed at its timeout reports nothing)
     *) share=$(( (L - FLOORS * FLOOR_S) / OTHERS )); OTHERS=$((OTHERS - 1))
-       N=$(python3 -c "print(max(1, min($N_MAX, int((0.85 * $share - $STARTUP_S - $SPEED_PROMPTS * $NSETS * $S_ALONE) * $WORKERS / ($S_PER_PROMPT * $NSETS)))))") ;;
+       # T > 0 costs T_COST times a greedy prompt (sampling both ways; the rejected drafts' residuals)
+       cost=$(python3 -c "print($S_PER_PROMPT * (1 if float('$t') == 0 else $T_COST))")
+       N=$(python3 -c "print(max(1, min($N_MAX, int((0.85 * $share - $STARTUP_S - $SPEED_PROMPTS * $NSETS * $S_ALONE) * $WORKERS / ($cost * $NSETS)))))") ;;
   esac
   TEMP_ARGS=()
   [ "$t" != 0 ] && TEMP_ARGS=(--temperature "$t" --top-p "$TOP_P" --seed "$SEED")
