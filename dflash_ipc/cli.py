@@ -515,7 +515,14 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str) -> None:
     show_default=True,
     help="Share of ids (by hash) written to OUT.holdout.jsonl instead, for eval.",
 )
-@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1),
+    default=16,
+    show_default=True,
+    help="Prompts per generate call. On a GPU the batch sets the rate (a small target's decode step costs about the same at "
+    "any batch): as large as the KV cache fits, e.g. 2048 for SmolLM2-135M on one H200 (docs/EVAL.md).",
+)
 @click.option("--max-new", type=click.IntRange(1), default=512, show_default=True, help="New tokens per answer.")
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0: greedy.")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
