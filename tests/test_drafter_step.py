@@ -140,3 +140,30 @@ def test_bench_cli_refuses_an_unknown_variant_before_building_anything():
         r = CliRunner().invoke(main, ["bench", "drafter-step", "--config", str(TINY), "--variants", variants])
         assert r.exit_code == 2, r.output
         assert why in r.output
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_compiled_layers_and_ce_chunks_keep_the_bf16_step_and_compile_once(fresh_dynamo):
+    """SmolLM2-135M shapes, bf16, flex attention (compiled on its own): both compile options against eager."""
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "smollm2-1gpu-synth.toml"))
+    model = build_bench_drafter(cfg, torch.device("cuda:0"), random_target=True)
+    first, second = synthetic_batches(model, cfg, 2, 4096, 270, 0.85)
+
+    def loss_and_grads(c, views):
+        model.zero_grad(set_to_none=True)
+        out = compute_loss(model, views, c.drafter, c.training, torch.Generator(device="cuda:0").manual_seed(0))
+        out.loss_sum.backward()
+        return out.loss_sum.detach().float(), torch.cat([p.grad.float().flatten() for p in model.trainable_parameters()])
+
+    loss_eager, grad_eager = loss_and_grads(cfg, first)
+    graphs_eager = _graphs()  # flex attention's own compile
+    fast = variant_config(cfg, "compile+ce-compile")
+    model.compile_dense = True
+    loss_fast, grad_fast = loss_and_grads(fast, first)
+    graphs = _graphs()
+    assert graphs > graphs_eager
+    # bf16 activations: the fused kernels round in other places than eager's
+    torch.testing.assert_close(loss_fast, loss_eager, rtol=2e-3, atol=0.0)
+    assert float(torch.nn.functional.cosine_similarity(grad_fast, grad_eager, dim=0)) > 0.999
+    loss_and_grads(fast, second)
+    assert _graphs() == graphs, "a batch of another shape recompiled"
