@@ -10,8 +10,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 from torch._dynamo.utils import counters
+from torch.utils.flop_counter import FlopCounterMode
 
-from dflash_ipc.bench.drafter_step import build_bench_drafter, document_lengths, synthetic_batches, variant_config, variant_overrides
+from dflash_ipc.bench.drafter_step import (
+    build_bench_drafter,
+    document_lengths,
+    gemm_flops,
+    synthetic_batches,
+    variant_config,
+    variant_overrides,
+)
 from dflash_ipc.cli import main
 from dflash_ipc.config import load_config
 from dflash_ipc.drafter.loss import chunked_lm_loss, compute_loss
@@ -99,6 +107,20 @@ def test_compute_loss_with_ce_compile_matches_eager(fresh_dynamo):
         torch.testing.assert_close(grads_compiled[name], g, rtol=1e-4, atol=1e-5 * (float(g.abs().max()) or 1.0), msg=name)
 
 
+def test_gemm_flops_equal_what_torch_counts_in_a_real_step():
+    cfg = load_config(str(TINY))
+    model = build_bench_drafter(cfg, torch.device("cpu"), random_target=False)
+    (views,) = synthetic_batches(model, cfg, 1, 300, 60, 0.8)
+    with FlopCounterMode(display=False) as counter:
+        out = compute_loss(model, views, cfg.drafter, cfg.training, torch.Generator().manual_seed(0))
+        out.loss_sum.backward()
+    counted = counter.get_flop_counts()["Global"]
+    matmuls = sum(n for op, n in counted.items() if str(op) in ("aten.mm", "aten.addmm", "aten.bmm"))
+    layers, head = gemm_flops(model, 300, out.num_query_tokens, int(out.count_per_pos.sum()))
+    assert layers + head == matmuls
+    assert 0 < head < layers + head
+
+
 def test_variant_names_and_document_lengths():
     assert variant_overrides("base") == {"drafter": {}, "training": {}}
     assert variant_overrides("compile+ce-chunk-8192") == {"drafter": {"compile": True}, "training": {"ce_chunk_tokens": 8192}}
@@ -127,6 +149,8 @@ def test_bench_cli_times_the_real_step_in_variants_with_a_profile(tmp_path):
         assert med["step"] >= med["forward"] + med["backward"]
         assert v["blocks_per_batch"] > 0 and v["query_tokens_per_batch"] == 8 * v["blocks_per_batch"]
         assert v["graphs_compiled_timed"] == 0
+        assert 0 < v["loss_rows_per_batch"] <= v["query_tokens_per_batch"]
+        assert v["gemm_tflops_per_s"] > 0 and 0 < v["lm_head_share_of_gemm_flops"] < 1
     # the same weights, batch and anchors: chunking the CE changes no number
     assert result["ratios"]["ce-chunk-64"]["loss_step0_rel_diff"] < 1e-6
     assert result["ratios"]["base"]["step"] == 1.0

@@ -238,7 +238,22 @@ class StepRunner:
         rec["global_loss"] = stats.global_loss
         rec["blocks"] = out.num_blocks
         rec["query_tokens"] = out.num_query_tokens
+        rec["loss_rows"] = int(out.count_per_pos.sum())
+        layers, head = gemm_flops(self.model, int(views.token_ids.numel()), out.num_query_tokens, rec["loss_rows"])
+        rec["gemm_flops"], rec["head_flops"] = layers + head, head
         return rec
+
+
+def gemm_flops(model: DFlashDrafter, context_tokens: int, queries: int, loss_rows: int) -> tuple[float, float]:
+    """The step's matmul FLOPs (trained weights, LM head), attention left out: each layer weight's forward
+    (2 per multiply-add) and backward (twice that: input and weight gradients); the context projection
+    ``fc``'s forward and weight gradient (its input, the target's planes, takes none); the frozen LM head
+    over the supervised rows: forward, the backward's recompute, the hidden-state gradient."""
+    c = model.config
+    h, q_width, kv_width = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = queries * h * (2 * q_width + 3 * c.intermediate_size) + (context_tokens + queries) * h * 2 * kv_width
+    fc = context_tokens * c.num_context_planes * h * h
+    return 6.0 * c.num_layers * per_layer + 4.0 * fc, 6.0 * loss_rows * h * c.vocab_size
 
 
 def _graphs_compiled() -> int:
@@ -271,6 +286,10 @@ def time_variant(runner: StepRunner, batches: list[SlotViews], steps: int, echo:
         "blocks_per_batch": round(statistics.mean(r["blocks"] for r in recs), 1),
         "query_tokens_per_batch": round(statistics.mean(r["query_tokens"] for r in recs), 1),
         "target_tokens_per_s": round(tokens / med["step"], 1),
+        "loss_rows_per_batch": round(statistics.mean(r["loss_rows"] for r in recs), 1),
+        # matmul FLOPs of the median step over its time: how far the step is from the GEMMs alone
+        "gemm_tflops_per_s": float(f"{statistics.median(r['gemm_flops'] / r['step'] for r in recs) / 1e12:.4g}"),
+        "lm_head_share_of_gemm_flops": round(statistics.mean(r["head_flops"] / r["gemm_flops"] for r in recs), 3),
         "loss_step0": warm[0]["global_loss"],
         "graphs_compiled_timed": _graphs_compiled() - graphs,
     }
@@ -327,7 +346,8 @@ def run_drafter_step_bench(
         echo(
             f"{name}: step {m['step'] * 1e3:.1f} ms (prep {m['prep'] * 1e3:.1f}, forward {m['forward'] * 1e3:.1f}, "
             f"loss {m['loss'] * 1e3:.1f}, backward {m['backward'] * 1e3:.1f}, optimizer {m['optimizer'] * 1e3:.1f}); "
-            f"loss_step0 {res['loss_step0']:.6f}; graphs compiled while timed: {res['graphs_compiled_timed']}"
+            f"{res['gemm_tflops_per_s']} TFLOP/s of matmuls; loss_step0 {res['loss_step0']:.6f}; "
+            f"graphs compiled while timed: {res['graphs_compiled_timed']}"
         )
         if profile:
             views = batches[0]
