@@ -68,6 +68,13 @@ def test_compiled_layers_match_eager_and_a_new_batch_shape_compiles_nothing(fres
         torch.testing.assert_close(grads_compiled[name], g, rtol=1e-4, atol=1e-5 * scale, msg=name)
     _loss_and_grads(model, second, cfg)
     assert _graphs() == after_first, "a batch of another shape recompiled the dense parts"
+    with torch.no_grad():  # a held-out pass runs eager: nothing compiles in the middle of training
+        held_out = compute_loss(model, second, cfg.drafter, cfg.training, torch.Generator().manual_seed(0))
+    assert _graphs() == after_first
+    model.compile_dense = False
+    with torch.no_grad():
+        eager = compute_loss(model, second, cfg.drafter, cfg.training, torch.Generator().manual_seed(0))
+    assert torch.equal(held_out.loss_sum, eager.loss_sum)
     assert counters["stats"]["calls_captured"] > 0
 
 

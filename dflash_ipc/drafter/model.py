@@ -367,8 +367,8 @@ class DFlashDrafter(nn.Module):
         lm_head_weight: the target's LM head ``[vocab, H]`` (frozen; may be the same tensor as
             ``embed_weight`` for tied targets).
         attention: ``"auto" | "flex" | "sdpa"`` (``DrafterConfig.attention``).
-        compile_dense: run each layer's dense parts through ``torch.compile`` in :meth:`forward`
-            (``DrafterConfig.compile``; :meth:`DFlashDecoderLayer.forward`).
+        compile_dense: run each layer's dense parts through ``torch.compile`` in :meth:`forward` while
+            grad is on (``DrafterConfig.compile``; :meth:`DFlashDecoderLayer.forward`).
     """
 
     def __init__(
@@ -488,8 +488,11 @@ class DFlashDrafter(nn.Module):
         ctx = self.project_context(context)
         positions = torch.cat([context_position_ids.reshape(-1), block_position_ids.reshape(-1)])
         cos, sin = _rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        # Passes without grad (held-out tau) stay eager: their graphs would compile on the first held-out
+        # pass, in the middle of training, not in the warm-up.
+        compiled = self.compile_dense and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, ctx, cos, sin, masks[layer.layer_type], compiled=self.compile_dense)
+            x = layer(x, ctx, cos, sin, masks[layer.layer_type], compiled=compiled)
         return self.norm(x)
 
     def context_kv(self, context: torch.Tensor, context_position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
