@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from dflash_ipc.bench.drafter_step_cli import drafter_step_cmd
 from dflash_ipc.config import ConfigError
 
 
@@ -21,6 +22,9 @@ def main(verbose: bool) -> None:
 @main.group()
 def bench() -> None:
     """Benchmarks that report ratios against a baseline measured in the same run."""
+
+
+bench.add_command(drafter_step_cmd)
 
 
 @bench.command("transport")

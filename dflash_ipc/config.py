@@ -293,6 +293,8 @@ class DrafterConfig:
     noise_std: float = 0.0
     dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "flex", "sdpa"] = "auto"
+    # torch.compile each layer's norms, projections, RoPE and SwiGLU (dynamic shapes; attention as set above).
+    compile: bool = False
     mask_token_id: int = -1  # -1: a reserved/unused id, never a stop token (data.tokenizer.choose_mask_token)
 
     def __post_init__(self) -> None:
@@ -376,6 +378,7 @@ class TrainingConfig:
     dpace_alpha: float = 0.5  # D-PACE smoothing q~ = (1 - alpha) q + alpha of the confidence q; 1: fixed weights
     dpace_normalizer: Literal["blocks", "weights"] = "blocks"  # divide the loss by the blocks or by the sum of weights
     ce_chunk_tokens: int = 2048
+    ce_compile: bool = False  # torch.compile each CE chunk's fp32 passes (cast, logsumexp, softmax grad) into fused kernels
     kl_weight: float = 0.0
     checkpoint_every: int = 0  # 0: only at the end and on shutdown
     keep_checkpoints: int = 2

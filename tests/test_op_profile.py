@@ -46,3 +46,29 @@ def test_profile_of_a_real_forward_sums_to_its_classes():
     assert "gemm" in prof["classes"] and prof["top"]
     assert abs(sum(c["pct"] for c in prof["classes"].values()) - 100.0) < 0.1
     assert "gemm" in format_table("t", prof)
+
+
+class _Scaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return (x * 3.0).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.full((256, 256), 3.0) * g
+
+
+def test_scopes_claim_every_op_under_a_matching_range_whatever_its_name():
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    opt = torch.optim.AdamW([w])
+
+    def step():
+        _Scaled.apply(w @ w).backward()
+        opt.step()
+
+    plain = profile_classes(step, on_cuda=False)
+    scoped = profile_classes(step, on_cuda=False, scopes=(("mine", r"^_scaled"), ("optimizer", r"optimizer\.step")))
+    assert "mine" not in plain["classes"] and "optimizer" not in plain["classes"]
+    assert {"mine", "optimizer", "gemm"} <= set(scoped["classes"])
+    assert {r["class"] for r in scoped["top"] if r["name"] == "aten::mul"} >= {"mine"}  # the forward's x * 3.0
+    assert abs(sum(c["pct"] for c in scoped["classes"].values()) - 100.0) < 0.1

@@ -28,19 +28,12 @@ def _model(args) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from dflash_ipc.target.hf_config import smollm2_135m_config
 
     torch.manual_seed(0)
-    conf = LlamaConfig(  # SmolLM2-135M's shapes, random weights
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=args.layers,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
+    conf = smollm2_135m_config(args.layers)  # SmolLM2-135M's shapes, random weights
     return LlamaForCausalLM(conf).to(device=args.device, dtype=dtype).eval()
 
 

@@ -53,21 +53,9 @@ def _self_time_us(evt: Any, on_device: bool) -> float:
     return float(getattr(evt, "self_cpu_time_total", 0.0) or 0.0)
 
 
-def profile_classes(fn: Callable[[], Any], on_cuda: bool, top: int = 25) -> dict[str, Any]:
-    """Run ``fn`` once under ``torch.profiler``; its time by op class and the ``top`` kernels.
-
-    Returns ``{"unit": "us", "total_us", "classes": {cls: {"us", "pct", "kernels"}}, "top": [...]}``;
-    on CUDA the device kernels' self time (host ops, which launch them, are left out), on CPU the
-    aten ops' self time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with profile(activities=activities) as prof:
-        fn()
-        if on_cuda:
-            torch.cuda.synchronize()
-    rows: dict[str, float] = {}
-    counts: dict[str, int] = {}
+def _event_rows(prof: Any, on_cuda: bool) -> dict[tuple[str, str], list[float]]:
+    """``(class, name) -> [self time in us, calls]`` from the profiler's averages, classed by name."""
+    rows: dict[tuple[str, str], list[float]] = {}
     for evt in prof.key_averages():
         is_kernel = "cuda" in str(getattr(evt, "device_type", "")).lower()
         if on_cuda != is_kernel:
@@ -75,27 +63,91 @@ def profile_classes(fn: Callable[[], Any], on_cuda: bool, top: int = 25) -> dict
         if not on_cuda and not evt.key.startswith("aten::"):
             continue
         t = _self_time_us(evt, on_cuda)
-        if t <= 0:
+        if t > 0:
+            row = rows.setdefault((classify(evt.key), evt.key), [0.0, 0])
+            row[0] += t
+            row[1] += int(getattr(evt, "count", 1))
+    return rows
+
+
+def _scoped_rows(prof: Any, on_cuda: bool, scopes: tuple[tuple[str, str], ...]) -> dict[tuple[str, str], list[float]]:
+    """As :func:`_event_rows`, but a kernel (CPU: an aten op) launched under a range whose name matches a
+    pattern of ``scopes`` (an autograd function's forward or backward node, ``Optimizer.step``) goes to
+    that class whatever its own name: what a loss or an optimizer costs, GEMMs and casts included."""
+    compiled = [(cls, re.compile(pat)) for cls, pat in scopes]
+
+    def scope_of(evt: Any) -> str | None:
+        while evt is not None:
+            low = evt.name.lower()
+            for cls, pat in compiled:
+                if pat.search(low):
+                    return cls
+            evt = evt.cpu_parent
+        return None
+
+    rows: dict[tuple[str, str], list[float]] = {}
+    for evt in prof.events():
+        if on_cuda:
+            timed = [(k.name, float(k.duration)) for k in getattr(evt, "kernels", ()) or ()]
+        elif evt.name.startswith("aten::") and "cpu" in str(getattr(evt, "device_type", "cpu")).lower():
+            timed = [(evt.name, float(evt.self_cpu_time_total))]
+        else:
+            timed = []
+        if not timed:
             continue
-        rows[evt.key] = rows.get(evt.key, 0.0) + t
-        counts[evt.key] = counts.get(evt.key, 0) + int(getattr(evt, "count", 1))
-    total = sum(rows.values())
+        scope = scope_of(evt)
+        for name, t in timed:
+            if t > 0:
+                row = rows.setdefault((scope or classify(name), name), [0.0, 0])
+                row[0] += t
+                row[1] += 1
+    if on_cuda:  # kernels no host op claimed (launched outside any recorded op) still count, by their name
+        device: dict[str, float] = {}
+        for evt in prof.events():
+            if "cuda" in str(getattr(evt, "device_type", "")).lower():
+                device[evt.name] = device.get(evt.name, 0.0) + float(evt.time_range.end - evt.time_range.start)
+        claimed: dict[str, float] = {}
+        for (_, name), (t, _) in rows.items():
+            claimed[name] = claimed.get(name, 0.0) + t
+        for name, t in device.items():
+            if t - claimed.get(name, 0.0) > 1.0:
+                row = rows.setdefault((classify(name), name), [0.0, 0])
+                row[0] += t - claimed.get(name, 0.0)
+    return rows
+
+
+def profile_classes(fn: Callable[[], Any], on_cuda: bool, top: int = 25, scopes: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
+    """Run ``fn`` once under ``torch.profiler``; its time by op class and the ``top`` kernels.
+
+    Returns ``{"unit": "us", "total_us", "classes": {cls: {"us", "pct", "kernels"}}, "top": [...]}``;
+    on CUDA the device kernels' self time (host ops, which launch them, are left out), on CPU the
+    aten ops' self time. ``scopes``: ``(class, pattern)`` over the lower-cased names of enclosing
+    ranges, checked before the kernel's own name (:func:`_scoped_rows`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if on_cuda:
+            torch.cuda.synchronize()
+    rows = _scoped_rows(prof, on_cuda, scopes) if scopes else _event_rows(prof, on_cuda)
+    total = sum(t for t, _ in rows.values())
     classes: dict[str, dict[str, float]] = {}
-    for key, t in rows.items():
-        c = classes.setdefault(classify(key), {"us": 0.0, "pct": 0.0, "kernels": 0})
+    for (cls, _), (t, calls) in rows.items():
+        c = classes.setdefault(cls, {"us": 0.0, "pct": 0.0, "kernels": 0})
         c["us"] += t
-        c["kernels"] += counts[key]
+        c["kernels"] += calls
     for c in classes.values():
         c["us"] = round(c["us"], 1)
         c["pct"] = round(100.0 * c["us"] / total, 2) if total else 0.0
     ordered = dict(sorted(classes.items(), key=lambda kv: -kv[1]["us"]))
-    top_rows = sorted(rows.items(), key=lambda kv: -kv[1])[:top]
+    top_rows = sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "unit": "us",
         "device": "cuda kernels" if on_cuda else "cpu aten ops",
         "total_us": round(total, 1),
         "classes": ordered,
-        "top": [{"name": k[:160], "class": classify(k), "us": round(t, 1), "calls": counts[k]} for k, t in top_rows],
+        "top": [{"name": name[:160], "class": cls, "us": round(t, 1), "calls": int(calls)} for (cls, name), (t, calls) in top_rows],
     }
 
 

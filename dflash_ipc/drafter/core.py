@@ -85,10 +85,25 @@ def build_drafter(cfg: DFlashConfig, device: torch.device | str, *, log_mask_tok
         mask_id, why = choose_mask_token(tokenizer, int(text_config(hf_config).vocab_size))
     if log_mask_token:
         log.info("mask token: id %d (%s)", mask_id, why)
+    return drafter_for_target(cfg, hf_config, layer_ids, mask_id, device)
+
+
+def drafter_for_target(cfg: DFlashConfig, hf_config, layer_ids: list[int], mask_id: int, device: torch.device | str) -> DFlashDrafter:
+    """The drafter of ``cfg`` over a target of config ``hf_config`` (its frozen heads read as
+    ``cfg.target`` says: the checkpoint's, or random ones without ``target.model_path``)."""
     dtype = dtype_from_name(cfg.drafter.dtype)
     embed, lm_head = target_head_weights(cfg.target, hf_config, device, dtype)
     mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
-    return DFlashDrafter(mcfg, embed, lm_head, attention=cfg.drafter.attention, device=device, dtype=dtype, init_seed=cfg.run.seed)
+    return DFlashDrafter(
+        mcfg,
+        embed,
+        lm_head,
+        attention=cfg.drafter.attention,
+        device=device,
+        dtype=dtype,
+        init_seed=cfg.run.seed,
+        compile_dense=cfg.drafter.compile,
+    )
 
 
 def export_untrained(cfg: DFlashConfig, out_dir: Path, device: torch.device | str = "cpu") -> Path:

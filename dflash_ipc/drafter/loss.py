@@ -22,6 +22,7 @@ own confidence (:func:`dpace_weights`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -69,6 +70,31 @@ def concat_context(planes: torch.Tensor, noise_std: float = 0.0, generator: torc
 # --------------------------------------------------------------------------- chunked loss
 
 
+def _ce_chunk_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of one chunk's logits (fp32 math whatever their dtype): log-sum-exp, CE against ``labels``, argmax."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    return lse, lse - logits.gather(1, labels[:, None]).squeeze(1), logits.argmax(dim=-1)
+
+
+def _ce_chunk_grad(logits, lse, coef, labels, w, dtype: torch.dtype) -> torch.Tensor:
+    """d(sum_w CE)/d(logits) of one chunk, ``softmax * coef - onehot(labels) * w``, computed in fp32, given in ``dtype``."""
+    g = torch.exp(logits.float() - lse[:, None]) * coef[:, None]
+    return g.scatter_add_(1, labels[:, None], -w[:, None]).to(dtype)
+
+
+@functools.cache
+def _compiled_ce_chunk():
+    """:func:`_ce_chunk_stats` and :func:`_ce_chunk_grad` compiled once per process (``training.ce_compile``):
+    each chunk's fp32 passes over ``[rows, vocab]`` fused into a few kernels; dynamic shapes (the last
+    chunk of a batch is shorter, and every batch differs)."""
+    return torch.compile(_ce_chunk_stats, dynamic=True), torch.compile(_ce_chunk_grad, dynamic=True)
+
+
+def _ce_chunk_fns(compiled: bool):
+    return _compiled_ce_chunk() if compiled else (_ce_chunk_stats, _ce_chunk_grad)
+
+
 class _ChunkedLMLoss(torch.autograd.Function):
     """Weighted CE (+ KL to target logits) over the full vocabulary, chunk by chunk.
 
@@ -77,23 +103,26 @@ class _ChunkedLMLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_w, target_hidden, kl_weight, chunk, reweight):
+    def forward(ctx, hidden, weight, labels, row_w, target_hidden, kl_weight, chunk, reweight, compiled):
         r = hidden.shape[0]
         dev = hidden.device
         lse = torch.empty(r, dtype=torch.float32, device=dev)
         ce = torch.empty(r, dtype=torch.float32, device=dev)
         kl = torch.zeros(r, dtype=torch.float32, device=dev)
         pred = torch.empty(r, dtype=torch.int64, device=dev)
+        stats = _ce_chunk_fns(compiled and target_hidden is None)[0]
         for s in range(0, r, chunk):
             e = min(r, s + chunk)
+            if target_hidden is None:
+                lse[s:e], ce[s:e], pred[s:e] = stats(F.linear(hidden[s:e], weight), labels[s:e])
+                continue
             logits = F.linear(hidden[s:e], weight).float()
             lse_c = torch.logsumexp(logits, dim=-1)
             lse[s:e] = lse_c
             ce[s:e] = lse_c - logits.gather(1, labels[s:e, None]).squeeze(1)
             pred[s:e] = logits.argmax(dim=-1)
-            if target_hidden is not None:
-                t_logp = F.log_softmax(F.linear(target_hidden[s:e], weight).float(), dim=-1)
-                kl[s:e] = (t_logp.exp() * (t_logp - (logits - lse_c[:, None]))).sum(-1)
+            t_logp = F.log_softmax(F.linear(target_hidden[s:e], weight).float(), dim=-1)
+            kl[s:e] = (t_logp.exp() * (t_logp - (logits - lse_c[:, None]))).sum(-1)
             del logits
         if reweight is not None:
             row_w = reweight(ce).to(torch.float32)
@@ -103,6 +132,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, labels, row_w, lse, target_hidden)
         ctx.kl_weight = float(kl_weight)
         ctx.chunk = int(chunk)
+        ctx.compiled = bool(compiled)
         ctx.mark_non_differentiable(ce_sum, kl_sum, pred, row_w)
         return total, ce_sum, kl_sum, pred, row_w
 
@@ -114,14 +144,15 @@ class _ChunkedLMLoss(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         r = hidden.shape[0]
+        with_kl = target_hidden is not None and klw != 0.0
+        # fp32 while the KL term or the head's gradient still needs it; else straight in the GEMM's dtype
+        g_dtype = torch.float32 if with_kl or want_w else weight.dtype
+        chunk_grad = _ce_chunk_fns(ctx.compiled and not with_kl)[1]
         for s in range(0, r, chunk):
             e = min(r, s + chunk)
             w = row_w[s:e] * g_total
-            logits = F.linear(hidden[s:e], weight).float()
-            g = torch.exp(logits - lse[s:e, None]) * (w * (1.0 + klw))[:, None]  # softmax * ...
-            del logits
-            g.scatter_add_(1, labels[s:e, None], -w[:, None])
-            if target_hidden is not None and klw != 0.0:
+            g = chunk_grad(F.linear(hidden[s:e], weight), lse[s:e], w * (1.0 + klw), labels[s:e], w, g_dtype)
+            if with_kl:
                 p_t = F.softmax(F.linear(target_hidden[s:e], weight).float(), dim=-1)
                 g.sub_(p_t * (klw * w)[:, None])
                 del p_t
@@ -131,7 +162,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 grad_w += g.t() @ hidden[s:e].float()
         if want_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 class ChunkedLossResult(NamedTuple):
@@ -152,6 +183,7 @@ def chunked_lm_loss(
     target_hidden: torch.Tensor | None = None,
     kl_weight: float = 0.0,
     reweight: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    compiled: bool = False,
 ) -> ChunkedLossResult:
     """Weighted full-vocabulary CE of ``lm_head(hidden)`` vs ``labels``, ``chunk_rows`` rows at a time.
 
@@ -161,7 +193,9 @@ def chunked_lm_loss(
     ``hidden`` and, if it requires grad, ``lm_head_weight`` (through the draft logits).
     ``reweight`` maps the per-row CE (``[R]``, float32, no graph) to the row weights used instead
     of ``row_weights``: weights that depend on the draft's own predictions (D-PACE) at no extra
-    pass over the vocabulary; they are constants to the gradient (stop-gradient).
+    pass over the vocabulary; they are constants to the gradient (stop-gradient). ``compiled``
+    (``training.ce_compile``): each chunk's fp32 work after the GEMM through ``torch.compile``
+    (without KL; the KL term stays eager).
     """
     if chunk_rows < 1:
         raise ValueError("chunk_rows must be >= 1")
@@ -169,7 +203,7 @@ def chunked_lm_loss(
     row_w = row_weights.to(torch.float32)
     th = target_hidden.to(hidden.dtype) if (target_hidden is not None and kl_weight > 0) else None
     total, ce_sum, kl_sum, pred, row_w = _ChunkedLMLoss.apply(
-        hidden, weight, labels.to(torch.int64), row_w, th, float(kl_weight), int(chunk_rows), reweight
+        hidden, weight, labels.to(torch.int64), row_w, th, float(kl_weight), int(chunk_rows), reweight, bool(compiled)
     )
     return ChunkedLossResult(total, ce_sum, kl_sum, pred, row_w)
 
@@ -355,6 +389,7 @@ def compute_loss(
             target_hidden=target_hidden,
             kl_weight=training_cfg.kl_weight,
             reweight=_dpace_reweight(part.valid, rows, training_cfg.dpace_alpha) if dpace else None,
+            compiled=training_cfg.ce_compile,
         )
         if dpace and training_cfg.dpace_normalizer == "weights":
             weight_sum += res.row_weights.sum()

@@ -251,9 +251,13 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any):
         """x ``[Q, H]`` block tokens, ctx ``[n, H]`` projected context; cos/sin ``[n+Q, hd]``."""
+        return self.o_proj(self.attention(*self.project_qkv(x, ctx, cos, sin), mask))
+
+    def project_qkv(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries of the block rows ``x``, keys and values of ``[context | blocks]`` (all ``[1, heads, L, hd]``)."""
         n = ctx.shape[0]
         k, v = self.project_kv(torch.cat([ctx, x], dim=0), cos, sin)  # keys/values: [context | blocks]
-        return self._attend(x, k, v, cos[n:], sin[n:], mask)
+        return self.project_q(x, cos[n:], sin[n:]), k, v
 
     def forward_cached(self, x: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, mask: Any):
         """:meth:`forward` with the context's keys/values from :meth:`project_kv`; cos/sin ``[Q, hd]`` of the blocks only."""
@@ -267,18 +271,25 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(inp).view(n, self.num_kv_heads, hd).transpose(0, 1)
         return _apply_rope(k, cos, sin).unsqueeze(0), v.unsqueeze(0)
 
-    def _attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, mask: Any):
+    def project_q(self, x: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor) -> torch.Tensor:
+        """Queries (q_norm, RoPE) ``[1, heads, Q, hd]`` of the block rows ``x``."""
         nq, hd = x.shape[0], self.head_dim
         q = self.q_norm(self.q_proj(x).view(nq, self.num_heads, hd)).transpose(0, 1)
-        q = _apply_rope(q, cos_q, sin_q).unsqueeze(0)
+        return _apply_rope(q, cos_q, sin_q).unsqueeze(0)
+
+    def _attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, mask: Any):
+        return self.o_proj(self.attention(self.project_q(x, cos_q, sin_q), k, v, mask))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        """Attention of ``q`` over ``k``/``v`` under ``mask``: ``[Q, heads * hd]``, before ``o_proj``."""
+        nq, hd = q.shape[2], self.head_dim
         if BlockMask is not None and isinstance(mask, BlockMask):
             out = _flex(q, k, v, mask, self.scale)
         elif isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
             out = _sdpa(q, k, v, mask, self.scale)
         else:
             raise TypeError(f"attention mask must be a flex BlockMask or a bool tensor, got {type(mask).__name__}")
-        out = out[0].transpose(0, 1).reshape(nq, self.num_heads * hd)
-        return self.o_proj(out)
+        return out[0].transpose(0, 1).reshape(nq, self.num_heads * hd)
 
 
 class DFlashMLP(nn.Module):
@@ -301,10 +312,33 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DFlashMLP(cfg)
 
-    def forward(self, x, ctx, cos, sin, mask, cached: bool = False):
-        attn = self.self_attn.forward_cached if cached else self.self_attn
-        x = x + attn(self.input_layernorm(x), ctx, cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, ctx, cos, sin, mask, cached: bool = False, compiled: bool = False):
+        """``compiled``: the dense parts before and after attention (norms, projections, RoPE, SwiGLU)
+        run through :func:`torch.compile` (:func:`_compiled_dense`); attention itself as without."""
+        if cached:
+            x = x + self.self_attn.forward_cached(self.input_layernorm(x), ctx, cos, sin, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        before, after = _compiled_dense() if compiled else (_before_attention, _after_attention)
+        return after(self, x, self.self_attn.attention(*before(self, x, ctx, cos, sin), mask))
+
+
+def _before_attention(layer: DFlashDecoderLayer, x, ctx, cos, sin):
+    """A layer's dense work up to attention: input norm, q/k/v projections, q/k norms, RoPE."""
+    return layer.self_attn.project_qkv(layer.input_layernorm(x), ctx, cos, sin)
+
+
+def _after_attention(layer: DFlashDecoderLayer, x, attn_out):
+    """A layer's dense work after attention: o_proj, residual, post-attention norm, SwiGLU MLP, residual."""
+    x = x + layer.self_attn.o_proj(attn_out)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+@functools.cache
+def _compiled_dense():
+    """:func:`_before_attention` and :func:`_after_attention` compiled once per process, shared by every
+    layer (the layer is an argument: its weights are graph inputs, so one graph serves all layers of
+    one shape) with dynamic shapes (every batch has its own row counts: no recompile per batch)."""
+    return torch.compile(_before_attention, dynamic=True), torch.compile(_after_attention, dynamic=True)
 
 
 # --------------------------------------------------------------------------- the model
@@ -333,6 +367,8 @@ class DFlashDrafter(nn.Module):
         lm_head_weight: the target's LM head ``[vocab, H]`` (frozen; may be the same tensor as
             ``embed_weight`` for tied targets).
         attention: ``"auto" | "flex" | "sdpa"`` (``DrafterConfig.attention``).
+        compile_dense: run each layer's dense parts through ``torch.compile`` in :meth:`forward` while
+            grad is on (``DrafterConfig.compile``; :meth:`DFlashDecoderLayer.forward`).
     """
 
     def __init__(
@@ -345,11 +381,13 @@ class DFlashDrafter(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         init_seed: int | None = None,
+        compile_dense: bool = False,
     ):
         super().__init__()
         resolve_attention_backend(attention, "cpu")  # validate the name early
         self.config = config
         self.attention = attention
+        self.compile_dense = compile_dense
         h, v = config.hidden_size, config.vocab_size
         for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
             if tuple(w.shape) != (v, h):
@@ -450,8 +488,11 @@ class DFlashDrafter(nn.Module):
         ctx = self.project_context(context)
         positions = torch.cat([context_position_ids.reshape(-1), block_position_ids.reshape(-1)])
         cos, sin = _rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        # Passes without grad (held-out tau) stay eager: their graphs would compile on the first held-out
+        # pass, in the middle of training, not in the warm-up.
+        compiled = self.compile_dense and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, ctx, cos, sin, masks[layer.layer_type])
+            x = layer(x, ctx, cos, sin, masks[layer.layer_type], compiled=compiled)
         return self.norm(x)
 
     def context_kv(self, context: torch.Tensor, context_position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

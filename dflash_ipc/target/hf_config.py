@@ -117,6 +117,25 @@ def qwen36_27b_spec(num_layers: int = 64) -> dict[str, Any]:
     }
 
 
+def smollm2_135m_config(num_layers: int = 30):
+    """SmolLM2-135M's shapes as a ``LlamaConfig`` (tied heads; weights are the caller's): benchmarks
+    at its shapes on a machine without the checkpoint."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=int(num_layers),
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+
+
 # --------------------------------------------------------------------------- configs
 
 
