@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Issue 24 on one H200 in warm calls (the machine keeps /root between them); the plan with each call's budget
-# from the measured rates is in docs/EVAL.md ("Next session's GPU plan"):
+# from the measured rates is in docs/EVAL.md (its last "GPU plan" section):
 #   STEP=stash : stash the GGUF's first part (carried in .big/p1) under /root/parts for the data call, then (PROBE=1)
 #                time gen-data's decoding on random SmolLM2-shaped weights: dynamic vs compiled cache at batch
-#                512 and 2048 (tools/gen_decode_bench.py, $OUT/gen_decode.json) -> pick DECODE for the data call
+#                512 and 2048 (tools/gen_decode_bench.py, $OUT/gen_decode.json) -> pick DECODE for the data call;
+#                PROBE=drafter: the drafter step's speed options instead (tools/gpu_drafter_step.sh), for SPEED=auto
 #   STEP=data  : join the GGUF (second part carried in .big/p2), convert it, then synthesize + answer prompts and
 #                answer the built-in questions (tools/gpu_synth_smollm2.sh PHASE=data)
 #   STEP=train : train on the mix (tools/gpu_synth_smollm2.sh PHASE=train EVAL=0), all inside BUDGET_S (give the call
-#                BUDGET_S + 45 s); UNTRAINED=DIR exports the untrained floor first (by default the eval call does)
+#                BUDGET_S + 45 s); SPEED=auto: with the speed options the drafter probe earned
+#                (tools/pick_drafter_speed.py); UNTRAINED=DIR exports the untrained floor first (else the eval call does)
 #   STEP=eval  : the suite table (tools/gpu_eval_suite.sh): held-out synthesized, held-out built-in, HumanEval,
 #                everyday; trained at T = 0 and T = 1, the untrained floor at T = 0 (exported first when missing)
 # Knobs pass through to those scripts (BUDGET_S, N_SYNTH, N_BUILTIN, SYNTH_BS, DECODE, TRAIN_S, STEP_S, TEMPS, ...).
@@ -16,7 +18,10 @@ W=${WORK:-/root/work-synth}
 case "${STEP:?STEP=stash|data|train|eval}" in
   stash)
     mkdir -p /root/parts && cp .big/p1/smolpart.* /root/parts/ && ls -la /root/parts
-    if [ "${PROBE:-1}" = 1 ]; then
+    if [ "${PROBE:-1}" = drafter ]; then
+      # the drafter step's speed options on this GPU (tools/gpu_drafter_step.sh); STEP=train SPEED=auto reads the pick
+      mkdir -p "$W" && BUDGET_S=${PROBE_S:-140} bash tools/gpu_drafter_step.sh && cp "$OUT/drafter_step.json" "$W/drafter_step.json"
+    elif [ "${PROBE:-1}" = 1 ]; then
       . tools/gpu_setup.sh
       timeout "${PROBE_S:-150}" python3 tools/gen_decode_bench.py --random-smollm2 --device cuda:0 --modes dynamic,compiled \
         --batch-sizes "${PROBE_BS:-512,2048}" --max-new "${PROBE_MAX_NEW:-64}" --batches 1 --out "$OUT/gen_decode.json" 2> "$OUT/gen_decode.log"
@@ -35,7 +40,15 @@ case "${STEP:?STEP=stash|data|train|eval}" in
     SETUP=0 PHASE=data bash tools/gpu_synth_smollm2.sh ;;
   train)
     # the untrained floor is exported by the eval call (UNTRAINED=...: here instead, inside this budget)
-    PHASE=train EVAL=0 UNTRAINED=${UNTRAINED:-} BUDGET_S=${BUDGET_S:-550} bash tools/gpu_synth_smollm2.sh ;;
+    # SPEED=auto: the speed options the stash call's drafter-step probe earned (tools/pick_drafter_speed.py), if any
+    BUDGET_S=${BUDGET_S:-550}; STARTED=$(date +%s)
+    if [ "${SPEED:-}" = auto ]; then
+      . tools/gpu_setup.sh && export SETUP=0
+      PICK=$(python3 tools/pick_drafter_speed.py "$W/drafter_step.json"); echo "speed options: ${PICK:-none}"
+      export EXTRA="${EXTRA:-} $PICK"
+    fi
+    # the setup above counts against the call's budget
+    PHASE=train EVAL=0 UNTRAINED=${UNTRAINED:-} BUDGET_S=$(( BUDGET_S - ($(date +%s) - STARTED) )) bash tools/gpu_synth_smollm2.sh ;;
   eval)
     if [ ! -f "$W/untrained/config.json" ]; then
       . tools/gpu_setup.sh && export SETUP=0
