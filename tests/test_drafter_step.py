@@ -185,6 +185,10 @@ def test_the_picker_takes_the_fastest_variant_that_keeps_the_loss_and_its_overri
     best, reasons = picker.pick(result, min_speedup=0.0, max_loss_diff=1e-6)
     assert best == max(speeds, key=speeds.get) and len(reasons) == 2
     assert picker.pick(result, min_speedup=1e9, max_loss_diff=1.0)[0] is None  # nothing fast enough: train as configured
+    cli = [sys.executable, str(root / "tools" / "pick_drafter_speed.py"), str(out), "--min-speedup", "0", "--max-loss-diff", "1e-6"]
+    assert subprocess.run(cli, capture_output=True, text=True, check=True).stdout.split() == picker.overrides(best)
+    speedup = subprocess.run([*cli, "--speedup"], capture_output=True, text=True, check=True).stdout
+    assert float(speedup) == speeds[best]
     assert picker.pick(result, min_speedup=0.0, max_loss_diff=-1.0)[0] is None  # a changed loss is never taken
     overrides = picker.overrides("ce-chunk-64+anchor-chunk-64")
     assert overrides == ["drafter.anchor_chunk=64", "training.ce_chunk_tokens=64"]

@@ -45,7 +45,9 @@ case "${STEP:?STEP=stash|data|train|eval}" in
     if [ "${SPEED:-}" = auto ]; then
       . tools/gpu_setup.sh && export SETUP=0
       PICK=$(python3 tools/pick_drafter_speed.py "$W/drafter_step.json"); echo "speed options: ${PICK:-none}"
-      export EXTRA="${EXTRA:-} $PICK"
+      # the faster step holds more steps in TRAIN_S: max_steps (the cosine schedule's end) follows
+      export EXTRA="${EXTRA:-} $PICK" STEP_S=$(python3 -c "print(round(${STEP_S:-0.55} / $(python3 tools/pick_drafter_speed.py --speedup "$W/drafter_step.json" 2>/dev/null), 4))")
+      echo "step planned at $STEP_S s"
     fi
     # the setup above counts against the call's budget
     PHASE=train EVAL=0 UNTRAINED=${UNTRAINED:-} BUDGET_S=$(( BUDGET_S - ($(date +%s) - STARTED) )) bash tools/gpu_synth_smollm2.sh ;;

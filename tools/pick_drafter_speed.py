@@ -1,10 +1,11 @@
 """The drafter speed options a `bench drafter-step` result earns, as config overrides for the next training call.
 
-    python3 tools/pick_drafter_speed.py drafter_step.json [--min-speedup 1.05] [--max-loss-diff 5e-3]
+    python3 tools/pick_drafter_speed.py drafter_step.json [--min-speedup 1.05] [--max-loss-diff 5e-3] [--speedup]
 
 Prints `section.key=value ...` for the fastest variant whose median step beats the baseline (the bench's first
 variant) by at least --min-speedup and whose first-step loss on the same weights, batch and anchors is within
 --max-loss-diff (relative) of the baseline's; prints nothing when no variant earns it (train as configured).
+With --speedup it prints that variant's step speed-up instead (1.0 when none), to plan the steps a budget holds.
 The reasons go to stderr, one line per variant.
 """
 
@@ -39,14 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("result")
     ap.add_argument("--min-speedup", type=float, default=1.05)
     ap.add_argument("--max-loss-diff", type=float, default=5e-3)
+    ap.add_argument("--speedup", action="store_true", help="print the picked variant's step speed-up instead")
     args = ap.parse_args(argv)
     try:
         with open(args.result, encoding="utf-8") as f:
             result = json.load(f)  # the bench's --out file: one JSON object, rewritten after each variant
     except (OSError, ValueError) as e:
         print(f"no drafter-step result to pick from ({args.result}: {e}): training as configured", file=sys.stderr)
+        if args.speedup:
+            print("1.0")
         return 0
     best, reasons = pick(result, args.min_speedup, args.max_loss_diff)
+    if args.speedup:
+        print(result["ratios"][best]["step"] if best is not None else "1.0")
+        return 0
     for line in reasons:
         print(line, file=sys.stderr)
     if best is not None:
