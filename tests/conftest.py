@@ -7,6 +7,10 @@ Markers (registered in pyproject.toml):
 * ``faults_full``: the long trials of tests/faults/, skipped unless DFLASH_IPC_FAULTS_FULL=1.
 * ``slow``: spawns process groups (``dflash-ipc up``, torch.distributed ranks).
 
+pytest-xdist (``-n 2``, the README's command): ``worker_scope`` says which tests go to one worker
+together (a module, the shared run's readers); ``check_worker_scopes`` refuses a layout that would
+build a module fixture or the shared run on both workers.
+
 Run configs: tests build them as dicts (``tiny_cpu_config(data={...})``) and write them with
 ``write_toml``; test modules import these with ``from conftest import ...`` (tests/ has no
 ``__init__.py``, so pytest's default import mode puts it on ``sys.path``).
@@ -39,6 +43,7 @@ TINY_CPU = REPO / "configs" / "tiny-cpu.toml"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    check_worker_scopes(items)
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     full_faults = bool(os.environ.get("DFLASH_IPC_FAULTS_FULL"))
     for item in items:
@@ -51,6 +56,79 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if have < need:
             what = "CUDA" if need == 1 else f"{need} CUDA GPUs"
             item.add_marker(pytest.mark.skip(reason=f"needs {what} (this machine has {have})"))
+
+
+# --------------------------------------------------------------------------- pytest-xdist workers
+
+#: The modules that read the session's shared run (one `up` process group): one worker runs them all.
+SHARED_RUN_MODULES = frozenset({"tests/test_up.py", "tests/test_progress.py", "tests/test_tensorboard.py", "tests/test_holdout.py"})
+#: Modules of long, independent process-group tests (no fixture shared between tests): each test may
+#: go to either worker, so two of them never queue behind each other on one.
+SPLIT_MODULES = frozenset(
+    {
+        "tests/test_multinode.py",
+        "tests/test_multinode_faults.py",
+        "tests/faults/test_crash_anywhere.py",
+        "tests/test_topology_5t3d.py",
+        "tests/test_bench_pipeline.py",
+        "tests/test_transport_nccl.py",
+    }
+)
+
+
+def worker_scope(nodeid: str) -> str:
+    """What pytest-xdist (``-n 2``) sends to one worker as a unit: a whole module by default (its
+    module-scoped fixtures are built once), the shared run's readers together, a test of
+    SPLIT_MODULES alone. The order is the collection order (long fault trials first)."""
+    module = nodeid.split("::", 1)[0]
+    if module in SHARED_RUN_MODULES:
+        return "shared-run"
+    return nodeid if module in SPLIT_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FixtureScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_scope(nodeid)
+
+    config.option.loadscopereorder = False  # by test count, the few long process-group tests would come last
+    return FixtureScopeScheduling(config, log)
+
+
+#: Session fixtures worth building once per run (a process group); a cheap one (tiny_llama) may be built per worker.
+ONE_WORKER_SESSION_FIXTURES = frozenset({"shared_run"})
+
+
+def check_worker_scopes(items: list[pytest.Item]) -> None:
+    """Every test that shares a module-scoped fixture (or one of ONE_WORKER_SESSION_FIXTURES) with another must
+    fall in the same worker scope, or pytest-xdist would build that fixture (a process group,
+    perhaps) on both workers: say which module to add to SHARED_RUN_MODULES or remove from
+    SPLIT_MODULES."""
+    parent: dict[str, str] = {}
+
+    def find(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        for name, fixture_defs in info.name2fixturedefs.items() if info else ():
+            fixture = fixture_defs[-1]  # builtin fixtures (tmp_path_factory) have baseid ""
+            one_worker = fixture.scope in ("module", "package") or name in ONE_WORKER_SESSION_FIXTURES
+            if one_worker and fixture.baseid.startswith("tests"):
+                parent[find(item.nodeid)] = find(f"{fixture.baseid}:{name}")
+    scopes: dict[str, set[str]] = {}
+    for item in items:
+        if item.nodeid in parent:
+            scopes.setdefault(find(item.nodeid), set()).add(worker_scope(item.nodeid))
+    split = {root: sorted(found) for root, found in scopes.items() if len(found) > 1}
+    if split:
+        raise pytest.UsageError(f"tests sharing a fixture fall in different pytest-xdist scopes (tests/conftest.py: worker_scope): {split}")
 
 
 # --------------------------------------------------------------------------- TOML from dicts

@@ -1,11 +1,12 @@
 """Two `dflash-ipc up` processes on localhost acting as two nodes (gloo): one run.
 
 Each node: 1 target + 1 drafter (tiny CPU config, small data); the drafters form one group of two
-global ranks over MASTER_ADDR=127.0.0.1. Checkpoints go to one --shared-dir. Checked on real
-processes: identical weights on both ranks (sha256 each rank writes of its own weights), the union
-of the two nodes' trained batches = the plan with no batch twice, the shared ledger = that union;
-kill -9 of node 1's drafter ends node 0 non-zero within the heartbeat timeout, naming node 1 and
-the drafter; --resume on both nodes continues from the shared checkpoint. Timeouts are safety nets.
+global ranks over MASTER_ADDR=127.0.0.1. Checkpoints go to one --shared-dir. One process group
+goes through the multi-node paths on real processes: kill -9 of node 1's drafter with
+--max-restarts 1 restarts every node together; then node 1 hangs whole (SIGSTOP) and node 0 ends
+non-zero within the heartbeat timeout, naming node 1; --resume on both nodes continues from the shared
+checkpoint to the data's end: identical weights on both ranks (sha256 each rank writes of its own
+weights), the shared ledger = the plan with no batch twice. Timeouts are safety nets.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import tiny_cpu_config, write_toml
 
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, read_latest_pointer
+from dflash_ipc.transport.shm_names import list_run_shm, sweep_run_shm
 
 pytestmark = pytest.mark.slow
 
@@ -89,9 +93,10 @@ class Node:
             pytest.fail(f"node did not exit within {timeout} s; output:\n{self.output[-4000:]}")
 
     def drafter_pid(self) -> int:
-        m = re.search(r"drafter-0@\S+ pid (\d+)", self.output)
-        assert m, self.output
-        return int(m.group(1))
+        """The pid of the drafter this node started last (a restart starts a new one)."""
+        pids = re.findall(r"drafter-0@\S+ pid (\d+)", self.output)
+        assert pids, self.output
+        return int(pids[-1])
 
     def status(self) -> dict | None:
         try:
@@ -108,80 +113,167 @@ def run_both(tmp: Path, config: Path, shared: Path, *extra: str, tag: str = "", 
     )
 
 
+def wait_training(nodes: tuple[Node, Node], shared: Path, min_step: int = 3, after: str | None = None) -> None:
+    """Until both nodes report step ``min_step`` and the shared dir holds a checkpoint (newer than ``after``)."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+
+    def step(n: Node) -> int:
+        return (n.status() or {}).get("totals", {}).get("step", 0)
+
+    while read_latest_pointer(shared / "checkpoints") in (None, after) or min(map(step, nodes)) < min_step:
+        assert all(n.proc.poll() is None for n in nodes), "".join(n.output[-3000:] for n in nodes)
+        assert time.monotonic() < deadline, "training did not start in time"
+        time.sleep(0.2)
+
+
+MARGIN_S = 30.0  # detection + reporting + the teardown of a drafter stuck in a collective (run.teardown_grace_s twice)
+
+
+def child_pids(node: Node) -> list[int]:
+    """Every child the node's supervisor said it started (all attempts)."""
+    return [int(p) for p in re.findall(r"@\S+ pid (\d+)", node.output)]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def hang_node(nodes: tuple[Node, Node], hung_rank: int) -> None:
+    """SIGSTOP every process of one node (its supervisor first: it must not see its children stop);
+    the other node must end non-zero within the heartbeat timeout naming the hung node ("node 1
+    missed heartbeats", or "lost node 0" when the hung node serves the supervisors' store), with
+    none of its processes and none of its shared memory left. Then the hung node is SIGKILLed,
+    continued and reaped, its shared memory swept."""
+    hung, other = nodes[hung_rank], nodes[1 - hung_rank]
+    tree: list[psutil.Process] = []
+    try:
+        sup = psutil.Process(hung.proc.pid)
+        tree = [sup, *sup.children(recursive=True)]
+        told = len(other.output)  # what it said before the hang (an earlier failure, say) is not read as the report
+        for p in tree:
+            p.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        detected = None
+        while other.proc.poll() is None and time.monotonic() - stopped < HEARTBEAT_TIMEOUT_S + MARGIN_S:
+            if detected is None and "failure detected" in other.output[told:]:
+                detected = time.monotonic() - stopped
+            time.sleep(0.1)
+        code = other.wait(timeout=5)
+        exited = time.monotonic() - stopped
+        out = other.output[told:]
+        print(
+            f"NODES: node {hung_rank} SIGSTOPped (run.heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S:g}): node {1 - hung_rank} "
+            f"detected it after {detected if detected is None else round(detected, 1)} s, exited {code} after {exited:.1f} s"
+        )
+        print(out[-1500:])
+        assert code != 0, out[-3000:]
+        assert detected is not None and detected < HEARTBEAT_TIMEOUT_S + MARGIN_S, out[-3000:]
+        named = "lost node 0's supervisor store" if hung_rank == 0 else "node 1 missed heartbeats"
+        assert re.search(rf"failure detected: .*{re.escape(named)}", out), out[-3000:]
+        assert f"[up] FAILED: node {1 - hung_rank}/2: " in out and named in out
+        # nothing left behind on the node that detected it
+        assert all(gone(pid) for pid in child_pids(other)), [(p, psutil.Process(p).status()) for p in child_pids(other) if not gone(p)]
+        assert list_run_shm((other.run_dir / "run_id").read_text().strip()) == []
+    finally:
+        for p in tree:
+            try:
+                p.send_signal(signal.SIGKILL)
+                p.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.proc.kill()
+            n.proc.wait(timeout=30)
+        psutil.wait_procs([p for p in tree if p.pid != hung.proc.pid], timeout=10)
+        sweep_run_shm((hung.run_dir / "run_id").read_text().strip())
+
+
 def rank_records(*nodes: Node) -> list[dict]:
     return [json.loads(p.read_text()) for n in nodes for p in sorted((n.run_dir / "ranks").glob("rank-*.json"))]
 
 
-def test_two_nodes_one_run(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "two-nodes.toml")
+@pytest.mark.timeout(900)  # the safety nets of the three tests it holds (300 s each, pyproject)
+def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the_plan(tmp_path: Path) -> None:
+    """One two-node run through the multi-node paths (the hang of node 0, the store's, is
+    tests/test_multinode_faults.py): --max-restarts 1, kill -9 of node 1's drafter: both nodes vote
+    and restart from the shared checkpoint (generation 1); then all of node 1 hangs (SIGSTOP): no
+    restart left, node 0 ends non-zero within the heartbeat timeout naming node 1 (hang_node), node 1
+    is killed; `up --resume` on both nodes (launched by the torchrun-style variables alone)
+    continues from the shared checkpoint to the data's end: identical weights on both ranks, no batch of the checkpoint
+    trained again, the final ledger = the plan (every epoch, each shard's batches once)."""
+    # 4 epochs (40 steps): the kill and the hang land far from the data's end
+    epochs = 4
+    config = write_config(tmp_path / "two-nodes.toml", num_epochs=epochs, checkpoint_every=2)
     shared = tmp_path / "shared"
-    n0, n1 = run_both(tmp_path, config, shared, env_only=True)
-    assert n0.wait() == 0, n0.output[-4000:]
-    assert n1.wait() == 0, n1.output[-4000:]
-    assert "node 0/2: all nodes joined" in n0.output and "node 1/2: all nodes joined" in n1.output
-
-    recs = rank_records(n0, n1)
-    assert sorted(r["rank"] for r in recs) == [0, 1]  # one drafter per node, global ranks 0 and 1
-    assert len({r["weights_sha256"] for r in recs}) == 1, recs
-    assert len({r["step"] for r in recs}) == 1
-
-    plan = json.loads((n0.run_dir / "plan.json").read_text())
-    assert plan == json.loads((n1.run_dir / "plan.json").read_text())
-    assert len(plan["n_batches_per_shard"]) == 2  # one global shard per target of every node
-    planned = {(0, shard, i) for shard, n in enumerate(plan["n_batches_per_shard"]) for i in range(n)}
-    trained = [tuple(b) for r in recs for b in r["batch_ids"]]
-    assert len(trained) == len(set(trained)), "a batch was trained twice"
-    assert set(trained) == planned
-
-    # Written once, by global rank 0, in the shared dir: node-local checkpoint dirs stay empty.
-    latest = read_latest_pointer(shared / "checkpoints")
-    ledger = json.loads((shared / "checkpoints" / latest / LEDGER_FILE).read_text())
-    assert {tuple(b) for b in ledger["ids"]} == planned
-    assert [p for n in (n0, n1) for p in (n.run_dir / "checkpoints").glob("step-*")] == []
-    assert (shared / "export" / "drafter" / "model.safetensors").exists()
-    # status on node 1: its own processes (one target, one drafter) and the group's step
-    snap = n1.status()
-    assert snap["node"]["node_rank"] == 1 and snap["node"]["nnodes"] == 2
-    assert sorted((p["role"], p["rank"]) for p in snap["processes"]) == [("drafter", 0), ("target", 0)]
-    assert snap["totals"]["step"] == recs[0]["step"]
-
-
-def test_node_failure_ends_every_node_then_resume(tmp_path: Path) -> None:
-    # Enough epochs that training is still running when the kill comes (one epoch is 10 steps,
-    # about 3 s here: it could end before the first checkpoint was seen).
-    config = write_config(tmp_path / "two-nodes.toml", num_epochs=40, checkpoint_every=2, max_steps=400)
-    shared = tmp_path / "shared"
-    n0, n1 = run_both(tmp_path, config, shared)
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while read_latest_pointer(shared / "checkpoints") is None or ((n1.status() or {}).get("totals", {}).get("step", 0) < 3):
-        assert n0.proc.poll() is None and n1.proc.poll() is None, n0.output[-3000:] + n1.output[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint in time"
-        time.sleep(0.2)
-    os.kill(n1.drafter_pid(), signal.SIGKILL)
-    killed = time.monotonic()
-    code0 = n0.wait(timeout=HEARTBEAT_TIMEOUT_S + 30)
-    ended_after = time.monotonic() - killed
-    code1 = n1.wait(timeout=60)
-    print(n0.output[-1500:], n1.output[-1500:], sep="\n----\n")  # the failure reports, for the record (pytest -s)
-    assert code0 != 0 and code1 != 0
-    assert ended_after < HEARTBEAT_TIMEOUT_S + 30  # safety net; the kill is usually seen in about a second
-    assert "node 1/2: drafter-0" in n0.output and "SIGKILL" in n0.output, n0.output[-3000:]
-    assert "node 1/2: drafter-0" in n1.output and "SIGKILL" in n1.output, n1.output[-3000:]
+    n0, n1 = nodes = run_both(tmp_path, config, shared, "--max-restarts", "1")
+    try:
+        wait_training(nodes, shared)
+        first_victim = n1.drafter_pid()
+        os.kill(first_victim, signal.SIGKILL)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not all("(generation 1)" in n.output for n in nodes) or n1.drafter_pid() == first_victim:
+            assert all(n.proc.poll() is None for n in nodes), n0.output[-3000:] + n1.output[-3000:]
+            assert time.monotonic() < deadline, "no restart in time"
+            time.sleep(0.2)
+        restarted_from = read_latest_pointer(shared / "checkpoints")
+        wait_training(nodes, shared, after=restarted_from)  # the restarted group trains and checkpoints
+    except BaseException:
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.proc.kill()
+                n.proc.wait()
+        raise
+    # the second failure: all of node 1 hangs (no restart left); node 0 ends (and node 1 is killed)
+    hang_node(nodes, 1)
+    for n in nodes:
+        rank = n.run_dir.name[-1]
+        assert "SIGKILL" in n.output and "node 1/2: drafter-0" in n.output, n.output[-3000:]
+        assert f"[up] node {rank}/2: restarting the group from the last checkpoint (1/1), every node together (generation 1)" in n.output
+        assert len(re.findall(r"\[up\] started \d+ processes", n.output)) == 2  # no third group
+        log = (n.run_dir / "logs" / "drafter-0.log").read_text()
+        assert re.search(rf"resumed from \S*/shared/checkpoints/{restarted_from}: step \d+,", log), log[-2000:]
 
     ckpt = read_latest_pointer(shared / "checkpoints")
     ckpt_step = json.loads((shared / "checkpoints" / ckpt / "meta.json").read_text())["step"]
     before = json.loads((shared / "checkpoints" / ckpt / LEDGER_FILE).read_text())["ids"]  # retention may remove it later
-    resumed_to = ckpt_step + 3
-    r0, r1 = run_both(tmp_path, config, shared, "--resume", "--max-steps", str(resumed_to), tag=".resume")
+    r0, r1 = run_both(tmp_path, config, shared, "--resume", tag=".resume", env_only=True)
     assert r0.wait() == 0, r0.output[-4000:]
     assert r1.wait() == 0, r1.output[-4000:]
+    assert "node 0/2: all nodes joined" in r0.output and "node 1/2: all nodes joined" in r1.output
     recs = rank_records(r0, r1)
-    assert [r["step"] for r in recs] == [resumed_to, resumed_to]
-    assert len({r["weights_sha256"] for r in recs}) == 1
+    assert sorted(r["rank"] for r in recs) == [0, 1]  # one drafter per node, global ranks 0 and 1
+    assert len({r["weights_sha256"] for r in recs}) == 1, recs
+    assert len({r["step"] for r in recs}) == 1
     for n in (r0, r1):
         log = (n.run_dir / "logs" / "drafter-0.log").read_text()
         assert re.search(rf"resumed from \S*/shared/checkpoints/{ckpt}: step {ckpt_step},", log), log[-2000:]
-    after = json.loads((shared / "checkpoints" / read_latest_pointer(shared / "checkpoints") / LEDGER_FILE).read_text())["ids"]
+
+    plan = json.loads((r0.run_dir / "plan.json").read_text())
+    assert plan == json.loads((r1.run_dir / "plan.json").read_text())
+    assert len(plan["n_batches_per_shard"]) == 2  # one global shard per target of every node
     trained_now = [tuple(b) for r in recs for b in r["batch_ids"]]
+    assert len(trained_now) == len(set(trained_now)), "a batch was trained twice"
     assert not {tuple(b) for b in before} & set(trained_now), "a batch of the checkpoint was trained again"
-    assert {tuple(b) for b in after} == {tuple(b) for b in before} | set(trained_now)
+    # Written once, by global rank 0, in the shared dir: node-local checkpoint dirs stay empty.
+    final = read_latest_pointer(shared / "checkpoints")
+    ledger = [tuple(b) for b in json.loads((shared / "checkpoints" / final / LEDGER_FILE).read_text())["ids"]]
+    assert len(ledger) == len(set(ledger)), "a batch was trained twice"
+    assert set(ledger) == {tuple(b) for b in before} | set(trained_now)
+    # = the plan: per target shard, each epoch's batches 0..k-1, as many in all as the plan holds
+    per_epoch_shard: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for epoch, shard, index in ledger:
+        per_epoch_shard[(epoch, shard)].add(index)
+    assert set(per_epoch_shard) == {(e, s) for e in range(epochs) for s in range(2)}
+    assert all(ix == set(range(len(ix))) for ix in per_epoch_shard.values())
+    assert [sum(len(ix) for (e, s), ix in per_epoch_shard.items() if s == shard) for shard in range(2)] == plan["n_batches_per_shard"]
+    assert [p for n in (r0, r1) for p in (n.run_dir / "checkpoints").glob("step-*")] == []
+    assert (shared / "export" / "drafter" / "model.safetensors").exists()
+    # status on node 1: its own processes (one target, one drafter) and the group's step
+    snap = r1.status()
+    assert snap["node"]["node_rank"] == 1 and snap["node"]["nnodes"] == 2
+    assert sorted((p["role"], p["rank"]) for p in snap["processes"]) == [("drafter", 0), ("target", 0)]
+    assert snap["totals"]["step"] == recs[0]["step"]

@@ -2,7 +2,7 @@
 
 Every run uses a smaller copy of configs/tiny-cpu.toml (conftest.SMALL_RUN: same model; 300
 samples, 256-token sequences: 59 batches over 2 target shards, ~30 steps to exhaust the data; 150
-samples for the SIGTERM-and-resume run). Runs that several tests read are fixtures: the full run is
+samples for the Ctrl-C-and-resume run). Runs that several tests read are fixtures: the full run is
 the session's shared run (test_progress and test_tensorboard read it too); the others are
 module-scoped.
 No assertion depends on timing; timeouts are safety nets only.
@@ -272,23 +272,47 @@ def test_status_after_the_run_reads_status_json(shared_run):
     assert all(p["exit_code"] == 0 for p in snap["processes"]), snap["processes"]
 
 
-# --------------------------------------------------------------------------- 2 + 3. live status, SIGTERM, resume
+# --------------------------------------------------------------------------- 2 + 3. live status and metrics, Ctrl-C, resume
 
 
 @pytest.fixture(scope="module")
 def stopped_and_resumed(work, started):
-    """Run until the data is exhausted, SIGTERM the supervisor mid-run (status is read live
-    first), then `up --resume` to the end. Half the module's samples (~15 steps to the data's
-    end): the SIGTERM still lands well before it, and the resumed run has half as far to go."""
+    """Run until the data is exhausted, stop it with a Ctrl-C once step 3 is logged, then
+    `up --resume` to the end. Half the module's samples (~15 steps to the data's end): the stop
+    still lands well before it, and the resumed run has half as far to go. The first run sets
+    run.metrics_port and training.checkpoint_on_finish = false; while it trains, GET /metrics,
+    `status --json | tail -1` and `status --prometheus` are read; the Ctrl-C is SIGINT to the whole
+    process group, children included, as a terminal sends it; the endpoint is tried again after
+    the run ended."""
+    import urllib.request
+
+    port = free_port()
     cfg = write_config(work / "resume.toml", data__builtin_samples=150)
+    endpoint = {"run__metrics_port": port, "training__checkpoint_on_finish": False}
+    first_cfg = write_config(work / "resume-first.toml", data__builtin_samples=150, **endpoint)
     run_dir = work / "resume"
-    first = Up(cfg, run_dir, name="first")
+    first = Up(first_cfg, run_dir, name="first", own_group=True)
     started.append(first)
     first.wait_until(lambda: first.steps_logged() >= 3, "step 3")
-    live_json = status_cli(run_dir, "--json")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        http_status, http_text = r.status, r.read().decode()
+    # the shell idiom the README promises: the last line is the whole JSON object
+    live_json = subprocess.run(
+        f"{sys.executable} -m dflash_ipc.cli status --run-dir {run_dir} --json | tail -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     live_prom = status_cli(run_dir, "--prometheus")
-    first.proc.send_signal(signal.SIGTERM)
+    os.killpg(first.proc.pid, signal.SIGINT)
     first_code = first.wait()
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        after: OSError | None = None
+    except OSError as e:  # urllib.error.URLError is an OSError
+        after = e
     first_metrics = read_metrics(run_dir)
     ckpt1 = latest_checkpoint(run_dir)
     ledger1 = read_ledger(ckpt1)
@@ -302,6 +326,10 @@ def stopped_and_resumed(work, started):
         second=second,
         first_code=first_code,
         second_code=second_code,
+        port=port,
+        http_status=http_status,
+        http_text=http_text,
+        after=after,
         live_json=live_json,
         live_prom=live_prom,
         first_metrics=first_metrics,
@@ -337,20 +365,20 @@ def test_status_while_running(stopped_and_resumed):
     assert step >= 1
 
 
-def test_sigterm_checkpoints_and_resume_consumes_every_batch_once(stopped_and_resumed):
+def test_ctrl_c_checkpoints_and_resume_consumes_every_batch_once(stopped_and_resumed):
     r = stopped_and_resumed
     first, second = r["first"], r["second"]
     run_dir = first.run_dir
     assert r["first_code"] == 0, first.output
-    assert "SIGTERM: asking drafters to checkpoint and stop" in first.output
+    assert "SIGINT: asking drafters to checkpoint and stop" in first.output
 
     # a fresh checkpoint at the step the first run stopped at
     stop_step = r["first_metrics"][-1]["step"]
     assert [m["step"] for m in r["first_metrics"]] == list(range(1, stop_step + 1))
     assert checkpoint_step(r["ckpt1"]) == stop_step
-    assert "SIGTERM" in json.loads((r["ckpt1"] / META_FILE).read_text())["extra"]["reason"]
+    assert "SIGINT" in json.loads((r["ckpt1"] / META_FILE).read_text())["extra"]["reason"]
     all_ids = plan_ids(run_dir)
-    assert 0 < len(r["ledger1"]) < len(all_ids), "the SIGTERM landed after the data was exhausted"
+    assert 0 < len(r["ledger1"]) < len(all_ids), "the Ctrl-C landed after the data was exhausted"
     assert r["ledger1"] <= all_ids
 
     # the resumed run continues from there and exhausts the data
@@ -463,44 +491,10 @@ def test_handshake_timeout_names_the_setting_and_leaves_no_process(work, started
 # --------------------------------------------------------------------------- metrics endpoint, status --json | tail -1
 
 
-@pytest.fixture(scope="module")
-def metrics_run(work, started):
-    """A run with run.metrics_port set and training.checkpoint_on_finish = false, stopped once
-    step 2 is logged (it would run until the data is exhausted) the way a terminal's Ctrl-C stops
-    it: SIGINT to the whole process group, children included. GET /metrics and
-    `status --json | tail -1` are read while it trains, the endpoint again after it ended."""
-    import urllib.request
-
-    port = free_port()
-    cfg = write_config(work / "metrics.toml", run__metrics_port=port, training__checkpoint_on_finish=False)
-    up = Up(cfg, work / "metrics", name="metrics", own_group=True)
-    started.append(up)
-    up.wait_until(lambda: up.steps_logged() >= 2, "step 2")
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-        http_status, text = r.status, r.read().decode()
-    # the shell idiom the README promises: the last line is the whole JSON object
-    tail = subprocess.run(
-        f"{sys.executable} -m dflash_ipc.cli status --run-dir {work / 'metrics'} --json | tail -1",
-        shell=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    os.killpg(up.proc.pid, signal.SIGINT)
-    code = up.wait()
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
-        after: OSError | None = None
-    except OSError as e:  # urllib.error.URLError is an OSError
-        after = e
-    return dict(up=up, port=port, code=code, http_status=http_status, text=text, tail=tail.stdout, after=after)
-
-
-def test_metrics_endpoint_and_json_last_line_during_a_run(metrics_run):
+def test_metrics_endpoint_and_json_last_line_during_a_run(stopped_and_resumed):
     """GET /metrics on run.metrics_port while a real run trains; `status --json | tail -1` is the JSON."""
-    r = metrics_run
-    up, port, text = r["up"], r["port"], r["text"]
+    r = stopped_and_resumed
+    up, port, text = r["first"], r["port"], r["http_text"]
     assert r["http_status"] == 200
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     up_samples = {(s.labels["role"], s.labels["rank"]): s.value for s in fams["dflash_ipc_process_up"].samples}
@@ -511,7 +505,7 @@ def test_metrics_endpoint_and_json_last_line_during_a_run(metrics_run):
     assert {s.labels["state"]: s.value for s in fams["dflash_ipc_state"].samples}["running"] == 1.0
     assert [s.value for s in fams["dflash_ipc_supervisor_pid"].samples] == [float(up.proc.pid)]
 
-    snap = decode_status(json.loads(r["tail"]))
+    snap = decode_status(json.loads(r["live_json"]))
     assert snap.state == "running" and sorted((p.role, p.rank) for p in snap.processes) == [
         ("drafter", 0),
         ("drafter", 1),
@@ -519,21 +513,22 @@ def test_metrics_endpoint_and_json_last_line_during_a_run(metrics_run):
         ("target", 1),
     ]
 
-    assert r["code"] == 0, up.output
+    assert r["first_code"] == 0, up.output
     assert f"[up] metrics: http://127.0.0.1:{port}/metrics" in up.output
     assert isinstance(r["after"], OSError), "the endpoint still answered after the run ended"
     assert_no_leftovers(up)
 
 
-def test_ctrl_c_without_final_checkpoint_setting_still_checkpoints_on_every_rank(metrics_run):
+def test_ctrl_c_without_final_checkpoint_setting_still_checkpoints_on_every_rank(stopped_and_resumed):
     """training.checkpoint_on_finish = false (benchmarks) must not split the drafters at a
     requested stop: the checkpoint is collective, so every rank takes the same branch. The stop
     is a Ctrl-C to the process group: the targets get SIGINT too and exit cleanly while the
     drafters checkpoint, which is no failure (before: "FAILED: target-0 ... exit code 0")."""
-    up = metrics_run["up"]
-    assert metrics_run["code"] == 0, up.output
+    r = stopped_and_resumed
+    up = r["first"]
+    assert r["first_code"] == 0, up.output
     assert "SIGINT: asking drafters to checkpoint and stop" in up.output and "FAILED" not in up.output
-    stop_step = read_metrics(up.run_dir)[-1]["step"]
-    assert stop_step >= 2
-    assert checkpoint_step(latest_checkpoint(up.run_dir)) == stop_step
+    stop_step = r["first_metrics"][-1]["step"]
+    assert stop_step >= 3
+    assert checkpoint_step(r["ckpt1"]) == stop_step
     assert_no_leftovers(up)

@@ -138,8 +138,8 @@ def _metrics_steps(run_dir: Path) -> list[int]:
 def test_a_second_up_is_refused_at_every_moment_of_a_live_run(tmp_path):
     """One live run; a second `up` (plain, --resume, --max-restarts) during its probe, handshake,
     training and a checkpoint: each refused, exit 2, naming the directory and the owner's pid,
-    with no traceback and nothing touched; the first run trains steps 1..N once, keeps its run id,
-    and its checkpoints are its own."""
+    with no traceback and nothing touched; the first run (stopped by SIGTERM after step 8) trains
+    steps 1..N once, keeps its run id, and its checkpoints are its own, the last at step N."""
     cfg = write_config(tmp_path / "c.toml", data={"builtin_samples": 600}, training={"checkpoint_every": 4})
     run_dir = tmp_path / "run"
     first = Up(cfg, run_dir, name="first")
@@ -173,6 +173,9 @@ def test_a_second_up_is_refused_at_every_moment_of_a_live_run(tmp_path):
         second("training", "--max-restarts", "3")
         first.wait_until(lambda: read_latest_pointer(run_dir / "checkpoints") is not None, "a checkpoint")
         second("checkpoint", "--resume")
+        # the rest of the data would prove nothing more: stop it the way systemd does (it checkpoints)
+        first.wait_until(lambda: first.steps_logged() >= 8, "8 steps")
+        first.proc.send_signal(signal.SIGTERM)
         assert first.wait() == 0, first.output[-3000:]
     finally:
         first.close()
@@ -183,6 +186,8 @@ def test_a_second_up_is_refused_at_every_moment_of_a_live_run(tmp_path):
     latest = read_latest_pointer(run_dir / "checkpoints")
     meta = json.loads((run_dir / "checkpoints" / latest / META_FILE).read_text())
     assert meta["step"] == steps[-1], meta  # the last checkpoint is the first run's final step
+    # systemd's stop (SIGTERM to the supervisor alone) mid-training: the drafters checkpoint where they are
+    assert "SIGTERM: asking drafters to checkpoint and stop" in first.output and "[up] finished (shutdown: SIGTERM)" in first.output
     writers = {json.loads((p / META_FILE).read_text())["pid"] for p in (run_dir / "checkpoints").glob("step-*")}
     assert writers == {first.child_pids()["drafter-0"]}, writers  # every checkpoint there written by the first run's rank 0
     report(f"run lock: {len(refusals)} refusals, worst {max(refusals.values()):.2f} s; the first run trained steps 1..{steps[-1]} once")
