@@ -42,6 +42,13 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_CPU = REPO / "configs" / "tiny-cpu.toml"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Two pytest-xdist workers on a 2-core machine: torch's default of one intra-op thread per core
+    # in each worker oversubscribes the cores (their OpenMP threads spin while they wait for a core).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     check_worker_scopes(items)
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
