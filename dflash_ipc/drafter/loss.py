@@ -113,16 +113,13 @@ class _ChunkedLMLoss(torch.autograd.Function):
         stats = _ce_chunk_fns(compiled and target_hidden is None)[0]
         for s in range(0, r, chunk):
             e = min(r, s + chunk)
-            if target_hidden is None:
-                lse[s:e], ce[s:e], pred[s:e] = stats(F.linear(hidden[s:e], weight), labels[s:e])
-                continue
-            logits = F.linear(hidden[s:e], weight).float()
-            lse_c = torch.logsumexp(logits, dim=-1)
-            lse[s:e] = lse_c
-            ce[s:e] = lse_c - logits.gather(1, labels[s:e, None]).squeeze(1)
-            pred[s:e] = logits.argmax(dim=-1)
-            t_logp = F.log_softmax(F.linear(target_hidden[s:e], weight).float(), dim=-1)
-            kl[s:e] = (t_logp.exp() * (t_logp - (logits - lse_c[:, None]))).sum(-1)
+            logits = F.linear(hidden[s:e], weight)
+            if target_hidden is not None:
+                logits = logits.float()  # cast once: the KL term below reads it too
+            lse[s:e], ce[s:e], pred[s:e] = stats(logits, labels[s:e])
+            if target_hidden is not None:
+                t_logp = F.log_softmax(F.linear(target_hidden[s:e], weight).float(), dim=-1)
+                kl[s:e] = (t_logp.exp() * (t_logp - (logits - lse[s:e, None]))).sum(-1)
             del logits
         if reweight is not None:
             row_w = reweight(ce).to(torch.float32)
