@@ -394,10 +394,19 @@ def format_suite_table(suite: dict) -> str:
     """One line per set: prompts, τ, acceptance per position, speculative / plain tokens/s (plain: greedy
     decoding, or plain sampling at T > 0) of the timed prompts, their own τ, the speed-up at the set's τ
     (:func:`_speedup_at_tau`), lossless."""
-    rows = [
-        ("set", "prompts", "tau", "acceptance per position", "spec tok/s", "plain tok/s", "spec/plain", "timed tau", "at set tau")
-        + ("lossless",)
-    ]
+    header = (
+        "set",
+        "prompts",
+        "tau",
+        "acceptance per position",
+        "spec tok/s",
+        "plain tok/s",
+        "spec/plain",
+        "timed tau",
+        "at set tau",
+        "lossless",
+    )
+    rows = [header]
     for name, r in suite["sets"].items():
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         rows.append(
