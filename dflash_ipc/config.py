@@ -246,6 +246,9 @@ class TargetConfig:
     # varlen kernels run it (flash/flex or sdpa's varlen_attn on CUDA; fla for GatedDeltaNet); true / false force it.
     varlen: bool | Literal["auto"] = "auto"
     quantization: Quantization = "none"  # "fp8": e4m3 linear layers (config_quant.py, target/fp8.py)
+    # Norms and SwiGLU (and an FP8 down projection's quantizer) as torch.compile'd fused kernels (target/fused.py).
+    # "auto": on CUDA, where Triton compiles them; true / false force it.
+    fuse_elementwise: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         if not self.tokenizer:

@@ -80,6 +80,21 @@ def test_anchor_budget_figures_report_the_final_count_and_the_wait_there():
     assert anchor_budget_figures(recs[:1])["drafter_wait_pct_at_final_anchors"] is None
 
 
+def test_target_modifiers_compose_with_any_variant(tmp_path):
+    """forward-only+fp8+eager: the ceiling's overrides plus the target's precision and kernels; the
+    config loader takes them (FP8 wants bf16, so the target's dtype is set here as a user would)."""
+    overrides, fwd = variant_overrides("forward-only+fp8+eager", on_cuda=False)
+    base, base_fwd = variant_overrides("forward-only", on_cuda=False)
+    assert fwd == base_fwd == -1
+    assert overrides == base | {"target.quantization": "fp8", "target.fuse_elementwise": False}
+    cfg = _load(tmp_path, overrides, target={"dtype": "bfloat16"})
+    assert cfg.target.quantization == "fp8" and cfg.target.fuse_elementwise is False
+    fused, _ = variant_overrides("depth-2+fused", on_cuda=False)
+    assert _load(tmp_path, fused).transport.ring_slots == 2 and _load(tmp_path, fused).target.fuse_elementwise is True
+    with pytest.raises(ValueError, match=r"unknown modifier 'int4'.*\+fp8"):
+        variant_overrides("cuda-ipc+int4", on_cuda=False)
+
+
 @pytest.mark.parametrize("name", ["anchors-", "anchors-x", "depth-0", "bogus"])
 def test_bad_variant_names_are_refused_with_the_valid_forms(name):
     with pytest.raises(ValueError, match="depth-8|anchors-N|variant"):

@@ -141,9 +141,30 @@ class TreeSampler:
             self._stop.wait(self.period_s)
 
 
+# "+"-joined after a variant's name: the target's precision and elementwise kernels for that variant
+# (e.g. forward-only+fp8, cuda-ipc+eager), so one invocation compares them on the same machine state
+TARGET_MODIFIERS = {
+    "fp8": {"target.quantization": "fp8"},
+    "bf16": {"target.quantization": "none"},
+    "fused": {"target.fuse_elementwise": True},
+    "eager": {"target.fuse_elementwise": False},
+}
+
+
 def variant_overrides(name: str, on_cuda: bool, anchor_chunk: int = 0, max_anchors: int = 0) -> tuple[dict, int]:
     """(config overrides, forward_only batches) for one variant; ``anchor_chunk`` and
-    ``max_anchors`` are the config's own drafter settings (the anchors-N variants chunk by them)."""
+    ``max_anchors`` are the config's own drafter settings (the anchors-N variants chunk by them).
+    A variant may end in ``+MOD`` modifiers of the target (:data:`TARGET_MODIFIERS`)."""
+    base, *mods = name.split("+")
+    overrides, fwd = _base_variant_overrides(base, on_cuda, anchor_chunk, max_anchors)
+    for mod in mods:
+        if mod not in TARGET_MODIFIERS:
+            raise ValueError(f"variant {name!r}: unknown modifier {mod!r}; use {', '.join('+' + m for m in TARGET_MODIFIERS)}")
+        overrides |= TARGET_MODIFIERS[mod]
+    return overrides, fwd
+
+
+def _base_variant_overrides(name: str, on_cuda: bool, anchor_chunk: int, max_anchors: int) -> tuple[dict, int]:
     base_backend = "cuda-ipc" if on_cuda else "cpu-shm"
     if name == "cuda-ipc":
         return {"transport.backend": base_backend}, 0

@@ -71,7 +71,7 @@ def spec_with_layers(spec: dict[str, Any], n: int) -> dict[str, Any]:
 
 def target_config(cfg: DFlashConfig, layers: int) -> Any:
     """The config's target, packed-capable, optionally cut to ``layers`` layers."""
-    t = dataclasses.replace(cfg.target, varlen=True, quantization="none", capture_last_hidden=False)
+    t = dataclasses.replace(cfg.target, varlen=True, quantization="none", capture_last_hidden=False, fuse_elementwise=False)
     if layers and not t.model_path:
         # spread from layer 1 to the last kept one, so every kept layer runs
         k = min(max(2, t.num_capture_layers), layers)
@@ -342,7 +342,7 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
         raise ValueError(f"{model_path}'s tokenizer gave no document of 8 tokens or more from the builtin corpus")
     lens = [len(d) for d in docs]
     flat = torch.tensor([t for d in docs for t in d], dtype=torch.int64)
-    model = build_target(TargetConfig(model_path=model_path, dtype="bfloat16", varlen=True), device)
+    model = build_target(TargetConfig(model_path=model_path, dtype="bfloat16", varlen=True, fuse_elementwise=False), device)
     ref = [p.detach().clone() for p in model.capture_packed(flat.to(model.device), lens)]
     counts = quantize_linears(model.stack)
     test = [p.detach().clone() for p in model.capture_packed(flat.to(model.device), lens)]

@@ -39,7 +39,8 @@ def build_target_lm(cfg: TargetConfig, device, vocab_size: int | None = None, dt
     from dflash_ipc.target.model import build_target
 
     device = torch.device(device)
-    cfg = dataclasses.replace(cfg, dtype=dtype or cfg.dtype, capture_last_hidden=True)
+    # eval forwards a few tokens at a time on a cache: compiling fused kernels per worker would cost more than it saves
+    cfg = dataclasses.replace(cfg, dtype=dtype or cfg.dtype, capture_last_hidden=True, fuse_elementwise=False)
     torch_dtype = dtype_from_name(cfg.dtype)
     if cfg.model_path:
         from transformers import AutoModelForCausalLM

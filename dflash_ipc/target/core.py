@@ -332,7 +332,13 @@ class TargetCore:
         return f"GatedDeltaNet kernels: flash-linear-attention {fla}, causal-conv1d {conv} ({fp.get('implementations')})"
 
     def describe_forward(self) -> str:
-        return f"{'packed (varlen)' if self.model.varlen else 'padded'} ({self.model.varlen_reason})"
+        fused = self.model.fused_elementwise
+        elementwise = (
+            f"; elementwise fused by torch.compile: {fused['norms']} norms, {fused['gated_norms']} gated norms, {fused['mlps']} SwiGLU MLPs"
+            if fused
+            else "; elementwise eager"
+        )
+        return f"{'packed (varlen)' if self.model.varlen else 'padded'} ({self.model.varlen_reason}){elementwise}"
 
     def describe_pack_overlap(self) -> str:
         s = self.stats(final=True)

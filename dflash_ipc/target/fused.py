@@ -28,7 +28,7 @@ from torch import nn
 
 from dflash_ipc.target.fp8 import Fp8Linear, quantize_rows
 
-__all__ = ["fuse_elementwise", "unfuse_elementwise"]
+__all__ = ["fuse_elementwise", "unfuse_elementwise", "wants_fused_elementwise"]
 
 
 def _rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,6 +68,14 @@ def _mlp_forward(fns: dict[str, Callable], mlp: nn.Module, x: torch.Tensor) -> t
         xq, xs = fns["silu_mul_quantize"](gate, up)
         return down.matmul_quantized(xq, xs, gate.shape[:-1])
     return down(fns["silu_mul"](gate, up))
+
+
+def wants_fused_elementwise(setting: bool | str, device: torch.device) -> bool:
+    """``target.fuse_elementwise``: "auto" fuses on CUDA only (Triton compiles the kernels there; on the
+    CPU inductor would build C++ per shape for no gain measured)."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda"
+    return bool(setting)
 
 
 def fuse_elementwise(stack: nn.Module) -> dict[str, int]:

@@ -39,6 +39,7 @@ from dflash_ipc.config import TargetConfig
 from dflash_ipc.devices import as_device, cuda_device, dtype_from_name
 from dflash_ipc.target.flops import forward_flops
 from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
+from dflash_ipc.target.fused import fuse_elementwise, wants_fused_elementwise
 from dflash_ipc.target.heads import derived_seed, target_head_weights
 from dflash_ipc.target.hf_config import make_hf_config, resolve_layer_ids, text_config, truncated_spec_config
 from dflash_ipc.target.packed_attention import packed_attention, register_packed_attention
@@ -119,6 +120,7 @@ def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> Ta
 def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids: list[int], device, dtype) -> TargetModel:
     if cfg.quantization == "fp8":
         apply_fp8(stack, device, dtype)
+    fused = fuse_elementwise(stack) if wants_fused_elementwise(cfg.fuse_elementwise, device) else None
     return TargetModel(
         stack,
         hf_config,
@@ -128,6 +130,7 @@ def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids
         capture_last_hidden=cfg.capture_last_hidden,
         varlen=cfg.varlen,
         attn_implementation=cfg.attn_implementation,
+        fused_elementwise=fused,
     )
 
 
@@ -185,8 +188,10 @@ class TargetModel:
         capture_last_hidden: bool = False,
         varlen: bool | str = False,
         attn_implementation: str | None = None,
+        fused_elementwise: dict[str, int] | None = None,
     ):
         self.stack = stack
+        self.fused_elementwise = fused_elementwise or {}
         self.hf_config = hf_config
         self.layer_ids = list(layer_ids)
         self.device = as_device(device)

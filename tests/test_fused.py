@@ -1,0 +1,59 @@
+"""``target.fuse_elementwise`` (target/fused.py): the norms and SwiGLU of a real tiny Qwen3.5 stack routed
+through ``torch.compile``'d fused functions capture what the modules' own forwards capture, "auto"
+fuses on CUDA only, and the target names what it fused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_ipc.config import TargetConfig
+from dflash_ipc.target.fused import unfuse_elementwise, wants_fused_elementwise
+from dflash_ipc.target.hf_config import tiny_spec
+from dflash_ipc.target.model import build_target
+
+
+def test_auto_fuses_on_cuda_only_and_true_false_force_it():
+    assert wants_fused_elementwise("auto", torch.device("cuda", 0))
+    assert not wants_fused_elementwise("auto", torch.device("cpu"))
+    assert wants_fused_elementwise(True, torch.device("cpu"))
+    assert not wants_fused_elementwise(False, torch.device("cuda", 0))
+    built = build_target(TargetConfig(spec=tiny_spec(300), layer_ids=[1], varlen=False), "cpu")
+    assert built.fused_elementwise == {}  # "auto" on this CPU: the modules' own forwards
+
+
+def test_fused_stack_captures_what_the_eager_stack_captures():
+    """fp32, padded and packed: every zero-centered norm, gated norm and SwiGLU MLP of the stack is routed
+    (6 layers: 2 attention with q/k norms, 4 GatedDeltaNet with a gated norm), and the captured planes equal
+    the modules' own forwards' to fp32 rounding (the same formulas; inductor may order a reduction differently)."""
+    cfg = TargetConfig(spec=tiny_spec(300), layer_ids=[1, 3, 5], varlen=True, fuse_elementwise=True)
+    model = build_target(cfg, "cpu")
+    n_layers = len(model.stack.layers)
+    gdn = sum(1 for layer in model.stack.layers if hasattr(layer, "linear_attn"))
+    # per layer its two norms, per attention layer its q/k norms, and the final norm
+    assert model.fused_elementwise == {"norms": 2 * n_layers + 2 * (n_layers - gdn) + 1, "gated_norms": gdn, "mlps": n_layers}
+    assert gdn == 4
+    ids = torch.randint(0, 300, (2, 37), generator=torch.Generator().manual_seed(5))
+    lens = [37, 20]
+    fused_padded = model.capture(ids)
+    fused_packed = model.capture_packed(torch.cat([ids[0], ids[1, :20]]), lens)
+    unfuse_elementwise(model.stack)
+    eager_padded = model.capture(ids)
+    eager_packed = model.capture_packed(torch.cat([ids[0], ids[1, :20]]), lens)
+    for got, want in [*zip(fused_padded, eager_padded), *zip(fused_packed, eager_packed)]:
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the fused forwards were really in place: the stack's own modules no longer hold them
+    assert all("forward" not in m.__dict__ for m in model.stack.modules())
+
+
+@pytest.mark.parametrize("bad", ["yes", 2])
+def test_a_bad_setting_is_refused_naming_the_key(bad, tmp_path):
+    from conftest import tiny_cpu_config, write_toml
+
+    from dflash_ipc.config import load_config
+
+    path = write_toml(tmp_path / "bad.toml", tiny_cpu_config(target={"fuse_elementwise": bad}))
+    with pytest.raises(Exception, match="fuse_elementwise") as info:
+        load_config(path)
+    assert "bad.toml" in str(info.value)
