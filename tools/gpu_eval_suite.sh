@@ -9,7 +9,10 @@
 # Writes under $OUT: suite_<drafter>_T<t>.json (eval --json), .log (progress), .txt (its table), and
 # suite_table.md (every run in one table). A drafter named untrained* is the floor: T = 0 only, FLOOR_N prompts per
 # set in FLOOR_S seconds; the other runs share the rest of the budget equally.
-# Knobs (env): CONFIG, DRAFTERS (name=dir ...), HOLDOUTS (name=file ...; absent files are skipped), SETS (default: the
+# A drafter written name:fp8=dir runs against the FP8 target (eval --target-quantization fp8 --dtype bfloat16; its
+# lossless column is then the bf16 target's, not fp32's): e.g. DRAFTERS="bf16=A bf16:fp8=A fp8=B fp8:fp8=B" for the
+# FP8-trained vs bf16-trained table of issue 27.
+# Knobs (env): CONFIG, DRAFTERS (name[:fp8]=dir ...), HOLDOUTS (name=file ...; absent files are skipped), SETS (default: the
 # holdouts + humaneval + everyday=configs/eval/everyday.jsonl), TEMPS ("0 1"), TOP_P (1.0), SEED (0), MAX_NEW (128),
 # WORKERS (eval processes, 8), SPEED_PROMPTS (per set, 1), S_ALONE (seconds per speed prompt decoded alone both ways:
 # 5), S_PER_PROMPT (seconds per prompt per worker in the pool, WORKERS sharing one GPU: 9; times T_COST, 1.6, at T > 0:
@@ -79,6 +82,7 @@ for run in "${RUNS[@]}"; do
   esac
   TEMP_ARGS=()
   [ "$t" != 0 ] && TEMP_ARGS=(--temperature "$t" --top-p "$TOP_P" --seed "$SEED")
+  case "$name" in *:fp8) TEMP_ARGS+=(--target-quantization fp8 --dtype bfloat16); name="${name%:fp8}-on-fp8-target" ;; esac
   base="$OUT/suite_${name}_T$t"
   stage "eval $name T=$t: n $N per set ($share s of $L s left)"
   timeout $(( share > 30 ? share : 30 )) $DF eval --config "$CONFIG" --drafter "$dir" --suite "$SETS" --n "$N" --max-new "$MAX_NEW" \

@@ -13,7 +13,8 @@
 # for synthesis + its answers), MULTI_TURN (0..1), MIX (weights "builtin,synth", e.g. "0.3,0.7"), TRAIN_S, STEP_S,
 # MAX_STEPS, EPOCHS, BLOCK, UNTRAINED (a folder: export the untrained drafter there before training, inside the
 # budget), EVAL (0: no eval after training, the suite does it), EVAL_N, EVAL_MAX_NEW, EVAL_RESERVE_S, EXTRA (more
-# overrides), WORK, SETUP (0: tools/gpu_setup.sh already sourced by the caller).
+# overrides), WORK, RUN (the run's name under WORK: run dir WORK/RUN, config WORK/RUN.toml; default "run", config
+# train.toml), SETUP (0: tools/gpu_setup.sh already sourced by the caller).
 set -u -o pipefail
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
@@ -94,17 +95,18 @@ fi
 
 # -- 2. train on the mix: built-in and synthesized answers by MIX's weights; held-out tau on the synthesized held-out prompts
 IFS=, read -r W_BUILTIN W_SYNTH <<< "$MIX"
-rm -rf "$W/run"
-python3 tools/derive_config.py "$BASE" "$W/train.toml" "${MODEL_OV[@]}" "${TOPO[@]}" \
+RUN=${RUN:-run}; RD=$W/$RUN; TOML=$W/$([ "$RUN" = run ] && echo train || echo "$RUN").toml
+rm -rf "$RD"
+python3 tools/derive_config.py "$BASE" "$TOML" "${MODEL_OV[@]}" "${TOPO[@]}" \
   "data.paths=[\"$W/builtin.jsonl\", \"$W/synth.jsonl\"]" "data.weights=[$W_BUILTIN, $W_SYNTH]" "data.num_epochs=$EPOCHS" \
   "data.holdout_paths=[\"$W/synth.holdout.jsonl\"]" "training.holdout_every=${HOLDOUT_EVERY:-50}" "training.holdout_batches=${HOLDOUT_BATCHES:-2}" \
-  "training.holdout_max_new=$EVAL_MAX_NEW" "run.run_dir=\"$W/run\"" "run.name=\"smollm2-synth\"" "training.max_steps=$MAX_STEPS" \
+  "training.holdout_max_new=$EVAL_MAX_NEW" "run.run_dir=\"$RD\"" "run.name=\"smollm2-synth\"" "training.max_steps=$MAX_STEPS" \
   "drafter.block_size=$BLOCK" ${EXTRA:-} >> "$OUT/derive.log" || exit 1
-cp "$W/train.toml" "$OUT/"
+cp "$TOML" "$OUT/"
 # the untrained floor for the suite, before training so it cannot push the call past its budget
 if [ -n "${UNTRAINED:-}" ]; then
   stage "export-untrained -> $UNTRAINED"
-  timeout 90 $DF export-untrained --config "$W/train.toml" --out "$UNTRAINED" --device $DEV 2>&1 | tail -n 1
+  timeout 90 $DF export-untrained --config "$TOML" --out "$UNTRAINED" --device $DEV 2>&1 | tail -n 1
 fi
 # after training: SIGINT -> checkpoint + export (a few s), plan --json (bounded below), and the eval when EVAL=1
 if [ "${EVAL:-1}" = 1 ]; then RESERVE=${EVAL_RESERVE_S:-90}; else RESERVE=${EVAL_RESERVE_S:-20}; fi
@@ -112,18 +114,18 @@ TRAIN_T=$(( $(left) - RESERVE ))
 [ "$TRAIN_T" -ge 120 ] || { stage "only $TRAIN_T s left for training (up starts in ~90 s): not started"; exit 1; }
 stage "train (block $BLOCK, max_steps $MAX_STEPS, ~${TRAIN_S}s; $TRAIN_T s)"
 # worst case past BUDGET_S: a 30 s grace after SIGINT + plan's 30 s - RESERVE; give the call BUDGET_S + 45 s
-timeout -s INT -k 30 $TRAIN_T $DF up --config "$W/train.toml" > "$OUT/up.log" 2>&1
+timeout -s INT -k 30 $TRAIN_T $DF up --config "$TOML" > "$OUT/up.log" 2>&1
 grep -E "^\[up\] (data|plan)" "$OUT/up.log" | head -n 3
 grep -v "^\[up\] step" "$OUT/up.log" | tail -n 6
-cp "$W/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+cp "$RD/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
 # the mix realised per epoch (plan.json; the run's tokenized data is reused)
-timeout 30 $DF plan --config "$W/train.toml" --json > "$OUT/plan.json" 2> "$OUT/plan.log" && python3 - "$OUT/plan.json" <<'EOF'
+timeout 30 $DF plan --config "$TOML" --json > "$OUT/plan.json" 2> "$OUT/plan.log" && python3 - "$OUT/plan.json" <<'EOF'
 import json, sys
 p = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 for s in p["mix"][0]["sources"]:
     print(f"mix epoch 0: {s['source']}: weight {s['weight']}, {s['records']} records ({s['records_pct']} %), {s['tokens']} tokens ({s['tokens_pct']} %), {s['passes']} passes")
 EOF
-[ -f "$W/run/export/drafter/config.json" ] || { echo "no trained export"; exit 1; }
+[ -f "$RD/export/drafter/config.json" ] || { echo "no trained export"; exit 1; }
 
 # -- 3. eval on both held-out sets at once (EVAL_N prompts each); EVAL=0: the suite does it (tools/gpu_eval_suite.sh)
 L=$(left)
@@ -132,7 +134,7 @@ L=$(left)
 [ "$L" -gt 35 ] || { stage "no time left for eval ($L s)"; exit 0; }
 stage "eval (n $EVAL_N, max-new $EVAL_MAX_NEW; $L s left)"
 for s in synth builtin; do
-  timeout $(( L - 5 )) $DF eval --config "$W/train.toml" --drafter "$W/run/export/drafter" --prompts "$W/$s.holdout.jsonl" \
+  timeout $(( L - 5 )) $DF eval --config "$TOML" --drafter "$RD/export/drafter" --prompts "$W/$s.holdout.jsonl" \
     --n "$EVAL_N" --max-new "$EVAL_MAX_NEW" --target-device $DEV --drafter-device $DEV --workers "$EVAL_WORKERS" --speed-prompts 1 \
     --json > "$OUT/eval_$s.json" 2> "$OUT/eval_$s.log" &
 done
