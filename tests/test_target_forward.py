@@ -73,14 +73,17 @@ def test_no_warmup_is_refused(tiny_target):
 
 
 def test_whole_bench_on_the_tiny_cpu_config_says_how_it_timed(tmp_path):
-    """The module end to end on configs/tiny-cpu.toml (FP8 through CPU ``_scaled_mm``): every
+    """The module end to end on configs/tiny-cpu.toml (FP8 through CPU ``_scaled_mm``, merged and not): every
     variant's result and the JSON name their warm-up passes; the ratios come from those results."""
     out = tmp_path / "fwd.json"
     run("configs/tiny-cpu.toml", str(out), n_batches=3, warmup_passes=1, agree_batches=1, device="cpu", fp8_off_gpu=True)
     d = json.loads(out.read_text())
     assert d["timing"] == {"warmup_passes_per_variant": 1, "timed_passes_per_variant": 1, "each_warmup_pass": "every batch"}
-    assert set(d["results"]) == {"padded-bf16", "packed-bf16", "padded-fp8", "packed-fp8"}
+    assert set(d["results"]) == {"padded-bf16", "packed-bf16", "padded-fp8", "packed-fp8", "packed-fp8-unmerged"}
     assert all(r["warmup_passes"] == 1 and r["batches"] == 3 for r in d["results"].values())
     rate = {k: r["tokens_per_s"] for k, r in d["results"].items()}
     assert d["ratios"]["fp8_over_bf16_packed"] == round(rate["packed-fp8"] / rate["packed-bf16"], 4)
+    # the FP8 variants run the product's merged siblings; the unmerged one is their baseline, bit for bit the same here
+    assert d["fp8_merged"]["groups"] > 0 and d["merged_vs_unmerged_max_abs"] == 0.0
+    assert d["ratios"]["fp8_merged_over_unmerged_packed"] == round(rate["packed-fp8"] / rate["packed-fp8-unmerged"], 4)
     assert [row["layer"] for row in d["agreement_fp8_vs_bf16"]] == d["layer_ids"]

@@ -14,7 +14,9 @@
 #   fwd27b    27B shapes, first LAYERS27 (16) of the 64 layers (12 GatedDeltaNet + 4 attention, real widths),
 #             the config's first BATCHES (8) batches, each variant warmed over all of them: padded vs packed, bf16 vs FP8 (tok/s and MFU on real tokens),
 #             packed with norms + SwiGLU (+ FP8 quantizer) fused (target/fused.py), the FP8-vs-bf16
-#             hidden-state table, the per-op-class profile (padded / packed bf16, packed FP8, fused)
+#             hidden-state table, the per-op-class profile (padded / packed bf16, packed FP8, fused);
+#             FP8 runs the product's merged siblings (target/fp8_merge.py), then packed-fp8-unmerged
+#             (+ -fused) as their baseline in the same run (~60 s more: FWD27B_S=400 BUDGET_S=450 for fwd27b alone)
 #   fwd9b     9B-class shapes (configs/bench-9b-x2.toml's target, all 32 layers) on cuda:0: the same variants
 # TESTS (the pytest arguments of the tests stage) and TESTS_S (its cap, 100 s) pick and bound that stage;
 # FWD27B_S (260) and FWD9B_S (150) cap those two stages (each also ends where BUDGET_S does).
@@ -34,7 +36,7 @@ cap() { local c=$1 l; l=$(( $(left) - ${2:-10} )); (( l < c )) && c=$l; (( c < 5
 if want tests; then
   stage "tests: GPU tests of the packed fla path and FP8"
   timeout -s INT -k 10 $(cap ${TESTS_S:-100}) python3 -m pytest -q -m gpu -rA -s -p no:cacheprovider \
-    ${TESTS:-tests/test_varlen.py tests/test_fp8.py} 2>&1 | tee $OUT/gpu_tests.log | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|auto:|max abs|^E " | tail -20
+    ${TESTS:-tests/test_varlen.py tests/test_fp8.py tests/test_fp8_merge.py} 2>&1 | tee $OUT/gpu_tests.log | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|auto:|max abs|^E " | tail -20
 fi
 
 fwd() {  # name, timeout cap, args...
@@ -89,6 +91,7 @@ for name in ("fwd27b.json", "fwd9b.json"):
         print(f"  {k:<12} {r['tokens_per_s']:>10} tok/s real  MFU {r['mfu_real']:.4f}  padding {r['padding_pct']}%"
               f"  warm-up passes {r.get('warmup_passes', 'none (before the fix: invalid)')} ({r.get('warmup_s')} s)")
     print("  ratios", json.dumps(d.get("ratios", {})))
+    print("  fp8 merged", d.get("fp8_merged"), "| merged vs unmerged planes, max abs", d.get("merged_vs_unmerged_max_abs"))
     for key in ("agreement_fp8_vs_bf16", "agreement_fp8_fused_vs_bf16", "agreement_bf16_fused_vs_bf16"):
         for r in d.get(key, []):
             print(f"  {key[10:]} layer {r['layer']:>3} rel err {r['rel_error']:.4f} cos mean {r['cos_mean']:.6f} min {r['cos_min']:.6f}")

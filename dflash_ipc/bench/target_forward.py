@@ -13,7 +13,10 @@
   each CUDA-synchronized; see :func:`time_variant` for why every batch is warmed):
   ``padded`` (``capture`` of the right-padded [B, L] batch) and ``packed`` (``capture_packed``:
   the real tokens in one row); then the same model's linear layers are quantized in place
-  (:func:`~dflash_ipc.target.fp8.quantize_linears`) and ``padded-fp8`` / ``packed-fp8`` run.
+  (:func:`~dflash_ipc.target.fp8.quantize_linears`), the siblings sharing an input merged as the
+  product builds them (:mod:`~dflash_ipc.target.fp8_merge`), and ``padded-fp8`` / ``packed-fp8`` run;
+  with ``--fp8-unmerged`` (default) also ``packed-fp8-unmerged`` (each projection quantizing its
+  own input, the merge's baseline in the same run; ``-fused`` too with ``--fuse``).
   Those four come first; the profiles and the fused variants after (FP8 first, then the bf16
   linears are put back for theirs), so a run cut short loses the extras, not the headline.
   Throughput counts real tokens; MFU is :func:`~dflash_ipc.target.flops.forward_flops` of the
@@ -200,6 +203,7 @@ def run(
     device: str = "",
     cache_dir: str = "",
     fp8_off_gpu: bool = False,
+    fp8_unmerged: bool = True,
 ) -> dict[str, Any]:
     """The whole measurement (see the module docstring); returns the JSON it wrote."""
     cfg = load_config(config_path)
@@ -275,18 +279,34 @@ def run(
         out["ratios"] = _ratios(results)
         save()
         return out
+    from dflash_ipc.target.fp8_merge import merge_sibling_linears, unmerge_sibling_linears
+
     bf16_linears = {name: mod for name, mod in model.stack.named_modules() if type(mod) is nn.Linear}
     t0 = time.perf_counter()
     out["fp8_layers"] = quantize_linears(model.stack)
+    out["fp8_merged"] = merge_sibling_linears(model.stack)  # as the product builds it (target/model.py apply_fp8)
     out["fp8_quantize_s"] = round(time.perf_counter() - t0, 1)
     measure("fp8", VARIANTS, ())
-    out["agreement_fp8_vs_bf16"] = agreement(ref, _planes(model, batches[:agree_batches]), model.layer_ids)
+    merged_planes = _planes(model, batches[:agree_batches])
+    out["agreement_fp8_vs_bf16"] = agreement(ref, merged_planes, model.layer_ids)
     _echo(format_agreement("captured hidden states, FP8 vs bf16 (packed, real tokens)", out["agreement_fp8_vs_bf16"]))
     out["ratios"] = _ratios(results)
     save()
     measure("fp8", (), ("packed",))
     if fuse:
         fused("fp8", ref)
+    unmerge_sibling_linears(model.stack)
+    if fp8_unmerged:  # each projection quantizing its own input and running its own GEMM: the ratio's baseline
+        measure("fp8-unmerged", ("packed",), ("packed",))
+        unmerged_planes = _planes(model, batches[:agree_batches])
+        out["merged_vs_unmerged_max_abs"] = max(
+            ((a.float() - b.float()).abs().max().item() for m, u in zip(merged_planes, unmerged_planes) for a, b in zip(m, u)), default=0.0
+        )
+        _echo(f"captured planes, FP8 merged vs unmerged: max abs difference {out['merged_vs_unmerged_max_abs']:.3g}")
+        if fuse:
+            fused("fp8-unmerged")
+        out["ratios"] = _ratios(results)
+        save()
     for name, mod in bf16_linears.items():  # the bf16 weights back, for their profiles and fusion
         parent, _, child = name.rpartition(".")
         setattr(model.stack.get_submodule(parent) if parent else model.stack, child, mod)
@@ -312,6 +332,8 @@ def _ratios(results: dict[str, Any]) -> dict[str, float]:
         "fused_over_eager_packed_bf16": ("packed-bf16-fused", "packed-bf16"),
         "fused_over_eager_packed_fp8": ("packed-fp8-fused", "packed-fp8"),
         "packed_fp8_fused_over_padded_bf16": ("packed-fp8-fused", "padded-bf16"),
+        "fp8_merged_over_unmerged_packed": ("packed-fp8", "packed-fp8-unmerged"),
+        "fp8_merged_over_unmerged_packed_fused": ("packed-fp8-fused", "packed-fp8-unmerged-fused"),
     }
     out = {}
     for name, (a, b) in pairs.items():
@@ -328,6 +350,7 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
     from dflash_ipc.data.builtin_corpus import builtin_conversations
     from dflash_ipc.data.tokenizer import load_tokenizer
     from dflash_ipc.target.fp8 import quantize_linears
+    from dflash_ipc.target.fp8_merge import merge_sibling_linears
 
     tok = load_tokenizer(model_path)
     docs: list[list[int]] = []
@@ -345,6 +368,7 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
     model = build_target(TargetConfig(model_path=model_path, dtype="bfloat16", varlen=True, fuse_elementwise=False), device)
     ref = [p.detach().clone() for p in model.capture_packed(flat.to(model.device), lens)]
     counts = quantize_linears(model.stack)
+    merge_sibling_linears(model.stack)  # as the product builds it
     test = [p.detach().clone() for p in model.capture_packed(flat.to(model.device), lens)]
     rows = agreement([ref], [test], model.layer_ids)
     out = {"model_path": model_path, "documents": len(lens), "tokens": sum(lens), "fp8_layers": counts, "agreement_fp8_vs_bf16": rows}
@@ -373,6 +397,11 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
 @click.option("--device", default="", help="Default: topology.targets[0].")
 @click.option("--cache-dir", default="", help="Tokenized corpus cache (default: a folder under the temp dir).")
 @click.option("--checkpoint", default="", help="Instead: FP8 vs bf16 agreement on this local checkpoint's real weights.")
+@click.option(
+    "--fp8-unmerged/--no-fp8-unmerged",
+    default=True,
+    help="Also FP8 with the sibling projections unmerged (each quantizes its input, its own GEMM): packed, and fused with --fuse.",
+)
 @click.option("--fp8-off-gpu", is_flag=True, hidden=True, help="Dry runs: FP8 through torch._scaled_mm on any device (CPU: slow).")
 def main(
     config_path,
@@ -389,6 +418,7 @@ def main(
     cache_dir,
     checkpoint,
     fp8_off_gpu,
+    fp8_unmerged,
 ) -> None:
     if checkpoint:
         checkpoint_agreement(checkpoint, out_path, device or "cuda:0")
@@ -409,6 +439,7 @@ def main(
         device=device,
         cache_dir=cache_dir,
         fp8_off_gpu=fp8_off_gpu,
+        fp8_unmerged=fp8_unmerged,
     )
 
 

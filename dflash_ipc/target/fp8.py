@@ -11,6 +11,8 @@ alignment) becomes an :class:`Fp8Linear`:
 
 Embeddings, norms, the GatedDeltaNet conv and gates, attention itself and the LM head (never
 built for capture) stay in bf16; so do the captured hidden states: capture is unchanged.
+:mod:`~dflash_ipc.target.fp8_merge` then merges sibling layers that project one input (q/k/v,
+gate/up, ...) into one quantization and one GEMM.
 
 Row-wise ``_scaled_mm`` runs on CUDA devices of compute capability 8.9 and above (Ada, Hopper,
 Blackwell) with a bf16 output; :func:`fp8_device_problem` says why a device cannot, and the
@@ -66,28 +68,57 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_rows):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
-        self.out_dtype = w.dtype
         q, scale = quantize_rows(w)
-        self.register_buffer("weight_fp8", q)  # [N, K] row-major: its .t() is the column-major operand
-        self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())  # [1, N]
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(w.dtype))
+        bias = None if linear.bias is None else linear.bias.detach().to(w.dtype)
+        self._set_parts(q, scale.reshape(1, -1).contiguous(), bias, w.dtype, quantize)
+
+    @classmethod
+    def from_parts(
+        cls,
+        weight_fp8: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> Fp8Linear:
+        """An FP8 linear over an already quantized weight (``weight_fp8`` [N, K] e4m3 row-major,
+        ``weight_scale`` [1, N] fp32)."""
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod._set_parts(weight_fp8, weight_scale, bias, out_dtype, quantize)
+        return mod
+
+    def _set_parts(self, weight_fp8, weight_scale, bias, out_dtype, quantize) -> None:
+        self.out_features, self.in_features = weight_fp8.shape
+        self.out_dtype = out_dtype
+        self.register_buffer("weight_fp8", weight_fp8)  # [N, K] row-major: its .t() is the column-major operand
+        self.register_buffer("weight_scale", weight_scale)  # [1, N]
+        self.register_buffer("bias", bias)
         self._quantize = quantize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
+        return self.matmul_quantized(*self.quantize_input(x))
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
+        """``x`` [..., K] -> (``xq`` [M, K] e4m3, ``xs`` [M, 1] fp32, the leading shape ``...``)."""
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         xq, xs = self._quantize(x2)
-        return self.matmul_quantized(xq, xs, lead)
+        return xq, xs, x.shape[:-1]
 
-    def matmul_quantized(self, xq: torch.Tensor, xs: torch.Tensor, lead: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    def matmul_quantized(
+        self, xq: torch.Tensor, xs: torch.Tensor, lead: tuple[int, ...] | torch.Size, rows: slice | None = None
+    ) -> torch.Tensor:
         """The GEMM on an input already quantized per token (``xq`` [M, K] e4m3, ``xs`` [M, 1]),
-        e.g. by a kernel that fused the quantization into the op before it (target/fused.py)."""
-        y = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=xs, scale_b=self.weight_scale, bias=self.bias, out_dtype=self.out_dtype)
-        return y.view(*lead, self.out_features)
+        e.g. by a kernel that fused the quantization into the op before it (target/fused.py).
+        ``rows``: only these output rows of the weight (a contiguous block of them)."""
+        w, w_scale, bias = self.weight_fp8, self.weight_scale, self.bias
+        if rows is not None:
+            w, w_scale, bias = w[rows], w_scale[:, rows], None if bias is None else bias[rows]
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale, bias=bias, out_dtype=self.out_dtype)
+        return y.view(*lead, w.shape[0])
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the FP8 GEMM multiplies by, in fp32 (for error figures and tests)."""

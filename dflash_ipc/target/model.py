@@ -39,6 +39,7 @@ from dflash_ipc.config import TargetConfig
 from dflash_ipc.devices import as_device, cuda_device, dtype_from_name
 from dflash_ipc.target.flops import forward_flops
 from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
+from dflash_ipc.target.fp8_merge import merge_sibling_linears
 from dflash_ipc.target.fused import fuse_elementwise, wants_fused_elementwise
 from dflash_ipc.target.heads import derived_seed, target_head_weights
 from dflash_ipc.target.hf_config import make_hf_config, resolve_layer_ids, text_config, truncated_spec_config
@@ -135,12 +136,20 @@ def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids
 
 
 def apply_fp8(stack: nn.Module, device, dtype: torch.dtype) -> None:
-    """``target.quantization = "fp8"``: the stack's linear layers in e4m3 (:mod:`~dflash_ipc.target.fp8`)."""
+    """``target.quantization = "fp8"``: the stack's linear layers in e4m3 (:mod:`~dflash_ipc.target.fp8`), the
+    siblings that project one input merged into one quantization and one GEMM (:mod:`~dflash_ipc.target.fp8_merge`)."""
     problem = fp8_device_problem(device, dtype)
     if problem:
         raise ValueError(f'target.quantization = "fp8": {problem}; set target.quantization = "none"')
     counts = quantize_linears(stack)
     log.info("target linear layers in FP8 e4m3: %d (%.2f GB), %d kept in %s", counts["fp8"], counts["bytes"] / 1e9, counts["kept"], dtype)
+    merged = merge_sibling_linears(stack)
+    log.info(
+        "FP8 siblings merged: %d linears into %d GEMMs, %d input quantizations fewer per forward",
+        merged["linears"],
+        merged["groups"],
+        merged["quantizations_saved"],
+    )
 
 
 def _build_from_checkpoint(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> TargetModel:
