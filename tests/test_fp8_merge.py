@@ -311,3 +311,35 @@ def test_cuda_merged_gemm_is_the_siblings_gemms():
         torch.testing.assert_close(got, want, rtol=2.0**-7, atol=1e-3 * want.abs().max().item())
         assert torch.equal(merged.member_output(i, x), want)  # outside a parent's forward: its own rows
     print(f"merged columns bit-equal to the sibling's own GEMM: {exact} of {len(members)}")
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3_5"])
+def test_cached_decoding_on_the_merged_stack_is_the_unmerged_one(family, monkeypatch):
+    """What eval runs against an FP8 target: a causal LM decoding on its KV cache (and, for Qwen3.5,
+    its recurrent GatedDeltaNet state), one token per forward after the prompt. Merged siblings give
+    the unmerged FP8 model's tokens and logits, bit for bit, at every step."""
+    import transformers
+
+    torch.manual_seed(0)
+    spec = tiny_spec(VOCAB)
+    if family == "Llama":
+        widths = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+        conf = transformers.LlamaConfig(num_hidden_layers=3, **{k: spec[k] for k in widths})
+        lm = transformers.LlamaForCausalLM(conf)
+    else:
+        conf = transformers.Qwen3_5TextConfig(**{**spec, "linear_num_value_heads": 16})
+        lm = transformers.Qwen3_5ForCausalLM(conf)
+    lm = lm.to(torch.bfloat16).eval()
+    quantize_linears(lm.model, compile_quantizer=False)
+    prompt = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(4))
+
+    def decode() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            out = lm.generate(prompt, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        return out.sequences, torch.stack(out.logits)
+
+    want_ids, want_logits = decode()
+    assert merge_sibling_linears(lm.model)["groups"] > 0
+    got_ids, got_logits = decode()
+    assert torch.equal(got_ids, want_ids) and want_ids.shape[1] == 11 + 12
+    assert torch.equal(got_logits, want_logits)
