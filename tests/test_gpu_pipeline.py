@@ -1,7 +1,9 @@
 """GPU end to end: the whole pipeline (`dflash-ipc up`) on one H200 and on two (run on the lent GPU).
 
-Declared as data: each case is (target device, drafter device, transport backend); the two-GPU
-cases are marked ``gpu(2)`` (skipped by tests/conftest.py on a one-GPU machine).
+Declared as data: each case is (target device, drafter device, transport backend, drafter speed options);
+the two-GPU cases are marked ``gpu(2)`` (skipped by tests/conftest.py on a one-GPU machine). Every case's
+target runs its elementwise work fused (``target.fuse_elementwise = "auto"`` on CUDA); the ``compiled``
+case also trains with the drafter's speed options (``drafter.compile``, ``training.ce_compile``).
 """
 
 from __future__ import annotations
@@ -20,25 +22,27 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 
 CASES = [
-    pytest.param("cuda:0", "cuda:0", "auto", id="one-gpu-shared"),
-    pytest.param("cuda:0", "cuda:1", "cuda-ipc", id="two-gpus-cuda-ipc", marks=pytest.mark.gpu(2)),
-    pytest.param("cuda:0", "cuda:1", "host-pinned", id="two-gpus-host-pinned", marks=pytest.mark.gpu(2)),
+    pytest.param("cuda:0", "cuda:0", "auto", False, id="one-gpu-shared"),
+    pytest.param("cuda:0", "cuda:0", "auto", True, id="one-gpu-shared-compiled"),
+    pytest.param("cuda:0", "cuda:1", "cuda-ipc", False, id="two-gpus-cuda-ipc", marks=pytest.mark.gpu(2)),
+    pytest.param("cuda:0", "cuda:1", "host-pinned", False, id="two-gpus-host-pinned", marks=pytest.mark.gpu(2)),
 ]
 
 
-def _gpu_config(tmp_path: Path, target: str, drafter: str, backend: str) -> Path:
+def _gpu_config(tmp_path: Path, target: str, drafter: str, backend: str, compiled: bool) -> Path:
     raw = tiny_cpu_config(
         topology={"targets": [target], "drafters": [drafter]},
         transport={"backend": backend},
         target={"dtype": "bfloat16"},
-        drafter={"dtype": "bfloat16", "attention": "auto"},
+        drafter={"dtype": "bfloat16", "attention": "auto", "compile": compiled},
+        training={"ce_compile": compiled, "ce_chunk_tokens": 8192 if compiled else 2048},
     )
     return write_toml(tmp_path / "gpu.toml", raw)
 
 
-@pytest.mark.parametrize("target,drafter,backend", CASES)
-def test_pipeline_end_to_end_on_gpu(tmp_path, target, drafter, backend):
-    cfg = _gpu_config(tmp_path, target, drafter, backend)
+@pytest.mark.parametrize("target,drafter,backend,compiled", CASES)
+def test_pipeline_end_to_end_on_gpu(tmp_path, target, drafter, backend, compiled):
+    cfg = _gpu_config(tmp_path, target, drafter, backend, compiled)
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(cfg), "--run-dir", str(run_dir), "--max-steps", "8"],
@@ -56,5 +60,6 @@ def test_pipeline_end_to_end_on_gpu(tmp_path, target, drafter, backend):
     target_log = (run_dir / "logs" / "target-0.log").read_text()
     expected = {"auto": "cuda-ipc", "cuda-ipc": "cuda-ipc", "host-pinned": "host-pinned"}[backend]
     assert f"ring: {expected}" in target_log
+    assert "elementwise fused by torch.compile" in target_log
     assert (run_dir / "export" / "drafter" / "model.safetensors").exists()
     assert not list(Path("/dev/shm").glob(f"dflash-ipc-{(run_dir / 'run_id').read_text().strip()}-*"))

@@ -400,6 +400,8 @@ def test_ctrl_c_checkpoints_and_resume_consumes_every_batch_once(stopped_and_res
         log = (run_dir / "logs" / f"target-{rank}.log").read_text()[len(r["first_target_logs"][rank]) :]
         m = re.findall(r"schedule: (\d+) batches planned, (\d+) already consumed \(ledger\), (\d+) to run", log)
         assert len(m) == 1, log
+        # the target names its forward and its elementwise kernels ("auto" on this CPU: eager)
+        assert re.search(r"forward (padded|packed \(varlen\)) \(.*\); elementwise eager", log), log
         planned, consumed, to_run = map(int, m[0])
         mine = sum(1 for bid in r["ledger1"] if bid[1] == rank)
         assert planned == sum(1 for bid in all_ids if bid[1] == rank)
