@@ -131,6 +131,9 @@ def qwen3_5_stack_params(c: Any, layer_types: list[str]) -> int:
     linear = conv * c.linear_conv_kernel_dim + 2 * v_heads + c.linear_value_head_dim + value * h + h * conv + h * value + 2 * h * v_heads
     per_layer = 3 * h * c.intermediate_size + 2 * h  # the MLP and the two norms
     mixers = sum(linear if t == "linear_attention" else attention for t in layer_types)
+    largest = max(c.vocab_size, 2 * q, c.intermediate_size, conv) * h
+    if largest * 8 > 2**63 - 1:  # torch sizes a tensor's storage in int64 bytes: it could not build this one
+        raise ValueError(f"a weight of {largest} elements ({h} x {largest // h}) has no 64-bit byte size")
     return c.vocab_size * h + len(layer_types) * per_layer + mixers + h
 
 
