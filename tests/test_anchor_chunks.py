@@ -28,7 +28,8 @@ TC = TrainingConfig(lr=1e-2, warmup_steps=0, max_steps=3, grad_clip=0.0, ce_chun
 # D-PACE: weights from the drafter's own confidence, normalised by the blocks or by the weights' sum
 DPACE = dataclasses.replace(TC, loss_weighting="dpace")
 DPACE_W = dataclasses.replace(DPACE, dpace_normalizer="weights")
-WEIGHTINGS = pytest.mark.parametrize("tc", [TC, DPACE, DPACE_W], ids=["decay", "dpace-blocks", "dpace-weights"])
+WEIGHTING_TCS = {"decay": TC, "dpace-blocks": DPACE, "dpace-weights": DPACE_W}
+WEIGHTINGS = pytest.mark.parametrize("tc", list(WEIGHTING_TCS.values()), ids=list(WEIGHTING_TCS))
 
 
 def chunked(dc: DrafterConfig, anchor_chunk: int) -> DrafterConfig:
@@ -134,29 +135,31 @@ def _halves(seed: int) -> list[SlotViews]:
     return [part(0, cut, LENS[:2]), part(cut, n, LENS[2:])]
 
 
-def _dp_worker(rank: int, port: int, out_dir: str, tc: TrainingConfig = TC) -> None:
+def _dp_worker(rank: int, port: int, out_dir: str) -> None:
+    """Every weighting in one pair of ranks (one process group, not one per weighting)."""
     with process_group_rank(rank, port) as world:
-        weights, stats, _, calls = _train(3, [_halves(s)[rank] for s in (3, 4)], {"world": world, "bucket_mb": 1e-4}, tc)
-        torch.save(
-            {"weights": weights, "weight": [s.global_weight for s in stats], "calls": calls}, os.path.join(out_dir, f"rank{rank}.pt")
-        )
+        for name, tc in WEIGHTING_TCS.items():
+            weights, stats, _, calls = _train(3, [_halves(s)[rank] for s in (3, 4)], {"world": world, "bucket_mb": 1e-4}, tc)
+            out = {"weights": weights, "weight": [s.global_weight for s in stats], "calls": calls}
+            torch.save(out, os.path.join(out_dir, f"{name}-rank{rank}.pt"))
 
 
 @pytest.mark.slow  # two gloo ranks
-@WEIGHTINGS
-def test_two_ranks_with_anchor_chunks_equal_one_rank_without(tmp_path, tc):
+def test_two_ranks_with_anchor_chunks_equal_one_rank_without(tmp_path):
     """Data parallel + micro-batching: each rank chunks its half; the token-weighted reduction
-    (global loss sum / global weight) still gives the one-process, one-forward step. D-PACE's
-    normaliser (blocks, or its confidence-dependent weights) is a sum over blocks, all-reduced alike."""
-    mp.spawn(_dp_worker, args=(free_port(), str(tmp_path), tc), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
-    ref_w, ref_stats, _, _ = _train(0, [packed_views(LENS, seed=s) for s in (3, 4)], tc=tc)
+    (global loss sum / global weight) still gives the one-process, one-forward step, for each
+    weighting. D-PACE's normaliser (blocks, or its confidence-dependent weights) is a sum over
+    blocks, all-reduced alike."""
+    mp.spawn(_dp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     model, dc = tiny_model(LAYERS, num_anchors=64, seed=5)
-    w_a, w_b = (float(L.compute_loss(model, h, dc, tc, torch.Generator().manual_seed(1)).weight_sum) for h in _halves(3))
-    assert abs(w_a - w_b) > 0.5  # unequal halves: a mean of per-rank means would differ
-    assert r0["calls"] > 0 and r1["calls"] > 0
-    for gw0, gw1, r in zip(r0["weight"], r1["weight"], ref_stats):
-        assert gw0 == gw1 == pytest.approx(r.global_weight, rel=1e-6)
-    for n in ref_w:
-        assert torch.equal(r0["weights"][n], r1["weights"][n])
-        torch.testing.assert_close(r0["weights"][n], ref_w[n], rtol=1e-5, atol=1e-6, msg=n)
+    for name, tc in WEIGHTING_TCS.items():
+        r0, r1 = (torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=True) for r in range(2))
+        ref_w, ref_stats, _, _ = _train(0, [packed_views(LENS, seed=s) for s in (3, 4)], tc=tc)
+        w_a, w_b = (float(L.compute_loss(model, h, dc, tc, torch.Generator().manual_seed(1)).weight_sum) for h in _halves(3))
+        assert abs(w_a - w_b) > 0.5, name  # unequal halves: a mean of per-rank means would differ
+        assert r0["calls"] > 0 and r1["calls"] > 0, name
+        for gw0, gw1, r in zip(r0["weight"], r1["weight"], ref_stats):
+            assert gw0 == gw1 == pytest.approx(r.global_weight, rel=1e-6), name
+        for n in ref_w:
+            assert torch.equal(r0["weights"][n], r1["weights"][n]), (name, n)
+            torch.testing.assert_close(r0["weights"][n], ref_w[n], rtol=1e-5, atol=1e-6, msg=f"{name}: {n}")

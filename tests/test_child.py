@@ -133,9 +133,13 @@ def test_exception_sends_dead_closes_resources_in_reverse_and_exits_1(role):
 
 @pytest.mark.parametrize("how", ["sigterm", "shutdown"])
 def test_stop_request_leaves_through_main_and_closing_with_exit_0(role, how):
+    """Also: the TorchInductor compile-worker cap is in effect in the child (inductor's config) and in
+    a subprocess it starts (environment)."""
     start, sup, run_dir = role
     proc = start("loop")
     _wait_for(run_dir / "out" / "running", proc)
+    assert (run_dir / "out" / "compile_threads").read_text() == "3 3 3"
+    assert "TorchInductor compile workers capped at 3" in (run_dir / "logs" / "demo-0.log").read_text()
     if how == "sigterm":
         proc.send_signal(signal.SIGTERM)
         expected = "signal SIGTERM"
@@ -147,17 +151,6 @@ def test_stop_request_leaves_through_main_and_closing_with_exit_0(role, how):
     assert proc.wait(timeout=60) == 0
     assert (run_dir / "out" / "reason").read_text() == expected
     assert (run_dir / "out" / "closed").read_text().splitlines() == ["last-registered", "first-registered"]
-
-
-def test_child_caps_inductor_compile_workers(role):
-    """The cap is in effect in the child (inductor's config) and in a subprocess it starts (environment)."""
-    start, sup, run_dir = role
-    proc = start("loop")
-    _wait_for(run_dir / "out" / "running", proc)
-    assert (run_dir / "out" / "compile_threads").read_text() == "3 3 3"
-    assert "TorchInductor compile workers capped at 3" in (run_dir / "logs" / "demo-0.log").read_text()
-    sup.send(Shutdown(reason="test"))
-    assert proc.wait(timeout=60) == 0
 
 
 def test_bad_arguments_exit_with_usage(role):

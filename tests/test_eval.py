@@ -234,20 +234,3 @@ def test_cached_context_keys_values_give_the_drafts_of_a_full_recompute(tiny, tm
         assert all(same for _, same in calls), calls
     with pytest.raises(ValueError, match="one DrafterProposer per prompt"):
         cached(torch.zeros(1, embed.shape[1] * len(drafter.config.target_layer_ids)), 1, bs - 1)
-
-
-def test_eval_workers_merge_exactly_and_time_speed_alone(tiny, tmp_path):
-    cfg, tok, *_ = tiny
-    d = _drafter(cfg, tok, tmp_path / "drafter", seed=1)
-    reports = []
-    for workers in ("1", "2"):
-        argv = ["eval", "--config", str(TINY), "--drafter", str(d), "--n", "3", "--max-new", "12", "--workers", workers, "--json"]
-        r = CliRunner().invoke(main, [*argv, "--speed-prompts", "1"])
-        assert r.exit_code == 0, r.output
-        reports.append(json.loads(r.output.strip().splitlines()[-1]))
-    one, two = reports
-    for key in ("tau", "tau_per_prompt", "verify_steps", "acceptance_per_position", "tokens", "lossless", "target_forwards_spec"):
-        assert two[key] == one[key], key
-    assert (one["workers"], two["workers"]) == (1, 2)
-    assert (one["speed_prompts"], two["speed_prompts"]) == (3, 1) and "alone" in two["speed_measured"]
-    assert two["lossless"] is True and two["speedup"] > 0

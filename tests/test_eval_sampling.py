@@ -148,25 +148,29 @@ def llama_target(tiny_llama):
 class _CloseFirstDraft:
     """q for block position 1 = the target's own next-token logits halved (a flatter neighbour of p:
     most first drafts are accepted, many are not), the later positions the DFlash drafter's. Any q
-    keeps the output distribution; this one makes acceptance and rejection both frequent."""
+    keeps the output distribution; this one makes acceptance and rejection both frequent. The
+    target's logits after ``prompt + [anchor]`` depend on the anchor alone: ``own`` keeps them
+    across the seeded runs of one prompt (the same tensors a fresh forward gives)."""
 
-    def __init__(self, target, drafter, prompt):
-        self.target, self.drafter, self.prompt = target, DrafterProposer(drafter), list(prompt)
+    def __init__(self, target, drafter, prompt, own: dict[int, torch.Tensor]):
+        self.target, self.drafter, self.prompt, self.own = target, DrafterProposer(drafter), list(prompt), own
 
     def logits(self, context, anchor, k):
         out = self.drafter.logits(context, anchor, k).float()
-        own, _ = self.target.forward_logits(self.prompt + [anchor], self.target.new_cache(), capture=False)
-        out[0] = own[-1].float() / 2
+        if anchor not in self.own:
+            logits, _ = self.target.forward_logits(self.prompt + [anchor], self.target.new_cache(), capture=False)
+            self.own[anchor] = logits[-1].float() / 2
+        out[0] = self.own[anchor]
         return out
 
 
 def _first_tokens(target, drafter, prompt, sampler_cls, n: int, temperature: float, top_p: float, speculative: bool):
     """Tokens 2 and 3 of n seeded runs (token 1 is the prefill's; 2 and 3 come from the first steps)."""
-    seconds, thirds, accepted = Counter(), Counter(), 0
+    seconds, thirds, accepted, own = Counter(), Counter(), 0, {}
     for i in range(n):
         s = sampler_cls(temperature, top_p, 10_000 + i, "cpu")
         if speculative:
-            res = speculative_generate(target, _CloseFirstDraft(target, drafter, prompt), prompt, 3, set(), 3, None, s)
+            res = speculative_generate(target, _CloseFirstDraft(target, drafter, prompt, own), prompt, 3, set(), 3, None, s)
             accepted += res.steps[0].accepted > 0
         else:
             res = greedy_generate(target, prompt, 3, set(), s)

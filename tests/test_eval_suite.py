@@ -172,6 +172,19 @@ def drafter(tmp_path_factory):
     return out
 
 
+#: what a suite decoded by worker processes reports exactly as one process does
+MERGED_EXACTLY = (
+    "tau",
+    "tau_per_prompt",
+    "verify_steps",
+    "acceptance_per_position",
+    "tokens",
+    "prompts",
+    "lossless",
+    "target_forwards_spec",
+)
+
+
 def test_suite_decodes_every_set_in_workers_exactly_as_in_one_process(tmp_path, drafter):
     gsm = _write(tmp_path / "gsm.jsonl", GSM8K_RECS)
     mt = _write(tmp_path / "mt.jsonl", MT_BENCH_RECS)
@@ -191,10 +204,15 @@ def test_suite_decodes_every_set_in_workers_exactly_as_in_one_process(tmp_path, 
     cfg = load_config(TINY)
     sets = [set_name(s) for s in suite.split(",")]
     one = run_suite(cfg, str(drafter), sets, n=2, max_new=8, mt_bench_turns="all", target_device="cpu", drafter_device="cpu")
+    assert one["workers"] == 1
     for name in one["sets"]:
-        for key in ("tau", "tau_per_prompt", "verify_steps", "acceptance_per_position", "tokens", "prompts"):
+        for key in MERGED_EXACTLY:
             assert rep["sets"][name][key] == one["sets"][name][key], (name, key)
+        # the workers' run timed its first record's prompts alone; one process times every prompt
+        assert rep["sets"][name]["speed_prompts"] < one["sets"][name]["speed_prompts"] == one["sets"][name]["prompts"], name
+        assert "alone" in rep["sets"][name]["speed_measured"], name
     for name in ("everyday", "gsm"):  # one turn per record: the set's first prompt is the one timed alone
+        assert rep["sets"][name]["speed_prompts"] == 1, name
         assert rep["sets"][name]["speed_tau"] == pytest.approx(rep["sets"][name]["tau_per_prompt"][0], abs=1e-4), name
     for name, s in one["sets"].items():  # one process times every prompt: the estimate at the set's tau is the measurement
         assert s["speed_tau"] == s["tau"] and s["speedup_at_set_tau"] == pytest.approx(s["speedup"], rel=2e-3), name

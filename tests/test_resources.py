@@ -10,7 +10,7 @@ from dflash_ipc.config import ConfigError, config_from_dict, load_config
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.runtime import resources
 from dflash_ipc.runtime.preflight import check_memory
-from dflash_ipc.target.hf_config import default_layer_ids, make_hf_config
+from dflash_ipc.target.hf_config import default_layer_ids, make_hf_config, truncated_spec_config
 from dflash_ipc.target.model import build_target
 
 
@@ -37,6 +37,23 @@ def test_target_weights_are_the_built_models():
     target = build_target(cfg.target, "cpu", vocab_size=1024)
     built = sum(p.numel() for p in target.stack.parameters())
     assert resources.target_weight_params(cfg.target, hf, target.num_layers_built) == built
+
+
+@pytest.mark.parametrize("config", ["tiny-cpu", "bench-9b-x2", "h200-x8-5t3d"])
+@pytest.mark.parametrize("patch", [{}, {"attention_bias": True, "head_dim": 48}])
+def test_stack_parameter_count_is_the_models_on_meta(config, patch):
+    """The count the probe makes without transformers' modeling module, against the stack built on
+    the meta device: every layer, and the first layers only (a target built up to its last capture layer)."""
+    from transformers import Qwen3_5TextModel
+
+    cfg = load_config(TINY_CPU.parent / f"{config}.toml")
+    hf = make_hf_config({**cfg.target.spec, **patch}, 1024)
+    n = int(hf.num_hidden_layers)
+    for n_build in sorted({n, max(1, n // 2) + 1}):
+        conf = hf if n_build == n else truncated_spec_config(hf, n_build)
+        with torch.device("meta"):
+            stack = Qwen3_5TextModel._from_config(conf)
+        assert resources.target_weight_params(cfg.target, hf, n_build) == sum(p.numel() for p in stack.parameters()), n_build
 
 
 def test_checkpoint_params_from_safetensors_headers(tmp_path):

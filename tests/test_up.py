@@ -420,37 +420,8 @@ def test_ctrl_c_checkpoints_and_resume_consumes_every_batch_once(stopped_and_res
 # --------------------------------------------------------------------------- 4. a child killed: tests/faults/test_crash_anywhere.py
 
 
-# --------------------------------------------------------------------------- 5. restart after a failure
-
-
-def test_max_restarts_restarts_from_the_last_checkpoint(work, started):
-    steps = 10
-    cfg = write_config(work / "restart.toml", training__checkpoint_every=2)
-    up = Up(cfg, work / "restart", "--max-steps", str(steps), "--max-restarts", "1")
-    started.append(up)
-    up.wait_until(lambda: read_latest_pointer(up.run_dir / "checkpoints") is not None and up.steps_logged() >= 3, "a checkpoint and step 3")
-    victim = up.child_pids()["drafter-1"][0]
-    os.kill(victim, signal.SIGKILL)
-    code = up.wait()
-    out = up.output
-    assert code == 0, out
-    # named as the cause, not drafter-0 (whose collective then fails with "connection closed by peer")
-    assert f"[up] FAILED: drafter-1 (pid {victim}) killed by signal SIGKILL" in out, out
-    assert "restarting the group from the last checkpoint (1/1)" in out
-    pids = up.child_pids()
-    assert all(len(p) == 2 for p in pids.values()), pids  # a second group was started
-    assert f"[up] finished (max_steps {steps})" in out
-    assert checkpoint_step(latest_checkpoint(up.run_dir)) == steps
-    # the restarted targets skipped what the checkpoint had consumed
-    consumed = [
-        int(n)
-        for r in range(2)
-        for n in re.findall(r"(\d+) already consumed \(ledger\)", (up.run_dir / "logs" / f"target-{r}.log").read_text())
-    ]
-    assert len(consumed) == 4 and consumed[0] == consumed[2] == 0 and consumed[1] + consumed[3] > 0, consumed
-    # metrics of steps trained after that checkpoint and lost with the crash are not kept twice
-    assert [m["step"] for m in read_metrics(up.run_dir)] == list(range(1, steps + 1))
-    assert_no_leftovers(up)
+# --------------------------------------------------------------------------- 5. restart after a failure: tests/faults/test_run_lock.py
+# (its live run is started with --max-restarts 1 and loses drafter-1 to SIGKILL after a checkpoint)
 
 
 # --------------------------------------------------------------------------- 6. bad configs

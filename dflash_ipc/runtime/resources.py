@@ -111,16 +111,30 @@ def target_weight_params(cfg: TargetConfig, hf_config: Any, n_build: int) -> int
     """Parameters the target process loads: the checkpoint's every tensor, or the spec's stack."""
     if cfg.model_path:
         return checkpoint_params(Path(cfg.model_path))
-    import torch
-    from transformers import Qwen3_5TextModel
+    return qwen3_5_stack_params(hf_config, list(hf_config.layer_types)[:n_build])
 
-    from dflash_ipc.target.hf_config import truncated_spec_config
 
-    n_layers = int(hf_config.num_hidden_layers)
-    conf = hf_config if n_build == n_layers else truncated_spec_config(hf_config, n_build)
-    with torch.device("meta"):
-        stack = Qwen3_5TextModel._from_config(conf)
-    return sum(p.numel() for p in stack.parameters())
+def qwen3_5_stack_params(c: Any, layer_types: list[str]) -> int:
+    """Parameters of a ``Qwen3_5TextModel`` of config ``c`` built with these layers (embedding, decoder
+    layers, final norm), as transformers declares them (tests/test_resources.py holds the two equal),
+    counted without importing its modeling module: that import brings torch._dynamo, over a CPU-second
+    of every `up`'s start."""
+    h = c.hidden_size
+    head = getattr(c, "head_dim", h // c.num_attention_heads)
+    q, kv = c.num_attention_heads * head, c.num_key_value_heads * head
+    attention = h * 2 * q + 2 * h * kv + q * h + 2 * head  # q_proj carries the output gate: 2 * q
+    if c.attention_bias:
+        attention += 2 * q + 2 * kv + h
+    key, value = c.linear_key_head_dim * c.linear_num_key_heads, c.linear_value_head_dim * c.linear_num_value_heads
+    conv, v_heads = 2 * key + value, c.linear_num_value_heads
+    # conv1d, dt_bias + A_log, the gated norm, out_proj, in_proj_qkv, in_proj_z, in_proj_b + in_proj_a
+    linear = conv * c.linear_conv_kernel_dim + 2 * v_heads + c.linear_value_head_dim + value * h + h * conv + h * value + 2 * h * v_heads
+    per_layer = 3 * h * c.intermediate_size + 2 * h  # the MLP and the two norms
+    mixers = sum(linear if t == "linear_attention" else attention for t in layer_types)
+    largest = max(c.vocab_size, 2 * q, c.intermediate_size, conv) * h
+    if largest * 8 > 2**63 - 1:  # torch sizes a tensor's storage in int64 bytes: it could not build this one
+        raise ValueError(f"a weight of {largest} elements ({h} x {largest // h}) has no 64-bit byte size")
+    return c.vocab_size * h + len(layer_types) * per_layer + mixers + h
 
 
 def checkpoint_params(model_dir: Path) -> int:

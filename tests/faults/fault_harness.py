@@ -70,11 +70,16 @@ class Up:
 
     def child_pids(self) -> dict[str, int]:
         """The children of the latest group started, by name."""
-        pids: dict[str, int] = {}
-        for line in self.output.splitlines():
-            if line.startswith("[up] started"):
-                pids = {name: int(pid) for name, pid in re.findall(r"(\w+-\d+)@\S+ pid (\d+)", line)}
-        return pids
+        groups = self.groups_started()
+        return groups[-1] if groups else {}
+
+    def groups_started(self) -> list[dict[str, int]]:
+        """Every group of children started (a restart starts a new one), each by name, in order."""
+        return [
+            {name: int(pid) for name, pid in re.findall(r"(\w+-\d+)@\S+ pid (\d+)", line)}
+            for line in self.output.splitlines()
+            if line.startswith("[up] started")
+        ]
 
     def wait(self, timeout: float = RUN_TIMEOUT_S) -> int:
         try:

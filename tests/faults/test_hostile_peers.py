@@ -4,6 +4,11 @@ drafter's PULL), from before the handshake to the end of training. The run must 
 every planned batch exactly once, exit 0, count what it refused (``status --json``), and leave
 nothing behind.
 
+The run moves its slots with ``transport.backend = "nccl"`` (gloo on CPU: one two-rank pair group
+per target-drafter pair, the code path of NCCL on GPUs), so the same run is the nccl transport's
+end-to-end test (tests/test_transport_nccl.py has its ring harness): the control sockets are the
+same whatever moves the slots, and every planned batch trained exactly once is what both assert.
+
 Before: a two-part message to sock/sup ended the supervisor (ValueError: too many values to
 unpack), a forged EndOfData made the run "finish" with 0 batches trained, a forged SlotReady
 crashed a drafter, a Dead from an unknown identity during the handshake ended the run, and a
@@ -13,6 +18,7 @@ two-part status request broke the REP socket.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -32,7 +38,7 @@ def _plan_ids(run_dir) -> set[tuple[int, int, int]]:
 def test_hostile_frames_into_every_socket_are_counted_and_the_run_trains_every_batch_once(tmp_path):
     seed = 1515
     target_frames = 20000 if FULL else 10000
-    cfg = write_config(tmp_path / "c.toml", training={"checkpoint_on_finish": True})
+    cfg = write_config(tmp_path / "c.toml", training={"checkpoint_on_finish": True}, transport={"backend": "nccl"})
     run_dir = tmp_path / "run"
     up = Up(cfg, run_dir)
     peer = None
@@ -65,7 +71,10 @@ def test_hostile_frames_into_every_socket_are_counted_and_the_run_trains_every_b
     # exactly once: the final checkpoint's ledger is every planned batch, no duplicate
     ckpt = run_dir / "checkpoints" / read_latest_pointer(run_dir / "checkpoints")
     ids = [tuple(i) for i in json.loads((ckpt / LEDGER_FILE).read_text())["ids"]]
-    assert len(ids) == len(set(ids)) and set(ids) == _plan_ids(run_dir)
+    assert len(ids) == len(set(ids)) and set(ids) == _plan_ids(run_dir) and len(ids) > 4
+    assert "finished (data exhausted)" in out, out[-2000:]
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("target-*.log"))
+    assert re.search(r"ring: nccl \(transport\.backend\), 4 slots", logs), logs[-2000:]
     final = json.loads((run_dir / "status.json").read_text())
     rejected = rejected_total(final)
     sup_kinds = final["supervisor_rejected_by_kind"]

@@ -5,7 +5,8 @@ Before, a second `up` swept the first's live shared memory, reset its metrics.js
 checkpoints, and both exited 0. Now the supervisor holds ``RUN_DIR/lock`` (``runtime.run_lock``)
 for its whole life. The fast tests take the lock in real processes (a holder process, SIGKILL, a
 grandchild that outlives it, nodes of a run of several); one live `up` then serves every timing of
-a second `up`: during its probe (before the handshake), its handshake, training and a checkpoint.
+a second `up`: during its probe (before the handshake), its handshake, training, a checkpoint and
+the restart of its group after a drafter is killed (the same run is `up --max-restarts`'s test).
 Each refusal is timed (``FAULTS:`` lines); the pass/fail conditions are what was refused and what
 the first run kept.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -135,14 +137,18 @@ def _metrics_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_second_up_is_refused_at_every_moment_of_a_live_run(tmp_path):
-    """One live run; a second `up` (plain, --resume, --max-restarts) during its probe, handshake,
-    training and a checkpoint: each refused, exit 2, naming the directory and the owner's pid,
-    with no traceback and nothing touched; the first run (stopped by SIGTERM after step 8) trains
-    steps 1..N once, keeps its run id, and its checkpoints are its own, the last at step N."""
-    cfg = write_config(tmp_path / "c.toml", data={"builtin_samples": 600}, training={"checkpoint_every": 4})
+def test_a_second_up_is_refused_at_every_moment_of_a_live_run_and_a_killed_drafter_restarts_it_from_the_last_checkpoint(tmp_path):
+    """One live run (``--max-restarts 1``); a second `up` (plain, --resume, --max-restarts) during its
+    probe, handshake, training, a checkpoint and the group's restart: each refused, exit 2, naming
+    the directory and the owner's pid, with no traceback and nothing touched. Between the checkpoint
+    and the restart, drafter-1 is SIGKILLed once a checkpoint and step 3 are logged: the supervisor
+    names it (not drafter-0, whose collective then fails with "connection closed by peer"), starts a
+    second group (a new run id) from the last checkpoint, whose targets skip what that checkpoint
+    consumed. The first run (stopped by SIGTERM after step 8) trains steps 1..N once (the steps lost
+    with the crash are not kept twice), keeps its run ids, and its checkpoints are its own (its rank 0s'), the last at step N."""
+    cfg = write_config(tmp_path / "c.toml", data={"builtin_samples": 600}, training={"checkpoint_every": 2})
     run_dir = tmp_path / "run"
-    first = Up(cfg, run_dir, name="first")
+    first = Up(cfg, run_dir, "--max-restarts", "1", name="first")
     refusals: dict[str, float] = {}
 
     def second(moment: str, *extra: str) -> None:
@@ -173,21 +179,38 @@ def test_a_second_up_is_refused_at_every_moment_of_a_live_run(tmp_path):
         second("training", "--max-restarts", "3")
         first.wait_until(lambda: read_latest_pointer(run_dir / "checkpoints") is not None, "a checkpoint")
         second("checkpoint", "--resume")
+        first.wait_until(lambda: first.steps_logged() >= 3, "step 3")
+        assert (run_dir / "run_id").read_text() == run_id  # the refused `up`s changed nothing
+        victim = first.child_pids()["drafter-1"]
+        os.kill(victim, signal.SIGKILL)
+        first.wait_until(lambda: len(first.groups_started()) == 2, "the second group to be started", poll_s=0.01)
+        run_id = (run_dir / "run_id").read_text()  # a restarted group's shared memory has a run id of its own
+        second("restart", "--resume")
         # the rest of the data would prove nothing more: stop it the way systemd does (it checkpoints)
         first.wait_until(lambda: first.steps_logged() >= 8, "8 steps")
         first.proc.send_signal(signal.SIGTERM)
         assert first.wait() == 0, first.output[-3000:]
     finally:
         first.close()
+    out = first.output
     steps = _metrics_steps(run_dir)
-    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 8, steps  # every step once, none reset
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 8, steps  # every step once, none reset, none kept twice
     assert (run_dir / "run_id").read_text() == run_id
-    assert "swept" not in first.output and leftovers(first) == []
+    groups = first.groups_started()
+    assert "swept" not in out and all(leftovers(first, group) == [] for group in groups)
     latest = read_latest_pointer(run_dir / "checkpoints")
     meta = json.loads((run_dir / "checkpoints" / latest / META_FILE).read_text())
     assert meta["step"] == steps[-1], meta  # the last checkpoint is the first run's final step
     # systemd's stop (SIGTERM to the supervisor alone) mid-training: the drafters checkpoint where they are
-    assert "SIGTERM: asking drafters to checkpoint and stop" in first.output and "[up] finished (shutdown: SIGTERM)" in first.output
+    assert "SIGTERM: asking drafters to checkpoint and stop" in out and "[up] finished (shutdown: SIGTERM)" in out
     writers = {json.loads((p / META_FILE).read_text())["pid"] for p in (run_dir / "checkpoints").glob("step-*")}
-    assert writers == {first.child_pids()["drafter-0"]}, writers  # every checkpoint there written by the first run's rank 0
+    assert writers <= {g["drafter-0"] for g in groups} and meta["pid"] == groups[1]["drafter-0"], (writers, groups)
+    # the restart: named as the cause, one new group from the last checkpoint
+    assert f"[up] FAILED: drafter-1 (pid {victim}) killed by signal SIGKILL" in out, out
+    assert "restarting the group from the last checkpoint (1/1)" in out
+    assert len(groups) == 2 and groups[0].keys() == groups[1].keys() and not set(groups[0].values()) & set(groups[1].values()), groups
+    # the restarted targets skipped what the checkpoint had consumed
+    logs = [(run_dir / "logs" / f"target-{r}.log").read_text() for r in range(2)]
+    consumed = [int(n) for log in logs for n in re.findall(r"(\d+) already consumed \(ledger\)", log)]
+    assert len(consumed) == 4 and consumed[0] == consumed[2] == 0 and consumed[1] + consumed[3] > 0, consumed
     report(f"run lock: {len(refusals)} refusals, worst {max(refusals.values()):.2f} s; the first run trained steps 1..{steps[-1]} once")
