@@ -47,6 +47,19 @@ def test_fused_stack_captures_what_the_eager_stack_captures():
     assert all("forward" not in m.__dict__ for m in model.stack.modules())
 
 
+def test_a_family_without_fused_kernels_stays_eager_and_says_so(tmp_path):
+    """A Llama checkpoint (SmolLM2's family) has no module fused.py routes: with fusion forced on, the
+    target reports nothing fused rather than "0 norms fused", and its modules keep their own forwards."""
+    import transformers
+
+    spec = tiny_spec(300)
+    widths = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=2, **{k: spec[k] for k in widths})).save_pretrained(tmp_path)
+    model = build_target(TargetConfig(model_path=str(tmp_path), tokenizer="builtin", layer_ids=[1], fuse_elementwise=True), "cpu")
+    assert model.fused_elementwise == {}
+    assert all("forward" not in m.__dict__ for m in model.stack.modules())
+
+
 @pytest.mark.parametrize("bad", ["yes", 2])
 def test_a_bad_setting_is_refused_naming_the_key(bad, tmp_path):
     from conftest import tiny_cpu_config, write_toml

@@ -122,6 +122,8 @@ def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids
     if cfg.quantization == "fp8":
         apply_fp8(stack, device, dtype)
     fused = fuse_elementwise(stack) if wants_fused_elementwise(cfg.fuse_elementwise, device) else None
+    if fused is not None and not any(fused.values()):  # a family fused.py has no kernels for (e.g. Llama): eager
+        fused = None
     return TargetModel(
         stack,
         hf_config,
