@@ -5,19 +5,28 @@
 #                time gen-data's decoding on random SmolLM2-shaped weights: dynamic vs compiled cache at batch
 #                512 and 2048 (tools/gen_decode_bench.py, $OUT/gen_decode.json) -> pick DECODE for the data call;
 #                PROBE=drafter: the drafter step's speed options instead (tools/gpu_drafter_step.sh), for SPEED=auto
+#                DATA=DIR (carried, e.g. .data/s6): unpack DIR/data.tgz* (a data call's $OUT) into the work folder, so
+#                a later session trains recipes on the same data without a data call (then STEP=model, not data)
 #   STEP=data  : join the GGUF (second part carried in .big/p2), convert it, then synthesize + answer prompts and
-#                answer the built-in questions (tools/gpu_synth_smollm2.sh PHASE=data)
+#                answer the built-in questions (tools/gpu_synth_smollm2.sh PHASE=data); the data comes back as
+#                $OUT/data.tgz (split in 15 MiB parts data.tgz.00, .01 when larger: a returned file's limit is 16 MiB)
+#   STEP=model : the join + convert of STEP=data alone (after a stash with DATA=)
 #   STEP=train : train on the mix (tools/gpu_synth_smollm2.sh PHASE=train EVAL=0), all inside BUDGET_S (give the call
 #                BUDGET_S + 45 s); SPEED=auto: with the speed options the drafter probe earned
 #                (tools/pick_drafter_speed.py); UNTRAINED=DIR exports the untrained floor first (else the eval call does)
 #   STEP=eval  : the suite table (tools/gpu_eval_suite.sh): held-out synthesized, held-out built-in, HumanEval,
-#                everyday; trained at T = 0 and T = 1, the untrained floor at T = 0 (exported first when missing)
+#                everyday; trained at T = 0 and T = 1, the untrained floor at T = 0 (exported first when missing;
+#                FLOOR=0 skips it); RUN=NAME evaluates that run's drafter
 # Knobs pass through to those scripts (BUDGET_S, N_SYNTH, N_BUILTIN, SYNTH_BS, DECODE, TRAIN_S, STEP_S, TEMPS, ...).
 set -u
 W=${WORK:-/root/work-synth}
 case "${STEP:?STEP=stash|data|train|eval}" in
   stash)
     mkdir -p /root/parts && cp .big/p1/smolpart.* /root/parts/ && ls -la /root/parts
+    if [ -n "${DATA:-}" ]; then
+      mkdir -p "$W" && cat "$DATA"/data.tgz* | tar xzf - -C "$W" || exit 1
+      for s in builtin synth; do echo "restored $s: $(wc -l < "$W/$s.jsonl") train, $(wc -l < "$W/$s.holdout.jsonl") held-out records"; done
+    fi
     if [ "${PROBE:-1}" = drafter ]; then
       # the drafter step's speed options on this GPU (tools/gpu_drafter_step.sh); STEP=train SPEED=auto reads the pick
       mkdir -p "$W" && BUDGET_S=${PROBE_S:-140} bash tools/gpu_drafter_step.sh && cp "$OUT/drafter_step.json" "$W/drafter_step.json"
@@ -27,7 +36,7 @@ case "${STEP:?STEP=stash|data|train|eval}" in
         --batch-sizes "${PROBE_BS:-512,2048}" --max-new "${PROBE_MAX_NEW:-64}" --batches 1 --out "$OUT/gen_decode.json" 2> "$OUT/gen_decode.log"
       echo "probe exit $?"; tail -n 5 "$OUT/gen_decode.log"
     fi ;;
-  data)
+  data|model)
     mkdir -p /root/smollm2 /root/parts
     if [ ! -f /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
       cp .big/p2/smolpart.* /root/parts/ && cat /root/parts/smolpart.* > /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -37,7 +46,13 @@ case "${STEP:?STEP=stash|data|train|eval}" in
     if [ ! -f /root/models/smollm2/config.json ]; then
       python3 tools/smollm2_to_hf.py --gguf /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/models/smollm2 2>&1 | tail -n 3
     fi
-    SETUP=0 PHASE=data bash tools/gpu_synth_smollm2.sh ;;
+    [ "$STEP" = model ] && exit 0
+    SETUP=0 PHASE=data bash tools/gpu_synth_smollm2.sh || exit 1
+    # the data back to this session's checkout, for recipe runs of later sessions on the same records
+    tar czf /root/data.tgz -C "$W" builtin.jsonl builtin.holdout.jsonl synth.jsonl synth.holdout.jsonl synth.diversity.json
+    if [ "$(stat -c %s /root/data.tgz)" -le $((15 * 1024 * 1024)) ]; then cp /root/data.tgz "$OUT/data.tgz"
+    else rm -f "$OUT/synth_prompts_sample.jsonl"; split -b 15M -d -a 2 /root/data.tgz "$OUT/data.tgz."; fi
+    ls -la "$OUT"/data.tgz* ;;
   train)
     # the untrained floor is exported by the eval call (UNTRAINED=...: here instead, inside this budget)
     # SPEED=auto: the speed options the stash call's drafter-step probe earned (tools/pick_drafter_speed.py), if any
@@ -52,10 +67,15 @@ case "${STEP:?STEP=stash|data|train|eval}" in
     # the setup above counts against the call's budget
     PHASE=train EVAL=0 UNTRAINED=${UNTRAINED:-} BUDGET_S=$(( BUDGET_S - ($(date +%s) - STARTED) )) bash tools/gpu_synth_smollm2.sh ;;
   eval)
-    if [ ! -f "$W/untrained/config.json" ]; then
+    # FLOOR=0: the trained drafter alone (the untrained floor is 1.00 at every position in every table so far);
+    # RUN=NAME: that training run's drafter; SETS=... (e.g. SETS=humaneval N_MAX=164 TEMPS=0) passes through
+    RUN=${RUN:-run}; RD=$W/$RUN; TOML=$W/$([ "$RUN" = run ] && echo train || echo "$RUN").toml
+    FLOOR_DRAFTER="untrained=$W/untrained"
+    [ "${FLOOR:-1}" = 0 ] && FLOOR_DRAFTER=""
+    if [ -n "$FLOOR_DRAFTER" ] && [ ! -f "$W/untrained/config.json" ]; then
       . tools/gpu_setup.sh && export SETUP=0
-      timeout 90 python3 -m dflash_ipc.cli export-untrained --config "$W/train.toml" --out "$W/untrained" --device cuda:0 2>&1 | tail -n 1
+      timeout 90 python3 -m dflash_ipc.cli export-untrained --config "$TOML" --out "$W/untrained" --device cuda:0 2>&1 | tail -n 1
     fi
-    CONFIG=$W/train.toml DRAFTERS="trained=$W/run/export/drafter untrained=$W/untrained" TEMPS=${TEMPS:-"0 1"} \
+    CONFIG=$TOML DRAFTERS="trained=$RD/export/drafter $FLOOR_DRAFTER" TEMPS=${TEMPS:-"0 1"} \
       HOLDOUTS="synth=$W/synth.holdout.jsonl builtin=$W/builtin.holdout.jsonl" bash tools/gpu_eval_suite.sh ;;
 esac
