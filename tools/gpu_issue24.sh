@@ -13,7 +13,9 @@
 #   STEP=model : the join + convert of STEP=data alone (after a stash with DATA=)
 #   STEP=train : train on the mix (tools/gpu_synth_smollm2.sh PHASE=train EVAL=0), all inside BUDGET_S (give the call
 #                BUDGET_S + 45 s); SPEED=auto: with the speed options the drafter probe earned
-#                (tools/pick_drafter_speed.py); UNTRAINED=DIR exports the untrained floor first (else the eval call does)
+#                (tools/pick_drafter_speed.py); UNTRAINED=DIR exports the untrained floor first (else the eval call does);
+#                KEEP=1 returns the exported drafter as $OUT/drafter.tgz.NN (15 MiB parts; STEP=stash DRAFTER=DIR
+#                restores it in a later session, carried in a call of its own: ~37 MB)
 #   STEP=eval  : the suite table (tools/gpu_eval_suite.sh): held-out synthesized, held-out built-in, HumanEval,
 #                everyday; trained at T = 0 and T = 1, the untrained floor at T = 0 (exported first when missing;
 #                FLOOR=0 skips it); RUN=NAME evaluates that run's drafter
@@ -22,11 +24,14 @@ set -u
 W=${WORK:-/root/work-synth}
 case "${STEP:?STEP=stash|data|train|eval}" in
   stash)
-    mkdir -p /root/parts && cp .big/p1/smolpart.* /root/parts/ && ls -la /root/parts
+    mkdir -p /root/parts "$W"
+    if [ -d .big/p1 ]; then cp .big/p1/smolpart.* /root/parts/ && ls -la /root/parts; fi
     if [ -n "${DATA:-}" ]; then
-      mkdir -p "$W" && cat "$DATA"/data.tgz* | tar xzf - -C "$W" || exit 1
+      cat "$DATA"/data.tgz* | tar xzf - -C "$W" || exit 1
       for s in builtin synth; do echo "restored $s: $(wc -l < "$W/$s.jsonl") train, $(wc -l < "$W/$s.holdout.jsonl") held-out records"; done
     fi
+    # DRAFTER=DIR (carried alone: ~37 MB): a train call's KEEP=1 parts, i.e. W/RUN/export and its config
+    if [ -n "${DRAFTER:-}" ]; then cat "$DRAFTER"/drafter.tgz* | tar xzf - -C "$W" && ls "$W"/*/export || exit 1; fi
     if [ "${PROBE:-1}" = drafter ]; then
       # the drafter step's speed options on this GPU (tools/gpu_drafter_step.sh); STEP=train SPEED=auto reads the pick
       mkdir -p "$W" && BUDGET_S=${PROBE_S:-140} bash tools/gpu_drafter_step.sh && cp "$OUT/drafter_step.json" "$W/drafter_step.json"
@@ -65,7 +70,16 @@ case "${STEP:?STEP=stash|data|train|eval}" in
       echo "step planned at $STEP_S s"
     fi
     # the setup above counts against the call's budget
-    PHASE=train EVAL=0 UNTRAINED=${UNTRAINED:-} BUDGET_S=$(( BUDGET_S - ($(date +%s) - STARTED) )) bash tools/gpu_synth_smollm2.sh ;;
+    PHASE=train EVAL=0 UNTRAINED=${UNTRAINED:-} BUDGET_S=$(( BUDGET_S - ($(date +%s) - STARTED) )) bash tools/gpu_synth_smollm2.sh
+    rc=$?
+    if [ "${KEEP:-0}" = 1 ] && [ -d "$W/${RUN:-run}/export/drafter" ]; then
+      # the drafter back to this session's checkout (a returned file is at most 16 MiB, at most 8 files): the
+      # export and its config as 15 MiB parts, the small logs in one archive; STEP=stash DRAFTER=DIR restores it
+      R=${RUN:-run}; C=$([ "$R" = run ] && echo train || echo "$R").toml
+      tar czf /root/drafter-"$R".tgz -C "$W" "$R/export" "$C" && split -b 15M -d -a 2 /root/drafter-"$R".tgz "$OUT/drafter.tgz."
+      (cd "$OUT" && tar czf logs.tgz --remove-files derive.log plan.json plan.log install.log 2>/dev/null); ls -la "$OUT"
+    fi
+    exit $rc ;;
   eval)
     # FLOOR=0: the trained drafter alone (the untrained floor is 1.00 at every position in every table so far);
     # RUN=NAME: that training run's drafter; SETS=... (e.g. SETS=humaneval N_MAX=164 TEMPS=0) passes through
