@@ -96,5 +96,10 @@ def test_warm_up_changes_nothing_and_training_matches(tmp_path, anchor_chunk):
     for rw, rc in zip(recs["warm"], recs["cold"]):
         assert rw["loss"] == rc["loss"] and rw["grad_norm"] == rc["grad_norm"] and rw["acc_per_pos"] == rc["acc_per_pos"]
     assert recs["warm"][-1]["step"] == 2
+    # the live rate spans the steps after the first (drafter/core.py RecentRate), not the core's start
+    first, second = recs["warm"]
+    work = warm.stats()
+    assert work.recent_step_s == pytest.approx(second["elapsed_s"] - first["elapsed_s"])
+    assert work.recent_tokens_per_s == pytest.approx(second["tokens"] / (second["elapsed_s"] - first["elapsed_s"]))
     warm.close()
     cold.close()

@@ -10,12 +10,15 @@ import pytest
 from conftest import SHARED_RUN_STEPS
 from rich.console import Console
 
+from dflash_ipc.control.stats import DrafterStats, DrafterWork, Vitals
+from dflash_ipc.drafter.core import RecentRate
 from dflash_ipc.runtime.progress import (
     PlainProgress,
     ProgressLines,
     ProgressSnapshot,
     RichProgress,
     eta_seconds,
+    progress_snapshot,
 )
 
 PROGRESS_LINE = re.compile(r"^\[up\] step ")
@@ -64,6 +67,46 @@ def test_eta_needs_a_step_a_limit_and_a_time():
     assert eta_seconds(5, None, 10.0) is None
     assert eta_seconds(5, 40, 10.0) == pytest.approx(70.0)
     assert eta_seconds(50, 40, 10.0) == 0.0
+
+
+def test_the_rate_and_eta_follow_the_last_steps_not_the_start_up():
+    """A run whose first step ends 79 s after the start (processes ready, then the compile) and whose steps
+    then take 0.25 s: the mean since the start says an ETA of hours at step 3; the window says minutes."""
+    rate = RecentRate(window=50)
+    assert rate.step_s() is None and rate.tokens_per_s() is None  # one step: no span yet
+    elapsed, tokens = 79.0, 25_000
+    rate.observe(1, elapsed, tokens)
+    assert rate.step_s() is None
+    for step in range(2, 4):
+        elapsed += 0.25
+        tokens += 25_000
+        rate.observe(step, elapsed, tokens)
+    assert rate.step_s() == pytest.approx(0.25) and rate.tokens_per_s() == pytest.approx(100_000.0)
+    work = DrafterWork(
+        step=3,
+        loss=7.0,
+        acc=0.03,
+        tau=1.0,
+        tokens_per_s=tokens / elapsed,
+        tokens=tokens,
+        params=1,
+        train_elapsed_s=elapsed,
+        gpu=None,
+        recent_step_s=rate.step_s(),
+        recent_tokens_per_s=rate.tokens_per_s(),
+    )
+    lead = DrafterStats(Vitals("running", 0.0, 0, 0, {}), work, queue_depth=0, outstanding=0, copying=0, wait_pct=0.0, slots_per_target=[0])
+    shown = progress_snapshot(lead, [], max_steps=1648)
+    assert shown.eta_s == pytest.approx(1645 * 0.25)  # 6m51s
+    assert shown.tokens_per_s == pytest.approx(100_000.0)
+    assert eta_seconds(3, 1648, elapsed) > 3600 * 11  # what the mean since the start said: 12h
+    # the window forgets: 60 slow steps (a held-out pass each) later, only they count
+    for step in range(4, 64):
+        elapsed += 1.0
+        rate.observe(step, elapsed, tokens)
+    assert rate.step_s() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        RecentRate(window=0)
 
 
 def test_plain_progress_echoes_only_changes():

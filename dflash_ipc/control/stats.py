@@ -133,6 +133,10 @@ class DrafterWork(Struct):
     train_elapsed_s: float | None  # training wall time up to the latest step
     gpu: GpuMemory | None
     warmup_s: float | None = None  # the handshake warm-up (first-step compile) on a dummy batch; None: not run
+    # over the last steps only (drafter/core.py RecentRate): the start-up and the first step's compile
+    # would otherwise dominate the rate and the ETA for the first hundreds of steps
+    recent_step_s: float | None = None
+    recent_tokens_per_s: float | None = None
     # the last held-out pass (training.holdout_every), drafter 0: tau by eval's decode replayed on the held-out answers
     tau_holdout: float | None = None
     tau_holdout_blocks: int = 0  # blocks scored (one per valid anchor)

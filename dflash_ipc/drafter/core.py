@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -112,6 +113,33 @@ def export_untrained(cfg: DFlashConfig, out_dir: Path, device: torch.device | st
     return export_drafter(model, out_dir, chat_template_kwargs=cfg.chat_template.kwargs)
 
 
+class RecentRate:
+    """Seconds per step and tokens per second over the last ``window`` steps (held-out passes and
+    checkpoints inside it included), for the live rate and ETA; pure: fed each step's clock."""
+
+    def __init__(self, window: int = 50) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1 step (got {window})")
+        self._marks: deque[tuple[int, float, int]] = deque(maxlen=window + 1)
+
+    def observe(self, step: int, elapsed_s: float, tokens_total: int) -> None:
+        self._marks.append((step, elapsed_s, tokens_total))
+
+    def _span(self) -> tuple[int, float, int] | None:
+        if len(self._marks) < 2:
+            return None
+        (s0, t0, n0), (s1, t1, n1) = self._marks[0], self._marks[-1]
+        return (s1 - s0, t1 - t0, n1 - n0) if s1 > s0 and t1 > t0 else None
+
+    def step_s(self) -> float | None:
+        span = self._span()
+        return span[1] / span[0] if span else None
+
+    def tokens_per_s(self) -> float | None:
+        span = self._span()
+        return span[2] / span[1] if span else None
+
+
 class DrafterCore:
     def __init__(self, cfg: DFlashConfig, run_dir: Path, world: DistInfo, device: torch.device, total_steps: int, resume: bool):
         self.cfg = cfg
@@ -136,6 +164,7 @@ class DrafterCore:
         self.metrics_path = run_dir / "metrics.jsonl"
         self.tokens_total = 0
         self.t_start = time.perf_counter()
+        self.recent = RecentRate()
         self.last: dict = {}
         self.n_params = num_parameters(self.model)
         self.target_hidden_size = self.model.config.hidden_size  # equal to the target's (DrafterModelConfig.from_configs)
@@ -296,6 +325,7 @@ class DrafterCore:
         acc_list = [round(float(a), 4) if not math.isnan(float(a)) else None for a in acc.tolist()]
         acc_valid = [a for a in acc_list[1:] if a is not None]
         elapsed = time.perf_counter() - self.t_start
+        self.recent.observe(self.step, elapsed, self.tokens_total)
         rec = {
             "step": self.step,
             "loss": stats.global_loss,
@@ -470,6 +500,8 @@ class DrafterCore:
             train_elapsed_s=last["elapsed_s"] if last else None,
             gpu=GpuMemory.of(self.device),
             warmup_s=self.warmup_s,
+            recent_step_s=self.recent.step_s(),
+            recent_tokens_per_s=self.recent.tokens_per_s(),
             tau_holdout=self.holdout_last.get("tau_holdout"),
             tau_holdout_blocks=self.holdout_last.get("tau_holdout_blocks", 0),
             tau_holdout_steps=self.holdout_last.get("tau_holdout_steps", 0),

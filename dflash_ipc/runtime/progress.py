@@ -37,9 +37,14 @@ class ProgressSnapshot:
     busy_pct: dict[str, float | None] = field(default_factory=dict)
 
 
-def eta_seconds(step: int, max_steps: int | None, elapsed_s: float | None) -> float | None:
-    """Time left at the mean step time so far; None when it cannot be known yet."""
-    if not max_steps or not step or not elapsed_s:
+def eta_seconds(step: int, max_steps: int | None, elapsed_s: float | None, recent_step_s: float | None = None) -> float | None:
+    """Time left at the recent step time (the last steps': the start-up and the first compile left out), else
+    at the mean step time so far; None when it cannot be known yet."""
+    if not max_steps or not step:
+        return None
+    if recent_step_s:
+        return max(0.0, (max_steps - step) * recent_step_s)
+    if not elapsed_s:
         return None
     return max(0.0, (max_steps - step) * elapsed_s / step)
 
@@ -226,7 +231,7 @@ def progress_snapshot(lead: DrafterStats, children: list, max_steps: int | None)
         max_steps=max_steps,
         loss=w.loss,
         acc=w.acc,
-        tokens_per_s=w.tokens_per_s,
-        eta_s=eta_seconds(w.step, max_steps, w.train_elapsed_s),
+        tokens_per_s=w.recent_tokens_per_s if w.recent_tokens_per_s is not None else w.tokens_per_s,
+        eta_s=eta_seconds(w.step, max_steps, w.train_elapsed_s, w.recent_step_s),
         busy_pct=busy,
     )

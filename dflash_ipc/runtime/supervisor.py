@@ -551,7 +551,7 @@ class Supervisor:
         lead = self._lead_drafter()
         step = lead.work.step if lead else 0
         max_steps = self.cfg.training.max_steps or None
-        eta = eta_seconds(step, max_steps, lead.work.train_elapsed_s if lead else None)
+        eta = eta_seconds(step, max_steps, lead.work.train_elapsed_s, lead.work.recent_step_s) if lead else None
         totals = Totals(
             tokens_per_s=lead.work.tokens_per_s if lead else 0.0,
             step=step,
