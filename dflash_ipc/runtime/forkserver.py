@@ -5,9 +5,10 @@ state, instead of each child starting a new Python that imports them again (seco
 ``run.launcher`` picks it (:func:`use_forkserver`): "exec" starts every child as a new Python
 (``subprocess.Popen``), "forkserver" forks it from the server, and "auto" (the default) means
 forkserver when every device of the topology is the CPU (tests, the embedded default) and exec as
-soon as one is CUDA: the server never initializes CUDA (it checks and reports it, and the client
-refuses a server that did), so a forked child could set up its own device, but that path has not
-been validated on a GPU host yet.
+soon as one is CUDA: the server never initializes CUDA (it checks after preloading that torch did
+not and that the CUDA driver is not even loaded, and the client refuses a server that fails this), so
+a forked child could set up its own device, but that path has not been validated on a GPU host yet
+(tests/test_gpu_pipeline.py's forkserver case does).
 
 A forked child gets what ``Popen`` would have given it: the same argv (only ``python -m MODULE
 ...`` command lines: the module runs as ``__main__`` through :mod:`runpy`), environment, working
@@ -167,7 +168,9 @@ class ForkServer:
         server = cls(proc, ours, ready)
         if not ready.get("ready") or ready.get("cuda_initialized"):
             server.close()
-            why = "initialized CUDA while preloading" if ready.get("cuda_initialized") else f"ended or was not ready within {timeout_s:g} s"
+            why = f"ended or was not ready within {timeout_s:g} s"
+            if ready.get("cuda_initialized"):
+                why = "initialized CUDA (or loaded its driver) while preloading"
             raise RuntimeError(f'the fork server (python -m dflash_ipc.runtime.forkserver) {why}; set run.launcher = "exec"')
         return server
 
@@ -298,8 +301,7 @@ def main(argv: Sequence[str]) -> int:
     # What was preloaded lives as long as any child: out of the cyclic collector's sight, a child's
     # collections (and the last one at its exit, a second of CPU with torch loaded) skip it, and its pages stay shared.
     gc.freeze()
-    torch = sys.modules.get("torch")
-    cuda = bool(torch is not None and torch.cuda.is_initialized())
+    cuda = _cuda_touched()
     ready = {"ready": True, "pid": os.getpid(), "cuda_initialized": cuda, "seconds": round(time.perf_counter() - t0, 3), "skipped": skipped}
     try:
         sock.send(json.dumps(ready).encode())
@@ -307,6 +309,17 @@ def main(argv: Sequence[str]) -> int:
     except (BrokenPipeError, ConnectionResetError):  # the client is gone: so are its children's reports
         return 0
     return (1 if cuda else 0) if request is None else _run_child(*request)
+
+
+def _cuda_touched() -> bool:
+    """CUDA initialized here, or its driver loaded: ``cudaGetDeviceCount`` (``torch.cuda.is_available()``
+    without NVML) loads and initializes the driver while ``torch.cuda.is_initialized()`` stays False,
+    and a child forked after that cannot use CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    with open("/proc/self/maps") as maps:
+        return "libcuda.so" in maps.read()
 
 
 def _serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
