@@ -66,6 +66,8 @@ UP_PRELOAD = (
     "torch",
     "torch._dynamo",
     "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.qwen3_5.modeling_qwen3_5",  # the default target family's (another's is imported by its child)
     "zmq",
     "msgpack",
     "dflash_ipc.procs.target",
