@@ -73,8 +73,13 @@ class RunConfig:
     # hosts). control_host is also where a target's nccl rendezvous listens.
     control: Literal["ipc", "tcp"] = "ipc"
     control_host: str = "127.0.0.1"
+    # How `up` starts the probe and its processes (runtime/forkserver.py): "exec" a new Python each; "forkserver" forked from
+    # one server that imported torch once; "auto": forkserver when every device is the CPU, exec with any CUDA device.
+    launcher: Literal["auto", "exec", "forkserver"] = "auto"
 
     def __post_init__(self) -> None:
+        launchers = ("auto", "exec", "forkserver")
+        require(self.launcher in launchers, "launcher", f"must be one of {', '.join(map(repr, launchers))} (got {self.launcher!r})")
         require(
             bool(self.name) and self.name not in (".", "..") and not any(c in self.name for c in "/\\\0"),
             "name",

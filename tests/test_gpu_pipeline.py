@@ -22,15 +22,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 
 CASES = [
-    pytest.param("cuda:0", "cuda:0", "auto", False, id="one-gpu-shared"),
-    pytest.param("cuda:0", "cuda:0", "auto", True, id="one-gpu-shared-compiled"),
-    pytest.param("cuda:0", "cuda:1", "cuda-ipc", False, id="two-gpus-cuda-ipc", marks=pytest.mark.gpu(2)),
-    pytest.param("cuda:0", "cuda:1", "host-pinned", False, id="two-gpus-host-pinned", marks=pytest.mark.gpu(2)),
+    pytest.param("cuda:0", "cuda:0", "auto", False, "auto", id="one-gpu-shared"),
+    pytest.param("cuda:0", "cuda:0", "auto", True, "auto", id="one-gpu-shared-compiled"),
+    # run.launcher "auto" execs on CUDA; this case validates the children forked from the server there
+    pytest.param("cuda:0", "cuda:0", "auto", False, "forkserver", id="one-gpu-shared-forkserver"),
+    pytest.param("cuda:0", "cuda:1", "cuda-ipc", False, "auto", id="two-gpus-cuda-ipc", marks=pytest.mark.gpu(2)),
+    pytest.param("cuda:0", "cuda:1", "host-pinned", False, "auto", id="two-gpus-host-pinned", marks=pytest.mark.gpu(2)),
 ]
 
 
-def _gpu_config(tmp_path: Path, target: str, drafter: str, backend: str, compiled: bool) -> Path:
+def _gpu_config(tmp_path: Path, target: str, drafter: str, backend: str, compiled: bool, launcher: str = "auto") -> Path:
     raw = tiny_cpu_config(
+        run={"launcher": launcher},
         topology={"targets": [target], "drafters": [drafter]},
         transport={"backend": backend},
         target={"dtype": "bfloat16"},
@@ -40,9 +43,9 @@ def _gpu_config(tmp_path: Path, target: str, drafter: str, backend: str, compile
     return write_toml(tmp_path / "gpu.toml", raw)
 
 
-@pytest.mark.parametrize("target,drafter,backend,compiled", CASES)
-def test_pipeline_end_to_end_on_gpu(tmp_path, target, drafter, backend, compiled):
-    cfg = _gpu_config(tmp_path, target, drafter, backend, compiled)
+@pytest.mark.parametrize("target,drafter,backend,compiled,launcher", CASES)
+def test_pipeline_end_to_end_on_gpu(tmp_path, target, drafter, backend, compiled, launcher):
+    cfg = _gpu_config(tmp_path, target, drafter, backend, compiled, launcher)
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(cfg), "--run-dir", str(run_dir), "--max-steps", "8"],

@@ -15,6 +15,7 @@ from conftest import write_toml
 
 from dflash_ipc.config import ConfigError, load_config
 from dflash_ipc.control.protocol import ProtocolError, from_wire, to_wire
+from dflash_ipc.runtime.forkserver import ForkServer
 from dflash_ipc.runtime.preflight import check_machine
 from dflash_ipc.runtime.probe import ProbeError, ProbeFailed, ProbeResult, check_and_plan, run_isolated, run_probe
 
@@ -83,6 +84,25 @@ def test_crashed_probe_is_named_with_its_stderr(tmp_path):
     msg = str(ei.value)
     assert "the config probe" in msg and "ended (exit code 1) without an answer" in msg, msg
     assert "FileNotFoundError" in msg and str(missing) in msg, msg
+
+
+def test_a_probe_forked_from_the_fork_server_answers_as_in_process_and_a_crash_keeps_its_stderr(tmp_path):
+    """run.launcher = forkserver (the CPU default of `up`): the probe's stdout and stderr are pipes
+    handed to the forked child; its answer and a crash's message are those of a new Python's."""
+    cfg = tiny_cfg(tmp_path)
+    server = ForkServer.start(["dflash_ipc.runtime.probe"])
+    try:
+        forked = run_probe(cfg, tmp_path / "forked", 2, isolate=True, launcher=server)
+        missing = tmp_path / "nowhere" / "config.json"
+        with pytest.raises(ProbeFailed) as ei:
+            run_isolated([*PROBE, "--config", str(missing)], 120, server)
+    finally:
+        server.close()
+    here = run_probe(cfg, tmp_path / "here", 2, isolate=False)
+    assert (forked.n_batches_per_shard, forked.samples, forked.summary) == (here.n_batches_per_shard, here.samples, here.summary)
+    assert (tmp_path / "forked" / "data").stat().st_mode & 0o777 == 0o700
+    msg = str(ei.value)
+    assert "ended (exit code 1) without an answer" in msg and "FileNotFoundError" in msg and str(missing) in msg, msg
 
 
 def test_probe_that_does_not_answer_in_time_is_killed(tmp_path):

@@ -109,6 +109,10 @@ class TreeSampler:
             try:
                 total = me.memory_info().rss
                 roots = me.children(recursive=False)
+                server = next((c for c in roots if self.sup.launcher is not None and c.pid == self.sup.launcher.pid), None)
+                if server is not None:  # run.launcher forkserver: each forked child is a tree of its own, the server adds its RSS
+                    roots = [c for c in roots if c is not server] + server.children(recursive=False)
+                    total += server.memory_info().rss
             except psutil.Error:
                 total, roots = 0, []
             self.peak_rss_by_tree["supervisor"] = max(self.peak_rss_by_tree.get("supervisor", 0), total)

@@ -12,7 +12,7 @@ each set is summarized on its own (:func:`~dflash_ipc.eval.spec.summarize`), ``r
 suite of one set.
 
 ``--workers N`` (per target device; ``--target-device`` may list several, each worker's drafter
-then runs on its target's device) decodes the prompts in N spawned processes per device, each
+then runs on its target's device) decodes the prompts in N worker processes per device, each
 loading the target and the drafter; the prompts of all sets, in order, go round-robin to the
 workers. Results are merged exactly: the per-prompt results are put back in prompt order and each
 set summarized as one run (pooled τ = tokens / verification steps, acceptance per position from
@@ -192,7 +192,7 @@ def run_suite(
     if total > 1:
         shards = [flat[w::total] for w in range(total)]
         threads = max(1, (os.cpu_count() or 1) // total) if tdevs[0] == "cpu" else 0
-        with ProcessPoolExecutor(total, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(total, mp_context=_worker_context(tdevs + ddevs)) as pool:
             futures = [pool.submit(_worker, job, tdevs[w % len(tdevs)], ddevs[w % len(ddevs)], shards[w], threads) for w in range(total)]
             results = sorted((r for f in futures for r in f.result()), key=lambda r: r[0])
     reports = {}
@@ -259,6 +259,18 @@ def _set_report(results: list[tuple], speed: list[tuple], block_size: int, items
         formats[it.prompt.format] = formats.get(it.prompt.format, 0) + 1
     report.update({"source": source or "data.paths", "records": len(items), "formats": formats, "speed_prompts": timed["prompts"]})
     return report
+
+
+def _worker_context(devices: list[str]):
+    """How the workers start: on the CPU forked from multiprocessing's fork server, which imports torch,
+    transformers and this module once for them all (and never touches CUDA); with a CUDA device each is a
+    new Python ("spawn"), as a process that initializes CUDA needs. The fork server is the standard
+    library's: it ends when this process does."""
+    if any(d != "cpu" for d in devices):
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", __name__])
+    return ctx
 
 
 def _worker(job: _Job, tdev: str, ddev: str, items: list[_Item], threads: int) -> list[tuple]:

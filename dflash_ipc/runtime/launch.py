@@ -9,6 +9,10 @@ handler is installed (:func:`dflash_ipc.runtime.child.run_child`).
 It also pins glibc's mmap threshold (:func:`pin_malloc_mmap_threshold`) before anything large is
 allocated, so a child's RSS does not creep up over a run of days as its heap fragments.
 
+With ``run.launcher`` "forkserver" the child is forked from :mod:`dflash_ipc.runtime.forkserver`
+instead, with the same argv, and ``--supervisor-pid`` is the fork server's pid (the child's real
+parent, itself killed by the supervisor's death): every check below then holds unchanged.
+
 The run key (:class:`dflash_ipc.control.channels.PeerAuth`) reaches the child through an
 inherited pipe (``--key-fd``): never in argv (world-readable in /proc), the environment, or a
 file an orphan of an earlier attempt could read later.
@@ -61,6 +65,17 @@ def pin_malloc_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
 def child_argv(role: str, supervisor_pid: int, key_fd: int) -> list[str]:
     """The command line of a child, up to its role's own options."""
     return [sys.executable, "-m", "dflash_ipc.runtime.launch", role, "--supervisor-pid", str(supervisor_pid), "--key-fd", str(key_fd)]
+
+
+def child_env() -> dict[str, str]:
+    """The environment every child of ``up`` shares (the fork server's too: what its preloads read
+    at import is then the same as in a child started on its own)."""
+    from dflash_ipc.ops.sdnotify import scrub_notify_env
+
+    env = scrub_notify_env()
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 def key_pipe(key: bytes) -> int:

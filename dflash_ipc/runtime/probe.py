@@ -23,8 +23,10 @@ again in a subprocess would only cost seconds of CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,7 @@ from dflash_ipc.config import ConfigError, DFlashConfig, read_resolved_config, w
 from dflash_ipc.control import channels
 from dflash_ipc.control.protocol import ProtocolError, Struct, from_wire, to_wire
 from dflash_ipc.runtime import liveness
+from dflash_ipc.runtime.forkserver import ForkServer
 from dflash_ipc.runtime.preflight import check_machine, torch_loaded
 
 # Tokenizing a large corpus takes minutes; a probe stuck (in CUDA initialisation, say) is still ended.
@@ -156,9 +159,11 @@ def run_probe(
     *,
     isolate: bool | None = None,
     timeout_s: float = PROBE_TIMEOUT_S,
+    launcher: ForkServer | None = None,
 ) -> DataPlan | None:
     """:func:`check_and_plan`, in a probe process unless this one has imported torch (``isolate``
-    None) or ``isolate`` says. A refusal raises what the check raises in-process."""
+    None) or ``isolate`` says; the probe is forked from ``launcher`` when given (run.launcher), else
+    a new Python. A refusal raises what the check raises in-process."""
     if isolate is None:
         isolate = not torch_loaded()
     if not isolate:
@@ -167,22 +172,23 @@ def run_probe(
         argv = [sys.executable, "-m", "dflash_ipc.runtime.probe", "--config", str(write_resolved_config(cfg, Path(tmp)))]
         if run_dir is not None:
             argv += ["--run-dir", str(run_dir), "--shards", str(n_shards)]
-        result = run_isolated(argv, timeout_s)
+        result = run_isolated(argv, timeout_s, launcher)
     if result.error is not None:
         raise result.error.exception()
     return result.plan
 
 
-def run_isolated(argv: list[str], timeout_s: float) -> ProbeResult:
+def run_isolated(argv: list[str], timeout_s: float, launcher: ForkServer | None = None) -> ProbeResult:
     """Run one probe process; its last stdout line is the answer. Its stderr (log lines: tokenizing a
     large corpus takes minutes) is passed on as it comes, and its tail kept for a failure's message."""
     what = f"the config probe (python -m dflash_ipc.runtime.probe, {timeout_s:g} s limit)"
     tail: deque[str] = deque(maxlen=20)
     answer: list[str] = []
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True) as proc:
+    with contextlib.ExitStack() as pipes:
+        proc, stdout, stderr = _start_probe(argv, launcher, pipes)
         readers = [
-            threading.Thread(target=_relay, args=(proc.stderr, tail), name="probe-stderr", daemon=True),
-            threading.Thread(target=lambda: answer.extend(proc.stdout), name="probe-stdout", daemon=True),
+            threading.Thread(target=_relay, args=(stderr, tail), name="probe-stderr", daemon=True),
+            threading.Thread(target=lambda: answer.extend(stdout), name="probe-stdout", daemon=True),
         ]
         for r in readers:
             r.start()
@@ -204,6 +210,24 @@ def run_isolated(argv: list[str], timeout_s: float) -> ProbeResult:
         return from_wire(ProbeResult, json.loads(lines[-1]))
     except (ValueError, ProtocolError) as e:
         raise ProbeFailed(f"{what} answered {lines[-1]!r:.200} ({e}){_tail(tail)}") from None
+
+
+def _start_probe(argv: list[str], launcher: ForkServer | None, pipes: contextlib.ExitStack):
+    """The probe process and its stdout and stderr as text streams (closed with ``pipes``)."""
+    if launcher is None:
+        proc = pipes.enter_context(
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        )
+        return proc, proc.stdout, proc.stderr
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    stdout = pipes.enter_context(open(out_r, closefd=True))  # noqa: SIM115 (closed with the ExitStack)
+    stderr = pipes.enter_context(open(err_r, closefd=True))  # noqa: SIM115
+    try:
+        return launcher.popen(argv, stdout=out_w, stderr=err_w), stdout, stderr  # its stdin: the server's, /dev/null
+    finally:
+        os.close(out_w)
+        os.close(err_w)
 
 
 def _relay(stream, tail: deque[str]) -> None:

@@ -18,7 +18,7 @@ Run states (the supervisor's own state machine)::
                                        checkpoint (--resume semantics), at most K times
                                        (runtime.restarts; with several nodes, every node together).
 
-The supervisor watches process sentinels (``Popen.poll``) and heartbeats; it never trains
+The supervisor watches exit statuses (``Popen.poll``; ``runtime.forkserver`` with run.launcher) and heartbeats; it never trains
 and never touches the rings, so it stays responsive. Each attempt draws a new run key; a child
 gets it through an inherited pipe with the supervisor's pid in argv (``runtime.launch``), and
 every frame it sends is sealed with it (``channels.PeerAuth``): a message that is not from the
@@ -64,7 +64,8 @@ from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests
 from dflash_ipc.runtime import liveness, progress
-from dflash_ipc.runtime.launch import child_argv, key_pipe
+from dflash_ipc.runtime.forkserver import ForkedProcess, ForkServer, launcher_for, popen_with
+from dflash_ipc.runtime.launch import child_argv, child_env, key_pipe
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.probe import run_probe
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
@@ -84,7 +85,7 @@ class Child:
     role: str
     rank: int
     device: str
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen | ForkedProcess | None = None
     started: float = 0.0
     last_beat: float | None = None
     loop_age_s: float = 0.0  # the last heartbeat's: seconds since the child's loop last progressed
@@ -146,6 +147,7 @@ class Supervisor:
         # Benchmark ceiling: only targets, N batches each, slots released as soon as packed.
         self.forward_only = forward_only
         self.dir_lock: RunDirLock = lock_run_dirs(run_dir, self.node)  # one supervisor per run dir: taken by prepare (or earlier)
+        self.launcher: ForkServer | None = None  # run.launcher: the probe and every child fork from it; closed when up ends
 
     # ------------------------------------------------------------------ prepare
 
@@ -176,7 +178,8 @@ class Supervisor:
         if self.resume:  # the shared checkpoint root of several nodes, too (the run dir's: validate_for_up)
             check_resume_config(self.cfg, self.node.checkpoint_root(run_dir))
         n_shards = self.node.nnodes * len(self.cfg.topology.targets)  # every target of every node: one global shard each
-        plan = run_probe(self.cfg, run_dir, n_shards)
+        self.launcher = launcher_for(self.cfg, child_env())
+        plan = run_probe(self.cfg, run_dir, n_shards, launcher=self.launcher)
         self.echo(f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)")
         channels.make_private_dir(run_dir)
         for sub in ("logs", "checkpoints", "data"):
@@ -225,12 +228,16 @@ class Supervisor:
             self.node_group.close()
             if metrics is not None:
                 metrics.close()
+            if self.launcher is not None:
+                self.launcher.close()
             self.dir_lock.release()
 
     def abandon(self) -> None:
         """A refused start: status.json says failed, and what the lock made for this run goes again."""
         self.state = "failed"
         self._write_status()
+        if self.launcher is not None:
+            self.launcher.close()
         self.dir_lock.release(remove_created=True, written=("status.json",))
 
     def _run_with_restarts(self) -> int:
@@ -257,18 +264,17 @@ class Supervisor:
 
     def _spawn(self, resume: bool) -> None:
         cfg = self.cfg
-        base_env = sdnotify.scrub_notify_env(dict(os.environ))
-        base_env.setdefault("NCCL_NVLS_ENABLE", "0")
-        base_env["PYTHONUNBUFFERED"] = "1"
+        base_env = child_env()
         self.children = [Child("target", r, d) for r, d in enumerate(cfg.topology.targets)]
         if not self.forward_only:
             self.children += [Child("drafter", r, d) for r, d in enumerate(cfg.topology.drafters)]
         rendezvous = drafter_envs(self.node, len(cfg.topology.drafters))
         cpu_shares = liveness.cpu_shares_for(len(self.children)) if (cfg.run.cpu_affinity == "auto" and cfg.topology.on_cuda) else None
+        parent = self.launcher.pid if self.launcher else os.getpid()  # the process whose death ends a child
         for i, ch in enumerate(self.children):
             env = dict(base_env)
             key_fd = key_pipe(self._auth.key)
-            argv = child_argv(ch.role, os.getpid(), key_fd) + ["--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
+            argv = child_argv(ch.role, parent, key_fd) + ["--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
             argv += self._control.child_argv
             if self.forward_only:
                 argv += ["--forward-only", str(self.forward_only)]
@@ -280,9 +286,7 @@ class Supervisor:
                     argv.append("--resume")
             out = open(self.run_dir / "logs" / f"{ch.name}.stdout", "ab")
             try:
-                ch.popen = subprocess.Popen(
-                    argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False, pass_fds=(key_fd,)
-                )
+                ch.popen = popen_with(self.launcher, argv, stdout=out, stderr=subprocess.STDOUT, env=env, pass_fds=(key_fd,))
             finally:
                 out.close()
                 os.close(key_fd)

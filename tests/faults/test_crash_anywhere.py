@@ -101,9 +101,9 @@ def child_kill_trial(tmp_path, victim: str, moment: str, seed: int) -> float:
     return detect
 
 
-def supervisor_kill_trial(tmp_path, moment: str, seed: int) -> float:
+def supervisor_kill_trial(tmp_path, moment: str, seed: int, launcher: str = "auto") -> float:
     rng = random.Random(seed)
-    cfg = write_config(tmp_path / "c.toml")
+    cfg = write_config(tmp_path / "c.toml", run={"launcher": launcher})
     run_dir = tmp_path / "run"
     up = Up(cfg, run_dir)
     try:
@@ -170,7 +170,9 @@ def test_sigstop_of_drafter_1_names_drafter_1_not_the_peer_waiting_for_it(tmp_pa
 
 
 def test_supervisor_killed_during_import_leaves_no_orphan_and_the_run_dir_restarts(tmp_path):
-    supervisor_kill_trial(tmp_path, "import", seed=2)
+    # exec: children importing torch for seconds (forked ones train within the 0.5 s window, and their
+    # stop checkpoints); the fork server's chain (server, then each child, by death signal): the next test
+    supervisor_kill_trial(tmp_path, "import", seed=2, launcher="exec")
     # a new `up` on the same run directory: no orphan to adopt, no segment in the way, the dead
     # supervisor's lock file no obstacle (the kernel released its lock). Two steps
     # show it trains (an orphan or a stale segment fails the handshake or the first slots); the
@@ -187,8 +189,16 @@ def test_supervisor_killed_during_import_leaves_no_orphan_and_the_run_dir_restar
     assert leftovers(up) == []
 
 
+def test_supervisor_killed_mid_step_takes_the_fork_server_and_every_forked_child_down(tmp_path):
+    """run.launcher "auto" on the CPU: the children are the fork server's; its death signal ends it with
+    the supervisor, theirs ends them, and they still leave through CLOSING (no segment, no socket)."""
+    supervisor_kill_trial(tmp_path, "step", seed=3)
+
+
 def test_status_says_starting_during_the_handshake_and_sigterm_stops_at_once(tmp_path):
-    cfg = write_config(tmp_path / "c.toml")
+    # exec: children that import torch for seconds give the handshake a window to ask status in (forked ones
+    # can be ready before the first status call returns); also a run of `up` on the launcher CUDA topologies use
+    cfg = write_config(tmp_path / "c.toml", run={"launcher": "exec"})
     run_dir = tmp_path / "run"
     up = Up(cfg, run_dir)
     try:

@@ -1,0 +1,399 @@
+"""A preloading launcher: one server process imports torch, transformers and the roles' modules
+once, then forks each child of ``up`` (the config probe, every target and drafter) from that
+state, instead of each child starting a new Python that imports them again (seconds of CPU each).
+
+``run.launcher`` picks it (:func:`use_forkserver`): "exec" starts every child as a new Python
+(``subprocess.Popen``), "forkserver" forks it from the server, and "auto" (the default) means
+forkserver when every device of the topology is the CPU (tests, the embedded default) and exec as
+soon as one is CUDA: the server never initializes CUDA (it checks after preloading that torch did
+not and that the CUDA driver is not even loaded, and the client refuses a server that fails this), so
+a forked child could set up its own device, but that path has not been validated on a GPU host yet
+(tests/test_gpu_pipeline.py's forkserver case does).
+
+A forked child gets what ``Popen`` would have given it: the same argv (only ``python -m MODULE
+...`` command lines: the module runs as ``__main__`` through :mod:`runpy`), environment, working
+directory, stdout/stderr, and ``pass_fds`` at the same numbers (sent over the socket with
+SCM_RIGHTS, so the run key's pipe never travels as data); every other descriptor of the server is
+closed, as ``close_fds`` would. The server is started with the environment its children share, so
+what the preloaded modules read at import (OMP_NUM_THREADS, HF_*) is the same; a child's own
+variables (a drafter's rendezvous) are only read at run time. Requests are JSON, never pickle.
+
+Life of the server (:class:`ForkServer` owns it; its pid is the children's parent, so it is the
+``--supervisor-pid`` a child checks: :func:`dflash_ipc.runtime.launch.main`)::
+
+    ForkServer.start ── Popen(python -m dflash_ipc.runtime.forkserver --socket-fd N --parent P) ──▶ server:
+      PDEATHSIG = SIGKILL, parent still P? ─no─▶ exit 1
+      import the preload list ─▶ READY {pid, cuda_initialized, seconds}   (client: no READY within the
+                                 timeout, or CUDA initialized ─▶ RuntimeError, server ended)
+    SERVING (select on the socket and one pidfd per live child):
+      request {argv, env, cwd, fds} + descriptors ─▶ fork ─▶ {"pid"}  (a bad request: {"error"}, server goes on)
+      a child's pidfd readable ─▶ waitpid ─▶ {"exit": pid, "code"}   (code as Popen.returncode: -N = signal N)
+      EOF on the socket (ForkServer.close, or the supervisor died) ─▶ exit 0
+    forked child: drop the server's descriptors ─▶ default signal handlers ─▶ fds at their numbers
+      ─▶ environ, cwd, title ─▶ run the module as __main__ ─▶ the interpreter exits with its code
+
+A SIGKILLed supervisor takes everything down in a chain: the server dies of its death signal, and
+each child of it of its own (``launch.main`` arms SIGTERM before importing the role), then leaves
+through its CLOSING path. A server that ends while children run (killed by hand) leaves their exit
+statuses unknown: the client reports :data:`LOST_EXIT_CODE` once they are gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from dflash_ipc.runtime.launch import set_parent_death_signal
+
+if TYPE_CHECKING:
+    from dflash_ipc.config import DFlashConfig
+
+#: Modules a server for ``up`` imports before forking: everything a role or the probe imports at start.
+UP_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.qwen3_5.modeling_qwen3_5",  # the default target family's (another's is imported by its child)
+    "zmq",
+    "msgpack",
+    "dflash_ipc.procs.target",
+    "dflash_ipc.procs.drafter",
+    "dflash_ipc.runtime.probe",
+)
+#: How long a server may take to import its preload list (torch on a busy host: tens of seconds).
+START_TIMEOUT_S = 600.0
+#: The exit code reported for a child whose status was lost with its server.
+LOST_EXIT_CODE = 255
+_MAX_MESSAGE = 1 << 22
+
+
+def use_forkserver(launcher: str, on_cuda: bool) -> bool:
+    """``run.launcher`` resolved: "auto" forks from a server only when no device is CUDA."""
+    return launcher == "forkserver" or (launcher == "auto" and not on_cuda)
+
+
+def launcher_for(cfg: DFlashConfig, env: dict[str, str]) -> ForkServer | None:
+    """A started server for ``up``'s children when ``run.launcher`` resolves to one, else None (exec)."""
+    if not use_forkserver(cfg.run.launcher, cfg.topology.on_cuda):
+        return None
+    return ForkServer.start(UP_PRELOAD, env)
+
+
+def popen_with(launcher: ForkServer | None, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen | ForkedProcess:
+    """``launcher.popen`` or, without a launcher, ``subprocess.Popen`` (the "exec" launcher)."""
+    return launcher.popen(argv, **kwargs) if launcher is not None else subprocess.Popen(argv, **kwargs)
+
+
+class ForkedProcess:
+    """The ``subprocess.Popen`` subset the supervisor uses, for a child forked by the server."""
+
+    def __init__(self, server: ForkServer, pid: int, args: list[str]):
+        self._server = server
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._server.pump(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._server.pump(0.5 if left is None else min(0.5, left))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # a pid the server reported reaped is never signalled (it may be reused)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The client side: start the server, fork children from it (:meth:`popen`), close it."""
+
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket, ready: dict):
+        self._proc = proc
+        self._sock = sock
+        self.ready = ready  # the READY message: pid, cuda_initialized, seconds, skipped
+        self._children: dict[int, ForkedProcess] = {}
+        self._lock = threading.Lock()
+        self._ended = False
+
+    @property
+    def pid(self) -> int:
+        """The server's pid: every forked child's parent."""
+        return self._proc.pid
+
+    @classmethod
+    def start(cls, preload: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S) -> ForkServer:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [sys.executable, "-m", "dflash_ipc.runtime.forkserver", "--socket-fd", str(theirs.fileno()), "--parent", str(os.getpid())]
+        try:
+            proc = subprocess.Popen([*argv, *preload], env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ready: dict = {}
+        try:
+            ours.settimeout(timeout_s)
+            ready = json.loads(ours.recv(_MAX_MESSAGE) or b"{}")
+            ours.settimeout(None)
+        except (TimeoutError, ValueError):
+            pass
+        server = cls(proc, ours, ready)
+        if not ready.get("ready") or ready.get("cuda_initialized"):
+            server.close()
+            why = f"ended or was not ready within {timeout_s:g} s"
+            if ready.get("cuda_initialized"):
+                why = "initialized CUDA (or loaded its driver) while preloading"
+            raise RuntimeError(f'the fork server (python -m dflash_ipc.runtime.forkserver) {why}; set run.launcher = "exec"')
+        return server
+
+    def popen(
+        self,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        stdout: Any = None,
+        stderr: Any = None,
+        pass_fds: Sequence[int] = (),
+    ) -> ForkedProcess:
+        """Fork ``argv`` (``python -m MODULE ...``) as ``subprocess.Popen`` would start it; ``stdout`` and
+        ``stderr``: None (this process's), a file, a descriptor or ``subprocess.DEVNULL``; ``stderr`` may be
+        ``subprocess.STDOUT``."""
+        argv = [str(a) for a in argv]
+        if len(argv) < 3 or argv[1] != "-m":
+            raise ValueError(f"the fork server runs `python -m MODULE ...` command lines only (got {argv[:3]})")
+        request = {"argv": argv, "env": dict(os.environ if env is None else env), "cwd": os.getcwd(), "fds": [1, 2, *pass_fds]}
+        with self._lock, contextlib.ExitStack() as opened:
+            if self._ended:
+                raise OSError("the fork server has ended")
+            out = _fd_of(stdout, 1, opened)
+            err = out if stderr == subprocess.STDOUT else _fd_of(stderr, 2, opened)
+            socket.send_fds(self._sock, [json.dumps(request).encode()], [out, err, *pass_fds])
+            while True:  # the answer, after any exit reports sent before it
+                msg = self._receive(None)
+                if msg is None:
+                    raise OSError(f"the fork server ended while starting {argv[2]}")
+                if "pid" in msg:
+                    child = self._children[msg["pid"]] = ForkedProcess(self, msg["pid"], argv)
+                    return child
+                if "error" in msg:
+                    raise OSError(f"the fork server could not start {argv[2]}: {msg['error']}")
+                self._on_exit(msg)
+
+    def pump(self, timeout: float) -> None:
+        """Apply the exit reports that arrive within ``timeout`` s (0: those already here)."""
+        with self._lock:
+            if self._ended:
+                self._reap_lost()
+                return
+            while (msg := self._receive(timeout)) is not None:
+                self._on_exit(msg)
+                timeout = 0.0
+            if self._ended:
+                self._reap_lost()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the server (EOF on its socket) and wait for it; idempotent."""
+        with self._lock:
+            self._ended = True
+            if self._sock.fileno() >= 0:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                self._sock.close()
+        try:
+            self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def _receive(self, timeout: float | None) -> dict | None:
+        """One message; None on timeout, or on EOF (then the server has ended)."""
+        if self._ended:
+            return None
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        if not ready:
+            return None
+        data = self._sock.recv(_MAX_MESSAGE)
+        if not data:
+            self._ended = True
+            return None
+        return json.loads(data)
+
+    def _on_exit(self, msg: dict) -> None:
+        child = self._children.pop(msg.get("exit", -1), None)
+        if child is not None:
+            child.returncode = int(msg["code"])
+
+    def _reap_lost(self) -> None:
+        for pid, child in list(self._children.items()):
+            if not _alive(pid):
+                child.returncode = LOST_EXIT_CODE
+                del self._children[pid]
+
+
+def _fd_of(stream: Any, default: int, opened: contextlib.ExitStack) -> int:
+    if stream is None:
+        return default
+    if stream == subprocess.DEVNULL:
+        return opened.enter_context(open(os.devnull, "wb")).fileno()
+    return stream if isinstance(stream, int) else stream.fileno()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+# --------------------------------------------------------------------------- the server's side
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m dflash_ipc.runtime.forkserver --socket-fd N --parent P MODULE...``."""
+    sock_fd, parent, preload = int(argv[1]), int(argv[3]), list(argv[4:])
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:
+        return 1
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor decides
+    sock = socket.socket(fileno=sock_fd)
+    t0 = time.perf_counter()
+    skipped = []
+    for name in preload:
+        try:
+            __import__(name)
+        except ImportError as e:  # an optional module: its child imports it (or fails) itself
+            skipped.append(f"{name}: {e}")
+    # Claim the title's memory here, before a child rewrites environ: setproctitle finds the argv area
+    # through environ's strings, and a child's new environment would leave it no title to set.
+    with contextlib.suppress(ImportError):
+        import setproctitle
+
+        setproctitle.setproctitle(f"dflash-ipc:forkserver (supervisor {parent})")
+    # What was preloaded lives as long as any child: out of the cyclic collector's sight, a child's
+    # collections (and the last one at its exit, a second of CPU with torch loaded) skip it, and its pages stay shared.
+    gc.freeze()
+    cuda = _cuda_touched()
+    ready = {"ready": True, "pid": os.getpid(), "cuda_initialized": cuda, "seconds": round(time.perf_counter() - t0, 3), "skipped": skipped}
+    try:
+        sock.send(json.dumps(ready).encode())
+        request = None if cuda else _serve(sock)
+    except (BrokenPipeError, ConnectionResetError):  # the client is gone: so are its children's reports
+        return 0
+    return (1 if cuda else 0) if request is None else _run_child(*request)
+
+
+def _cuda_touched() -> bool:
+    """CUDA initialized here, or its driver loaded: ``cudaGetDeviceCount`` (``torch.cuda.is_available()``
+    without NVML) loads and initializes the driver while ``torch.cuda.is_initialized()`` stays False,
+    and a child forked after that cannot use CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    with open("/proc/self/maps") as maps:
+        return "libcuda.so" in maps.read()
+
+
+def _serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
+    """Fork on request until EOF; returns None in the server, the request in a forked child."""
+    pidfds: dict[int, int] = {}  # pidfd -> pid
+    while True:
+        readable, _, _ = select.select([sock, *pidfds], [], [])
+        for pidfd in [fd for fd in readable if fd in pidfds]:
+            pid = pidfds.pop(pidfd)
+            os.close(pidfd)
+            _, status = os.waitpid(pid, 0)
+            sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        if sock not in readable:
+            continue
+        data, fds, flags, _ = socket.recv_fds(sock, _MAX_MESSAGE, 64)
+        if not data:
+            return None
+        try:
+            request = json.loads(data)
+            if flags & socket.MSG_TRUNC or len(fds) != len(request["fds"]):
+                raise ValueError("truncated request")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            for fd in fds:
+                os.close(fd)
+            sock.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            continue
+        if pid == 0:
+            sock.detach()  # closed with every other descriptor of the server in _run_child
+            return request, fds
+        for fd in fds:
+            os.close(fd)
+        pidfds[os.pidfd_open(pid)] = pid
+        sock.send(json.dumps({"pid": pid}).encode())
+
+
+def _run_child(request: dict, fds: list[int]) -> int:
+    """In the forked child: become what ``Popen(request["argv"], ...)`` would have started."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _place_fds(dict(zip(request["fds"], fds, strict=True)))
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    argv = request["argv"]
+    with contextlib.suppress(ImportError):
+        import setproctitle
+
+        setproctitle.setproctitle(" ".join(argv))
+    sys.argv = [argv[0], *argv[3:]]
+    # a preloaded module runs as __main__ beside its imported copy, as under `python -m` (no runpy warning)
+    sys.modules.pop(argv[2], None)
+    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    return 0
+
+
+def _place_fds(wanted: dict[int, int]) -> None:
+    """Each received descriptor at the number the caller gave it (target -> received); every
+    other descriptor above stderr closed, as ``Popen(close_fds=True, pass_fds=...)`` leaves a child."""
+    base = max([*wanted, *wanted.values(), 2]) + 1
+    moved = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, base) for target, fd in wanted.items()}
+    keep = set(moved.values())
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    for target, fd in moved.items():
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

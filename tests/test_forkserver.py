@@ -1,0 +1,194 @@
+"""The preloading launcher (runtime.forkserver) on real processes: a forked child gets what
+``subprocess.Popen`` would have given it (argv, env, log, the key's pipe at its number, nothing
+else open, torch's thread count), its exit code or signal comes back, a SIGKILLed supervisor takes
+the server and its children down, the server never initializes CUDA, and ``run.launcher`` is
+validated. Whole runs of ``up`` fork their children this way by default on the CPU (test_up.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dflash_ipc.config import ConfigError, RunConfig, load_config
+from dflash_ipc.runtime.forkserver import LOST_EXIT_CODE, UP_PRELOAD, ForkServer, use_forkserver
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = """
+import json, os, sys
+
+def is_open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+fds = [fd for fd in sorted(map(int, os.listdir("/proc/self/fd"))) if is_open(fd)]  # listdir's own is closed by now
+key_fd, code = int(sys.argv[1]), int(sys.argv[2])
+preloaded = "torch" in sys.modules
+import torch
+import psutil
+print(json.dumps({
+    "argv": sys.argv[1:], "name": __name__, "var": os.environ.get("FS_TEST_VAR"), "cwd": os.getcwd(),
+    "key": os.read(key_fd, 100).decode() if key_fd >= 0 else "", "ppid": os.getppid(), "fds": fds,
+    "preloaded": preloaded, "threads": torch.get_num_threads(),
+    "cmdline": " ".join(psutil.Process().cmdline()),
+}))
+print("a line on stderr", file=sys.stderr)
+raise SystemExit(code)
+"""
+
+SLEEPER = """
+import os, signal, sys, time
+from dflash_ipc.runtime.launch import set_parent_death_signal
+set_parent_death_signal(signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+print(os.getpid(), flush=True)
+time.sleep(600)
+"""
+
+SUPERVISOR = """
+import os, subprocess, sys, time
+from dflash_ipc.runtime.forkserver import ForkServer
+server = ForkServer.start([], dict(os.environ))
+child = server.popen([sys.executable, "-m", "fs_sleeper", str(server.pid)], stdout=open(sys.argv[1], "ab"))
+print(server.pid, child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _modules(tmp_path: Path, **sources: str) -> dict[str, str]:
+    """The modules as files in tmp_path; the environment for a server that can import them."""
+    for name, text in sources.items():
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(text))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_forked_child_gets_what_popen_would_give_it(tmp_path):
+    env = _modules(tmp_path, fs_child=CHILD)
+    server = ForkServer.start(["torch"], env)
+    try:
+        assert server.ready["cuda_initialized"] is False and server.ready["skipped"] == []
+        r, w = os.pipe()
+        os.write(w, b"the-run-key")
+        os.close(w)
+        log = tmp_path / "child.log"
+        with open(log, "ab") as out:
+            child = server.popen(
+                [sys.executable, "-m", "fs_child", str(r), "3"],
+                env={**env, "FS_TEST_VAR": "only-in-the-child"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=(r,),
+            )
+        os.close(r)
+        assert child.wait(timeout=120) == 3 and child.poll() == 3 and child.returncode == 3
+        lines = log.read_text().splitlines()
+        seen = json.loads(lines[0])
+        assert lines[1:] == ["a line on stderr"], lines
+        assert seen["argv"] == [str(r), "3"] and seen["name"] == "__main__" and seen["cwd"] == os.getcwd()
+        assert seen["var"] == "only-in-the-child" and "FS_TEST_VAR" not in os.environ
+        assert seen["key"] == "the-run-key" and seen["ppid"] == server.pid
+        # close_fds semantics: stdin, the log twice, the key's pipe at its own number, nothing of the server's
+        assert seen["fds"] == [0, 1, 2, r], seen["fds"]
+        assert seen["preloaded"] is True
+        # its command line in `ps` is the one Popen would show (a role then sets its own title)
+        assert seen["cmdline"].rstrip() == f"{sys.executable} -m fs_child {r} 3", seen["cmdline"]
+        # torch's intra-op pool forked unused: as many threads as in a new Python
+        fresh = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True, text=True)
+        assert seen["threads"] == int(fresh.stdout), (seen["threads"], fresh.stdout, fresh.stderr)
+    finally:
+        server.close()
+    assert server._proc.returncode == 0  # EOF ends it cleanly
+
+
+def test_signals_timeouts_and_a_lost_server(tmp_path):
+    env = _modules(tmp_path, fs_sleeper=SLEEPER)
+    server = ForkServer.start([], env)
+    try:
+        with open(tmp_path / "a.log", "ab") as out:
+            a = server.popen([sys.executable, "-m", "fs_sleeper", str(server.pid)], stdout=out)
+            b = server.popen([sys.executable, "-m", "fs_sleeper", str(server.pid)], stdout=out)
+        with pytest.raises(subprocess.TimeoutExpired):
+            a.wait(timeout=0.2)
+        assert a.poll() is None
+        a.kill()
+        assert a.wait(timeout=30) == -signal.SIGKILL
+        b.terminate()
+        assert b.wait(timeout=30) == -signal.SIGTERM
+        with pytest.raises(ValueError, match="python -m MODULE"):
+            server.popen([sys.executable, "-c", "pass"])
+        c = server.popen([sys.executable, "-m", "fs_sleeper", str(server.pid)], stdout=subprocess.DEVNULL)
+        os.kill(server.pid, signal.SIGKILL)  # by hand: c dies of its death signal, its status is lost with the server
+        assert c.wait(timeout=30) == LOST_EXIT_CODE
+        with pytest.raises(OSError, match="has ended"):
+            server.popen([sys.executable, "-m", "fs_sleeper", "0"])
+    finally:
+        server.close()
+
+
+def test_a_sigkilled_supervisor_takes_the_server_and_every_child_down(tmp_path):
+    env = _modules(tmp_path, fs_sleeper=SLEEPER, fs_supervisor=SUPERVISOR)
+    sup = subprocess.Popen([sys.executable, "-m", "fs_supervisor", str(tmp_path / "c.log")], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid, child_pid = map(int, sup.stdout.readline().split())
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "c.log").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the child armed its death signal and checked its parent
+        assert (tmp_path / "c.log").read_text().strip() == str(child_pid)
+        assert psutil.Process(child_pid).ppid() == server_pid and psutil.Process(server_pid).ppid() == sup.pid
+        sup.kill()
+        sup.wait()
+        assert _gone(server_pid, 30), "the fork server outlived its supervisor"
+        assert _gone(child_pid, 30), "a forked child outlived its supervisor"
+    finally:
+        sup.kill()
+        sup.wait()
+        sup.stdout.close()
+
+
+def test_the_server_of_up_preloads_everything_and_never_initializes_cuda(tmp_path):
+    server = ForkServer.start(UP_PRELOAD, dict(os.environ))
+    try:
+        assert server.ready["cuda_initialized"] is False and server.ready["skipped"] == [], server.ready
+    finally:
+        server.close()
+    # a preload that did initialize CUDA (simulated: this host has none) is refused, naming the setting
+    env = _modules(tmp_path, fs_cuda="import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    with pytest.raises(RuntimeError, match=r'initialized CUDA \(or loaded its driver\) while preloading; set run.launcher = "exec"'):
+        ForkServer.start(["fs_cuda"], env)
+
+
+def test_run_launcher_is_validated_and_auto_forks_only_without_cuda(tmp_path):
+    with pytest.raises(ValueError, match=r"must be one of 'auto', 'exec', 'forkserver' \(got 'fork'\)"):
+        RunConfig(launcher="fork")
+    path = tmp_path / "c.toml"
+    path.write_text((REPO / "configs" / "tiny-cpu.toml").read_text())
+    with pytest.raises(ConfigError, match=r"run\.launcher.*'auto', 'exec', 'forkserver'"):
+        load_config(path, overrides={"run.launcher": "zygote"})
+    assert load_config(path).run.launcher == "auto"
+    assert use_forkserver("auto", on_cuda=False) and not use_forkserver("auto", on_cuda=True)
+    assert use_forkserver("forkserver", on_cuda=True) and not use_forkserver("exec", on_cuda=False)
