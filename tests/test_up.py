@@ -203,6 +203,8 @@ def test_full_run_trains_checkpoints_and_exports(shared_run):
     up = shared_run
     out, run_dir = up.output, up.run_dir
     assert up.returncode == 0, out
+    # a CPU topology forks its children from the preloading server (run.launcher = "auto"), and says so
+    assert re.search(r"^\[up\] fork server \(run.launcher\) ready after \d+\.\d s", out, re.M), out
 
     recs = read_metrics(run_dir)
     assert [r["step"] for r in recs] == list(range(1, FULL_STEPS + 1))
@@ -459,6 +461,7 @@ def test_handshake_timeout_names_the_setting_and_leaves_no_process(work, started
     out = up.output
     assert code != 0, out
     assert "handshake timed out" in out and "run.handshake_timeout_s" in out, out
+    assert "fork server" not in out, out  # exec: every child a new Python
     assert len(up.child_pids()) == 4
     assert_no_leftovers(up)
 

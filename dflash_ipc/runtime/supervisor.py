@@ -179,6 +179,9 @@ class Supervisor:
             check_resume_config(self.cfg, self.node.checkpoint_root(run_dir))
         n_shards = self.node.nnodes * len(self.cfg.topology.targets)  # every target of every node: one global shard each
         self.launcher = launcher_for(self.cfg, child_env())
+        if self.launcher is not None:  # its preload is the start-up the children no longer pay: say where it went
+            preload_s = self.launcher.ready["seconds"]
+            self.echo(f"[up] fork server (run.launcher) ready after {preload_s:.1f} s: torch, transformers and the roles preloaded")
         plan = run_probe(self.cfg, run_dir, n_shards, launcher=self.launcher)
         self.echo(f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)")
         channels.make_private_dir(run_dir)
