@@ -183,6 +183,10 @@ def test_static_and_compiled_decoding_give_the_ids_of_the_dynamic_cache(tiny_lla
             opts = GenOptions(max_new=12, decode=mode, compile_backend=backend)
             assert generate_batch(lm, prompts, 0, {stop}, opts, seed=0) == ref, mode
         assert compiled_graphs  # the compiled mode did run a compiled forward
+        # a short batch is filled to the batch size: the same graph serves it, and only its own answers return
+        graphs = len(compiled_graphs)
+        assert generate_batch(lm, prompts[1:], 0, {stop}, opts, seed=0) == ref[1:]
+        assert len(compiled_graphs) == graphs
     finally:
         torch._dynamo.reset()
 

@@ -7,7 +7,8 @@
 #                PROBE=drafter: the drafter step's speed options instead (tools/gpu_drafter_step.sh), for SPEED=auto
 #                DATA=DIR (carried, e.g. .data/s6): unpack DIR/data.tgz* (a data call's $OUT) into the work folder, so
 #                a later session trains recipes on the same data without a data call (then STEP=model, not data)
-#   STEP=data  : join the GGUF (second part carried in .big/p2), convert it, then synthesize + answer prompts and
+#   STEP=data  : join the GGUF (second part carried in .big/p2), convert it (DECODE=auto: the mode the stash call's
+#                probe earns, tools/pick_decode.py), then synthesize + answer prompts and
 #                answer the built-in questions (tools/gpu_synth_smollm2.sh PHASE=data); the data comes back as
 #                $OUT/data.tgz (split in 15 MiB parts data.tgz.00, .01 when larger: a returned file's limit is 16 MiB)
 #   STEP=model : the join + convert of STEP=data alone (after a stash with DATA=)
@@ -39,7 +40,7 @@ case "${STEP:?STEP=stash|data|train|eval}" in
       . tools/gpu_setup.sh
       timeout "${PROBE_S:-150}" python3 tools/gen_decode_bench.py --random-smollm2 --device cuda:0 --modes dynamic,compiled \
         --batch-sizes "${PROBE_BS:-512,2048}" --max-new "${PROBE_MAX_NEW:-64}" --batches 1 --out "$OUT/gen_decode.json" 2> "$OUT/gen_decode.log"
-      echo "probe exit $?"; tail -n 5 "$OUT/gen_decode.log"
+      echo "probe exit $?"; tail -n 5 "$OUT/gen_decode.log"; cp "$OUT/gen_decode.json" "$W/gen_decode.json" 2>/dev/null
     fi ;;
   data|model)
     mkdir -p /root/smollm2 /root/parts
@@ -52,6 +53,10 @@ case "${STEP:?STEP=stash|data|train|eval}" in
       python3 tools/smollm2_to_hf.py --gguf /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/models/smollm2 2>&1 | tail -n 3
     fi
     [ "$STEP" = model ] && exit 0
+    if [ "${DECODE:-}" = auto ]; then  # the stash call's probe decides (tools/pick_decode.py; dynamic without one)
+      DECODE=$(python3 tools/pick_decode.py "$W/gen_decode.json" --budget-s "${SYNTH_GEN_S:-280}" --batch-size "${GEN_BS:-2048}")
+      export DECODE; cp "$W/gen_decode.json" "$OUT/" 2>/dev/null
+    fi
     SETUP=0 PHASE=data bash tools/gpu_synth_smollm2.sh || exit 1
     # the data back to this session's checkout, for recipe runs of later sessions on the same records
     tar czf /root/data.tgz -C "$W" builtin.jsonl builtin.holdout.jsonl synth.jsonl synth.holdout.jsonl synth.diversity.json

@@ -315,9 +315,13 @@ def run_gen_data(
 def generate_batch(lm, prompts: list[list[int]], pad_id: int, stops: set[int], opts: GenOptions, seed: int) -> list[tuple[list[int], str]]:
     """Left-padded batched generation; per prompt (new ids without the stop token, "stop"|"length")."""
     dev = next(lm.parameters()).device
+    asked = len(prompts)
     width = max(len(p) for p in prompts)
     if opts.decode != "dynamic":
         width = max(16, 1 << (width - 1).bit_length())  # a power of two: one compiled graph per width class
+        # a short last batch would be a new shape (a recompile, and a step towards dynamo's recompile limit): fill
+        # it with copies of its last prompt and drop their answers
+        prompts = list(prompts) + [prompts[-1]] * (opts.batch_size - asked)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
@@ -340,7 +344,7 @@ def generate_batch(lm, prompts: list[list[int]], pad_id: int, stops: set[int], o
         **kwargs,
     )
     out = []
-    for row in gen[:, width:].tolist():
+    for row in gen[:asked, width:].tolist():
         cut = next((k for k, t in enumerate(row) if t in stops), None)
         out.append((row[:cut], "stop") if cut is not None else (row, "length"))
     return out
