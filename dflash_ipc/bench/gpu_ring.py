@@ -132,26 +132,9 @@ def verify_slot(views, layout: SlotLayout, seq: int, base: torch.Tensor, err: to
         err += (views.seq_lens != (base[:b] + seq).to(torch.int32)).sum()
 
 
-def scenario(
-    name: str,
-    backend: str,
-    producer_device: int,
-    consumer_device: int,
-    layout: SlotLayout,
-    *,
-    num_slots: int = 4,
-    iters: int = 100,
-    warmup: int = 5,
-    depth: int = 3,
-    mode: str = "stream",
-    sizes: str = "full",
-    verify: str = "sample",
-    early_return: bool = False,
-    seed: int = 0,
-    producer_delay_us: float = 0.0,
-    fill: str = "pattern",
-) -> Scenario:
-    """A scenario for :func:`run_scenarios`.
+def scenario(name: str, backend: str, producer_device: int, consumer_device: int, layout: SlotLayout, **options) -> Scenario:
+    """A scenario for :func:`run_scenarios`; ``options``: the other fields of :class:`Scenario`
+    (their defaults are there).
 
     mode "stream": the producer keeps every free slot filled, the consumer keeps up to
     ``depth`` copies in flight and returns each slot as soon as its ticket is done.
@@ -160,24 +143,11 @@ def scenario(
     ``fill="none"``: the producer writes nothing (and nothing is verified): transport alone.
     mode "lockstep": one slot in flight (handoff latency). ``early_return`` (a negative
     control) returns each slot right after enqueueing its copy: the verifier must see it."""
-    return Scenario(
-        name=name,
-        backend=backend,
-        producer_device=producer_device,
-        consumer_device=consumer_device,
-        layout=layout.to_wire(),
-        num_slots=num_slots,
-        iters=iters,
-        warmup=warmup,
-        depth=depth,
-        mode=mode,
-        sizes=sizes,
-        verify="none" if fill == "none" else verify,
-        early_return=early_return,
-        seed=seed,
-        producer_delay_us=float(producer_delay_us),
-        fill=fill,
-    )
+    if options.get("fill") == "none":
+        options["verify"] = "none"
+    if "producer_delay_us" in options:
+        options["producer_delay_us"] = float(options["producer_delay_us"])
+    return Scenario(name, backend, producer_device, consumer_device, layout.to_wire(), **options)
 
 
 def handoff_scenario(backend: str, producer_device: int, consumer_device: int, *, iters: int = 2000) -> Scenario:
@@ -496,35 +466,3 @@ def run_scenarios(scenarios: list[Scenario], *, env: dict | None = None, timeout
             }
         )
     return out
-
-
-def measure_ring(
-    backend: str,
-    producer_device: int,
-    consumer_device: int,
-    slot_bytes: int,
-    *,
-    num_slots: int = 4,
-    iters: int = 100,
-    warmup: int = 10,
-    depth: int = 3,
-    env: dict | None = None,
-) -> dict:
-    """Two-process ring throughput (GB/s over the steady-state slots) with sampled verification."""
-    sc = scenario(
-        f"{backend} {slot_bytes >> 20} MiB cuda:{producer_device}->cuda:{consumer_device}",
-        backend,
-        producer_device,
-        consumer_device,
-        layout_for_bytes(slot_bytes),
-        num_slots=num_slots,
-        iters=iters,
-        warmup=warmup,
-        depth=depth,
-    )
-    return run_scenarios([sc], env=env)[0]
-
-
-def measure_handoff(backend: str, producer_device: int, consumer_device: int, *, iters: int = 2000, env: dict | None = None) -> dict:
-    """Tiny (4 KiB) slots, one in flight: commit -> copy complete at the consumer, and round trip."""
-    return run_scenarios([handoff_scenario(backend, producer_device, consumer_device, iters=iters)], env=env)[0]
