@@ -9,7 +9,10 @@ import sys
 import click
 
 from dflash_ipc.bench.drafter_step_cli import drafter_step_cmd
+from dflash_ipc.cli_options import choice_option, int_option, json_option
 from dflash_ipc.config import ConfigError
+from dflash_ipc.control.ring_descriptor import BACKENDS
+from dflash_ipc.eval.prompts import HUMANEVAL_AS, MT_BENCH_TURNS
 
 
 @click.group()
@@ -28,7 +31,7 @@ bench.add_command(drafter_step_cmd)
 
 
 @bench.command("transport")
-@click.option("--backend", type=click.Choice(["cpu-shm", "cuda-ipc", "host-pinned", "nccl"]), default="cpu-shm", show_default=True)
+@choice_option("--backend", choices=BACKENDS)
 @click.option("--producers", type=click.IntRange(1, 16), default=2, show_default=True)
 @click.option("--consumers", type=click.IntRange(1, 16), default=2, show_default=True)
 @click.option("--slots", type=click.IntRange(2, 64), default=4, show_default=True)
@@ -50,7 +53,7 @@ bench.add_command(drafter_step_cmd)
     default=None,
     help="Copied-out batches a consumer may hold beyond the one in use (default: 1 on cpu-shm, 2 on GPU).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+@json_option()
 def bench_transport_cmd(
     backend,
     producers,
@@ -107,7 +110,7 @@ def bench_transport_cmd(
 @bench.command("gpu-ring")
 @click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False), help="Write the results as JSON here.")
 @click.option("--quick", is_flag=True, help="Fewer iterations.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+@json_option()
 def bench_gpu_ring_cmd(out_path: str | None, quick: bool, as_json: bool) -> None:
     """Reference copies, then cuda-ipc / host-pinned ring throughput and handoff between two processes (GPU 0 produces)."""
     from dflash_ipc.bench.gpu_suite import run_bench
@@ -122,7 +125,7 @@ def bench_gpu_ring_cmd(out_path: str | None, quick: bool, as_json: bool) -> None
 
 @bench.command("pipeline")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
-@click.option("--steps", type=click.IntRange(3), default=8, show_default=True, help="Optimizer steps per pipeline variant.")
+@int_option("--steps", minimum=3, default=8, help="Optimizer steps per pipeline variant.")
 @click.option(
     "--variants",
     default="forward-only,cuda-ipc,host-pinned,depth-2,depth-8",
@@ -133,7 +136,7 @@ def bench_gpu_ring_cmd(out_path: str | None, quick: bool, as_json: bool) -> None
 )
 @click.option("--peak-tflops", type=float, default=790.0, show_default=True, help="Peak for MFU (bf16 matmul measured on an H200).")
 @click.option("--out", "out_path", default=None, help="Append each variant's result to this file (JSON lines) as soon as it is done.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+@json_option()
 def bench_pipeline_cmd(config_path: str, steps: int, variants: str, peak_tflops: float, out_path: str | None, as_json: bool) -> None:
     """Run the pipeline in several variants (transport, ceiling, ring depth) and compare them."""
     from dflash_ipc.bench.pipeline import run_pipeline_bench, variant_overrides
@@ -214,11 +217,10 @@ def check_config(config_path: str, file_only: bool) -> None:
     "--max-steps", type=click.IntRange(0), default=None, help="Override training.max_steps (0: train until the data is exhausted)."
 )
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the run directory (fresh if none).")
-@click.option(
+@int_option(
     "--max-restarts",
-    type=click.IntRange(0),
+    minimum=0,
     default=0,
-    show_default=True,
     help="Restart the group from the last checkpoint after a failure, at most K times (with --nnodes: every node together).",
 )
 @click.option(
@@ -348,7 +350,7 @@ def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
     type=click.Path(dir_okay=False),
     help="Measured rates (JSON): a `bench pipeline` result, or {tokens_per_batch, target_batch_s, drafter_step_s}.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+@json_option()
 def plan(config_path: str | None, n_gpus: int | None, profile_path: str | None, as_json: bool) -> None:
     """Length-bucketed batch plan statistics for a config (no model is loaded), or with --topology
     the best target:drafter split of N GPUs from a measured profile."""
@@ -402,33 +404,27 @@ def _plan_topology(n_gpus: int | None, profile_path: str | None, as_json: bool) 
     default=None,
     help="Comma-separated prompt sets (PATH, NAME=PATH or humaneval), decoded by the same processes: one table, one row per set.",
 )
-@click.option("--n", type=click.IntRange(1), default=16, show_default=True, help="Prompts to decode (per set).")
-@click.option("--max-new", type=click.IntRange(1), default=128, show_default=True, help="New tokens per prompt.")
+@int_option("--n", minimum=1, default=16, help="Prompts to decode (per set).")
+@int_option("--max-new", minimum=1, default=128, help="New tokens per prompt.")
 @click.option("--block-size", type=click.IntRange(0), default=0, help="Block size (1..the drafter's; default: the drafter's).")
-@click.option(
+@choice_option(
     "--dtype",
-    type=click.Choice(["float32", "bfloat16"]),
-    default="float32",
-    show_default=True,
+    choices=("float32", "bfloat16"),
     help="Target and drafter dtype. float32 keeps the lossless check exact: bf16 flips near-ties between "
     "a block verification and one-token steps.",
 )
 @click.option("--target-device", default=None, help="Default: topology.targets[0]; a comma-separated list spreads the workers.")
 @click.option("--drafter-device", default=None, help="Default: topology.drafters[0] (several target devices: each worker's own).")
-@click.option("--workers", type=click.IntRange(1), default=1, show_default=True, help="Decoding processes per target device.")
-@click.option("--speed-prompts", type=click.IntRange(1), default=4, show_default=True, help="With workers: prompts per set timed alone.")
-@click.option(
+@int_option("--workers", minimum=1, default=1, help="Decoding processes per target device.")
+@int_option("--speed-prompts", minimum=1, default=4, help="With workers: prompts per set timed alone.")
+@choice_option(
     "--humaneval-as",
-    type=click.Choice(["chat", "raw"]),
-    default="chat",
-    show_default=True,
+    choices=HUMANEVAL_AS,
     help="HumanEval prompts as a user turn asking for the solution (chat template, as DFlash reports it) or as raw code to continue.",
 )
-@click.option(
+@choice_option(
     "--mt-bench-turns",
-    type=click.Choice(["first", "all"]),
-    default="first",
-    show_default=True,
+    choices=MT_BENCH_TURNS,
     help="MT-Bench records: the first turn, or every turn after the target's own answers to the turns before it.",
 )
 @click.option(
@@ -447,7 +443,7 @@ def _plan_topology(n_gpus: int | None, profile_path: str | None, as_json: bool) 
 )
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus, applied to p and q.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (each prompt's draws depend on it and its place only).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+@json_option()
 def eval_cmd(config_path, drafter_dir, prompts_path, suite, as_json, **options) -> None:
     """DFlash speculative decoding with an exported drafter: tau, acceptance, speed, lossless (per set with --suite)."""
     from dflash_ipc.eval.prompts import set_name
@@ -519,31 +515,26 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str) -> None:
     show_default=True,
     help="Share of ids (by hash) written to OUT.holdout.jsonl instead, for eval.",
 )
-@click.option(
+@int_option(
     "--batch-size",
-    type=click.IntRange(1),
+    minimum=1,
     default=16,
-    show_default=True,
     help="Prompts per generate call. On a GPU the batch sets the rate (a small target's decode step costs about the same at "
     "any batch): as large as the KV cache fits, e.g. 2048 for SmolLM2-135M on one H200 (docs/EVAL.md).",
 )
-@click.option("--max-new", type=click.IntRange(1), default=512, show_default=True, help="New tokens per answer.")
+@int_option("--max-new", minimum=1, default=512, help="New tokens per answer.")
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0: greedy.")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--limit", type=click.IntRange(0), default=0, show_default=True, help="Use only the first N prompts (0: all).")
+@int_option("--limit", minimum=0, default=0, help="Use only the first N prompts (0: all).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="Default: topology.targets[0].")
-@click.option(
+@choice_option(
     "--decode",
-    type=click.Choice(["dynamic", "static", "compiled"]),
-    default="dynamic",
-    show_default=True,
+    choices=("dynamic", "static", "compiled"),
     help="KV cache of generate: dynamic, static, or static with a torch.compile'd decode step (CUDA graphs on a GPU).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
-def gen_data_cmd(
-    config_path, out_path, prompts_path, holdout_fraction, batch_size, max_new, temperature, top_p, limit, seed, device, decode, as_json
-):
+@json_option()
+def gen_data_cmd(config_path, out_path, prompts_path, device, as_json, **options):
     """The target answers the first user turn of every chat record (resumable self-distillation data)."""
     from pathlib import Path
 
@@ -552,16 +543,7 @@ def gen_data_cmd(
 
     cfg = _load_or_exit(config_path)
     _check_device_option("--device", device, cfg.topology.targets[0], f"topology.targets[0] of {config_path}")
-    opts = GenOptions(
-        batch_size=batch_size,
-        max_new=max_new,
-        temperature=temperature,
-        top_p=top_p,
-        holdout_fraction=holdout_fraction,
-        limit=limit,
-        seed=seed,
-        decode=decode,
-    )
+    opts = GenOptions(**options)  # every other option is a field of GenOptions, by name
 
     def echo(line: str) -> None:
         click.echo(line, err=True)

@@ -41,12 +41,25 @@ from typing import Any
 from dflash_ipc.data.errors import DataError
 from dflash_ipc.data.readers import iter_records, prompt_messages
 
-__all__ = ["HUMANEVAL", "EvalPrompt", "PromptFormatError", "humaneval_path", "read_eval_prompts", "record_prompt", "set_name"]
+__all__ = [
+    "HUMANEVAL",
+    "HUMANEVAL_AS",
+    "MT_BENCH_TURNS",
+    "EvalPrompt",
+    "PromptFormatError",
+    "humaneval_path",
+    "read_eval_prompts",
+    "record_prompt",
+    "set_name",
+]
 
 HUMANEVAL = "humaneval"
 HUMANEVAL_ASK = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"
 GSM8K_ASK = "{}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 FORMATS = ("chat", "mt-bench", "humaneval", "gsm8k", "alpaca", "prompt")
+# The readings of HumanEval and MT-Bench records :func:`record_prompt` offers, its default first.
+HUMANEVAL_AS = ("chat", "raw")
+MT_BENCH_TURNS = ("first", "all")
 
 
 class PromptFormatError(DataError):
@@ -74,9 +87,9 @@ def _text(rec: dict, key: str, where: str) -> str:
 
 def record_prompt(rec: Any, where: str, *, humaneval_as: str = "chat", mt_bench_turns: str = "first") -> EvalPrompt:
     """The :class:`EvalPrompt` of one record (see the module docstring); raises :class:`PromptFormatError`."""
-    if humaneval_as not in ("chat", "raw"):
+    if humaneval_as not in HUMANEVAL_AS:
         raise ValueError(f"humaneval_as must be 'chat' or 'raw', got {humaneval_as!r}")
-    if mt_bench_turns not in ("first", "all"):
+    if mt_bench_turns not in MT_BENCH_TURNS:
         raise ValueError(f"mt_bench_turns must be 'first' or 'all', got {mt_bench_turns!r}")
     if not isinstance(rec, dict):
         reason = getattr(rec, "reason", None) or f"expected a JSON object, got {type(rec).__name__}"

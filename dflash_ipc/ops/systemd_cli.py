@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from dflash_ipc.cli_options import int_option
 from dflash_ipc.ops.systemd_units import (
     DEFAULT_TIMEOUT_START_S,
     DEFAULT_TIMEOUT_STOP_S,
@@ -40,52 +41,26 @@ def _path_opt(name: str, help_text: str):
 @_path_opt("--working-dir", "Working directory of the service [parent of the runs dir].")
 @click.option("--exec", "exec_cmd", default=None, help="Command that runs dflash-ipc [the dflash-ipc script next to this Python].")
 @click.option("--service-user", default=None, help="System units only: run as this user (User=).")
-@click.option(
+@int_option(
     "--timeout-start",
-    type=click.IntRange(min=1),
+    "timeout_start_s",
+    minimum=1,
     default=DEFAULT_TIMEOUT_START_S,
-    show_default=True,
     help="Seconds allowed from start to READY (model loading, handshakes).",
 )
-@click.option(
+@int_option(
     "--timeout-stop",
-    type=click.IntRange(min=1),
+    "timeout_stop_s",
+    minimum=1,
     default=DEFAULT_TIMEOUT_STOP_S,
-    show_default=True,
     help="Seconds allowed for the shutdown checkpoint before SIGKILL.",
 )
-@click.option(
-    "--watchdog", type=click.IntRange(min=0), default=DEFAULT_WATCHDOG_S, show_default=True, help="WatchdogSec in seconds; 0 disables it."
-)
-def render_cmd(
-    out: Path,
-    user_mode: bool,
-    config_dir: Path | None,
-    runs_dir: Path | None,
-    env_dir: Path | None,
-    working_dir: Path | None,
-    exec_cmd: str | None,
-    service_user: str | None,
-    timeout_start: int,
-    timeout_stop: int,
-    watchdog: int,
-) -> None:
+@int_option("--watchdog", "watchdog_s", minimum=0, default=DEFAULT_WATCHDOG_S, help="WatchdogSec in seconds; 0 disables it.")
+def render_cmd(out: Path, exec_cmd: str | None, **unit_options) -> None:
     """Render the dflash-ipc@.service template unit for this install."""
     try:
-        render_command_impl(
-            out,
-            user_mode=user_mode,
-            config_dir=config_dir,
-            runs_dir=runs_dir,
-            env_dir=env_dir,
-            working_dir=working_dir,
-            exec_path=shlex.split(exec_cmd) if exec_cmd else None,
-            service_user=service_user,
-            timeout_start_s=timeout_start,
-            timeout_stop_s=timeout_stop,
-            watchdog_s=watchdog,
-            echo=click.echo,
-        )
+        # every other option is a keyword of render_unit_text, by name
+        render_command_impl(out, exec_path=shlex.split(exec_cmd) if exec_cmd else None, echo=click.echo, **unit_options)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 

@@ -274,21 +274,9 @@ def fill_template(template: str, values: Mapping[str, str]) -> str:
     return text
 
 
-def render_units(
-    out_dir: str | os.PathLike[str],
-    *,
-    exec_path: str | os.PathLike[str] | Sequence[str] | None = None,
-    config_dir: str | os.PathLike[str] | None = None,
-    runs_dir: str | os.PathLike[str] | None = None,
-    env_dir: str | os.PathLike[str] | None = None,
-    user_mode: bool = False,
-    timeout_stop_s: int = DEFAULT_TIMEOUT_STOP_S,
-    watchdog_s: int = DEFAULT_WATCHDOG_S,
-    timeout_start_s: int = DEFAULT_TIMEOUT_START_S,
-    working_dir: str | os.PathLike[str] | None = None,
-    service_user: str | None = None,
-) -> list[Path]:
-    """Render ``dflash-ipc@.service`` and ``dflash-ipc.env.example`` into ``out_dir``.
+def render_units(out_dir: str | os.PathLike[str], **unit_options) -> list[Path]:
+    """Render ``dflash-ipc@.service`` and ``dflash-ipc.env.example`` into ``out_dir``;
+    ``unit_options``: the keywords of :func:`render_unit_text`.
 
     Paths become absolute. Defaults (``None``): see :func:`default_paths` (system:
     ``/etc/dflash-ipc``, ``/var/lib/dflash-ipc/runs``; user: ``~/.config/dflash-ipc``,
@@ -297,18 +285,7 @@ def render_units(
     (a path, or a command as a list of words). ``watchdog_s=0`` disables the watchdog.
     Returns the written paths, the unit first.
     """
-    text = render_unit_text(
-        exec_path=exec_path,
-        config_dir=config_dir,
-        runs_dir=runs_dir,
-        env_dir=env_dir,
-        working_dir=working_dir,
-        user_mode=user_mode,
-        service_user=service_user,
-        timeout_start_s=timeout_start_s,
-        timeout_stop_s=timeout_stop_s,
-        watchdog_s=watchdog_s,
-    )
+    text = render_unit_text(**unit_options)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     unit = out / UNIT_NAME
@@ -361,38 +338,13 @@ def install_instructions(unit_path: Path, *, user_mode: bool, instance: str = "m
     return "\n".join(lines)
 
 
-def render_command_impl(
-    out: str | os.PathLike[str],
-    *,
-    user_mode: bool = False,
-    config_dir: str | os.PathLike[str] | None = None,
-    runs_dir: str | os.PathLike[str] | None = None,
-    env_dir: str | os.PathLike[str] | None = None,
-    exec_path: str | os.PathLike[str] | Sequence[str] | None = None,
-    working_dir: str | os.PathLike[str] | None = None,
-    service_user: str | None = None,
-    timeout_start_s: int = DEFAULT_TIMEOUT_START_S,
-    timeout_stop_s: int = DEFAULT_TIMEOUT_STOP_S,
-    watchdog_s: int = DEFAULT_WATCHDOG_S,
-    echo: Callable[[str], None] = print,
-) -> list[Path]:
-    """``dflash-ipc systemd render``: render the files and print how to install them."""
-    paths = render_units(
-        out,
-        exec_path=exec_path,
-        config_dir=config_dir,
-        runs_dir=runs_dir,
-        env_dir=env_dir,
-        user_mode=user_mode,
-        timeout_stop_s=timeout_stop_s,
-        watchdog_s=watchdog_s,
-        timeout_start_s=timeout_start_s,
-        working_dir=working_dir,
-        service_user=service_user,
-    )
+def render_command_impl(out: str | os.PathLike[str], *, echo: Callable[[str], None] = print, **unit_options) -> list[Path]:
+    """``dflash-ipc systemd render``: render the files (``unit_options``: see :func:`render_unit_text`)
+    and print how to install them."""
+    paths = render_units(out, **unit_options)
     for p in paths:
         echo(f"wrote {p}")
-    echo(install_instructions(paths[0], user_mode=user_mode))
+    echo(install_instructions(paths[0], user_mode=unit_options.get("user_mode", False)))
     return paths
 
 
