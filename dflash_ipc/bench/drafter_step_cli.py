@@ -7,16 +7,15 @@ import sys
 
 import click
 
+from dflash_ipc.cli_options import int_option, json_option
 from dflash_ipc.config import ConfigError
 
 
 @click.command("drafter-step")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--variants", default="base", show_default=True, help="Comma-separated; the first is the baseline (bench/drafter_step.py).")
-@click.option("--steps", type=click.IntRange(1), default=10, show_default=True, help="Timed steps per variant.")
-@click.option(
-    "--batches", "n_batches", type=click.IntRange(1), default=3, show_default=True, help="Synthetic batches (each its own shape)."
-)
+@int_option("--steps", minimum=1, default=10, help="Timed steps per variant.")
+@int_option("--batches", "n_batches", minimum=1, default=3, help="Synthetic batches (each its own shape).")
 @click.option("--tokens", type=click.IntRange(0), default=0, help="Tokens per batch (0: data.token_budget).")
 @click.option("--doc-len", type=click.IntRange(0), default=0, help="Mean document length (0: data.max_seq_len / 4).")
 @click.option("--supervised", type=click.FloatRange(0.05, 1.0), default=0.7, show_default=True, help="Loss-masked share of each document.")
@@ -26,10 +25,8 @@ from dflash_ipc.config import ConfigError
 @click.option(
     "--out", "out_path", default=None, type=click.Path(dir_okay=False), help="Write the result as JSON here (after each variant)."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
-def drafter_step_cmd(
-    config_path, variants, steps, n_batches, tokens, doc_len, supervised, random_target, profile, device, out_path, as_json
-):
+@json_option()
+def drafter_step_cmd(config_path, variants, out_path, as_json, **options):
     """Time the drafter's training step (forward, loss, backward, optimizer) in variants of its speed options."""
     from dflash_ipc.bench.drafter_step import run_drafter_step_bench, variant_config
     from dflash_ipc.config import load_config
@@ -51,17 +48,5 @@ def drafter_step_cmd(
             with open(out_path, "w") as f:
                 json.dump(result, f, indent=1)
 
-    result = run_drafter_step_bench(
-        config_path,
-        names,
-        steps=steps,
-        n_batches=n_batches,
-        tokens=tokens,
-        doc_len=doc_len,
-        supervised=supervised,
-        random_target=random_target,
-        profile=profile,
-        device=device,
-        save=save,
-    )
+    result = run_drafter_step_bench(config_path, names, save=save, **options)  # the other options are its keywords, by name
     click.echo(json.dumps(result) if as_json else json.dumps(result["ratios"], indent=1))

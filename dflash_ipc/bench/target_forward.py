@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from dflash_ipc.bench.op_profile import format_table, profile_classes
+from dflash_ipc.cli_options import int_option
 from dflash_ipc.config import DFlashConfig, load_config
 from dflash_ipc.target.model import TargetModel, build_target
 
@@ -381,15 +382,9 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
 @click.option("--config", "config_path", default="", help="A dflash-ipc config (its target and data).")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="JSON written here (rewritten as it goes).")
 @click.option("--layers", type=click.IntRange(0), default=0, help="Keep the first N decoder layers of a spec target (0: all).")
-@click.option("--batches", "n_batches", type=click.IntRange(3), default=8, show_default=True)
-@click.option(
-    "--warmup-passes",
-    type=click.IntRange(1),
-    default=1,
-    show_default=True,
-    help="Untimed passes over every batch before each variant's timed pass.",
-)
-@click.option("--agree-batches", type=click.IntRange(0), default=2, show_default=True)
+@int_option("--batches", "n_batches", minimum=3, default=8)
+@int_option("--warmup-passes", minimum=1, default=1, help="Untimed passes over every batch before each variant's timed pass.")
+@int_option("--agree-batches", minimum=0, default=2)
 @click.option("--profile/--no-profile", default=False)
 @click.option("--fp8/--no-fp8", default=True)
 @click.option("--fuse", is_flag=True, help="Also: packed with the norms and SwiGLU (and FP8 quantizer) fused (target/fused.py).")
@@ -403,44 +398,13 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
     help="Also FP8 with the sibling projections unmerged (each quantizes its input, its own GEMM): packed, and fused with --fuse.",
 )
 @click.option("--fp8-off-gpu", is_flag=True, hidden=True, help="Dry runs: FP8 through torch._scaled_mm on any device (CPU: slow).")
-def main(
-    config_path,
-    out_path,
-    layers,
-    n_batches,
-    warmup_passes,
-    agree_batches,
-    profile,
-    fp8,
-    fuse,
-    peak_tflops,
-    device,
-    cache_dir,
-    checkpoint,
-    fp8_off_gpu,
-    fp8_unmerged,
-) -> None:
+def main(checkpoint: str, **options) -> None:
     if checkpoint:
-        checkpoint_agreement(checkpoint, out_path, device or "cuda:0")
+        checkpoint_agreement(checkpoint, options["out_path"], options["device"] or "cuda:0")
         return
-    if not config_path:
+    if not options["config_path"]:
         raise click.UsageError("--config is needed (or --checkpoint)")
-    run(
-        config_path,
-        out_path,
-        layers=layers,
-        n_batches=n_batches,
-        warmup_passes=warmup_passes,
-        agree_batches=agree_batches,
-        profile=profile,
-        fp8=fp8,
-        fuse=fuse,
-        peak_tflops=peak_tflops,
-        device=device,
-        cache_dir=cache_dir,
-        fp8_off_gpu=fp8_off_gpu,
-        fp8_unmerged=fp8_unmerged,
-    )
+    run(**options)  # every other option is a keyword of run, by name
 
 
 if __name__ == "__main__":
