@@ -81,14 +81,8 @@ def run_bench_consumer_process(a: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--backend", default="cpu-shm")
-    ap.add_argument("--producers", type=int, default=1)
-    ap.add_argument("--consumers", type=int, default=1)
+    ap = bench_transport.process_arg_parser()
     ap.add_argument("--slow-ms", type=float, default=0.0)
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--prefetch", type=int, default=1)
     return run_bench_consumer_process(ap.parse_args())
 

@@ -79,17 +79,11 @@ def run_bench_producer_process(a: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--run-dir", required=True)
+    ap = bench_transport.process_arg_parser()
     ap.add_argument("--run-id", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--backend", default="cpu-shm")
-    ap.add_argument("--producers", type=int, default=1)
-    ap.add_argument("--consumers", type=int, default=1)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--slot-bytes", type=int, required=True)
     ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-outstanding", type=int, default=2)
     return run_bench_producer_process(ap.parse_args())
 

@@ -15,6 +15,7 @@ Three measurements in one invocation:
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -81,6 +82,19 @@ class BenchArgs:
     consumer_device: str = "cpu"
     max_outstanding: int = 2
     prefetch: int = 1
+
+
+def process_arg_parser() -> argparse.ArgumentParser:
+    """The arguments of both bench processes (procs/bench_producer.py, procs/bench_consumer.py), as
+    :func:`run_ring` writes them; each process adds its own."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--backend", default="cpu-shm")
+    ap.add_argument("--producers", type=int, default=1)
+    ap.add_argument("--consumers", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    return ap
 
 
 def _spawn(module: str, argv: list[str], run_dir: Path, name: str) -> subprocess.Popen:
