@@ -22,6 +22,7 @@
 #                FLOOR=0 skips it); RUN=NAME evaluates that run's drafter
 # Knobs pass through to those scripts (BUDGET_S, N_SYNTH, N_BUILTIN, SYNTH_BS, DECODE, TRAIN_S, STEP_S, TEMPS, ...).
 set -u
+CALL_T0=$(date +%s)
 W=${WORK:-/root/work-synth}
 case "${STEP:?STEP=stash|data|train|eval}" in
   stash)
@@ -53,6 +54,12 @@ case "${STEP:?STEP=stash|data|train|eval}" in
       python3 tools/smollm2_to_hf.py --gguf /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/models/smollm2 2>&1 | tail -n 3
     fi
     [ "$STEP" = model ] && exit 0
+    # BUDGET_S (the call's own limit, less ~10 s): generation gets what the join, convert and setup left, less the
+    # archive's time, so the data always comes back inside the call (a call killed at its limit returns nothing)
+    if [ -n "${BUDGET_S:-}" ]; then
+      SYNTH_GEN_S=$(( BUDGET_S - ($(date +%s) - CALL_T0) - ${ARCHIVE_S:-25} )); export SYNTH_GEN_S
+      echo "generation gets ${SYNTH_GEN_S} s of the ${BUDGET_S} s budget"
+    fi
     if [ "${DECODE:-}" = auto ]; then  # the stash call's probe decides (tools/pick_decode.py; dynamic without one)
       DECODE=$(python3 tools/pick_decode.py "$W/gen_decode.json" --budget-s "${SYNTH_GEN_S:-280}" --batch-size "${GEN_BS:-2048}")
       export DECODE; cp "$W/gen_decode.json" "$OUT/" 2>/dev/null

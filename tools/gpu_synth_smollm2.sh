@@ -78,7 +78,11 @@ if [ "$PHASE" != train ]; then
   BUILTIN_PID=$!
   # the synthesis answers with the sampling batch; progress of both, every 20 s
   while kill -0 $SYNTH_PID 2>/dev/null || kill -0 $BUILTIN_PID 2>/dev/null; do
-    sleep "${PROGRESS_S:-20}"
+    # a line every PROGRESS_S seconds, but no waiting on after both have ended
+    for _ in $(seq "${PROGRESS_S:-20}"); do
+      { kill -0 $SYNTH_PID 2>/dev/null || kill -0 $BUILTIN_PID 2>/dev/null; } || break
+      sleep 1
+    done
     echo "   [$(( $(date +%s) - T0 )) s] synth: $(grep -E '^(synth|gen-data):' "$OUT/gen_synth.log" | tail -n 1)"
     echo "   [$(( $(date +%s) - T0 )) s] builtin: $(grep '^gen-data:' "$OUT/gen_builtin.log" | tail -n 1)"
   done
