@@ -184,9 +184,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: What every rank of spawn_ranks imports (torch.distributed, the drafter's core and trainer), imported once.
+RANK_PRELOAD = ["torch", "torch.distributed", "transformers", "dflash_ipc.drafter.core", "dflash_ipc.drafter.trainer"]
+
+
+def spawn_ranks(fn: Any, args: tuple, nprocs: int = 2) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with its ranks forked from multiprocessing's
+    fork server, which imported RANK_PRELOAD once, instead of each rank a new Python importing torch
+    (seconds of CPU per rank). The server is the test process's (one per pytest-xdist worker; eval's
+    worker pool shares it, with whichever preload list came first); each rank still runs ``fn`` in a
+    process of its own, unpickled by name, and a rank's exception fails the test as with spawn."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 @contextlib.contextmanager
 def process_group_rank(rank: int, port: int, backend: str = "gloo", timeout_s: float = 120.0) -> Iterator[Any]:
-    """One rank of a two-rank test process group, started by ``torch.multiprocessing.spawn``.
+    """One rank of a two-rank test process group, started by :func:`spawn_ranks`.
 
     faulthandler is on, because spawn reports a rank that a C++ abort ends only by its signal
     (the one CI failure of this kind, a SIGABRT "terminate called without an active exception",

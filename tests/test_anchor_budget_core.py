@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import free_port, process_group_rank, tiny_cpu_config, write_toml
+from conftest import free_port, process_group_rank, spawn_ranks, tiny_cpu_config, write_toml
 from test_drafter_warmup import batches
 
 from dflash_ipc.config import load_config
@@ -100,6 +99,6 @@ def _dp_worker(rank: int, port: int, out_dir: str) -> None:
 def test_data_parallel_ranks_move_the_budget_together(tmp_path):
     for rank in range(2):
         (tmp_path / f"rank{rank}").mkdir()
-    mp.spawn(_dp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_dp_worker, args=(free_port(), str(tmp_path)))
     seen0, seen1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert seen0 == seen1 == [8] * (SETTLE + 2) + [16, 16] + [24]

@@ -13,8 +13,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import free_port, process_group_rank
+from conftest import free_port, process_group_rank, spawn_ranks
 from test_dflash_loss import packed_views, tiny_model
 
 from dflash_ipc.config import DrafterConfig, TrainingConfig
@@ -150,7 +149,7 @@ def test_two_ranks_with_anchor_chunks_equal_one_rank_without(tmp_path):
     (global loss sum / global weight) still gives the one-process, one-forward step, for each
     weighting. D-PACE's normaliser (blocks, or its confidence-dependent weights) is a sum over
     blocks, all-reduced alike."""
-    mp.spawn(_dp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_dp_worker, args=(free_port(), str(tmp_path)))
     model, dc = tiny_model(LAYERS, num_anchors=64, seed=5)
     for name, tc in WEIGHTING_TCS.items():
         r0, r1 = (torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=True) for r in range(2))

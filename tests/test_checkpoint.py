@@ -15,8 +15,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import free_port, process_group_rank
+from conftest import free_port, process_group_rank, spawn_ranks
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
@@ -114,7 +113,7 @@ def _gather_worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow  # two gloo ranks
 def test_gather_ledger_two_gloo_ranks(tmp_path):
-    mp.spawn(_gather_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_gather_worker, args=(free_port(), str(tmp_path)))
     expected = [[0, 0, 0], [0, 5, 5], [1, 1, 1]]
     assert json.loads((tmp_path / "r0.json").read_text()) == expected
     assert json.loads((tmp_path / "r1.json").read_text()) == expected

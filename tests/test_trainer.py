@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_port, process_group_rank
+from conftest import free_port, process_group_rank, spawn_ranks
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
@@ -299,7 +299,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    spawn_ranks(_worker, args=(free_port(), str(out)))
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
