@@ -28,7 +28,7 @@ from dflash_ipc.control.protocol import Ready
 from dflash_ipc.runtime.child import Placement, run_child
 
 def add_arguments(ap):
-    ap.add_argument("--mode", choices=["raise", "loop"], required=True)
+    ap.add_argument("--mode", choices=["raise", "loop", "loop-compile-threads"], required=True)
 
 def place(args):
     return Placement("cpu", 1, "info", {"from": "place"}, compile_threads=3)
@@ -40,10 +40,11 @@ def main_fn(child):
     (out / "config").write_text(repr(child.config))
     if child.args.mode == "raise":
         raise RuntimeError("role failed on purpose")
-    import os, subprocess, torch._inductor.config as inductor_config
-    sub = subprocess.run([sys.executable, "-c", "import torch._inductor.config as c; print(c.compile_threads)"],
-                         capture_output=True, text=True, check=True).stdout.strip()
-    (out / "compile_threads").write_text(f"{inductor_config.compile_threads} {os.environ['TORCHINDUCTOR_COMPILE_THREADS']} {sub}")
+    if child.args.mode == "loop-compile-threads":
+        import os, subprocess, torch._inductor.config as inductor_config
+        sub = subprocess.run([sys.executable, "-c", "import torch._inductor.config as c; print(c.compile_threads)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        (out / "compile_threads").write_text(f"{inductor_config.compile_threads} {os.environ['TORCHINDUCTOR_COMPILE_THREADS']} {sub}")
     (out / "running").write_text("1")
     while not child.stop.requested:
         child.read_control(wait_ms=50)
@@ -133,12 +134,14 @@ def test_exception_sends_dead_closes_resources_in_reverse_and_exits_1(role):
 
 @pytest.mark.parametrize("how", ["sigterm", "shutdown"])
 def test_stop_request_leaves_through_main_and_closing_with_exit_0(role, how):
-    """Also: the TorchInductor compile-worker cap is in effect in the child (inductor's config) and in
-    a subprocess it starts (environment)."""
+    """Also (once: it imports torch's inductor in the child and in a subprocess of it): the
+    TorchInductor compile-worker cap is in effect in the child (inductor's config) and in a
+    subprocess it starts (environment)."""
     start, sup, run_dir = role
-    proc = start("loop")
+    proc = start("loop-compile-threads" if how == "shutdown" else "loop")
     _wait_for(run_dir / "out" / "running", proc)
-    assert (run_dir / "out" / "compile_threads").read_text() == "3 3 3"
+    if how == "shutdown":
+        assert (run_dir / "out" / "compile_threads").read_text() == "3 3 3"
     assert "TorchInductor compile workers capped at 3" in (run_dir / "logs" / "demo-0.log").read_text()
     if how == "sigterm":
         proc.send_signal(signal.SIGTERM)
