@@ -198,10 +198,10 @@ def _check_device_option(option: str, value: str | None, default: str, default_f
 @click.option("--file-only", is_flag=True, help="Check the file alone, not the model, devices and data files it names on this machine.")
 def check_config(config_path: str, file_only: bool) -> None:
     """Validate a config file (and the model, devices, tokenizer and data it names) and print it resolved."""
-    from dflash_ipc.data.tokenizer import TokenizerError, check_target_tokenizer, load_tokenizer
-
     cfg = _load_or_exit(config_path, check_environment=not file_only)
-    if not file_only:
+    if not file_only:  # the tokenizer imports transformers and torch: seconds a refused or file-only check never needs
+        from dflash_ipc.data.tokenizer import TokenizerError, check_target_tokenizer, load_tokenizer
+
         try:
             check_target_tokenizer(cfg.target, load_tokenizer(cfg.target.tokenizer))
         except (TokenizerError, OSError) as e:
