@@ -34,6 +34,7 @@ import zmq
 
 from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.protocol import Done, RejectCounter
+from dflash_ipc.runtime.forkserver import ForkServer, popen_with
 from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
@@ -97,14 +98,39 @@ def process_arg_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _spawn(module: str, argv: list[str], run_dir: Path, name: str) -> subprocess.Popen:
-    log = open(run_dir / "logs" / f"{name}.log", "w")
-    env = dict(os.environ)
-    return subprocess.Popen([sys.executable, "-m", module, *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+#: What a ring process imports at start, imported once by the fork server of a CPU-only bench.
+RING_PRELOAD = ("torch", "zmq", "msgpack", "dflash_ipc.procs.bench_producer", "dflash_ipc.procs.bench_consumer")
 
 
-def run_ring(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
-    """One ring measurement with real processes; returns the merged summaries."""
+def on_cpu_only(args: BenchArgs) -> bool:
+    """Every process of the bench on the CPU: its processes fork from a preloaded server (as `up`'s do
+    on such a topology, runtime.forkserver) instead of each a new Python importing torch; a CUDA device
+    keeps exec, the path validated on GPUs."""
+    return args.producer_device == "cpu" and args.consumer_device == "cpu"
+
+
+def ring_launcher(args: BenchArgs) -> ForkServer | None:
+    """A started fork server for the ring processes when :func:`on_cpu_only`, else None (exec). Close it."""
+    return ForkServer.start(RING_PRELOAD, dict(os.environ)) if on_cpu_only(args) else None
+
+
+def _spawn(launcher: ForkServer | None, module: str, argv: list[str], run_dir: Path, name: str) -> Any:
+    with open(run_dir / "logs" / f"{name}.log", "w") as log:  # the child holds its own descriptor
+        return popen_with(launcher, [sys.executable, "-m", module, *argv], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+
+def run_ring(args: BenchArgs, slot_bytes: int, seconds: float, launcher: ForkServer | None = None) -> dict:
+    """One ring measurement with real processes (forked from ``launcher``, or from a server of its own
+    when :func:`on_cpu_only`); returns the merged summaries."""
+    own = ring_launcher(args) if launcher is None else None
+    try:
+        return _run_ring(args, slot_bytes, seconds, launcher or own)
+    finally:
+        if own is not None:
+            own.close()
+
+
+def _run_ring(args: BenchArgs, slot_bytes: int, seconds: float, launcher: ForkServer | None) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     os.chmod(run_dir, 0o700)
     (run_dir / "logs").mkdir()
@@ -112,12 +138,13 @@ def run_ring(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
     run_id = new_run_id()
     ctx = zmq.Context()
     router = channels.bind(ctx, zmq.ROUTER, channels.supervisor_endpoint(run_dir))
-    procs: dict[tuple[str, int], subprocess.Popen] = {}
+    procs: dict[tuple[str, int], Any] = {}
     finished = False  # on failure the run directory (its logs) stays for diagnosis
     common = ["--run-dir", str(run_dir), "--backend", args.backend, "--producers", str(args.producers), "--consumers", str(args.consumers)]
     try:
         for p in range(args.producers):
             procs[("producer", p)] = _spawn(
+                launcher,
                 "dflash_ipc.procs.bench_producer",
                 common
                 + [
@@ -142,6 +169,7 @@ def run_ring(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
         for c in range(args.consumers):
             slow = args.slow_ms if args.slow_consumer == c else 0.0
             procs[("consumer", c)] = _spawn(
+                launcher,
                 "dflash_ipc.procs.bench_consumer",
                 common + ["--rank", str(c), "--slow-ms", str(slow), "--device", args.consumer_device, "--prefetch", str(args.prefetch)],
                 run_dir,
@@ -302,20 +330,9 @@ def run_baseline(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
 # --------------------------------------------------------------------------- entry
 
 
-def run_transport_bench(args: BenchArgs, progress=print) -> dict:
-    slot_bytes = int(args.slot_mib * (1 << 20))
-    layout = bench_layout(slot_bytes)
-    progress(
-        f"[bench] ring: backend={args.backend} producers={args.producers} consumers={args.consumers} slots={args.slots}"
-        f" slot={layout.slot_bytes / 2**20:.1f} MiB, {args.seconds:g} s"
-    )
-    ring = _ring_result(run_ring(args, slot_bytes, args.seconds), args)
-    progress(f"[bench] ring: {ring['gbps']:.2f} GB/s, per consumer {ring['per_consumer_slots']}, verified={ring['verified']}")
-    progress(f"[bench] baseline: torch.multiprocessing queue, {args.seconds:g} s")
-    base = run_baseline(args, slot_bytes, args.seconds)
-    progress(f"[bench] baseline: {base['gbps']:.2f} GB/s, verified={base['verified']}")
-    # Control-plane cost alone: one producer, one consumer, one slot in flight (a ping-pong), so
-    # the latency is send -> wake -> decode, not time spent queued behind other slots' copies.
+def _handoff(args: BenchArgs, launcher: ForkServer | None, progress) -> dict:
+    """Control-plane cost alone: one producer, one consumer, one slot in flight (a ping-pong), so
+    the latency is send -> wake -> decode, not time spent queued behind other slots' copies."""
     tiny = BenchArgs(
         **{
             **args.__dict__,
@@ -329,7 +346,27 @@ def run_transport_bench(args: BenchArgs, progress=print) -> dict:
         }
     )
     progress("[bench] handoff: 4 KiB slots, one in flight")
-    hand = _ring_result(run_ring(tiny, 4096, tiny.seconds), tiny)
+    return _ring_result(run_ring(tiny, 4096, tiny.seconds, launcher), tiny)
+
+
+def run_transport_bench(args: BenchArgs, progress=print) -> dict:
+    slot_bytes = int(args.slot_mib * (1 << 20))
+    layout = bench_layout(slot_bytes)
+    progress(
+        f"[bench] ring: backend={args.backend} producers={args.producers} consumers={args.consumers} slots={args.slots}"
+        f" slot={layout.slot_bytes / 2**20:.1f} MiB, {args.seconds:g} s"
+    )
+    launcher = ring_launcher(args)  # one server for both ring measurements
+    try:
+        ring = _ring_result(run_ring(args, slot_bytes, args.seconds, launcher), args)
+        progress(f"[bench] ring: {ring['gbps']:.2f} GB/s, per consumer {ring['per_consumer_slots']}, verified={ring['verified']}")
+        progress(f"[bench] baseline: torch.multiprocessing queue, {args.seconds:g} s")
+        base = run_baseline(args, slot_bytes, args.seconds)
+        progress(f"[bench] baseline: {base['gbps']:.2f} GB/s, verified={base['verified']}")
+        hand = _handoff(args, launcher, progress)
+    finally:
+        if launcher is not None:
+            launcher.close()
     result = {
         "backend": args.backend,
         "producers": args.producers,
