@@ -15,6 +15,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -25,6 +26,7 @@ from dflash_ipc.bench import transport as bench_transport
 from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.handshake import HandshakeError
 from dflash_ipc.control.protocol import Done, EndOfData, RejectCounter, SlotFree, SlotReady
+from dflash_ipc.runtime.forkserver import ForkedProcess, ForkServer
 from dflash_ipc.transport.shm_names import list_run_shm, new_run_id, sweep_run_shm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -349,12 +351,21 @@ def test_handshake_ignores_garbage_and_strangers(coordinator):
 # --------------------------------------------------------------------------- malformed frames into running processes
 
 
-def _spawn_bench(module: str, argv: list[str], log: Path) -> subprocess.Popen:
+def _spawn_bench(launcher: ForkServer, module: str, argv: list[str], log: Path) -> ForkedProcess:
     with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", module, *argv], stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        return launcher.popen([sys.executable, "-m", module, *argv], stdout=f, stderr=subprocess.STDOUT)
 
 
-def test_malformed_frames_into_running_processes_are_counted(short_tmp):
+@pytest.fixture
+def bench_launcher() -> Iterator[ForkServer]:
+    """The fork server bench transport forks its CPU ring processes from (preloaded once)."""
+    launcher = bench_transport.ring_launcher(bench_transport.BenchArgs())
+    assert launcher is not None
+    yield launcher
+    launcher.close()
+
+
+def test_malformed_frames_into_running_processes_are_counted(short_tmp, bench_launcher):
     run_dir = short_tmp / "r"
     (run_dir / "logs").mkdir(parents=True)
     channels.prepare_socket_dir(run_dir)
@@ -364,11 +375,12 @@ def test_malformed_frames_into_running_processes_are_counted(short_tmp):
     common = ["--run-dir", str(run_dir), "--backend", "cpu-shm", "--producers", "1", "--consumers", "1", "--rank", "0"]
     procs = {
         ("producer", 0): _spawn_bench(
+            bench_launcher,
             "dflash_ipc.procs.bench_producer",
             common + ["--run-id", run_id, "--slots", "3", "--slot-bytes", str(1 << 16), "--seconds", "2.5", "--max-outstanding", "2"],
             run_dir / "p0.out",
         ),
-        ("consumer", 0): _spawn_bench("dflash_ipc.procs.bench_consumer", common, run_dir / "c0.out"),
+        ("consumer", 0): _spawn_bench(bench_launcher, "dflash_ipc.procs.bench_consumer", common, run_dir / "c0.out"),
     }
     push_c = push_p = None
 
