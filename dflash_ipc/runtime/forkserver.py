@@ -131,9 +131,11 @@ def launcher_for(cfg: DFlashConfig, env: dict[str, str], echo: Callable[[str], N
         return None
     shared = os.environ.get(SHARED_FORKSERVER_ENV, "")
     if shared:
+        t0 = time.perf_counter()
         try:
             server = ForkServer.connect(shared, env, UP_PRELOAD)
-            echo(f"[up] fork server: the shared one at {shared} (pid {server.pid}; {SHARED_FORKSERVER_ENV}, a test/debug switch)")
+            shared_by = f"the shared one at {shared} (pid {server.pid}, preloaded in {server.ready['seconds']:.1f} s)"
+            echo(f"[up] fork server (run.launcher) ready after {time.perf_counter() - t0:.1f} s: {shared_by}; {SHARED_FORKSERVER_ENV}")
             return server
         except (OSError, RuntimeError, ValueError) as e:
             echo(f"[up] shared fork server {shared} not used ({e}): starting this run's own")

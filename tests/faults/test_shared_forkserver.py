@@ -7,6 +7,7 @@ left (no process, segment or socket file), and the server serves on. The product
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,7 +34,8 @@ def test_a_sigkilled_supervisor_of_a_shared_fork_server_leaves_nothing_and_the_s
         try:
             up.wait_until(lambda: up.steps_logged() >= 2, "2 steps")
             pids = up.child_pids()
-            assert f"[up] fork server: the shared one at {path} (pid {owner.pid}" in up.output, up.output[-3000:]
+            said = rf"^\[up\] fork server \(run.launcher\) ready after [\d.]+ s: the shared one at {re.escape(path)} \(pid {owner.pid},"
+            assert re.search(said, up.output, re.M), up.output[-3000:]
             assert owner.server_status() == {"clients": 1, "children": len(pids), "rejected": 0}
             up.proc.send_signal(signal.SIGKILL)
             up.proc.wait()
