@@ -201,6 +201,14 @@ def test_a_client_refuses_a_server_whose_preload_read_another_environment_and_up
             ForkServer.connect(path, {**env, "OMP_NUM_THREADS": "13"})
         with pytest.raises(RuntimeError, match="did not preload torch"):
             ForkServer.connect(path, env, ("torch",))
+        cpus = os.sched_getaffinity(0)
+        if len(cpus) > 1:  # a client on fewer CPUs: its children would run on the server's
+            os.sched_setaffinity(0, {min(cpus)})
+            try:
+                with pytest.raises(RuntimeError, match="would get another CPU affinity"):
+                    ForkServer.connect(path, env)
+            finally:
+                os.sched_setaffinity(0, cpus)
         os.chmod(os.path.dirname(path), 0o755)
         with pytest.raises(OSError, match="mode 0700"):
             ForkServer.connect(path, env)

@@ -43,8 +43,10 @@ listening at PATH (``ForkServer.start(..., listen=PATH)``; tests/conftest.py sta
 worker) instead of starting its own, saving each ``up`` the preload. The socket's directory must be
 the user's and 0700 (both sides check, and the server serves only its own uid, SO_PEERCRED). The
 preload read the variables :data:`~dflash_ipc.runtime.forkserver_serve.PRELOAD_ENV_PREFIXES` name at import: a client whose children's
-environment differs in one of them (or that needs a module the server did not preload) starts its
-own server as usual and says why in its log; the server also refuses such a request. Each
+environment differs in one of them, that runs in other namespaces or on other CPUs than the server
+(``forkserver_serve.process_context``: a child inherits those from the server), or that needs a module
+the server did not preload, starts its own server as usual and says why in its log; the server also
+refuses a request whose environment differs. Each
 connection owns the children it asked for; the same JSON requests and SCM_RIGHTS descriptors::
 
     server (as above, plus --listen PATH): bind PATH, then the preload, READY on the owner's socketpair
@@ -88,10 +90,12 @@ from dflash_ipc.runtime.forkserver_serve import (
     MAX_MESSAGE,
     Server,
     check_private_dir,
+    context_differences,
     listen_at,
     peer_uid,
     preload_env,
     preload_env_differences,
+    process_context,
 )
 from dflash_ipc.runtime.launch import set_parent_death_signal
 
@@ -256,6 +260,9 @@ class ForkServer:
             differ = preload_env_differences(hello.get("preload_env", {}), env)
             if differ:
                 raise RuntimeError(f"its preload read another {', '.join(differ)}")
+            differ = context_differences(hello.get("context", {}))
+            if differ:
+                raise RuntimeError(f"its children would get another {', '.join(differ)} than this process's")
         except BaseException:
             sock.close()
             raise
@@ -424,7 +431,7 @@ def _preload_and_serve(sock: socket.socket, listener: socket.socket | None, pare
     gc.freeze()
     cuda = _cuda_touched()
     ready = {"ready": True, "pid": os.getpid(), "cuda_initialized": cuda, "seconds": round(time.perf_counter() - t0, 3), "skipped": skipped}
-    ready |= {"preload": [n for n in preload if n in sys.modules], "preload_env": read_env}
+    ready |= {"preload": [n for n in preload if n in sys.modules], "preload_env": read_env, "context": process_context()}
     try:
         sock.send(json.dumps(ready).encode())
         request = None if cuda else Server(sock, listener, ready).serve()

@@ -27,6 +27,7 @@ from dflash_ipc.runtime.launch import remove_supervisor_sockets
 MAX_MESSAGE = 1 << 22
 #: Variables the preload reads at import (the interpreter's, the loader's and malloc's, the OpenMP/BLAS
 #: thread pools, torch's, dynamo's and inductor's settings, transformers' and the hub's): a shared server's must match.
+#: Not those read only at run time, in the child (TOKENIZERS_PARALLELISM, which transformers' generate sets).
 PRELOAD_ENV_PREFIXES = (
     "PYTHON",
     "LD_",
@@ -41,7 +42,6 @@ PRELOAD_ENV_PREFIXES = (
     "PYTORCH_",
     "HF_",
     "TRANSFORMERS_",
-    "TOKENIZERS_",
 )
 #: How long the children of a shared server's client that went away have after SIGTERM, before SIGKILL.
 ORPHAN_GRACE_S = 30.0
@@ -55,6 +55,22 @@ def preload_env(env: dict[str, str]) -> dict[str, str]:
 def preload_env_differences(server: dict[str, str], env: dict[str, str]) -> list[str]:
     """The preload-read variables on which ``env`` disagrees with a server's environment, sorted."""
     mine = preload_env(env)
+    return sorted(k for k in server.keys() | mine.keys() if server.get(k) != mine.get(k))
+
+
+def process_context() -> dict[str, Any]:
+    """What a forked child inherits from its server rather than from its supervisor, beyond the
+    environment: the namespaces (a client under ``unshare -m`` sees another /dev/shm) and the CPU affinity."""
+    namespaces = {}
+    for name in ("mnt", "ipc", "net", "pid", "uts", "user", "cgroup"):
+        with contextlib.suppress(OSError):
+            namespaces[f"{name} namespace"] = os.readlink(f"/proc/self/ns/{name}")
+    return {**namespaces, "CPU affinity": sorted(os.sched_getaffinity(0))}
+
+
+def context_differences(server: dict[str, Any]) -> list[str]:
+    """Where this process's :func:`process_context` differs from a server's, sorted."""
+    mine = process_context()
     return sorted(k for k in server.keys() | mine.keys() if server.get(k) != mine.get(k))
 
 
