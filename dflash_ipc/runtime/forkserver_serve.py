@@ -122,13 +122,16 @@ class Server:
             watched = [*self.conns, *self.pidfds, *([self.listener] if self.listener is not None else [])]
             timeout = max(0.0, min(self.orphans.values()) - time.monotonic()) if self.orphans else None
             readable, _, _ = select.select(watched, [], [], timeout)
+            # the objects, not their numbers: a connection hung up below frees its number for the next accept
+            talking = [self.conns[fd] for fd in readable if fd in self.conns]
             self._kill_overdue_orphans()
             for pidfd in [fd for fd in readable if fd in self.pidfds]:
                 self._reap(pidfd)
             if self.listener is not None and self.listener in readable:
                 self._accept()
-            for fd in [fd for fd in readable if fd in self.conns]:
-                conn = self.conns[fd]
+            for conn in talking:
+                if conn.sock.fileno() < 0:  # hung up since select (a report to it failed)
+                    continue
                 data, fds, flags, _ = receive_request(conn.sock)
                 if not data:
                     if conn.owner:
