@@ -6,6 +6,8 @@ Markers (registered in pyproject.toml):
   when the machine has fewer; ``-m gpu`` selects both.
 * ``faults_full``: the long trials of tests/faults/, skipped unless DFLASH_IPC_FAULTS_FULL=1.
 * ``slow``: spawns process groups (``dflash-ipc up``, torch.distributed ranks).
+* ``own_forkserver``: runs without the worker's shared fork server (``shared_forkserver``): the test
+  asserts the product's own server lifecycle or counts the supervisor's process tree.
 
 pytest-xdist (``-n 2``, the README's command): ``worker_scope`` says which tests go to one worker
 together (a module, the shared run's readers); ``check_worker_scopes`` refuses a layout that would
@@ -26,9 +28,11 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,6 +177,57 @@ def check_worker_scopes(items: list[pytest.Item]) -> None:
     split = {root: sorted(found) for root, found in scopes.items() if len(found) > 1}
     if split:
         raise pytest.UsageError(f"tests sharing a fixture fall in different pytest-xdist scopes (tests/conftest.py: worker_scope): {split}")
+
+
+# --------------------------------------------------------------------------- one fork server per worker
+
+_SHARED_FORKSERVER = pytest.StashKey[dict]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_forkserver(pytestconfig: pytest.Config) -> Iterator[str | None]:
+    """One preloading fork server per worker that every `up` of the session forks its children from
+    (DFLASH_IPC_SHARED_FORKSERVER, runtime/forkserver.py's test/debug switch), instead of each `up`
+    importing torch in a server of its own (~5 CPU-s). Setting the variable beforehand (empty: off) wins."""
+    from dflash_ipc.runtime.forkserver import SHARED_FORKSERVER_ENV, UP_PRELOAD, ForkServer
+    from dflash_ipc.runtime.launch import child_env
+
+    if SHARED_FORKSERVER_ENV in os.environ:
+        yield os.environ[SHARED_FORKSERVER_ENV] or None
+        return
+    directory = tempfile.mkdtemp(prefix="dflash-fs-")  # 0700, and a short socket path
+    path = os.path.join(directory, "forkserver.sock")
+    server = ForkServer.start(UP_PRELOAD, child_env(), listen=path)
+    state = pytestconfig.stash.setdefault(_SHARED_FORKSERVER, {})
+    state["path"] = path
+    if not state.get("own"):
+        os.environ[SHARED_FORKSERVER_ENV] = path
+    try:
+        yield path
+    finally:
+        state["path"] = None
+        os.environ.pop(SHARED_FORKSERVER_ENV, None)
+        server.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """An ``own_forkserver`` test runs (its fixtures too) without the shared fork server's variable."""
+    if item.get_closest_marker("own_forkserver") is None:
+        return (yield)
+    from dflash_ipc.runtime.forkserver import SHARED_FORKSERVER_ENV
+
+    state = item.config.stash.setdefault(_SHARED_FORKSERVER, {})
+    saved = os.environ.pop(SHARED_FORKSERVER_ENV, None)
+    state["own"] = True
+    try:
+        return (yield)
+    finally:
+        state["own"] = False
+        value = state.get("path", saved)  # the fixture's (None once torn down), else what was set by hand
+        if value:
+            os.environ[SHARED_FORKSERVER_ENV] = value
 
 
 # --------------------------------------------------------------------------- TOML from dicts

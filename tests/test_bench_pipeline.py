@@ -12,11 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import SMALL_RUN, tiny_cpu_config, write_toml
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.own_forkserver  # the RSS of the supervisor's process tree, by role
 def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
     cfg = write_toml(tmp_path / "bench.toml", tiny_cpu_config(data=SMALL_RUN["data"]))  # the bench sets its own training keys
     out = tmp_path / "variants.jsonl"

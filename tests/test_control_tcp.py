@@ -34,7 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 ROUNDS = 3
 STRANGER_KINDS = ("no CURVE", "own key pair", "wrong server key")
 
-pytestmark = pytest.mark.skipif(not curve.curve_available(), reason="libzmq without CURVE")
+pytestmark = [
+    pytest.mark.skipif(not curve.curve_available(), reason="libzmq without CURVE"),
+    pytest.mark.own_forkserver,  # reads the listening sockets of the supervisor's process tree
+]
 
 
 def _wait(pred, what: str, proc: subprocess.Popen, timeout: float = 120.0):

@@ -22,6 +22,7 @@ from dflash_ipc.config import ConfigError, RunConfig, load_config
 from dflash_ipc.runtime.forkserver import LOST_EXIT_CODE, UP_PRELOAD, ForkServer, use_forkserver
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.own_forkserver  # the product's own server lifecycle
 
 CHILD = """
 import json, os, sys

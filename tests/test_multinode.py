@@ -196,6 +196,7 @@ def rank_records(*nodes: Node) -> list[dict]:
     return [json.loads(p.read_text()) for n in nodes for p in sorted((n.run_dir / "ranks").glob("rank-*.json"))]
 
 
+@pytest.mark.own_forkserver  # SIGSTOPs the hung node's supervisor and its process tree
 @pytest.mark.timeout(900)  # the safety nets of the three tests it holds (300 s each, pyproject)
 def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the_plan(tmp_path: Path) -> None:
     """One two-node run through the multi-node paths (the hang of node 0, the store's, is

@@ -20,6 +20,7 @@ from test_multinode import hang_node, run_both, wait_training, write_config
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.own_forkserver  # SIGSTOPs the hung node's supervisor and its process tree
 @pytest.mark.parametrize("hung_rank", [0], ids=["node0-the-store-hangs"])
 def test_a_hung_node_ends_the_run_on_the_other(tmp_path: Path, hung_rank: int) -> None:
     """Node 1 hanging is tested after a restart, in tests/test_multinode.py."""

@@ -36,6 +36,36 @@ A SIGKILLed supervisor takes everything down in a chain: the server dies of its 
 each child of it of its own (``launch.main`` arms SIGTERM before importing the role), then leaves
 through its CLOSING path. A server that ends while children run (killed by hand) leaves their exit
 statuses unknown: the client reports :data:`LOST_EXIT_CODE` once they are gone.
+
+Shared mode, a test/debug switch (the product never uses it): ``DFLASH_IPC_SHARED_FORKSERVER=PATH``
+makes ``up``'s launcher (:func:`launcher_for`, only where it would fork anyway) connect to a server
+listening at PATH (``ForkServer.start(..., listen=PATH)``; tests/conftest.py starts one per pytest
+worker) instead of starting its own, saving each ``up`` the preload. The socket's directory must be
+the user's and 0700 (both sides check, and the server serves only its own uid, SO_PEERCRED). The
+preload read the variables :data:`~dflash_ipc.runtime.forkserver_serve.PRELOAD_ENV_PREFIXES` name at import: a client whose children's
+environment differs in one of them, that runs in other namespaces or on other CPUs than the server
+(``forkserver_serve.process_context``: a child inherits those from the server), or that needs a module
+the server did not preload, starts its own server as usual and says why in its log; the server also
+refuses a request whose environment differs. Each
+connection owns the children it asked for; the same JSON requests and SCM_RIGHTS descriptors::
+
+    server (as above, plus --listen PATH): bind PATH, then the preload, READY on the owner's socketpair
+    SERVING: the owner's socket, the listening one, every client connection, one pidfd per live child
+      accept ─▶ peer of another uid: closed │ else HELLO {pid, preload, preload_env, ...} = its READY
+      request on a connection ─▶ fork, the child is that connection's ─▶ {"pid"}
+      {"op": "status"} ─▶ {"status": {clients, children, rejected}}
+      a bad request (not JSON, a bad argv/env/fds, an environment the preload disagrees with)
+          ─▶ {"error"}, counted in ``rejected``; the server and the connection go on
+      a child's pidfd ─▶ waitpid ─▶ {"exit"} to its owning connection only, if still open
+      EOF on a client connection (its supervisor ended, or died: SIGKILL too) ─▶ nothing more is
+          sent there; its live children get SIGTERM, SIGKILL after ORPHAN_GRACE_S; once the last is
+          reaped, the dead supervisor's socket files in their --run-dir go, as its last child removes them
+      EOF on the owner's socket (ForkServer.close) ─▶ unlink PATH, exit 0 (any children left: death signal)
+      the owner (the pytest worker) dies ─▶ PDEATHSIG SIGKILL, then the chain above
+
+A shared server's child has the server as parent, so ``--supervisor-pid`` is still the server's
+pid and every check of :mod:`dflash_ipc.runtime.launch` holds; its supervisor's death reaches it as
+the server's SIGTERM (the connection's EOF) instead of its own death signal.
 """
 
 from __future__ import annotations
@@ -53,9 +83,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dflash_ipc.runtime.forkserver_serve import (
+    MAX_MESSAGE,
+    Server,
+    check_private_dir,
+    context_differences,
+    listen_at,
+    peer_uid,
+    preload_env,
+    preload_env_differences,
+    process_context,
+)
 from dflash_ipc.runtime.launch import set_parent_death_signal
 
 if TYPE_CHECKING:
@@ -78,7 +119,8 @@ UP_PRELOAD = (
 START_TIMEOUT_S = 600.0
 #: The exit code reported for a child whose status was lost with its server.
 LOST_EXIT_CODE = 255
-_MAX_MESSAGE = 1 << 22
+#: The test/debug switch: the socket of a shared server ``up`` forks from instead of starting its own.
+SHARED_FORKSERVER_ENV = "DFLASH_IPC_SHARED_FORKSERVER"
 
 
 def use_forkserver(launcher: str, on_cuda: bool) -> bool:
@@ -86,11 +128,24 @@ def use_forkserver(launcher: str, on_cuda: bool) -> bool:
     return launcher == "forkserver" or (launcher == "auto" and not on_cuda)
 
 
-def launcher_for(cfg: DFlashConfig, env: dict[str, str]) -> ForkServer | None:
-    """A started server for ``up``'s children when ``run.launcher`` resolves to one, else None (exec)."""
+def launcher_for(cfg: DFlashConfig, env: dict[str, str], echo: Callable[[str], None] = print) -> ForkServer | None:
+    """A server for ``up``'s children when ``run.launcher`` resolves to one, else None (exec): the
+    shared one :data:`SHARED_FORKSERVER_ENV` names if it suits ``env``, else one started here."""
     if not use_forkserver(cfg.run.launcher, cfg.topology.on_cuda):
         return None
-    return ForkServer.start(UP_PRELOAD, env)
+    shared = os.environ.get(SHARED_FORKSERVER_ENV, "")
+    if shared:
+        t0 = time.perf_counter()
+        try:
+            server = ForkServer.connect(shared, env, UP_PRELOAD)
+            shared_by = f"the shared one at {shared} (pid {server.pid}, preloaded in {server.ready['seconds']:.1f} s)"
+            echo(f"[up] fork server (run.launcher) ready after {time.perf_counter() - t0:.1f} s: {shared_by}; {SHARED_FORKSERVER_ENV}")
+            return server
+        except (OSError, RuntimeError, ValueError) as e:
+            echo(f"[up] shared fork server {shared} not used ({e}): starting this run's own")
+    server = ForkServer.start(UP_PRELOAD, env)
+    echo(f"[up] fork server (run.launcher) ready after {server.ready['seconds']:.1f} s: torch, transformers and the roles preloaded")
+    return server
 
 
 def popen_with(launcher: ForkServer | None, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen | ForkedProcess:
@@ -136,8 +191,8 @@ class ForkedProcess:
 class ForkServer:
     """The client side: start the server, fork children from it (:meth:`popen`), close it."""
 
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket, ready: dict):
-        self._proc = proc
+    def __init__(self, proc: subprocess.Popen | None, sock: socket.socket, ready: dict):
+        self._proc = proc  # None: a connection to a shared server (connect), which outlives this client
         self._sock = sock
         self.ready = ready  # the READY message: pid, cuda_initialized, seconds, skipped
         self._children: dict[int, ForkedProcess] = {}
@@ -147,12 +202,17 @@ class ForkServer:
     @property
     def pid(self) -> int:
         """The server's pid: every forked child's parent."""
-        return self._proc.pid
+        return self._proc.pid if self._proc is not None else int(self.ready["pid"])
 
     @classmethod
-    def start(cls, preload: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S) -> ForkServer:
+    def start(
+        cls, preload: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S, listen: str | None = None
+    ) -> ForkServer:
+        """Start a server for this process; with ``listen``, a shared one that also serves the clients
+        that :meth:`connect` to that socket path (its directory: this user's, 0700)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [sys.executable, "-m", "dflash_ipc.runtime.forkserver", "--socket-fd", str(theirs.fileno()), "--parent", str(os.getpid())]
+        argv += ["--listen", str(listen)] if listen else []
         try:
             proc = subprocess.Popen([*argv, *preload], env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
         except BaseException:
@@ -163,7 +223,7 @@ class ForkServer:
         ready: dict = {}
         try:
             ours.settimeout(timeout_s)
-            ready = json.loads(ours.recv(_MAX_MESSAGE) or b"{}")
+            ready = json.loads(ours.recv(MAX_MESSAGE) or b"{}")
             ours.settimeout(None)
         except (TimeoutError, ValueError):
             pass
@@ -171,10 +231,46 @@ class ForkServer:
         if not ready.get("ready") or ready.get("cuda_initialized"):
             server.close()
             why = f"ended or was not ready within {timeout_s:g} s"
+            if ready.get("error"):
+                why = f"refused to start: {ready['error']}"
             if ready.get("cuda_initialized"):
                 why = "initialized CUDA (or loaded its driver) while preloading"
             raise RuntimeError(f'the fork server (python -m dflash_ipc.runtime.forkserver) {why}; set run.launcher = "exec"')
         return server
+
+    @classmethod
+    def connect(cls, path: str, env: dict[str, str], preload: Sequence[str] = (), timeout_s: float = 60.0) -> ForkServer:
+        """A client of the shared server listening at ``path``: RuntimeError when it does not suit
+        children of ``env`` (a preload-read variable differs, a module of ``preload`` was not preloaded),
+        OSError when it cannot be reached or its directory is not private."""
+        check_private_dir(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+            if peer_uid(sock) != os.getuid():
+                raise OSError(f"the server at {path} runs as another user")
+            hello = json.loads(sock.recv(MAX_MESSAGE) or b"{}")
+            sock.settimeout(None)
+            if not hello.get("ready") or hello.get("cuda_initialized"):
+                raise OSError(f"the server at {path} is not a ready fork server")
+            missing = sorted(set(preload) - set(hello.get("preload", ())))
+            if missing:
+                raise RuntimeError(f"it did not preload {', '.join(missing)}")
+            differ = preload_env_differences(hello.get("preload_env", {}), env)
+            if differ:
+                raise RuntimeError(f"its preload read another {', '.join(differ)}")
+            differ = context_differences(hello.get("context", {}))
+            if differ:
+                raise RuntimeError(f"its children would get another {', '.join(differ)} than this process's")
+        except BaseException:
+            sock.close()
+            raise
+        return cls(None, sock, hello)
+
+    def server_status(self) -> dict:
+        """A shared server's counts: clients connected, live children, requests rejected."""
+        return self._request({"op": "status"}, [], "status")["status"]
 
     def popen(
         self,
@@ -192,21 +288,29 @@ class ForkServer:
         if len(argv) < 3 or argv[1] != "-m":
             raise ValueError(f"the fork server runs `python -m MODULE ...` command lines only (got {argv[:3]})")
         request = {"argv": argv, "env": dict(os.environ if env is None else env), "cwd": os.getcwd(), "fds": [1, 2, *pass_fds]}
-        with self._lock, contextlib.ExitStack() as opened:
-            if self._ended:
-                raise OSError("the fork server has ended")
+        with contextlib.ExitStack() as opened:
             out = _fd_of(stdout, 1, opened)
             err = out if stderr == subprocess.STDOUT else _fd_of(stderr, 2, opened)
-            socket.send_fds(self._sock, [json.dumps(request).encode()], [out, err, *pass_fds])
-            while True:  # the answer, after any exit reports sent before it
+            return self._request(request, [out, err, *pass_fds], argv[2])
+
+    def _request(self, request: dict, fds: list[int], what: str) -> Any:
+        """Send ``request`` and return its answer (a ForkedProcess for a fork), applying any exit
+        reports sent before it."""
+        with self._lock:
+            if self._ended:
+                raise OSError("the fork server has ended")
+            socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
+            while True:
                 msg = self._receive(None)
                 if msg is None:
-                    raise OSError(f"the fork server ended while starting {argv[2]}")
+                    raise OSError(f"the fork server ended while starting {what}")
                 if "pid" in msg:
-                    child = self._children[msg["pid"]] = ForkedProcess(self, msg["pid"], argv)
+                    child = self._children[msg["pid"]] = ForkedProcess(self, msg["pid"], request["argv"])
                     return child
                 if "error" in msg:
-                    raise OSError(f"the fork server could not start {argv[2]}: {msg['error']}")
+                    raise OSError(f"the fork server could not start {what}: {msg['error']}")
+                if "status" in msg:
+                    return msg
                 self._on_exit(msg)
 
     def pump(self, timeout: float) -> None:
@@ -222,13 +326,16 @@ class ForkServer:
                 self._reap_lost()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """End the server (EOF on its socket) and wait for it; idempotent."""
+        """End the server (EOF on its socket) and wait for it; idempotent. A shared server's client
+        only hangs up (the server then ends what it still runs of this client's)."""
         with self._lock:
             self._ended = True
             if self._sock.fileno() >= 0:
                 with contextlib.suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
                 self._sock.close()
+        if self._proc is None:
+            return
         try:
             self._proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -242,7 +349,7 @@ class ForkServer:
         ready, _, _ = select.select([self._sock], [], [], timeout)
         if not ready:
             return None
-        data = self._sock.recv(_MAX_MESSAGE)
+        data = self._sock.recv(MAX_MESSAGE)
         if not data:
             self._ended = True
             return None
@@ -280,14 +387,32 @@ def _alive(pid: int) -> bool:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``python -m dflash_ipc.runtime.forkserver --socket-fd N --parent P MODULE...``."""
-    sock_fd, parent, preload = int(argv[1]), int(argv[3]), list(argv[4:])
+    """``python -m dflash_ipc.runtime.forkserver --socket-fd N --parent P [--listen PATH] MODULE...``."""
+    sock_fd, parent = int(argv[1]), int(argv[3])
+    listen = argv[5] if len(argv) > 5 and argv[4] == "--listen" else None
+    preload = list(argv[6:] if listen else argv[4:])
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:
         return 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor decides
     sock = socket.socket(fileno=sock_fd)
+    try:
+        listener = listen_at(listen) if listen else None
+    except (OSError, ValueError) as e:
+        sock.send(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}).encode())
+        return 1
+    server_pid = os.getpid()
+    try:
+        return _preload_and_serve(sock, listener, parent, preload)
+    finally:
+        if listen and os.getpid() == server_pid:  # the server leaving, not a forked child
+            with contextlib.suppress(OSError):
+                os.unlink(listen)
+
+
+def _preload_and_serve(sock: socket.socket, listener: socket.socket | None, parent: int, preload: list[str]) -> int:
     t0 = time.perf_counter()
+    read_env = preload_env(dict(os.environ))  # before the imports, some of which set variables of their own
     skipped = []
     for name in preload:
         try:
@@ -299,16 +424,18 @@ def main(argv: Sequence[str]) -> int:
     with contextlib.suppress(ImportError):
         import setproctitle
 
-        setproctitle.setproctitle(f"dflash-ipc:forkserver (supervisor {parent})")
+        whose = f"shared by the clients of {listener.getsockname()}, owner {parent}" if listener else f"supervisor {parent}"
+        setproctitle.setproctitle(f"dflash-ipc:forkserver ({whose})")
     # What was preloaded lives as long as any child: out of the cyclic collector's sight, a child's
     # collections (and the last one at its exit, a second of CPU with torch loaded) skip it, and its pages stay shared.
     gc.freeze()
     cuda = _cuda_touched()
     ready = {"ready": True, "pid": os.getpid(), "cuda_initialized": cuda, "seconds": round(time.perf_counter() - t0, 3), "skipped": skipped}
+    ready |= {"preload": [n for n in preload if n in sys.modules], "preload_env": read_env, "context": process_context()}
     try:
         sock.send(json.dumps(ready).encode())
-        request = None if cuda else _serve(sock)
-    except (BrokenPipeError, ConnectionResetError):  # the client is gone: so are its children's reports
+        request = None if cuda else Server(sock, listener, ready).serve()
+    except (BrokenPipeError, ConnectionResetError):  # the owner is gone: so are its children's reports
         return 0
     return (1 if cuda else 0) if request is None else _run_child(*request)
 
@@ -324,50 +451,16 @@ def _cuda_touched() -> bool:
         return "libcuda.so" in maps.read()
 
 
-def _serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
-    """Fork on request until EOF; returns None in the server, the request in a forked child."""
-    pidfds: dict[int, int] = {}  # pidfd -> pid
-    while True:
-        readable, _, _ = select.select([sock, *pidfds], [], [])
-        for pidfd in [fd for fd in readable if fd in pidfds]:
-            pid = pidfds.pop(pidfd)
-            os.close(pidfd)
-            _, status = os.waitpid(pid, 0)
-            sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
-        if sock not in readable:
-            continue
-        data, fds, flags, _ = socket.recv_fds(sock, _MAX_MESSAGE, 64)
-        if not data:
-            return None
-        try:
-            request = json.loads(data)
-            if flags & socket.MSG_TRUNC or len(fds) != len(request["fds"]):
-                raise ValueError("truncated request")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            for fd in fds:
-                os.close(fd)
-            sock.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
-            continue
-        if pid == 0:
-            sock.detach()  # closed with every other descriptor of the server in _run_child
-            return request, fds
-        for fd in fds:
-            os.close(fd)
-        pidfds[os.pidfd_open(pid)] = pid
-        sock.send(json.dumps({"pid": pid}).encode())
-
-
 def _run_child(request: dict, fds: list[int]) -> int:
     """In the forked child: become what ``Popen(request["argv"], ...)`` would have started."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _place_fds(dict(zip(request["fds"], fds, strict=True)))
     os.environ.clear()
     os.environ.update(request["env"])
-    os.chdir(request["cwd"])
     argv = request["argv"]
+    if sys.path and sys.path[0] == os.getcwd():  # `python -m` puts its directory first: the child's, not the server's
+        sys.path[0] = request["cwd"]
+    os.chdir(request["cwd"])
     with contextlib.suppress(ImportError):
         import setproctitle
 

@@ -178,10 +178,7 @@ class Supervisor:
         if self.resume:  # the shared checkpoint root of several nodes, too (the run dir's: validate_for_up)
             check_resume_config(self.cfg, self.node.checkpoint_root(run_dir))
         n_shards = self.node.nnodes * len(self.cfg.topology.targets)  # every target of every node: one global shard each
-        self.launcher = launcher_for(self.cfg, child_env())
-        if self.launcher is not None:  # its preload is the start-up the children no longer pay: say where it went
-            preload_s = self.launcher.ready["seconds"]
-            self.echo(f"[up] fork server (run.launcher) ready after {preload_s:.1f} s: torch, transformers and the roles preloaded")
+        self.launcher = launcher_for(self.cfg, child_env(), self.echo)  # says where its preload went (or which shared one)
         plan = run_probe(self.cfg, run_dir, n_shards, launcher=self.launcher)
         self.echo(f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)")
         channels.make_private_dir(run_dir)

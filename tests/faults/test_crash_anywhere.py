@@ -189,6 +189,7 @@ def test_supervisor_killed_during_import_leaves_no_orphan_and_the_run_dir_restar
     assert leftovers(up) == []
 
 
+@pytest.mark.own_forkserver  # the chain of death signals (the shared server's case: test_shared_forkserver.py)
 def test_supervisor_killed_mid_step_takes_the_fork_server_and_every_forked_child_down(tmp_path):
     """run.launcher "auto" on the CPU: the children are the fork server's; its death signal ends it with
     the supervisor, theirs ends them, and they still leave through CLOSING (no segment, no socket)."""
@@ -235,6 +236,7 @@ def test_full_sigkill_each_role_at_random_moments(tmp_path, victim, moment, tria
 
 
 @pytest.mark.faults_full
+@pytest.mark.own_forkserver
 @pytest.mark.parametrize("trial", range(3))
 @pytest.mark.parametrize("moment", ["import", "handshake", "step"])
 def test_full_sigkill_supervisor_at_random_moments(tmp_path, moment, trial):
