@@ -125,12 +125,21 @@ def lock_owner_pid(run_dir: Path) -> int | None:
 
 
 def is_run_process(pid: int, run_dir: Path) -> bool:
-    """``pid`` is alive (not a zombie) and is a child of this run (its argv names the run dir)."""
+    """``pid`` is alive (not a zombie) and is a child of this run (its argv names the run dir).
+
+    A live process whose argv reads empty (between fork and exec, or while exec swaps it) or cannot be read
+    counts as this run's: "gone" must mean gone, or a check of what the run left could run before the
+    process has left."""
     try:
         p = psutil.Process(pid)
-        return p.status() != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(p.cmdline())
-    except psutil.Error:
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        argv = " ".join(p.cmdline())
+    except psutil.NoSuchProcess:
         return False
+    except psutil.Error:
+        return True
+    return not argv or str(run_dir) in argv
 
 
 def leftovers(up: Up, pids: dict[str, int] | None = None) -> list[str]:
