@@ -189,7 +189,7 @@ def shared_forkserver(pytestconfig: pytest.Config) -> Iterator[str | None]:
     """One preloading fork server per worker that every `up` of the session forks its children from
     (DFLASH_IPC_SHARED_FORKSERVER, runtime/forkserver.py's test/debug switch), instead of each `up`
     importing torch in a server of its own (~5 CPU-s). Setting the variable beforehand (empty: off) wins."""
-    from dflash_ipc.runtime.forkserver import SHARED_FORKSERVER_ENV, UP_PRELOAD, ForkServer
+    from dflash_ipc.runtime.forkserver import SHARED_FORKSERVER_ENV, ForkServer, up_preload
     from dflash_ipc.runtime.launch import child_env
 
     if SHARED_FORKSERVER_ENV in os.environ:
@@ -197,7 +197,13 @@ def shared_forkserver(pytestconfig: pytest.Config) -> Iterator[str | None]:
         return
     directory = tempfile.mkdtemp(prefix="dflash-fs-")  # 0700, and a short socket path
     path = os.path.join(directory, "forkserver.sock")
-    server = ForkServer.start(UP_PRELOAD, child_env(), listen=path)
+    try:
+        server = ForkServer.start(up_preload(), child_env(), listen=path)
+    except RuntimeError as e:  # e.g. a GPU host where a preloaded module initializes CUDA: each up starts its own launcher
+        shutil.rmtree(directory, ignore_errors=True)
+        print(f"\n[conftest] no shared fork server: {e}", file=sys.stderr)
+        yield None
+        return
     state = pytestconfig.stash.setdefault(_SHARED_FORKSERVER, {})
     state["path"] = path
     if not state.get("own"):

@@ -208,8 +208,10 @@ def test_bench_cli_refuses_an_unknown_variant_before_building_anything():
 @pytest.mark.gpu
 def test_on_the_gpu_compiled_layers_and_ce_chunks_keep_the_bf16_step_and_compile_once(fresh_dynamo):
     """SmolLM2-135M shapes, bf16, flex attention (compiled on its own): both compile options against eager."""
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "smollm2-1gpu-synth.toml"))
+    # the file sets both options itself: the baseline is its eager variant
+    cfg = variant_config(load_config(str(Path(__file__).resolve().parents[1] / "configs" / "smollm2-1gpu-synth.toml")), "eager")
     model = build_bench_drafter(cfg, torch.device("cuda:0"), random_target=True)
+    assert not model.compile_dense
     first, second = synthetic_batches(model, cfg, 2, 4096, 270, 0.85)
 
     def loss_and_grads(c, views):

@@ -6,8 +6,10 @@ validated. Whole runs of ``up`` fork their children this way by default on the C
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import psutil
 import pytest
 
 from dflash_ipc.config import ConfigError, RunConfig, load_config
-from dflash_ipc.runtime.forkserver import LOST_EXIT_CODE, UP_PRELOAD, ForkServer, use_forkserver
+from dflash_ipc.runtime.forkserver import IMPORTS_FLA, LOST_EXIT_CODE, UP_PRELOAD, ForkServer, up_preload, use_forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.own_forkserver  # the product's own server lifecycle
@@ -177,10 +179,32 @@ def test_the_server_of_up_preloads_everything_and_never_initializes_cuda(tmp_pat
         assert server.ready["cuda_initialized"] is False and server.ready["skipped"] == [], server.ready
     finally:
         server.close()
-    # a preload that did initialize CUDA (simulated: this host has none) is refused, naming the setting
+    # a preload that did initialize CUDA (simulated: this host has none) is refused, naming the module and the setting
     env = _modules(tmp_path, fs_cuda="import torch\ntorch.cuda.is_initialized = lambda: True\n")
-    with pytest.raises(RuntimeError, match=r'initialized CUDA \(or loaded its driver\) while preloading; set run.launcher = "exec"'):
-        ForkServer.start(["fs_cuda"], env)
+    with pytest.raises(RuntimeError, match=r'initialized CUDA \(or loaded its driver\) while preloading fs_cuda; set run.launcher = "exec"'):
+        ForkServer.start(["json", "fs_cuda"], env)
+
+
+def test_a_preload_that_loads_the_cuda_driver_is_refused_naming_the_module(tmp_path):
+    """The driver loaded without torch knowing (a library's import asked the GPU something): a real shared
+    object mapped under the driver's name, as /proc/self/maps then shows it."""
+    import _json
+
+    shutil.copy(_json.__file__, tmp_path / "libcuda.so.1")
+    env = _modules(tmp_path, fs_driver=f"import ctypes\nctypes.CDLL({str(tmp_path / 'libcuda.so.1')!r})\n")
+    with pytest.raises(RuntimeError, match=r"while preloading fs_driver; set run.launcher"):
+        ForkServer.start(["json", "fs_driver", "msgpack"], env)
+
+
+def test_up_preload_leaves_what_imports_fla_to_the_children_where_fla_is_installed(tmp_path, monkeypatch):
+    assert importlib.util.find_spec("fla") is None  # this host: the whole list
+    assert up_preload() == UP_PRELOAD and IMPORTS_FLA <= set(UP_PRELOAD)
+    (tmp_path / "fla").mkdir()
+    (tmp_path / "fla" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    kept = up_preload()
+    assert set(kept) == set(UP_PRELOAD) - IMPORTS_FLA and "dflash_ipc.procs.target" in kept
 
 
 def test_run_launcher_is_validated_and_auto_forks_only_without_cuda(tmp_path):

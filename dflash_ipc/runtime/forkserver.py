@@ -6,9 +6,11 @@ state, instead of each child starting a new Python that imports them again (seco
 (``subprocess.Popen``), "forkserver" forks it from the server, and "auto" (the default) means
 forkserver when every device of the topology is the CPU (tests, the embedded default) and exec as
 soon as one is CUDA: the server never initializes CUDA (it checks after preloading that torch did
-not and that the CUDA driver is not even loaded, and the client refuses a server that fails this), so
-a forked child could set up its own device, but that path has not been validated on a GPU host yet
-(tests/test_gpu_pipeline.py's forkserver case does).
+not and that the CUDA driver is not even loaded, and the client refuses a server that fails this, naming
+the module whose import did it), so a forked child could set up its own device. On a GPU host the first
+such server was refused: transformers' Qwen3.5 modeling imports flash-linear-attention, whose import
+asks the GPU its name; :func:`up_preload` leaves such modules to the children where fla is installed.
+The forked path on a GPU is still to be validated (tests/test_gpu_pipeline.py's forkserver case).
 
 A forked child gets what ``Popen`` would have given it: the same argv (only ``python -m MODULE
 ...`` command lines: the module runs as ``__main__`` through :mod:`runpy`), environment, working
@@ -73,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import importlib.util
 import json
 import os
 import runpy
@@ -115,12 +118,23 @@ UP_PRELOAD = (
     "dflash_ipc.procs.drafter",
     "dflash_ipc.runtime.probe",
 )
+#: Preload entries that import flash-linear-attention where it is installed: fla's import asks torch for
+#: the GPU's name (its hardware checks), which initializes CUDA, and a child forked after that cannot use
+#: CUDA. Where fla imports, the child imports these itself (:func:`up_preload`).
+IMPORTS_FLA = frozenset({"transformers.models.qwen3_5.modeling_qwen3_5"})
 #: How long a server may take to import its preload list (torch on a busy host: tens of seconds).
 START_TIMEOUT_S = 600.0
 #: The exit code reported for a child whose status was lost with its server.
 LOST_EXIT_CODE = 255
 #: The test/debug switch: the socket of a shared server ``up`` forks from instead of starting its own.
 SHARED_FORKSERVER_ENV = "DFLASH_IPC_SHARED_FORKSERVER"
+
+
+def up_preload() -> tuple[str, ...]:
+    """:data:`UP_PRELOAD` as this host can preload it without initializing CUDA (:data:`IMPORTS_FLA`)."""
+    if importlib.util.find_spec("fla") is None:
+        return UP_PRELOAD
+    return tuple(name for name in UP_PRELOAD if name not in IMPORTS_FLA)
 
 
 def use_forkserver(launcher: str, on_cuda: bool) -> bool:
@@ -137,13 +151,13 @@ def launcher_for(cfg: DFlashConfig, env: dict[str, str], echo: Callable[[str], N
     if shared:
         t0 = time.perf_counter()
         try:
-            server = ForkServer.connect(shared, env, UP_PRELOAD)
+            server = ForkServer.connect(shared, env, up_preload())
             shared_by = f"the shared one at {shared} (pid {server.pid}, preloaded in {server.ready['seconds']:.1f} s)"
             echo(f"[up] fork server (run.launcher) ready after {time.perf_counter() - t0:.1f} s: {shared_by}; {SHARED_FORKSERVER_ENV}")
             return server
         except (OSError, RuntimeError, ValueError) as e:
             echo(f"[up] shared fork server {shared} not used ({e}): starting this run's own")
-    server = ForkServer.start(UP_PRELOAD, env)
+    server = ForkServer.start(up_preload(), env)
     echo(f"[up] fork server (run.launcher) ready after {server.ready['seconds']:.1f} s: torch, transformers and the roles preloaded")
     return server
 
@@ -234,7 +248,7 @@ class ForkServer:
             if ready.get("error"):
                 why = f"refused to start: {ready['error']}"
             if ready.get("cuda_initialized"):
-                why = "initialized CUDA (or loaded its driver) while preloading"
+                why = f"initialized CUDA (or loaded its driver) while preloading {ready.get('cuda_by') or 'its modules'}"
             raise RuntimeError(f'the fork server (python -m dflash_ipc.runtime.forkserver) {why}; set run.launcher = "exec"')
         return server
 
@@ -414,11 +428,14 @@ def _preload_and_serve(sock: socket.socket, listener: socket.socket | None, pare
     t0 = time.perf_counter()
     read_env = preload_env(dict(os.environ))  # before the imports, some of which set variables of their own
     skipped = []
+    cuda_by = ""  # the first module whose import touched CUDA: the refusal names it
     for name in preload:
         try:
             __import__(name)
         except ImportError as e:  # an optional module: its child imports it (or fails) itself
             skipped.append(f"{name}: {e}")
+        if not cuda_by and _cuda_touched():
+            cuda_by = name
     # Claim the title's memory here, before a child rewrites environ: setproctitle finds the argv area
     # through environ's strings, and a child's new environment would leave it no title to set.
     with contextlib.suppress(ImportError):
@@ -429,8 +446,8 @@ def _preload_and_serve(sock: socket.socket, listener: socket.socket | None, pare
     # What was preloaded lives as long as any child: out of the cyclic collector's sight, a child's
     # collections (and the last one at its exit, a second of CPU with torch loaded) skip it, and its pages stay shared.
     gc.freeze()
-    cuda = _cuda_touched()
-    ready = {"ready": True, "pid": os.getpid(), "cuda_initialized": cuda, "seconds": round(time.perf_counter() - t0, 3), "skipped": skipped}
+    cuda = bool(cuda_by) or _cuda_touched()
+    ready = {"ready": True, "pid": os.getpid(), "cuda_initialized": cuda, "cuda_by": cuda_by, "seconds": round(time.perf_counter() - t0, 3), "skipped": skipped}
     ready |= {"preload": [n for n in preload if n in sys.modules], "preload_env": read_env, "context": process_context()}
     try:
         sock.send(json.dumps(ready).encode())

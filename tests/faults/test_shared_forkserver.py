@@ -18,7 +18,7 @@ import time
 import pytest
 from fault_harness import Up, leftovers, status_json, wait_gone, write_config
 
-from dflash_ipc.runtime.forkserver import SHARED_FORKSERVER_ENV, UP_PRELOAD, ForkServer
+from dflash_ipc.runtime.forkserver import SHARED_FORKSERVER_ENV, ForkServer, up_preload
 from dflash_ipc.runtime.launch import child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.own_forkserver]  # a shared server of its own, whose clients it counts
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.own_forkserver]  # a shared server o
 def test_a_sigkilled_supervisor_of_a_shared_fork_server_leaves_nothing_and_the_server_serves_on(tmp_path, monkeypatch):
     directory = tempfile.mkdtemp(prefix="dflash-fs-test-")
     path = os.path.join(directory, "fs.sock")
-    owner = ForkServer.start(UP_PRELOAD, child_env(), listen=path)
+    owner = ForkServer.start(up_preload(), child_env(), listen=path)
     try:
         monkeypatch.setenv(SHARED_FORKSERVER_ENV, path)
         up = Up(write_config(tmp_path / "c.toml"), tmp_path / "run")
