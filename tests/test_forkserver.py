@@ -181,7 +181,8 @@ def test_the_server_of_up_preloads_everything_and_never_initializes_cuda(tmp_pat
         server.close()
     # a preload that did initialize CUDA (simulated: this host has none) is refused, naming the module and the setting
     env = _modules(tmp_path, fs_cuda="import torch\ntorch.cuda.is_initialized = lambda: True\n")
-    with pytest.raises(RuntimeError, match=r'initialized CUDA \(or loaded its driver\) while preloading fs_cuda; set run.launcher = "exec"'):
+    refused = r'initialized CUDA \(or loaded its driver\) while preloading fs_cuda; set run.launcher = "exec"'
+    with pytest.raises(RuntimeError, match=refused):
         ForkServer.start(["json", "fs_cuda"], env)
 
 

@@ -447,7 +447,8 @@ def _preload_and_serve(sock: socket.socket, listener: socket.socket | None, pare
     # collections (and the last one at its exit, a second of CPU with torch loaded) skip it, and its pages stay shared.
     gc.freeze()
     cuda = bool(cuda_by) or _cuda_touched()
-    ready = {"ready": True, "pid": os.getpid(), "cuda_initialized": cuda, "cuda_by": cuda_by, "seconds": round(time.perf_counter() - t0, 3), "skipped": skipped}
+    ready = {"ready": True, "pid": os.getpid(), "cuda_initialized": cuda, "cuda_by": cuda_by}
+    ready |= {"seconds": round(time.perf_counter() - t0, 3), "skipped": skipped}
     ready |= {"preload": [n for n in preload if n in sys.modules], "preload_env": read_env, "context": process_context()}
     try:
         sock.send(json.dumps(ready).encode())
