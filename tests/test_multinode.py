@@ -120,13 +120,26 @@ class Node:
 
 
 def run_both(
-    tmp: Path, config: Path, shared: Path, *extra: str, tag: str = "", env_only: bool = False, env: dict[str, str] | None = None
+    tmp: Path,
+    config: Path,
+    shared: Path,
+    *extra: str,
+    tag: str = "",
+    env_only: bool = False,
+    envs: tuple[dict[str, str] | None, ...] = (None, None),
 ) -> tuple[Node, Node]:
+    """Node 0 and node 1, each with ``envs[rank]`` added to its environment."""
     port = free_port_pair()
     return (
-        Node(tmp, config, 0, port, shared, *extra, tag=tag, env_only=env_only, env=env),
-        Node(tmp, config, 1, port, shared, *extra, tag=tag, env_only=env_only, env=env),
+        Node(tmp, config, 0, port, shared, *extra, tag=tag, env_only=env_only, env=envs[0]),
+        Node(tmp, config, 1, port, shared, *extra, tag=tag, env_only=env_only, env=envs[1]),
     )
+
+
+def shared_forks(path: str | None) -> dict[str, str] | None:
+    """The environment that makes a node's `up` fork from the pytest worker's shared fork server (a node
+    that is not SIGSTOPped: the one that is must have its children in its supervisor's process tree)."""
+    return {SHARED_FORKSERVER_ENV: path} if path else None
 
 
 def wait_training(nodes: tuple[Node, Node], shared: Path, min_step: int = 3, after: str | None = None) -> None:
@@ -228,7 +241,7 @@ def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the
     epochs = 3
     config = write_config(tmp_path / "two-nodes.toml", num_epochs=epochs, checkpoint_every=2)
     shared = tmp_path / "shared"
-    n0, n1 = nodes = run_both(tmp_path, config, shared, "--max-restarts", "1")
+    n0, n1 = nodes = run_both(tmp_path, config, shared, "--max-restarts", "1", envs=(shared_forks(shared_forkserver), None))
     try:
         wait_training(nodes, shared)
         first_victim = n1.drafter_pid()
@@ -259,9 +272,9 @@ def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the
     ckpt = read_latest_pointer(shared / "checkpoints")
     ckpt_step = json.loads((shared / "checkpoints" / ckpt / "meta.json").read_text())["step"]
     before = json.loads((shared / "checkpoints" / ckpt / LEDGER_FILE).read_text())["ids"]  # retention may remove it later
-    # the resumed nodes stop nothing: they fork from the worker's shared server (no preload of their own)
-    forks = {SHARED_FORKSERVER_ENV: shared_forkserver} if shared_forkserver else None
-    r0, r1 = run_both(tmp_path, config, shared, "--resume", tag=".resume", env_only=True, env=forks)
+    # the resumed nodes stop nothing: both fork from the worker's shared server (no preload of their own)
+    forks = shared_forks(shared_forkserver)
+    r0, r1 = run_both(tmp_path, config, shared, "--resume", tag=".resume", env_only=True, envs=(forks, forks))
     assert r0.wait() == 0, r0.output[-4000:]
     assert r1.wait() == 0, r1.output[-4000:]
     assert "node 0/2: all nodes joined" in r0.output and "node 1/2: all nodes joined" in r1.output
