@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import tiny_cpu_config, write_toml
 
@@ -132,3 +134,28 @@ def test_a_variant_whose_up_failed_enters_no_ratio_and_no_topology(tmp_path, mon
         assert "failed_variants" not in summary
         assert summary["ratio_pipeline_to_forward_only"] == 0.9 and summary["ratio_anchors-auto_to_cuda_ipc"] == round(880 / 900, 4)
         assert summary["profile"]["drafter_tokens_per_s"] == 1800.0 and summary["topology"]
+
+
+def test_the_variants_fork_server_serves_forking_configs_only_and_a_failed_start_leaves_each_variant_its_own(tmp_path, monkeypatch):
+    """bench pipeline's one fork server for all variants (test_bench_pipeline runs it): a config whose `up`
+    execs gets no connection; a server that cannot start is said once, not tried again, and every variant
+    then starts its own (``client`` answers None: the supervisor's run.launcher decides)."""
+    lines: list[str] = []
+    shared = pipeline.VariantsForkServer(lines.append)
+    assert shared.client(_load(tmp_path, {"run.launcher": "exec"})) is None and lines == []
+    tried: list[str] = []
+
+    def refuse(preload, env=None, timeout_s=0.0, listen=None):
+        tried.append(listen)
+        raise RuntimeError("the fork server (python -m dflash_ipc.runtime.forkserver) ended or was not ready within 1 s")
+
+    monkeypatch.setattr(pipeline.ForkServer, "start", refuse)
+    forking = _load(tmp_path, {})
+    assert forking.run.launcher == "auto" and not forking.topology.on_cuda
+    assert shared.client(forking) is None and shared.client(forking) is None
+    assert len(tried) == 1 and lines == [
+        "[bench pipeline] no fork server shared by the variants (the fork server (python -m dflash_ipc.runtime.forkserver) "
+        "ended or was not ready within 1 s): each starts its own"
+    ]
+    shared.close()
+    assert not Path(tried[0]).parent.exists()  # its private directory goes with it

@@ -36,7 +36,6 @@ STRANGER_KINDS = ("no CURVE", "own key pair", "wrong server key")
 
 pytestmark = [
     pytest.mark.skipif(not curve.curve_available(), reason="libzmq without CURVE"),
-    pytest.mark.own_forkserver,  # reads the listening sockets of the supervisor's process tree
 ]
 
 
@@ -162,10 +161,13 @@ def tcp_run(tmp_path_factory):
         seen["sock_dir_exists"] = (run_dir / "sock").exists()
 
         def counted():
-            # every listening socket of the run, sampled while it runs (the nccl rendezvous comes up late)
-            listening.update(_listening([proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]))
             # The supervisor counts its own refusals at once; children report theirs with their heartbeats.
             snap = _status_cli(run_dir)
+            # every listening socket of the run, sampled while it runs (the nccl rendezvous comes up late): the
+            # supervisor's process tree and its children by pid (forked from the worker's shared fork server,
+            # they are that server's children)
+            tree = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            listening.update(_listening(tree + [p["pid"] for p in snap["processes"] if p["pid"]]))
             procs = {f"{p['role']}-{p['rank']}": p for p in snap["processes"]}
             ok = snap["supervisor_rejected_by_kind"].get("unauthenticated_peer", 0) >= 2 * ROUNDS * len(STRANGER_KINDS) and all(
                 procs[name]["rejected_by_kind"].get("unauthenticated_peer", 0) >= ROUNDS for name in pulls

@@ -20,9 +20,9 @@ from dflash_ipc.control.protocol import Heartbeat
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.supervisor import Child
 
-INTERVAL_S = 0.2
-HEARTBEAT_TIMEOUT_S = 1.0  # 5 intervals; the busy loop runs 3x as long
-BUSY_S = 3.0
+INTERVAL_S = 0.1
+HEARTBEAT_TIMEOUT_S = 0.5  # 5 intervals; the busy loop runs 3x as long
+BUSY_S = 1.5
 
 ROLE_SCRIPT = f"""
 import sys, threading, time
@@ -85,8 +85,8 @@ def test_a_loop_busy_longer_than_the_heartbeat_timeout_still_heartbeats_and_a_st
     assert max(ages) > HEARTBEAT_TIMEOUT_S, f"the loop was busy {BUSY_S} s; loop ages seen: {ages}"
     assert liveness.stalled_child([record], time.monotonic(), 10 * BUSY_S) is None  # busy within the stall timeout
 
-    stall_timeout_s = 1.5
+    stall_timeout_s = 0.75
     beats_until(sup, record, lambda: record.loop_age_s > stall_timeout_s)  # beats go on: never silent
     blamed, text = liveness.stalled_child([record], time.monotonic(), stall_timeout_s)
     assert blamed is record
-    assert "drafter-0" in text and "made no progress" in text and "run.stall_timeout_s = 1.5" in text
+    assert "drafter-0" in text and "made no progress" in text and "run.stall_timeout_s = 0.75" in text

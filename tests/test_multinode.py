@@ -27,13 +27,14 @@ import pytest
 from conftest import tiny_cpu_config, write_toml
 
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, read_latest_pointer
+from dflash_ipc.runtime.forkserver import SHARED_FORKSERVER_ENV
 from dflash_ipc.transport.shm_names import list_run_shm, sweep_run_shm
 
 pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "dflash_ipc.cli"]
 RUN_TIMEOUT_S = 300
-HEARTBEAT_TIMEOUT_S = 6.0
+HEARTBEAT_TIMEOUT_S = 4.0  # 8 of the 0.5 s intervals, as tests/faults/ give a child (4 s)
 
 
 def free_port_pair() -> int:
@@ -57,7 +58,9 @@ def write_config(path: Path, *, num_epochs: int = 1, **training) -> Path:
     raw = tiny_cpu_config(
         topology={"targets": ["cpu"], "drafters": ["cpu"]},
         data={"builtin_samples": 80, "max_seq_len": 128, "bucket_edges": [64, 128], "token_budget": 512, "num_epochs": num_epochs},
-        run={"teardown_grace_s": 3.0, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S},
+        # a drafter stuck in a collective with a hung or dead peer is only ever SIGKILLed, after the grace
+        # twice (Shutdown, then SIGTERM): 1 s keeps that wait short; a healthy child leaves in milliseconds
+        run={"teardown_grace_s": 1.0, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S},
         training={"checkpoint_every": 0, "max_steps": 0, "warmup_steps": 1} | training,
     )
     return write_toml(path, raw)
@@ -66,10 +69,21 @@ def write_config(path: Path, *, num_epochs: int = 1, **training) -> Path:
 class Node:
     """One node's `dflash-ipc up`, its output in a file."""
 
-    def __init__(self, tmp: Path, config: Path, rank: int, port: int, shared: Path, *extra: str, tag: str = "", env_only: bool = False):
+    def __init__(
+        self,
+        tmp: Path,
+        config: Path,
+        rank: int,
+        port: int,
+        shared: Path,
+        *extra: str,
+        tag: str = "",
+        env_only: bool = False,
+        env: dict[str, str] | None = None,
+    ):
         self.run_dir = tmp / f"node{rank}"
         self.out_path = tmp / f"node{rank}{tag}.out"
-        env = dict(os.environ)
+        env = dict(os.environ) | (env or {})
         argv = [*CLI, "up", "--config", str(config), "--run-dir", str(self.run_dir), "--shared-dir", str(shared), *extra]
         node_args = {"NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         if env_only:  # the torchrun-style variables alone (as SLURM/Kubernetes launchers set them)
@@ -105,12 +119,27 @@ class Node:
             return None
 
 
-def run_both(tmp: Path, config: Path, shared: Path, *extra: str, tag: str = "", env_only: bool = False) -> tuple[Node, Node]:
+def run_both(
+    tmp: Path,
+    config: Path,
+    shared: Path,
+    *extra: str,
+    tag: str = "",
+    env_only: bool = False,
+    envs: tuple[dict[str, str] | None, ...] = (None, None),
+) -> tuple[Node, Node]:
+    """Node 0 and node 1, each with ``envs[rank]`` added to its environment."""
     port = free_port_pair()
     return (
-        Node(tmp, config, 0, port, shared, *extra, tag=tag, env_only=env_only),
-        Node(tmp, config, 1, port, shared, *extra, tag=tag, env_only=env_only),
+        Node(tmp, config, 0, port, shared, *extra, tag=tag, env_only=env_only, env=envs[0]),
+        Node(tmp, config, 1, port, shared, *extra, tag=tag, env_only=env_only, env=envs[1]),
     )
+
+
+def shared_forks(path: str | None) -> dict[str, str] | None:
+    """The environment that makes a node's `up` fork from the pytest worker's shared fork server (a node
+    that is not SIGSTOPped: the one that is must have its children in its supervisor's process tree)."""
+    return {SHARED_FORKSERVER_ENV: path} if path else None
 
 
 def wait_training(nodes: tuple[Node, Node], shared: Path, min_step: int = 3, after: str | None = None) -> None:
@@ -198,7 +227,9 @@ def rank_records(*nodes: Node) -> list[dict]:
 
 @pytest.mark.own_forkserver  # SIGSTOPs the hung node's supervisor and its process tree
 @pytest.mark.timeout(900)  # the safety nets of the three tests it holds (300 s each, pyproject)
-def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the_plan(tmp_path: Path) -> None:
+def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the_plan(
+    tmp_path: Path, shared_forkserver: str | None
+) -> None:
     """One two-node run through the multi-node paths (the hang of node 0, the store's, is
     tests/test_multinode_faults.py): --max-restarts 1, kill -9 of node 1's drafter: both nodes vote
     and restart from the shared checkpoint (generation 1); then all of node 1 hangs (SIGSTOP): no
@@ -206,11 +237,11 @@ def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the
     is killed; `up --resume` on both nodes (launched by the torchrun-style variables alone)
     continues from the shared checkpoint to the data's end: identical weights on both ranks, no batch of the checkpoint
     trained again, the final ledger = the plan (every epoch, each shard's batches once)."""
-    # 4 epochs (40 steps): the kill and the hang land far from the data's end
-    epochs = 4
+    # 3 epochs (30 steps): the kill (about step 3) and the hang (about step 7) land far from the data's end
+    epochs = 3
     config = write_config(tmp_path / "two-nodes.toml", num_epochs=epochs, checkpoint_every=2)
     shared = tmp_path / "shared"
-    n0, n1 = nodes = run_both(tmp_path, config, shared, "--max-restarts", "1")
+    n0, n1 = nodes = run_both(tmp_path, config, shared, "--max-restarts", "1", envs=(shared_forks(shared_forkserver), None))
     try:
         wait_training(nodes, shared)
         first_victim = n1.drafter_pid()
@@ -241,7 +272,9 @@ def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the
     ckpt = read_latest_pointer(shared / "checkpoints")
     ckpt_step = json.loads((shared / "checkpoints" / ckpt / "meta.json").read_text())["step"]
     before = json.loads((shared / "checkpoints" / ckpt / LEDGER_FILE).read_text())["ids"]  # retention may remove it later
-    r0, r1 = run_both(tmp_path, config, shared, "--resume", tag=".resume", env_only=True)
+    # the resumed nodes stop nothing: both fork from the worker's shared server (no preload of their own)
+    forks = shared_forks(shared_forkserver)
+    r0, r1 = run_both(tmp_path, config, shared, "--resume", tag=".resume", env_only=True, envs=(forks, forks))
     assert r0.wait() == 0, r0.output[-4000:]
     assert r1.wait() == 0, r1.output[-4000:]
     assert "node 0/2: all nodes joined" in r0.output and "node 1/2: all nodes joined" in r1.output

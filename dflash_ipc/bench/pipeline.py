@@ -52,6 +52,8 @@ attention of the full-attention layers + the GatedDeltaNet state update) against
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import tempfile
 import threading
 import time
@@ -63,6 +65,8 @@ import psutil
 from dflash_ipc.bench.topology import Profile, best_split
 from dflash_ipc.config import ConfigError, load_config
 from dflash_ipc.control.stats import DrafterStats, TargetStats
+from dflash_ipc.runtime.forkserver import UP_PRELOAD, ForkServer, use_forkserver
+from dflash_ipc.runtime.launch import child_env
 from dflash_ipc.runtime.supervisor import Supervisor
 
 # forward-only first: on a machine whose Triton cache is cold it pays the compilation of the fla
@@ -222,7 +226,47 @@ def _steady(recs: list[dict], skip: int = 2) -> list[dict]:
     return recs[skip:] if len(recs) > skip + 1 else recs[-1:]
 
 
-def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, echo) -> dict:
+class VariantsForkServer:
+    """One fork server for every variant whose ``run.launcher`` resolves to one (the CPU), started with
+    the first such variant and preloaded once, instead of a server per variant; each variant's `up`
+    connects to it as a client. The server is this process's child, so :class:`TreeSampler` finds it
+    as it finds a variant's own. A server that cannot start: each variant starts its own. Call :meth:`close`."""
+
+    def __init__(self, echo):
+        self.echo = echo
+        self._server: ForkServer | None = None
+        self._directory: str | None = None
+        self._unavailable = False
+
+    def client(self, cfg) -> ForkServer | None:
+        """A connection to the server for ``cfg``'s `up`, or None (its own launcher, as the config says)."""
+        if self._unavailable or not use_forkserver(cfg.run.launcher, cfg.topology.on_cuda):
+            return None
+        if self._server is None:
+            self._directory = tempfile.mkdtemp(prefix="dflash-bench-fs-")  # 0700
+            try:
+                self._server = ForkServer.start(UP_PRELOAD, child_env(), listen=self._path)
+            except RuntimeError as e:
+                self._unavailable = True
+                self.echo(f"[bench pipeline] no fork server shared by the variants ({e}): each starts its own")
+                return None
+            self.echo(
+                f"[bench pipeline] fork server for the variants ready after {self._server.ready['seconds']:.1f} s (pid {self._server.pid})"
+            )
+        return ForkServer.connect(self._path, child_env(), UP_PRELOAD)
+
+    @property
+    def _path(self) -> str:
+        return os.path.join(str(self._directory), "forkserver.sock")
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, echo, fork_server: VariantsForkServer | None = None) -> dict:
     probe = load_config(config_path)
     overrides, fwd = variant_overrides(name, probe.topology.on_cuda, probe.drafter.anchor_chunk, probe.drafter.max_anchors_per_batch)
     overrides.update(
@@ -242,6 +286,8 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
     cfg = load_config(config_path, overrides)
     run_dir = Path(tempfile.mkdtemp(prefix=f"dflash-bench-{name}-"))
     sup = Supervisor(cfg, run_dir, echo=lambda s: echo(f"[{name}] {s}"), forward_only=forward_only)
+    if fork_server is not None:
+        sup.launcher = fork_server.client(cfg)
     t0 = time.perf_counter()
     sup.prepare()
     with TreeSampler(sup) as sampler:
@@ -355,31 +401,41 @@ def run_pipeline_bench(
 ) -> dict:
     """``out_path``: each variant's result is appended there as one JSON line the moment it is
     known, so a run cut short by a time limit keeps the variants it finished."""
-    results = {}
-    for name in variants:
-        echo(f"[bench pipeline] variant {name}: {steps} steps")
-        try:
-            results[name] = run_variant(config_path, name, steps, peak_tflops, echo)
-            if results[name]["exit_code"] != 0:  # its figures stay in the result, out of every ratio
-                results[name]["error"] = (
-                    f"dflash-ipc up exited with code {results[name]['exit_code']} (why: the [{name}] [up] lines "
-                    f"above; logs: {results[name]['run_dir']}/logs)"
-                )
-                echo(f"[bench pipeline] {name} FAILED: {results[name]['error']}")
-        except Exception as e:  # one failed variant must not lose the others' figures
-            if isinstance(e, ConfigError) and not results:
-                # The first variant's probe checks the model and devices (this process never imports
-                # torch): a refusal there is the config's, for every variant; said before any ran.
-                raise
-            results[name] = {"variant": name, "error": f"{type(e).__name__}: {e}"}
-            echo(f"[bench pipeline] {name} FAILED: {e}")
-        if out_path:
-            with open(out_path, "a") as f:
-                f.write(json.dumps(results[name]) + "\n")
-        if "error" in results[name]:
-            continue
-        echo(f"[bench pipeline] {name}: {json.dumps({k: v for k, v in results[name].items() if k not in ('targets',)})}")
+    results: dict = {}
+    fork_server = VariantsForkServer(echo)
+    try:
+        for name in variants:
+            _run_one_variant(config_path, name, steps, peak_tflops, echo, fork_server, results, out_path)
+    finally:
+        fork_server.close()
     return summarize_variants(config_path, steps, peak_tflops, results)
+
+
+def _run_one_variant(
+    config_path: str, name: str, steps: int, peak_tflops: float, echo, fork_server: VariantsForkServer, results: dict, out_path: str | None
+) -> None:
+    """One variant into ``results`` (and a line of ``out_path``): a failure is its result, never the others'."""
+    echo(f"[bench pipeline] variant {name}: {steps} steps")
+    try:
+        results[name] = run_variant(config_path, name, steps, peak_tflops, echo, fork_server)
+        if results[name]["exit_code"] != 0:  # its figures stay in the result, out of every ratio
+            results[name]["error"] = (
+                f"dflash-ipc up exited with code {results[name]['exit_code']} (why: the [{name}] [up] lines "
+                f"above; logs: {results[name]['run_dir']}/logs)"
+            )
+            echo(f"[bench pipeline] {name} FAILED: {results[name]['error']}")
+    except Exception as e:  # one failed variant must not lose the others' figures
+        if isinstance(e, ConfigError) and not results:
+            # The first variant's probe checks the model and devices (this process never imports
+            # torch): a refusal there is the config's, for every variant; said before any ran.
+            raise
+        results[name] = {"variant": name, "error": f"{type(e).__name__}: {e}"}
+        echo(f"[bench pipeline] {name} FAILED: {e}")
+    if out_path:
+        with open(out_path, "a") as f:
+            f.write(json.dumps(results[name]) + "\n")
+    if "error" not in results[name]:
+        echo(f"[bench pipeline] {name}: {json.dumps({k: v for k, v in results[name].items() if k not in ('targets',)})}")
 
 
 def summarize_variants(config_path: str, steps: int, peak_tflops: float, results: dict) -> dict:

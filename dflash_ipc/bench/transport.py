@@ -287,7 +287,13 @@ def _baseline_consumer(q, out, rank: int, tokens: int, producers: int, device: s
 def run_baseline(args: BenchArgs, slot_bytes: int, seconds: float) -> dict:
     import torch.multiprocessing as tmp
 
-    ctx = tmp.get_context("spawn")
+    # on_cpu_only: forked from multiprocessing's fork server, which imports torch once for all of them
+    # (each a new Python importing torch costs seconds of CPU); the figure times the queue, not start-up
+    if on_cpu_only(args):
+        ctx = tmp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", __name__])
+    else:
+        ctx = tmp.get_context("spawn")
     q = ctx.Queue(maxsize=args.slots)
     out = ctx.Queue()
     finished = ctx.Event()

@@ -147,7 +147,7 @@ class Supervisor:
         # Benchmark ceiling: only targets, N batches each, slots released as soon as packed.
         self.forward_only = forward_only
         self.dir_lock: RunDirLock = lock_run_dirs(run_dir, self.node)  # one supervisor per run dir: taken by prepare (or earlier)
-        self.launcher: ForkServer | None = None  # run.launcher: the probe and every child fork from it; closed when up ends
+        self.launcher: ForkServer | None = None  # run.launcher or one set before prepare: probe and children fork from it; closed at end
 
     # ------------------------------------------------------------------ prepare
 
@@ -178,7 +178,7 @@ class Supervisor:
         if self.resume:  # the shared checkpoint root of several nodes, too (the run dir's: validate_for_up)
             check_resume_config(self.cfg, self.node.checkpoint_root(run_dir))
         n_shards = self.node.nnodes * len(self.cfg.topology.targets)  # every target of every node: one global shard each
-        self.launcher = launcher_for(self.cfg, child_env(), self.echo)  # says where its preload went (or which shared one)
+        self.launcher = self.launcher or launcher_for(self.cfg, child_env(), self.echo)  # says where its preload went (or which shared one)
         plan = run_probe(self.cfg, run_dir, n_shards, launcher=self.launcher)
         self.echo(f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)")
         channels.make_private_dir(run_dir)

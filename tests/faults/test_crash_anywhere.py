@@ -176,8 +176,10 @@ def test_supervisor_killed_during_import_leaves_no_orphan_and_the_run_dir_restar
     # a new `up` on the same run directory: no orphan to adopt, no segment in the way, the dead
     # supervisor's lock file no obstacle (the kernel released its lock). Two steps
     # show it trains (an orphan or a stale segment fails the handshake or the first slots); the
-    # data's end adds nothing here and cost ~25 more steps.
-    cfg = tmp_path / "c.toml"
+    # data's end adds nothing here and cost ~25 more steps. The restart's launcher is the default
+    # ("auto": forked children): what it must not trip over is what the exec'd group left, and exec'd
+    # children would import torch once more, each, for nothing this test asserts.
+    cfg = write_config(tmp_path / "again.toml")
     up = Up(cfg, tmp_path / "run", "--max-steps", "2", name="again")
     try:
         code = up.wait()

@@ -1,6 +1,7 @@
 """Hostile peers (issue 15 items 1, 3, 5): a process without the run key sends every shape of bad
 message into every socket of a live run (supervisor ROUTER, status REP, each target's and each
-drafter's PULL), from before the handshake to the end of training. The run must still train
+drafter's PULL), from before the handshake into training (until its frame budget is spent, within
+the first steps, or training ends). The run must still train
 every planned batch exactly once, exit 0, count what it refused (``status --json``), and leave
 nothing behind.
 
@@ -38,7 +39,10 @@ def _plan_ids(run_dir) -> set[tuple[int, int, int]]:
 def test_hostile_frames_into_every_socket_are_counted_and_the_run_trains_every_batch_once(tmp_path):
     seed = 1515
     target_frames = 20000 if FULL else 10000
-    cfg = write_config(tmp_path / "c.toml", training={"checkpoint_on_finish": True}, transport={"backend": "nccl"})
+    # 150 samples (15 steps, 30 batches): the frame budget is spent within the first step anyway, and
+    # "every planned batch once" needs batches after the attack, not 30 steps of them
+    data = {"builtin_samples": 150}
+    cfg = write_config(tmp_path / "c.toml", data=data, training={"checkpoint_on_finish": True}, transport={"backend": "nccl"})
     run_dir = tmp_path / "run"
     up = Up(cfg, run_dir)
     peer = None
