@@ -65,7 +65,7 @@ import psutil
 from dflash_ipc.bench.topology import Profile, best_split
 from dflash_ipc.config import ConfigError, load_config
 from dflash_ipc.control.stats import DrafterStats, TargetStats
-from dflash_ipc.runtime.forkserver import UP_PRELOAD, ForkServer, use_forkserver
+from dflash_ipc.runtime.forkserver import ForkServer, up_preload, use_forkserver
 from dflash_ipc.runtime.launch import child_env
 from dflash_ipc.runtime.supervisor import Supervisor
 
@@ -245,7 +245,7 @@ class VariantsForkServer:
         if self._server is None:
             self._directory = tempfile.mkdtemp(prefix="dflash-bench-fs-")  # 0700
             try:
-                self._server = ForkServer.start(UP_PRELOAD, child_env(), listen=self._path)
+                self._server = ForkServer.start(up_preload(), child_env(), listen=self._path)
             except RuntimeError as e:
                 self._unavailable = True
                 self.echo(f"[bench pipeline] no fork server shared by the variants ({e}): each starts its own")
@@ -253,7 +253,7 @@ class VariantsForkServer:
             self.echo(
                 f"[bench pipeline] fork server for the variants ready after {self._server.ready['seconds']:.1f} s (pid {self._server.pid})"
             )
-        return ForkServer.connect(self._path, child_env(), UP_PRELOAD)
+        return ForkServer.connect(self._path, child_env(), up_preload())
 
     @property
     def _path(self) -> str:
