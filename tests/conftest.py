@@ -28,11 +28,9 @@ import functools
 import importlib.util
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -195,15 +193,13 @@ def shared_forkserver(pytestconfig: pytest.Config) -> Iterator[str | None]:
     if SHARED_FORKSERVER_ENV in os.environ:
         yield os.environ[SHARED_FORKSERVER_ENV] or None
         return
-    directory = tempfile.mkdtemp(prefix="dflash-fs-")  # 0700, and a short socket path
-    path = os.path.join(directory, "forkserver.sock")
     try:
-        server = ForkServer.start(up_preload(), child_env(), listen=path)
+        server = ForkServer.start_shared(up_preload(), child_env())
     except RuntimeError as e:  # e.g. a GPU host where a preloaded module initializes CUDA: each up starts its own launcher
-        shutil.rmtree(directory, ignore_errors=True)
         print(f"\n[conftest] no shared fork server: {e}", file=sys.stderr)
         yield None
         return
+    path = server.listen_path
     state = pytestconfig.stash.setdefault(_SHARED_FORKSERVER, {})
     state["path"] = path
     if not state.get("own"):
@@ -214,7 +210,6 @@ def shared_forkserver(pytestconfig: pytest.Config) -> Iterator[str | None]:
         state["path"] = None
         os.environ.pop(SHARED_FORKSERVER_ENV, None)
         server.close()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -61,14 +61,11 @@ def _env(tmp_path: Path) -> dict[str, str]:
 @contextlib.contextmanager
 def shared_server(env: dict[str, str], preload: tuple[str, ...] = ()) -> Iterator[tuple[ForkServer, str]]:
     """A shared server owned by this test, listening in a fresh 0700 directory."""
-    directory = tempfile.mkdtemp(prefix="dflash-fs-test-")
-    path = os.path.join(directory, "fs.sock")
-    owner = ForkServer.start(preload, env, listen=path)
+    owner = ForkServer.start_shared(preload, env, prefix="dflash-fs-test-")
     try:
-        yield owner, path
+        yield owner, owner.listen_path
     finally:
         owner.close()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _raw_client(path: str) -> tuple[socket.socket, dict]:

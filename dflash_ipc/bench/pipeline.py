@@ -52,8 +52,6 @@ attention of the full-attention layers + the GatedDeltaNet state update) against
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 import threading
 import time
@@ -235,7 +233,6 @@ class VariantsForkServer:
     def __init__(self, echo):
         self.echo = echo
         self._server: ForkServer | None = None
-        self._directory: str | None = None
         self._unavailable = False
 
     def client(self, cfg) -> ForkServer | None:
@@ -243,9 +240,8 @@ class VariantsForkServer:
         if self._unavailable or not use_forkserver(cfg.run.launcher, cfg.topology.on_cuda):
             return None
         if self._server is None:
-            self._directory = tempfile.mkdtemp(prefix="dflash-bench-fs-")  # 0700
             try:
-                self._server = ForkServer.start(up_preload(), child_env(), listen=self._path)
+                self._server = ForkServer.start_shared(up_preload(), child_env(), prefix="dflash-bench-fs-")
             except RuntimeError as e:
                 self._unavailable = True
                 self.echo(f"[bench pipeline] no fork server shared by the variants ({e}): each starts its own")
@@ -253,17 +249,11 @@ class VariantsForkServer:
             self.echo(
                 f"[bench pipeline] fork server for the variants ready after {self._server.ready['seconds']:.1f} s (pid {self._server.pid})"
             )
-        return ForkServer.connect(self._path, child_env(), up_preload())
-
-    @property
-    def _path(self) -> str:
-        return os.path.join(str(self._directory), "forkserver.sock")
+        return ForkServer.connect(self._server.listen_path, child_env(), up_preload())
 
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        if self._directory is not None:
-            shutil.rmtree(self._directory, ignore_errors=True)
 
 
 def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, echo, fork_server: VariantsForkServer | None = None) -> dict:

@@ -80,10 +80,12 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -128,6 +130,8 @@ START_TIMEOUT_S = 600.0
 LOST_EXIT_CODE = 255
 #: The test/debug switch: the socket of a shared server ``up`` forks from instead of starting its own.
 SHARED_FORKSERVER_ENV = "DFLASH_IPC_SHARED_FORKSERVER"
+#: The socket's name inside a :meth:`ForkServer.start_shared` server's private directory.
+SHARED_SOCKET_NAME = "forkserver.sock"
 
 
 def up_preload() -> tuple[str, ...]:
@@ -212,6 +216,7 @@ class ForkServer:
         self._children: dict[int, ForkedProcess] = {}
         self._lock = threading.Lock()
         self._ended = False
+        self.listen_dir: str | None = None  # start_shared: the private directory of its socket, removed by close
 
     @property
     def pid(self) -> int:
@@ -251,6 +256,26 @@ class ForkServer:
                 why = f"initialized CUDA (or loaded its driver) while preloading {ready.get('cuda_by') or 'its modules'}"
             raise RuntimeError(f'the fork server (python -m dflash_ipc.runtime.forkserver) {why}; set run.launcher = "exec"')
         return server
+
+    @classmethod
+    def start_shared(cls, preload: Sequence[str], env: dict[str, str] | None = None, prefix: str = "dflash-fs-") -> ForkServer:
+        """:meth:`start` listening in a new private directory (0700, a short path), which :meth:`close`
+        removes; clients :meth:`connect` to ``os.path.join(server.listen_dir, SHARED_SOCKET_NAME)``."""
+        directory = tempfile.mkdtemp(prefix=prefix)
+        try:
+            server = cls.start(preload, env, listen=os.path.join(directory, SHARED_SOCKET_NAME))
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        server.listen_dir = directory
+        return server
+
+    @property
+    def listen_path(self) -> str:
+        """The socket a :meth:`start_shared` server listens at."""
+        if self.listen_dir is None:
+            raise ValueError("not a server started by ForkServer.start_shared")
+        return os.path.join(self.listen_dir, SHARED_SOCKET_NAME)
 
     @classmethod
     def connect(cls, path: str, env: dict[str, str], preload: Sequence[str] = (), timeout_s: float = 60.0) -> ForkServer:
@@ -355,6 +380,8 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        if self.listen_dir is not None:
+            shutil.rmtree(self.listen_dir, ignore_errors=True)
 
     def _receive(self, timeout: float | None) -> dict | None:
         """One message; None on timeout, or on EOF (then the server has ended)."""

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -25,9 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.own_forkserver]  # a shared server o
 
 
 def test_a_sigkilled_supervisor_of_a_shared_fork_server_leaves_nothing_and_the_server_serves_on(tmp_path, monkeypatch):
-    directory = tempfile.mkdtemp(prefix="dflash-fs-test-")
-    path = os.path.join(directory, "fs.sock")
-    owner = ForkServer.start(up_preload(), child_env(), listen=path)
+    owner = ForkServer.start_shared(up_preload(), child_env(), prefix="dflash-fs-test-")
+    path = owner.listen_path
     try:
         monkeypatch.setenv(SHARED_FORKSERVER_ENV, path)
         up = Up(write_config(tmp_path / "c.toml"), tmp_path / "run")
@@ -55,4 +52,4 @@ def test_a_sigkilled_supervisor_of_a_shared_fork_server_leaves_nothing_and_the_s
         assert probe.wait(timeout=60) == 0  # the server serves on
     finally:
         owner.close()
-        shutil.rmtree(directory, ignore_errors=True)
+    assert not os.path.exists(os.path.dirname(path))  # the server's private directory went with it
