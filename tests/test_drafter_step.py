@@ -190,6 +190,8 @@ def test_the_picker_takes_the_fastest_variant_that_keeps_the_loss_and_its_overri
     speedup = subprocess.run([*cli, "--speedup"], capture_output=True, text=True, check=True).stdout
     assert float(speedup) == speeds[best]
     assert picker.pick(result, min_speedup=0.0, max_loss_diff=-1.0)[0] is None  # a changed loss is never taken
+    tie = {"ratios": {"base": {"step": 1.0, "loss_step0_rel_diff": 0.0}, "compile": {"step": 1.0, "loss_step0_rel_diff": 0.0}}}
+    assert picker.pick(tie, min_speedup=0.0, max_loss_diff=1e-6)[0] == "base"  # a tie keeps the first: no change for nothing
     overrides = picker.overrides("ce-chunk-64+anchor-chunk-64")
     assert overrides == ["drafter.anchor_chunk=64", "training.ce_chunk_tokens=64"]
     derived = tmp_path / "derived.toml"

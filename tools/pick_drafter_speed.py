@@ -23,7 +23,8 @@ def pick(result: dict, min_speedup: float, max_loss_diff: float) -> tuple[str | 
     best, best_speed, reasons = None, min_speedup, []
     for name, r in result.get("ratios", {}).items():
         speed, diff = r.get("step", 0.0), r.get("loss_step0_rel_diff", float("inf"))
-        ok = speed >= best_speed and diff <= max_loss_diff
+        # a tie keeps the variant listed first (the bench lists the baseline first): no change for nothing
+        ok = (speed > best_speed if best is not None else speed >= best_speed) and diff <= max_loss_diff
         reasons.append(f"{name}: step {speed:.3f}x, first-step loss {diff:.2e} from the baseline's{' <- best so far' if ok else ''}")
         if ok:
             best, best_speed = name, speed
