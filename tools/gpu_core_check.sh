@@ -5,7 +5,8 @@
 # cuda-ipc pipeline). Two calls, one stage each, within the 600 s a command may run:
 #   run(command="STAGE=tests bash tools/gpu_core_check.sh", kind="nvidia-h200", carry=[<the .whl/ wheels>], timeout_s=600)
 #   run(command="STAGE=pipeline bash tools/gpu_core_check.sh", kind="nvidia-h200", carry=[<the .whl/ wheels>], timeout_s=600)
-# Writes $OUT/gpu_tests.log, or $OUT/pipeline.json + variants.jsonl + pipeline.err.
+# Writes $OUT/gpu_tests.log, or $OUT/pipeline.json + variants.jsonl + pipeline.err + pipeline_logs.tgz (the
+# variants' process logs). The pipeline stage's budget (BUDGET_S) must leave ~20 s for that archive.
 set -u
 BUDGET_S=${BUDGET_S:-575}
 . tools/gpu_setup.sh
@@ -18,5 +19,8 @@ case "${STAGE:-tests}" in
     set -o pipefail
     timeout -s INT $(( $(left) - 15 )) python3 -m dflash_ipc.cli bench pipeline --config configs/h200-1gpu.toml --steps ${STEPS:-14} \
       --variants ${VARIANTS:-warmup,forward-only,cuda-ipc} --out "$OUT/variants.jsonl" --json 2>"$OUT/pipeline.err" | tail -1 > "$OUT/pipeline.json"
-    echo "pipeline rc $?"; cat "$OUT/pipeline.json" | head -c 3000 ;;
+    echo "pipeline rc $?"; cat "$OUT/pipeline.json" | head -c 3000
+    # each variant's process logs (the target's names its kernels and, with TORCH_LOGS=recompiles or
+    # TRITON_PRINT_AUTOTUNING=1 set for the call, what it compiled or autotuned, batch by batch)
+    tar czf "$OUT/pipeline_logs.tgz" /tmp/dflash-bench-*/logs 2>/dev/null; ls -la "$OUT/pipeline_logs.tgz" ;;
 esac
