@@ -89,7 +89,8 @@ case "${STEP:?STEP=stash|data|train|eval}" in
       # export and its config as 15 MiB parts, the small logs in one archive; STEP=stash DRAFTER=DIR restores it
       R=${RUN:-run}; C=$([ "$R" = run ] && echo train || echo "$R").toml
       tar czf /root/drafter-"$R".tgz -C "$W" "$R/export" "$C" && split -b 15M -d -a 2 /root/drafter-"$R".tgz "$OUT/drafter.tgz."
-      (cd "$OUT" && tar czf logs.tgz --remove-files derive.log plan.json plan.log install.log 2>/dev/null); ls -la "$OUT"
+      cp -r "$W/$R/logs" "$OUT/proc_logs" 2>/dev/null  # the target's and drafter's own logs: where their start-up went
+      (cd "$OUT" && tar czf logs.tgz --remove-files derive.log plan.json plan.log install.log proc_logs 2>/dev/null); ls -la "$OUT"
     fi
     exit $rc ;;
   eval)

@@ -8,8 +8,8 @@
 #   RECIPES='run-sparse:drafter.num_anchors=96 data.token_budget=65536;run-kl:target.capture_last_hidden=true training.kl_weight=1.0'
 #   STOP_AT=601 HOLDOUT_EVERY=300 MAX_STEPS=1673 BUDGET_S=530 bash tools/gpu_recipes.sh   (give the call BUDGET_S + 30)
 # Needs the records and the model on the warm machine (gpu_issue24.sh STEP=stash DATA=..., then STEP=model).
-# Returns $OUT/recipes.txt (held-out tau per pass, median step time) and $OUT/NAME.tgz per recipe (its logs,
-# config and metrics.jsonl: at most 8 files come back from a call).
+# Returns $OUT/recipes.txt (held-out tau per pass, median step time) and $OUT/NAME.tgz per recipe (its logs, the
+# processes' own logs, config and metrics.jsonl: at most 8 files come back from a call).
 set -u
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-530}
@@ -82,6 +82,7 @@ EOF
 done | tee "$OUT_ALL/recipes.txt"
 for name in "${NAMES[@]}"; do
   cp "$W/$name.toml" "$OUT_ALL/$name/" 2>/dev/null
+  cp -r "$W/$name/logs" "$OUT_ALL/$name/logs" 2>/dev/null  # each process's own log: where its start-up went
   tar czf "$OUT_ALL/$name.tgz" -C "$OUT_ALL" "$name" && rm -rf "${OUT_ALL:?}/$name"
 done
 ls -la "$OUT_ALL"
