@@ -41,7 +41,7 @@ statuses unknown: the client reports :data:`LOST_EXIT_CODE` once they are gone.
 
 Shared mode, a test/debug switch (the product never uses it): ``DFLASH_IPC_SHARED_FORKSERVER=PATH``
 makes ``up``'s launcher (:func:`launcher_for`, only where it would fork anyway) connect to a server
-listening at PATH (``ForkServer.start(..., listen=PATH)``; tests/conftest.py starts one per pytest
+listening at PATH (``ForkServer.start_shared``: PATH in a private directory of its own; tests/conftest.py starts one per pytest
 worker) instead of starting its own, saving each ``up`` the preload. The socket's directory must be
 the user's and 0700 (both sides check, and the server serves only its own uid, SO_PEERCRED). The
 preload read the variables :data:`~dflash_ipc.runtime.forkserver_serve.PRELOAD_ENV_PREFIXES` name at import: a client whose children's
