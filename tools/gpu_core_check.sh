@@ -17,10 +17,12 @@ case "${STAGE:-tests}" in
     echo "gpu tests rc $?" >> "$OUT/gpu_tests.log"; tail -5 "$OUT/gpu_tests.log" ;;
   pipeline)
     set -o pipefail
+    touch /tmp/pipeline-call-start  # the archive below takes this call's run dirs only, not an earlier warm call's
     timeout -s INT $(( $(left) - 15 )) python3 -m dflash_ipc.cli bench pipeline --config configs/h200-1gpu.toml --steps ${STEPS:-14} \
       --variants ${VARIANTS:-warmup,forward-only,cuda-ipc} --out "$OUT/variants.jsonl" --json 2>"$OUT/pipeline.err" | tail -1 > "$OUT/pipeline.json"
     echo "pipeline rc $?"; cat "$OUT/pipeline.json" | head -c 3000
     # each variant's process logs (the target's names its kernels and, with TORCH_LOGS=recompiles or
     # TRITON_PRINT_AUTOTUNING=1 set for the call, what it compiled or autotuned, batch by batch)
-    tar czf "$OUT/pipeline_logs.tgz" /tmp/dflash-bench-*/logs 2>/dev/null; ls -la "$OUT/pipeline_logs.tgz" ;;
+    find /tmp -maxdepth 1 -name 'dflash-bench-*' -newer /tmp/pipeline-call-start -printf '%f/logs\n' \
+      | tar czf "$OUT/pipeline_logs.tgz" -C /tmp -T - 2>/dev/null; ls -la "$OUT/pipeline_logs.tgz" ;;
 esac

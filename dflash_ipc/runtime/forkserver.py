@@ -260,7 +260,7 @@ class ForkServer:
     @classmethod
     def start_shared(cls, preload: Sequence[str], env: dict[str, str] | None = None, prefix: str = "dflash-fs-") -> ForkServer:
         """:meth:`start` listening in a new private directory (0700, a short path), which :meth:`close`
-        removes; clients :meth:`connect` to ``os.path.join(server.listen_dir, SHARED_SOCKET_NAME)``."""
+        removes; clients :meth:`connect` to its :attr:`listen_path`."""
         directory = tempfile.mkdtemp(prefix=prefix)
         try:
             server = cls.start(preload, env, listen=os.path.join(directory, SHARED_SOCKET_NAME))
