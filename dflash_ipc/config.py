@@ -304,9 +304,20 @@ class DrafterConfig:
     # torch.compile each layer's norms, projections, RoPE and SwiGLU (dynamic shapes; attention as set above).
     compile: bool = False
     mask_token_id: int = -1  # -1: a reserved/unused id, never a stop token (data.tokenizer.choose_mask_token)
+    # Start from the target's own weights instead of random ones: one target layer index per drafter layer
+    # (negative: from the top), copied with the target's final norm; fc starts as the identity on the
+    # captured plane nearest the first copied layer's input (drafter/init_from_target.py). Empty: random.
+    init_from_target: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         require(self.num_layers >= 1, "num_layers", "must be >= 1")
+        self.init_from_target = [int(i) for i in self.init_from_target]
+        require(
+            not self.init_from_target or len(self.init_from_target) == self.num_layers,
+            "init_from_target",
+            f"must name one target layer per drafter layer (drafter.num_layers = {self.num_layers}), e.g. "
+            f"{list(range(self.num_layers))}, or be empty for a random start; got {self.init_from_target}",
+        )
         require(
             not self.layer_types or len(self.layer_types) == self.num_layers,
             "layer_types",

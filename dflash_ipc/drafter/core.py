@@ -50,12 +50,13 @@ from dflash_ipc.drafter.ckpt_layout import run_config_hash
 from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
+from dflash_ipc.drafter.init_from_target import apply_init, plan_init
 from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, num_parameters
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.node_spec import read_node_spec
-from dflash_ipc.target.heads import target_head_weights
+from dflash_ipc.target.heads import decoder_stack_shapes, read_decoder_stack, target_head_weights
 from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, text_config
 from dflash_ipc.transport.slots import SlotViews
 
@@ -95,7 +96,7 @@ def drafter_for_target(cfg: DFlashConfig, hf_config, layer_ids: list[int], mask_
     dtype = dtype_from_name(cfg.drafter.dtype)
     embed, lm_head = target_head_weights(cfg.target, hf_config, device, dtype)
     mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
-    return DFlashDrafter(
+    model = DFlashDrafter(
         mcfg,
         embed,
         lm_head,
@@ -105,6 +106,18 @@ def drafter_for_target(cfg: DFlashConfig, hf_config, layer_ids: list[int], mask_
         init_seed=cfg.run.seed,
         compile_dense=cfg.drafter.compile,
     )
+    if cfg.drafter.init_from_target:
+        start_from_target(model, cfg, device, dtype)
+    return model
+
+
+def start_from_target(model: DFlashDrafter, cfg: DFlashConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+    """``drafter.init_from_target``: the drafter's layers, final norm and fc from the target's checkpoint."""
+    if not cfg.target.model_path:
+        raise ValueError("drafter.init_from_target copies the target's weights from target.model_path; this target is a random spec")
+    plan = plan_init(model.config, cfg.drafter.init_from_target, decoder_stack_shapes(cfg.target.model_path))
+    apply_init(model, plan, read_decoder_stack(cfg.target.model_path, [src for _, src in plan.copies], device, dtype))
+    log.info("drafter start: %s", plan.describe())
 
 
 def export_untrained(cfg: DFlashConfig, out_dir: Path, device: torch.device | str = "cpu") -> Path:

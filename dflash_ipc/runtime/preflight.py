@@ -11,7 +11,8 @@ starting every process and failing 20 s later in one child's log:
   every key and value of ``target.spec`` fits ``Qwen3_5TextConfig`` (:mod:`.spec_check`),
 * what depends on the target's shape: ``target.layer_ids`` / ``num_capture_layers`` within
   its layers, attention heads divisible by kv heads (target and drafter), the drafter's hidden
-  size, ``drafter.mask_token_id`` and the tokenizer inside its vocabulary,
+  size, ``drafter.mask_token_id`` and the tokenizer inside its vocabulary, ``drafter.init_from_target``
+  against the checkpoint's layers (their tensor shapes, from the headers),
 * memory: rings, models and optimizer state against host memory, /dev/shm and each GPU
   (:mod:`.resources`),
 * the run directory: never a foreign non-empty directory (``up`` makes it 0700), and one
@@ -260,9 +261,29 @@ def _check_drafter_resolves(cfg: DFlashConfig, hf_config: Any, layer_ids: list[i
     from dflash_ipc.drafter.model import DrafterModelConfig
 
     try:
-        return DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
+        shape = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
     except ValueError as e:
         _fail(cfg.source, "drafter", f"does not fit the target: {e}")
+    if cfg.drafter.init_from_target:
+        _check_init_from_target(cfg, shape)
+    return shape
+
+
+def _check_init_from_target(cfg: DFlashConfig, shape: Any) -> None:
+    """``drafter.init_from_target`` against the checkpoint's tensor shapes (its headers only)."""
+    from dflash_ipc.drafter.init_from_target import plan_init
+    from dflash_ipc.target.heads import decoder_stack_shapes
+
+    if not cfg.target.model_path:
+        _fail(
+            cfg.source,
+            "drafter.init_from_target",
+            "copies the target's weights from target.model_path; a target.spec has none: leave it empty",
+        )
+    try:
+        plan_init(shape, cfg.drafter.init_from_target, decoder_stack_shapes(cfg.target.model_path))
+    except (KeyError, ValueError) as e:
+        _fail(cfg.source, "drafter.init_from_target", str(e).strip("'\""))
 
 
 def check_memory(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_shape: Any, available: Any = None) -> None:

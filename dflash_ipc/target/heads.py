@@ -1,6 +1,8 @@
 """The target's frozen embedding and LM head, for the drafter, without building the target.
 
-Checkpoint: the two tensors are read straight from the safetensors files. Random spec: they are
+Checkpoint: the two tensors are read straight from the safetensors files (and, for a drafter that
+starts from the target's own layers, any tensor of the decoder stack by its name inside the stack:
+:func:`decoder_stack_shapes`, :func:`read_decoder_stack`). Random spec: they are
 regenerated from ``target.random_init_seed`` with generators seeded per tensor name
 (:func:`derived_seed`), so the target (which copies the embedding into its stack) and every
 drafter get identical tensors without shipping them.
@@ -77,6 +79,52 @@ def _pick_embed_key(names: Iterable[str]) -> str:
     # prefer the language model's own embedding, then the shortest name
     cands.sort(key=lambda n: ("language_model" not in n and not n.startswith("model.embed_tokens"), len(n)))
     return cands[0]
+
+
+def _decoder_stack(model_dir: Path) -> tuple[dict[str, str], str]:
+    """(tensor name -> file, the decoder stack's prefix): ``model.`` for most causal LMs,
+    ``model.language_model.`` for multimodal wrappers (the prefix of the input embedding)."""
+    weight_map = _safetensors_files(model_dir)
+    return weight_map, _pick_embed_key(weight_map).removesuffix("embed_tokens.weight")
+
+
+def decoder_stack_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the decoder stack by its name inside it (``layers.3.mlp.up_proj.weight``,
+    ``norm.weight``) and its shape, from the safetensors headers alone (no weights are read)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_path)
+    weight_map, prefix = _decoder_stack(model_dir)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(weight_map.values())):
+        with safe_open(str(model_dir / file), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(prefix) and weight_map.get(key) == file:
+                    shapes[key.removeprefix(prefix)] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def read_decoder_stack(model_path: str | Path, names: Iterable[str], device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The named tensors of the decoder stack (names as :func:`decoder_stack_shapes` gives them),
+    read straight to ``device`` in ``dtype``; a name the checkpoint lacks raises ``KeyError``."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_path)
+    weight_map, prefix = _decoder_stack(model_dir)
+    missing = [n for n in names if prefix + n not in weight_map]
+    if missing:
+        raise KeyError(f"{model_dir}: no tensor {missing[0]!r} in the decoder stack (prefix {prefix!r})")
+    device = as_device(device)
+    dev = str(cuda_device(device) if device.type == "cuda" else device)
+    by_file: dict[str, list[str]] = {}
+    for n in names:
+        by_file.setdefault(weight_map[prefix + n], []).append(n)
+    out: dict[str, torch.Tensor] = {}
+    for file, file_names in by_file.items():
+        with safe_open(str(model_dir / file), framework="pt", device=dev) as f:
+            for n in file_names:
+                out[n] = f.get_tensor(prefix + n).to(dtype)
+    return out
 
 
 def target_head_weights(cfg: TargetConfig, hf_config: Any, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
