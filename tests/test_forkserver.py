@@ -21,7 +21,15 @@ import psutil
 import pytest
 
 from dflash_ipc.config import ConfigError, RunConfig, load_config
-from dflash_ipc.runtime.forkserver import IMPORTS_FLA, LOST_EXIT_CODE, UP_PRELOAD, ForkServer, up_preload, use_forkserver
+from dflash_ipc.runtime.forkserver import (
+    CUDA_ERROR_NOT_INITIALIZED,
+    IMPORTS_FLA,
+    LOST_EXIT_CODE,
+    UP_PRELOAD,
+    ForkServer,
+    up_preload,
+    use_forkserver,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.own_forkserver  # the product's own server lifecycle
@@ -181,20 +189,39 @@ def test_the_server_of_up_preloads_everything_and_never_initializes_cuda(tmp_pat
         server.close()
     # a preload that did initialize CUDA (simulated: this host has none) is refused, naming the module and the setting
     env = _modules(tmp_path, fs_cuda="import torch\ntorch.cuda.is_initialized = lambda: True\n")
-    refused = r'initialized CUDA \(or loaded its driver\) while preloading fs_cuda; set run.launcher = "exec"'
+    refused = r'initialized CUDA while preloading fs_cuda; set run.launcher = "exec"'
     with pytest.raises(RuntimeError, match=refused):
         ForkServer.start(["json", "fs_cuda"], env)
 
 
-def test_a_preload_that_loads_the_cuda_driver_is_refused_naming_the_module(tmp_path):
-    """The driver loaded without torch knowing (a library's import asked the GPU something): a real shared
-    object mapped under the driver's name, as /proc/self/maps then shows it."""
+def test_a_preload_that_loads_a_driver_it_cannot_question_is_refused_naming_the_module(tmp_path):
+    """A shared object mapped under the driver's name (as /proc/self/maps shows the real one) that cannot
+    say whether cuInit ran (it has no cuDeviceGetCount): the server refuses rather than guess."""
     import _json
 
     shutil.copy(_json.__file__, tmp_path / "libcuda.so.1")
     env = _modules(tmp_path, fs_driver=f"import ctypes\nctypes.CDLL({str(tmp_path / 'libcuda.so.1')!r})\n")
     with pytest.raises(RuntimeError, match=r"while preloading fs_driver; set run.launcher"):
         ForkServer.start(["json", "fs_driver", "msgpack"], env)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the stand-in driver")
+@pytest.mark.parametrize("answer", [CUDA_ERROR_NOT_INITIALIZED, 0], ids=["driver-loaded", "cuinit-ran"])
+def test_a_loaded_driver_refuses_the_server_only_once_cuinit_ran(tmp_path, answer):
+    """Some torch builds map the driver at import: harmless until cuInit. A compiled stand-in under the
+    driver's name answers cuDeviceGetCount as the real one does before cuInit (3) or after it (0)."""
+    (tmp_path / "driver.c").write_text(f"int cuDeviceGetCount(int *count) {{ *count = 1; return {answer}; }}\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(tmp_path / "driver.c")], check=True)
+    env = _modules(tmp_path, fs_driver=f"import ctypes\nctypes.CDLL({str(tmp_path / 'libcuda.so.1')!r})\n")
+    if answer == CUDA_ERROR_NOT_INITIALIZED:
+        server = ForkServer.start(["json", "fs_driver"], env)
+        try:
+            assert server.ready["cuda_initialized"] is False and "fs_driver" in server.ready["preload"]
+        finally:
+            server.close()
+    else:
+        with pytest.raises(RuntimeError, match=r"initialized CUDA while preloading fs_driver; set run.launcher"):
+            ForkServer.start(["json", "fs_driver"], env)
 
 
 def test_up_preload_leaves_what_imports_fla_to_the_children_where_fla_is_installed(tmp_path, monkeypatch):

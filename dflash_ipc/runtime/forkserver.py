@@ -73,6 +73,7 @@ the server's SIGTERM (the connection's EOF) instead of its own death signal.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import gc
 import importlib.util
@@ -253,7 +254,7 @@ class ForkServer:
             if ready.get("error"):
                 why = f"refused to start: {ready['error']}"
             if ready.get("cuda_initialized"):
-                why = f"initialized CUDA (or loaded its driver) while preloading {ready.get('cuda_by') or 'its modules'}"
+                why = f"initialized CUDA while preloading {ready.get('cuda_by') or 'its modules'}"
             raise RuntimeError(f'the fork server (python -m dflash_ipc.runtime.forkserver) {why}; set run.launcher = "exec"')
         return server
 
@@ -486,14 +487,36 @@ def _preload_and_serve(sock: socket.socket, listener: socket.socket | None, pare
 
 
 def _cuda_touched() -> bool:
-    """CUDA initialized here, or its driver loaded: ``cudaGetDeviceCount`` (``torch.cuda.is_available()``
-    without NVML) loads and initializes the driver while ``torch.cuda.is_initialized()`` stays False,
-    and a child forked after that cannot use CUDA."""
+    """CUDA initialized here: by torch, or behind its back (``cudaGetDeviceCount``, as
+    ``torch.cuda.is_available()`` without NVML calls it, initializes the driver while
+    ``torch.cuda.is_initialized()`` stays False), and a child forked after that cannot use CUDA. The
+    driver merely mapped (some torch builds link it at import) is harmless: only ``cuInit`` is."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return True
     with open("/proc/self/maps") as maps:
-        return "libcuda.so" in maps.read()
+        driver = next((line.split()[-1] for line in maps if "libcuda.so" in line), None)
+    if driver is None:
+        return False
+    try:
+        return driver_initialized(ctypes.CDLL(driver))
+    except OSError:  # mapped but not loadable by path (deleted, a namespace): cannot tell, so refuse
+        return True
+
+
+#: CUresult of a driver call made before cuInit
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def driver_initialized(driver: Any) -> bool:
+    """Whether ``cuInit`` ran in this process, asked of the loaded driver without initializing it: any
+    driver call before ``cuInit`` answers CUDA_ERROR_NOT_INITIALIZED. A library without the call (not the
+    real driver) counts as initialized: the server then refuses rather than fork a child that may fail."""
+    get_count = getattr(driver, "cuDeviceGetCount", None)
+    if get_count is None:
+        return True
+    count = ctypes.c_int(0)
+    return get_count(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
 
 
 def _run_child(request: dict, fds: list[int]) -> int:
