@@ -12,6 +12,7 @@ from dflash_ipc.drafter.core import build_drafter
 from dflash_ipc.drafter.init_from_target import drafter_layer_shapes, nearest_plane, plan_init
 from dflash_ipc.runtime.preflight import check_environment
 from dflash_ipc.target.heads import decoder_stack_shapes
+from dflash_ipc.target.hf_config import default_layer_ids
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
 COPIED_PER_LAYER = (
@@ -56,11 +57,12 @@ def test_the_drafter_starts_as_copies_of_the_named_target_layers(tiny_llama):
 
 
 def test_the_context_plane_is_the_one_nearest_the_first_copied_layers_input():
-    ids = [1, 8, 14, 21, 27]  # SmolLM2's 30 layers
+    assert default_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # SmolLM2's 30 layers
+    ids = [1, 8, 14, 20, 27]
     assert nearest_plane(ids, 0) == 0
-    assert nearest_plane(ids, 25) == 3  # layer 24's output: 21 and 27 tie at 3, the shallower wins
-    assert nearest_plane(ids, 29) == 4
+    assert nearest_plane(ids, 25) == 4  # layer 24's output: 27 is 3 away, 20 is 4
     assert nearest_plane(ids, 9) == 1
+    assert nearest_plane([1, 8, 14, 21, 27], 25) == 3  # 21 and 27 tie at 3: the shallower wins
 
 
 def test_plans_that_cannot_copy_are_refused_with_what_to_change(tiny_llama):
