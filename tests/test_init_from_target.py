@@ -96,3 +96,33 @@ def test_bad_plans_are_refused_before_any_process_starts(tiny_llama):
     with pytest.raises(ConfigError, match=r"drafter.init_from_target: copies the target's weights from target.model_path"):
         check_environment(spec)
     check_environment(_config(tiny_llama, num_layers=2, init_from_target=[2, 3]))
+
+
+def test_a_qwen3_5_checkpoint_is_read_through_its_prefix_and_its_layers_are_refused(tmp_path):
+    """The product's own target family (sharded, multimodal layout: model.language_model.*): its
+    GatedDeltaNet layers have no softmax attention, and its full-attention q_proj is gated (twice as wide)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from dflash_ipc.config import DrafterConfig
+    from dflash_ipc.drafter.model import DrafterModelConfig
+    from dflash_ipc.target.heads import read_decoder_stack
+    from dflash_ipc.target.hf_config import tiny_spec
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=16)
+    conf = Qwen3_5Config(text_config=tiny_spec(512), vision_config=vision)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(conf)
+    model.save_pretrained(str(tmp_path), max_shard_size="200KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    shapes = decoder_stack_shapes(tmp_path)
+    assert shapes["norm.weight"] == (64,) and not any(k.startswith(("visual", "model.")) for k in shapes)
+    read = read_decoder_stack(tmp_path, ["norm.weight", "layers.2.self_attn.k_proj.weight"], "cpu", torch.float32)
+    assert torch.equal(read["norm.weight"], model.model.language_model.norm.weight.detach())
+    assert torch.equal(read["layers.2.self_attn.k_proj.weight"], model.model.language_model.layers[2].self_attn.k_proj.weight.detach())
+    with pytest.raises(KeyError, match="no tensor 'layers.0.self_attn.q_proj.weight'"):
+        read_decoder_stack(tmp_path, ["layers.0.self_attn.q_proj.weight"], "cpu", torch.float32)
+    shape = DrafterModelConfig.from_configs(DrafterConfig(num_layers=2), conf, [1, 4], mask_token_id=5)
+    with pytest.raises(ValueError, match=r"target layer 0 has no self_attn.q_proj .* can start from \[2, 5\]"):
+        plan_init(shape, [0, 2], shapes)
+    with pytest.raises(ValueError, match=r"q_proj.weight is \[128, 64\] but the drafter's self_attn.q_proj.weight is \[64, 64\]"):
+        plan_init(shape, [2, 5], shapes)
