@@ -5,12 +5,12 @@ state, instead of each child starting a new Python that imports them again (seco
 ``run.launcher`` picks it (:func:`use_forkserver`): "exec" starts every child as a new Python
 (``subprocess.Popen``), "forkserver" forks it from the server, and "auto" (the default) means
 forkserver when every device of the topology is the CPU (tests, the embedded default) and exec as
-soon as one is CUDA: the server never initializes CUDA (it checks after preloading that torch did
-not and that the CUDA driver is not even loaded, and the client refuses a server that fails this, naming
-the module whose import did it), so a forked child could set up its own device. On a GPU host the first
-such server was refused: transformers' Qwen3.5 modeling imports flash-linear-attention, whose import
-asks the GPU its name; :func:`up_preload` leaves such modules to the children where fla is installed.
-The forked path on a GPU is still to be validated (tests/test_gpu_pipeline.py's forkserver case).
+soon as one is CUDA: the server never initializes CUDA (after each preloaded import it checks that
+neither torch nor anything behind its back ran ``cuInit``, asking the driver itself where it is mapped, and
+the client refuses a server that fails this, naming the module whose import did it), so a forked child
+sets up its own device. On a GPU host transformers' Qwen3.5 modeling imports flash-linear-attention,
+whose import asks the GPU its name: :func:`up_preload` leaves such modules to the children where fla is
+installed. Forced on one H200, the forked path trains (tests/test_gpu_pipeline.py's forkserver case).
 
 A forked child gets what ``Popen`` would have given it: the same argv (only ``python -m MODULE
 ...`` command lines: the module runs as ``__main__`` through :mod:`runpy`), environment, working
