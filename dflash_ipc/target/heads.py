@@ -107,23 +107,30 @@ def decoder_stack_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
 def read_decoder_stack(model_path: str | Path, names: Iterable[str], device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The named tensors of the decoder stack (names as :func:`decoder_stack_shapes` gives them),
     read straight to ``device`` in ``dtype``; a name the checkpoint lacks raises ``KeyError``."""
-    from safetensors import safe_open
-
     model_dir = Path(model_path)
     weight_map, prefix = _decoder_stack(model_dir)
+    names = list(names)
     missing = [n for n in names if prefix + n not in weight_map]
     if missing:
         raise KeyError(f"{model_dir}: no tensor {missing[0]!r} in the decoder stack (prefix {prefix!r})")
+    tensors = _read_tensors(model_dir, weight_map, [prefix + n for n in names], device, dtype)
+    return {n: tensors[prefix + n] for n in names}
+
+
+def _read_tensors(model_dir: Path, weight_map: dict[str, str], keys: list[str], device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors by their full names, straight to ``device`` in ``dtype``, each file opened once."""
+    from safetensors import safe_open
+
     device = as_device(device)
     dev = str(cuda_device(device) if device.type == "cuda" else device)
     by_file: dict[str, list[str]] = {}
-    for n in names:
-        by_file.setdefault(weight_map[prefix + n], []).append(n)
+    for key in keys:
+        by_file.setdefault(weight_map[key], []).append(key)
     out: dict[str, torch.Tensor] = {}
-    for file, file_names in by_file.items():
+    for file, file_keys in by_file.items():
         with safe_open(str(model_dir / file), framework="pt", device=dev) as f:
-            for n in file_names:
-                out[n] = f.get_tensor(prefix + n).to(dtype)
+            for key in file_keys:
+                out[key] = f.get_tensor(key).to(dtype)
     return out
 
 
@@ -138,8 +145,6 @@ def target_head_weights(cfg: TargetConfig, hf_config: Any, device, dtype: torch.
     """
     device = as_device(device)
     if cfg.model_path:
-        from safetensors import safe_open
-
         model_dir = Path(cfg.model_path)
         weight_map = _safetensors_files(model_dir)
         embed_key = _pick_embed_key(weight_map)
@@ -150,14 +155,8 @@ def target_head_weights(cfg: TargetConfig, hf_config: Any, device, dtype: torch.
                     head_key = cand
                     break
 
-        def read(key: str) -> torch.Tensor:
-            dev = str(cuda_device(device) if device.type == "cuda" else device)
-            with safe_open(str(model_dir / weight_map[key]), framework="pt", device=dev) as f:
-                return f.get_tensor(key).to(dtype)
-
-        embed = read(embed_key)
-        head = read(head_key) if head_key is not None else embed
-        return embed, head
+        read = _read_tensors(model_dir, weight_map, [embed_key] if head_key is None else [embed_key, head_key], device, dtype)
+        return read[embed_key], read[head_key or embed_key]
     tc = text_config(hf_config)
     v, h = int(tc.vocab_size), int(tc.hidden_size)
     std = float(getattr(tc, "initializer_range", 0.02))
