@@ -23,6 +23,7 @@ Values that are valid but ignored by the component that would read them (for exa
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -308,9 +309,11 @@ class DrafterConfig:
     # (negative: from the top), copied with the target's final norm; fc starts as the identity on the
     # captured plane nearest the first copied layer's input (drafter/init_from_target.py). Empty: random.
     init_from_target: list[int] = field(default_factory=list)
+    draft_vocab_size: int = 0  # head rows: the data's N most frequent answer tokens (draft_vocab.py); 0: all
 
     def __post_init__(self) -> None:
         require(self.num_layers >= 1, "num_layers", "must be >= 1")
+        require(self.draft_vocab_size >= 0, "draft_vocab_size", "must be >= 0 (0 = the target's whole vocabulary)")
         self.init_from_target = [int(i) for i in self.init_from_target]
         require(
             not self.init_from_target or len(self.init_from_target) == self.num_layers,
@@ -484,6 +487,7 @@ class DFlashConfig:
                 "training.kl_weight",
                 "needs target.capture_last_hidden = true (the KL loss reads the target's last hidden state)",
             )
+            require(self.drafter.draft_vocab_size == 0, "training.kl_weight", "needs drafter.draft_vocab_size = 0 (the whole vocabulary)")
         require(self.training.holdout_every == 0 or bool(self.data.holdout_paths), "training.holdout_every", "needs data.holdout_paths")
         shared = set(self.data.holdout_paths) & set(self.data.paths)
         require(not shared, "data.holdout_paths", f"{sorted(shared)} also in data.paths: held-out data is never trained on")
@@ -581,8 +585,6 @@ RESOLVED_CONFIG_FILE = "config.json"
 
 def write_resolved_config(cfg: DFlashConfig, run_dir: Path) -> Path:
     """Freeze the validated config into the run directory; children load exactly this."""
-    import json
-
     path = Path(run_dir) / RESOLVED_CONFIG_FILE
     write_text_atomic(path, json.dumps({"source": cfg.source, "config": cfg.to_dict()}, indent=2))
     return path
@@ -594,7 +596,5 @@ def load_resolved_config(run_dir: Path) -> DFlashConfig:
 
 def read_resolved_config(path: Path) -> DFlashConfig:
     """A config frozen by :func:`write_resolved_config`; errors still name the original file."""
-    import json
-
     d = json.loads(Path(path).read_text())
     return config_from_dict(d["config"], source=d.get("source", str(Path(path).parent)))

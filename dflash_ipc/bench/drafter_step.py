@@ -48,12 +48,14 @@ import torch
 from dflash_ipc.bench.op_profile import format_table, profile_classes
 from dflash_ipc.config import DFlashConfig, load_config
 from dflash_ipc.config_fields import FieldError
+from dflash_ipc.data.tokenizer import load_tokenizer
 from dflash_ipc.devices import dtype_from_name
+from dflash_ipc.draft_vocab import DraftVocab
 from dflash_ipc.drafter.core import build_drafter, drafter_for_target
 from dflash_ipc.drafter.loss import compute_loss
 from dflash_ipc.drafter.model import DFlashDrafter
 from dflash_ipc.drafter.trainer import DrafterTrainer
-from dflash_ipc.target.hf_config import resolve_layer_ids, smollm2_135m_config
+from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, smollm2_135m_config, text_config
 from dflash_ipc.transport.slots import SlotViews
 
 __all__ = ["PHASES", "SCOPES", "variant_overrides", "synthetic_batches", "run_drafter_step_bench"]
@@ -115,15 +117,26 @@ def variant_config(cfg: DFlashConfig, name: str) -> DFlashConfig:
 
 
 def build_bench_drafter(cfg: DFlashConfig, device: torch.device, random_target: bool) -> DFlashDrafter:
-    """The config's drafter as training builds it; ``random_target``: over SmolLM2-135M's shapes, random heads."""
+    """The config's drafter as training builds it; ``random_target``: over SmolLM2-135M's shapes, random heads.
+    With ``drafter.draft_vocab_size`` the head keeps the lowest ids as a stand-in for the run's choice:
+    a step's cost depends on the head's size, not on which rows it holds."""
     if not random_target:
-        return build_drafter(cfg, device, log_mask_token=False)
+        return build_drafter(cfg, device, log_mask_token=False, draft_vocab=_stand_in_vocab(cfg, None))
     hf = smollm2_135m_config()
     layer_ids = resolve_layer_ids(cfg.target, int(hf.num_hidden_layers))
     # Any id does for timing; a real run picks an unused one (data.tokenizer.choose_mask_token).
     mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else int(hf.vocab_size) - 1
     headless = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, model_path="", tokenizer="builtin"))
-    return drafter_for_target(headless, hf, layer_ids, mask_id, device)
+    return drafter_for_target(headless, hf, layer_ids, mask_id, device, _stand_in_vocab(cfg, int(hf.vocab_size)))
+
+
+def _stand_in_vocab(cfg: DFlashConfig, vocab_size: int | None) -> DraftVocab | None:
+    n = cfg.drafter.draft_vocab_size
+    if not n:
+        return None
+    if vocab_size is None:
+        vocab_size = int(text_config(load_hf_config(cfg.target, vocab_size=len(load_tokenizer(cfg.target.tokenizer)))).vocab_size)
+    return DraftVocab(tuple(range(n)), vocab_size, 0.0, 0)
 
 
 def document_lengths(tokens: int, doc_len: int, max_len: int, generator: torch.Generator) -> list[int]:
@@ -253,7 +266,7 @@ def gemm_flops(model: DFlashDrafter, context_tokens: int, queries: int, loss_row
     h, q_width, kv_width = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_layer = queries * h * (2 * q_width + 3 * c.intermediate_size) + (context_tokens + queries) * h * 2 * kv_width
     fc = context_tokens * c.num_context_planes * h * h
-    return 6.0 * c.num_layers * per_layer + 4.0 * fc, 6.0 * loss_rows * h * c.vocab_size
+    return 6.0 * c.num_layers * per_layer + 4.0 * fc, 6.0 * loss_rows * h * (c.draft_vocab_size or c.vocab_size)
 
 
 def _graphs_compiled() -> int:

@@ -37,6 +37,7 @@ from dflash_ipc.config import DFlashConfig
 from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
 from dflash_ipc.data.tokenizer import choose_mask_token, load_tokenizer
 from dflash_ipc.devices import dtype_from_name
+from dflash_ipc.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, read_draft_vocab
 from dflash_ipc.drafter.anchor_budget import AnchorBudget
 from dflash_ipc.drafter.checkpoint import (
     BatchLedger,
@@ -75,8 +76,11 @@ TENSORBOARD_SCALARS = (
 )
 
 
-def build_drafter(cfg: DFlashConfig, device: torch.device | str, *, log_mask_token: bool = True) -> DFlashDrafter:
-    """A freshly initialised drafter (seeded by run.seed) on the target's frozen embedding and LM head."""
+def build_drafter(
+    cfg: DFlashConfig, device: torch.device | str, *, log_mask_token: bool = True, draft_vocab: DraftVocab | None = None
+) -> DFlashDrafter:
+    """A freshly initialised drafter (seeded by run.seed) on the target's frozen embedding and LM head
+    (its ``draft_vocab`` rows when ``drafter.draft_vocab_size`` > 0: the run's, :func:`run_draft_vocab`)."""
     device = torch.device(device)
     tokenizer = load_tokenizer(cfg.target.tokenizer)
     hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))
@@ -87,12 +91,29 @@ def build_drafter(cfg: DFlashConfig, device: torch.device | str, *, log_mask_tok
         mask_id, why = choose_mask_token(tokenizer, int(text_config(hf_config).vocab_size))
     if log_mask_token:
         log.info("mask token: id %d (%s)", mask_id, why)
-    return drafter_for_target(cfg, hf_config, layer_ids, mask_id, device)
+    return drafter_for_target(cfg, hf_config, layer_ids, mask_id, device, draft_vocab)
 
 
-def drafter_for_target(cfg: DFlashConfig, hf_config, layer_ids: list[int], mask_id: int, device: torch.device | str) -> DFlashDrafter:
+def run_draft_vocab(cfg: DFlashConfig, run_dir: Path) -> DraftVocab | None:
+    """The draft vocabulary `up` chose into ``run_dir`` (None without ``drafter.draft_vocab_size``)."""
+    if not cfg.drafter.draft_vocab_size:
+        return None
+    vocab = read_draft_vocab(run_dir / DRAFT_VOCAB_FILE)
+    if vocab.size != cfg.drafter.draft_vocab_size:
+        raise ValueError(f"drafter.draft_vocab_size is {cfg.drafter.draft_vocab_size}, {run_dir / DRAFT_VOCAB_FILE} holds {vocab.size}")
+    return vocab
+
+
+def drafter_for_target(
+    cfg: DFlashConfig, hf_config, layer_ids: list[int], mask_id: int, device: torch.device | str, draft_vocab: DraftVocab | None = None
+) -> DFlashDrafter:
     """The drafter of ``cfg`` over a target of config ``hf_config`` (its frozen heads read as
     ``cfg.target`` says: the checkpoint's, or random ones without ``target.model_path``)."""
+    if bool(cfg.drafter.draft_vocab_size) != (draft_vocab is not None):
+        raise ValueError(
+            f"drafter.draft_vocab_size = {cfg.drafter.draft_vocab_size} needs the run's draft vocabulary "
+            f"(RUN_DIR/{DRAFT_VOCAB_FILE}, chosen by `up`) exactly when it is > 0"
+        )
     dtype = dtype_from_name(cfg.drafter.dtype)
     embed, lm_head = target_head_weights(cfg.target, hf_config, device, dtype)
     mcfg = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
@@ -105,7 +126,10 @@ def drafter_for_target(cfg: DFlashConfig, hf_config, layer_ids: list[int], mask_
         dtype=dtype,
         init_seed=cfg.run.seed,
         compile_dense=cfg.drafter.compile,
+        draft_token_ids=None if draft_vocab is None else draft_vocab.tensor(),
     )
+    if draft_vocab is not None:
+        log.info("%s", draft_vocab.describe())
     if cfg.drafter.init_from_target:
         start_from_target(model, cfg, device, dtype)
     return model
@@ -121,8 +145,10 @@ def start_from_target(model: DFlashDrafter, cfg: DFlashConfig, device: torch.dev
 
 
 def export_untrained(cfg: DFlashConfig, out_dir: Path, device: torch.device | str = "cpu") -> Path:
-    """Export the drafter exactly as step 0 of `up` initialises it: eval's untrained floor (tau ~ 1)."""
-    model = build_drafter(cfg, device)
+    """Export the drafter exactly as step 0 of `up` initialises it: eval's untrained floor (tau ~ 1).
+    Over the whole vocabulary: an untrained head drafts nothing the target accepts either way, and the
+    floor needs no run directory."""
+    model = build_drafter(dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, draft_vocab_size=0)), device)
     return export_drafter(model, out_dir, chat_template_kwargs=cfg.chat_template.kwargs)
 
 
@@ -160,7 +186,7 @@ class DrafterCore:
         self.world = world
         self.device = device
         dtype = dtype_from_name(cfg.drafter.dtype)
-        self.model = build_drafter(cfg, device, log_mask_token=world.is_main)
+        self.model = build_drafter(cfg, device, log_mask_token=world.is_main, draft_vocab=run_draft_vocab(cfg, run_dir))
         self.trainer = DrafterTrainer(self.model, cfg.training, compute_dtype=dtype, world=world, total_steps=max(1, total_steps))
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(cfg.run.seed * 1000 + world.rank)

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from dflash_ipc.devices import dtype_name
+from dflash_ipc.draft_vocab import EXPORT_FILE as DRAFT_VOCAB_EXPORT_FILE
+from dflash_ipc.draft_vocab import EXPORT_TENSOR as DRAFT_VOCAB_TENSOR
 from dflash_ipc.drafter.model import FULL, SLIDING, DFlashDrafter, DrafterModelConfig
 from dflash_ipc.drafter.safetensors_stream import write_safetensors
 
@@ -25,6 +27,8 @@ def drafter_hf_config(config: DrafterModelConfig, dtype: torch.dtype) -> dict[st
         "mask_token_id": config.mask_token_id,
         "target_layer_ids": list(config.target_layer_ids),
     }
+    if config.draft_vocab_size:
+        dflash_config["draft_vocab_size"] = config.draft_vocab_size
     out: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -93,6 +97,10 @@ def export_drafter(
 
     * ``chat_template_kwargs``: the ``[chat_template] kwargs`` the training data was rendered with
       (``{}``: none), for eval's check and the serving request; loaders ignore the key.
+    * A drafter trained over a draft vocabulary (``drafter.draft_vocab_size``) also writes
+      ``draft_vocab.safetensors`` (``draft_token_ids``: the target ids of its head's rows, ascending)
+      and ``dflash_config.draft_vocab_size``. ``dflash-ipc eval`` drafts over those rows; SGLang's and
+      vLLM's DFlash loaders read neither and draft over the target's whole head.
 
     Note: vLLM needs its V2 model runner for drafters that mix sliding and full layers.
     """
@@ -100,6 +108,13 @@ def export_drafter(
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or model.dtype
     write_safetensors(out / EXPORT_WEIGHTS_FILE, model.state_dict(), {"format": "pt"}, dtype=dtype)  # bounded host memory
+    vocab_file = out / DRAFT_VOCAB_EXPORT_FILE
+    if model.draft_token_ids is not None:
+        from safetensors.torch import save_file
+
+        save_file({DRAFT_VOCAB_TENSOR: model.draft_token_ids.detach().cpu().contiguous()}, str(vocab_file), {"format": "pt"})
+    elif vocab_file.exists():
+        vocab_file.unlink()  # an earlier export into the same directory drafted over other rows
     cfg = drafter_hf_config(model.config, dtype)
     cfg[CHAT_TEMPLATE_KWARGS_KEY] = dict(chat_template_kwargs or {})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -137,6 +152,7 @@ def _config_from_hf_dict(d: Mapping[str, Any]) -> DrafterModelConfig:
         mask_token_id=int(dflash["mask_token_id"]),
         num_target_layers=int(d.get("num_target_layers", 0) or 0),
         initializer_range=float(d.get("initializer_range", 0.02)),
+        draft_vocab_size=int(dflash.get("draft_vocab_size", 0) or 0),
     )
 
 
@@ -156,6 +172,7 @@ def read_export(path: str | Path) -> DrafterModelConfig:
         raise ValueError(f"{cfg_path}: not JSON ({e})") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{cfg_path}: not a DFlash drafter config ({type(e).__name__}: {e})") from None
+    read_export_draft_vocab(path, cfg)
     try:
         with safe_open(str(weights), framework="pt") as f:
             f.keys()
@@ -185,9 +202,31 @@ def load_exported_drafter(
     except SafetensorError as e:
         raise ValueError(f"{weights}: not a readable safetensors file ({e}); export the drafter again") from None
     dtype = next(iter(state.values())).dtype if state else torch.float32
-    model = DFlashDrafter(cfg, embed_weight, lm_head_weight, attention=attention, device=device, init_seed=0).to(dtype)
+    ids = read_export_draft_vocab(path, cfg)
+    model = DFlashDrafter(cfg, embed_weight, lm_head_weight, attention=attention, device=device, init_seed=0, draft_token_ids=ids).to(dtype)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise ValueError(f"{weights} does not fit {path / 'config.json'}: {str(e)[:500]}") from None
     return model
+
+
+def read_export_draft_vocab(path: Path, cfg: DrafterModelConfig) -> torch.Tensor | None:
+    """The export's draft vocabulary (``draft_vocab.safetensors``), None when it drafts over the whole vocabulary."""
+    if not cfg.draft_vocab_size:
+        return None
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    f = path / DRAFT_VOCAB_EXPORT_FILE
+    try:
+        ids = load_file(str(f))[DRAFT_VOCAB_TENSOR]
+    except FileNotFoundError:
+        raise ValueError(
+            f"{f}: not found; config.json's dflash_config.draft_vocab_size is {cfg.draft_vocab_size}: export the drafter again"
+        ) from None
+    except (SafetensorError, KeyError) as e:
+        raise ValueError(f"{f}: no readable {DRAFT_VOCAB_TENSOR} ({type(e).__name__}: {e}); export the drafter again") from None
+    if tuple(ids.shape) != (cfg.draft_vocab_size,):
+        raise ValueError(f"{f}: {DRAFT_VOCAB_TENSOR} has shape {tuple(ids.shape)}, config.json says {cfg.draft_vocab_size} tokens")
+    return ids.to(torch.int64)

@@ -228,13 +228,15 @@ def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float) -
     return reach.flip(1).cumsum(1).flip(1) * valid
 
 
-def _dpace_reweight(valid: torch.Tensor, rows: torch.Tensor, alpha: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``reweight`` for :func:`chunked_lm_loss`: per-row CE of the valid slots ``rows`` -> D-PACE row weights."""
+def _dpace_reweight(valid: torch.Tensor, rows: torch.Tensor, alpha: float, in_head: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``reweight`` for :func:`chunked_lm_loss`: per-row CE of the valid slots ``rows`` -> D-PACE row weights.
+    ``in_head`` (``[len(rows)]``): the row's label is one the head can draft; a label outside a draft
+    vocabulary is drafted with probability 0 and carries no weight."""
 
     def reweight(ce: torch.Tensor) -> torch.Tensor:
         confidence = torch.zeros(valid.numel(), dtype=torch.float32, device=ce.device)
-        confidence[rows] = torch.exp(-ce)
-        return dpace_weights(confidence.view_as(valid), valid, alpha).reshape(-1)[rows]
+        confidence[rows] = torch.where(in_head, torch.exp(-ce), 0.0)
+        return dpace_weights(confidence.view_as(valid), valid, alpha).reshape(-1)[rows] * in_head
 
     return reweight
 
@@ -345,6 +347,10 @@ def compute_loss(
     if anchors.numel() == 0:
         return _empty_output(model, bs, dev)
     lab = block_labels(token_ids, loss_mask, anchors, doc.doc_end[anchor_doc], bs, training_cfg.loss_gamma)
+    # With a draft vocabulary a label outside it cannot be drafted: no loss (its weight is 0), and a miss.
+    in_head = lab.valid if model.draft_index is None else lab.valid & (model.draft_index[lab.labels.clamp(min=0)] >= 0)
+    if model.draft_index is not None:
+        lab = lab._replace(weights=lab.weights * in_head)
     dpace = training_cfg.loss_weighting == "dpace"
     if not dpace:
         weight_sum = lab.weights.reshape(-1)[lab.valid.reshape(-1).nonzero().squeeze(1)].sum()
@@ -376,25 +382,27 @@ def compute_loss(
         )
         rows = part.valid.reshape(-1).nonzero().squeeze(1)
         labels = part.labels.reshape(-1)[rows]
+        head_rows = in_head[s:e].reshape(-1)[rows]
         target_hidden = planes[k][part.label_pos.reshape(-1)[rows] - 1] if use_kl else None
         res = chunked_lm_loss(
             hidden[rows],
             model.lm_head_weight,
-            labels,
+            labels if model.draft_index is None else model.draft_index[labels].clamp(min=0),
             part.weights.reshape(-1)[rows],
             training_cfg.ce_chunk_tokens,
             target_hidden=target_hidden,
             kl_weight=training_cfg.kl_weight,
-            reweight=_dpace_reweight(part.valid, rows, training_cfg.dpace_alpha) if dpace else None,
+            reweight=_dpace_reweight(part.valid, rows, training_cfg.dpace_alpha, head_rows) if dpace else None,
             compiled=training_cfg.ce_compile,
         )
         if dpace and training_cfg.dpace_normalizer == "weights":
             weight_sum += res.row_weights.sum()
+        pred = res.pred if model.draft_token_ids is None else model.draft_token_ids[res.pred]
         slot = rows % bs
-        correct.index_add_(0, slot, (res.pred == labels).to(torch.float32))
+        correct.index_add_(0, slot, (pred == labels).to(torch.float32))
         count.index_add_(0, slot, torch.ones(rows.numel(), dtype=torch.float32, device=dev))
         hit = torch.zeros(part.valid.numel(), dtype=torch.bool, device=dev)
-        hit[rows] = res.pred == labels
+        hit[rows] = pred == labels
         counted = part.valid[:, 1]  # blocks whose first draft slot has a label (every sampled anchor's)
         lengths = block_acceptance_lengths(hit.view_as(part.valid), part.valid)
         accept_len_sum += (lengths * counted).sum().to(torch.float32)

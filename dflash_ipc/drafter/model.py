@@ -83,6 +83,8 @@ class DrafterModelConfig:
     # Decoder layers of the target (0: unknown); exported as ``num_target_layers``.
     num_target_layers: int = 0
     initializer_range: float = 0.02
+    # Rows of the drafter's head (dflash_ipc/draft_vocab.py); 0: the whole vocabulary.
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         self.layer_types = list(self.layer_types)
@@ -102,6 +104,8 @@ class DrafterModelConfig:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE (got {self.head_dim})")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} outside [0, vocab_size={self.vocab_size}]")
 
     @property
     def num_context_planes(self) -> int:
@@ -152,6 +156,7 @@ class DrafterModelConfig:
             target_layer_ids=list(target_layer_ids),
             mask_token_id=int(mask_token_id),
             num_target_layers=int(getattr(t, "num_hidden_layers", 0) or 0),
+            draft_vocab_size=drafter_cfg.draft_vocab_size,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -369,6 +374,9 @@ class DFlashDrafter(nn.Module):
         attention: ``"auto" | "flex" | "sdpa"`` (``DrafterConfig.attention``).
         compile_dense: run each layer's dense parts through ``torch.compile`` in :meth:`forward` while
             grad is on (``DrafterConfig.compile``; :meth:`DFlashDecoderLayer.forward`).
+        draft_token_ids: ascending target ids ``[config.draft_vocab_size]`` the head keeps
+            (``dflash_ipc.draft_vocab``); then ``lm_head_weight`` holds those rows only and
+            :meth:`compute_logits` puts ``-inf`` everywhere else. Required iff the size is non-zero.
     """
 
     def __init__(
@@ -382,6 +390,7 @@ class DFlashDrafter(nn.Module):
         dtype: torch.dtype = torch.float32,
         init_seed: int | None = None,
         compile_dense: bool = False,
+        draft_token_ids: torch.Tensor | None = None,
     ):
         super().__init__()
         resolve_attention_backend(attention, "cpu")  # validate the name early
@@ -408,9 +417,29 @@ class DFlashDrafter(nn.Module):
         self.lm_head_weight = nn.Parameter(lm_head_weight.detach().to(target), requires_grad=False)
         if lm_head_weight is embed_weight:
             self.lm_head_weight = self.embed_weight
+        # Buffers, not state: the ids travel in the run directory and the export, not with the trainable weights.
+        self.register_buffer("draft_token_ids", None, persistent=False)
+        self.register_buffer("draft_index", None, persistent=False)  # [vocab] int64: a target id's head row, -1 outside
+        if bool(config.draft_vocab_size) != (draft_token_ids is not None):
+            raise ValueError(f"draft_token_ids must be given exactly when config.draft_vocab_size > 0 (it is {config.draft_vocab_size})")
+        if draft_token_ids is not None:
+            self._keep_draft_rows(draft_token_ids.to(device=target, dtype=torch.int64))
         self.reset_parameters(int(torch.initial_seed()) if init_seed is None else init_seed)
         self._register_state_dict_hook(_drop_frozen_from_state_dict)
         self.register_load_state_dict_post_hook(_frozen_not_missing)
+
+    def _keep_draft_rows(self, ids: torch.Tensor) -> None:
+        v = self.config.vocab_size
+        if ids.dim() != 1 or ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"draft_token_ids must be [{self.config.draft_vocab_size}], got {tuple(ids.shape)}")
+        ascending = ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all())
+        if not ascending or int(ids[0]) < 0 or int(ids[-1]) >= v:
+            raise ValueError(f"draft_token_ids must be strictly ascending ids in [0, {v})")
+        self.draft_token_ids = ids
+        index = torch.full((v,), -1, dtype=torch.int64, device=ids.device)
+        index[ids] = torch.arange(ids.numel(), device=ids.device)
+        self.draft_index = index
+        self.lm_head_weight = nn.Parameter(self.lm_head_weight.detach()[ids].clone(), requires_grad=False)
 
     # -- parameters --------------------------------------------------------------
 
@@ -451,6 +480,16 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(context.to(self.dtype)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's whole vocabulary (``-inf`` outside a draft vocabulary)."""
+        rows = self.compute_head_logits(hidden)
+        if self.draft_token_ids is None:
+            return rows
+        full = rows.new_full((*rows.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., self.draft_token_ids] = rows
+        return full
+
+    def compute_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's rows: the whole vocabulary, or the draft vocabulary's ids in order."""
         return F.linear(hidden, self.lm_head_weight.to(hidden.dtype))
 
     def block_input_ids(self, anchor_tokens: torch.Tensor) -> torch.Tensor:

@@ -237,6 +237,12 @@ def _check_model(cfg: DFlashConfig) -> None:
             f"{drafter.mask_token_id} is outside the target's vocabulary [0, {vocab}); "
             "use -1 (the tokenizer's mask token) or an id below the vocabulary size",
         )
+    if drafter.draft_vocab_size > vocab:
+        _fail(
+            src,
+            "drafter.draft_vocab_size",
+            f"{drafter.draft_vocab_size} is larger than the target's vocabulary ({vocab}); use at most {vocab}, or 0 for all of it",
+        )
     mask_id = drafter.mask_token_id if drafter.mask_token_id >= 0 else mask_token_id(tokenizer)
     if drafter.hidden_size and drafter.hidden_size != hidden:
         _fail(

@@ -142,6 +142,12 @@ def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
         for s in range(n_shards)
     ]
     summary = corpus.report.summary()
+    if cfg.drafter.draft_vocab_size:
+        from dflash_ipc.draft_vocab import ensure_draft_vocab
+        from dflash_ipc.target.hf_config import load_hf_config, text_config
+
+        vocab_size = int(text_config(load_hf_config(cfg.target, vocab_size=len(tok))).vocab_size)
+        summary += "; " + ensure_draft_vocab(run_dir, corpus.tokens, corpus.loss_mask, vocab_size, cfg.drafter.draft_vocab_size).describe()
     if cfg.data.weights:
         summary += "; " + mix_line(
             mix_report(corpus.lengths, corpus.sources, cfg.data.paths, cfg.data.weights, cfg.run.seed, cfg.data.num_epochs)
