@@ -411,15 +411,15 @@ class TrainingConfig:
     holdout_batches: int = 4  # batches per held-out pass; 0: all of them
     # tau_holdout simulates eval's decode over the first N tokens of each held-out answer: set it to eval's --max-new; 0: whole answers
     holdout_max_new: int = 0
+    # Training time budget: the schedule's length is planned from the measured pace so the cosine ends as the
+    # seconds run out (drafter/time_budget.py); max_steps, when set, caps it. 0: no budget.
+    max_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("holdout_every", "holdout_batches"):
             require(getattr(self, key) >= 0, key, "must be >= 0 (0: off / every held-out batch in a pass)")
-        require(
-            self.holdout_max_new >= 0,
-            "holdout_max_new",
-            f"must be >= 0 (got {self.holdout_max_new}): set it to eval's --max-new, or 0 to simulate whole answers",
-        )
+        require(self.holdout_max_new >= 0, "holdout_max_new", "must be >= 0: eval's --max-new, or 0 for whole answers")
+        require(self.max_seconds >= 0 and math.isfinite(self.max_seconds), "max_seconds", "must be >= 0 seconds (0: no time budget)")
         require(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")

@@ -144,6 +144,7 @@ class DrafterWork(Struct):
     tau_holdout_uniform: float | None = None  # the earlier estimate: blocks at uniformly drawn anchors (overstates eval's tau)
     holdout_step: int | None = None  # the step whose weights that pass measured
     anchors: int = 0  # the most anchors per batch the next step trains on (drafter.anchor_budget); 0: no cap
+    end_step: int = 0  # the step training ends at: training.max_steps or training.max_seconds' plan; 0: the data's end
 
 
 @dataclass(frozen=True)

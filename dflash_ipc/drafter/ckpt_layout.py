@@ -60,6 +60,7 @@ def config_hash(obj: Any) -> str:
 
 
 def run_config_hash(config: dict[str, Any]) -> str:
-    """The hash a checkpoint's meta.json records: of the run's config, ``training.max_steps`` left out
-    (a resumed run may train further)."""
-    return config_hash(config | {"training": {**config["training"], "max_steps": None}})
+    """The hash a checkpoint's meta.json records: of the run's config, ``training.max_steps`` and
+    ``training.max_seconds`` left out (a resumed run may train further)."""
+    training = {k: v for k, v in config["training"].items() if k != "max_seconds"}
+    return config_hash(config | {"training": {**training, "max_steps": None}})

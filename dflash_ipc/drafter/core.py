@@ -54,6 +54,7 @@ from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
 from dflash_ipc.drafter.init_from_target import apply_init, plan_init
 from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, num_parameters
+from dflash_ipc.drafter.time_budget import TimeBudget
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.node_spec import read_node_spec
@@ -203,6 +204,8 @@ class DrafterCore:
         self.metrics_path = run_dir / "metrics.jsonl"
         self.tokens_total = 0
         self.t_start = time.perf_counter()
+        self.t_first_step: float | None = None  # when this process's first training step began
+        self.time_budget = TimeBudget(cfg.training.max_seconds, cfg.training.max_steps) if cfg.training.max_seconds > 0 else None
         self.recent = RecentRate()
         self.last: dict = {}
         self.n_params = num_parameters(self.model)
@@ -238,6 +241,13 @@ class DrafterCore:
         torch.distributed.all_reduce(sums)
         return float(sums[0]), float(sums[1])
 
+    def _min_over_ranks(self, value: int) -> int:
+        if not self.world.is_distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.world.comm_device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return int(t.item())
+
     def _open_tensorboard(self):
         from torch.utils.tensorboard import SummaryWriter
 
@@ -265,6 +275,10 @@ class DrafterCore:
         if self.anchor_budget is not None and "anchor_budget" in ckpt.extra:
             self.anchor_budget.load_state_dict(ckpt.extra["anchor_budget"])
             log.info("resume: %d anchors per batch (follow-wait, from the checkpoint)", self.anchor_budget.anchors)
+        if self.time_budget is not None:
+            spent = float(ckpt.extra.get("time_budget", {}).get("spent_s", 0.0))
+            self.time_budget = TimeBudget(self.cfg.training.max_seconds, self.cfg.training.max_steps, spent, ckpt.step)
+            log.info("resume: %.0f of training.max_seconds %g trained before", spent, self.cfg.training.max_seconds)
         self.resumed_from = ResumePoint(checkpoint=str(ckpt.path), step=ckpt.step, notes=list(ckpt.notes))
         self.last_checkpoint = (ckpt.step, ckpt.path)
         if self.world.is_main:
@@ -328,8 +342,24 @@ class DrafterCore:
         )
 
     # -- training
+    @property
+    def end_step(self) -> int:
+        """The step training ends at: training.max_steps, or the time budget's plan; 0: until the data ends."""
+        planned = self.time_budget.total_steps if self.time_budget is not None else None
+        if planned is None:
+            return self.cfg.training.max_steps
+        return planned
+
+    def end_reason(self) -> str:
+        end, cap = self.end_step, self.cfg.training.max_steps
+        if self.time_budget is not None and self.time_budget.total_steps == end and (not cap or end < cap):
+            return f"max_seconds {self.cfg.training.max_seconds:g} (planned step {end})"
+        return f"max_steps {end}"
+
     def train_step(self, views: SlotViews | None, batch_id: list | None, wait_s: float, copy_s: float) -> dict:
         t0 = time.perf_counter()
+        if self.t_first_step is None:
+            self.t_first_step = t0 - wait_s  # the wait for the first batch is training time too
         anchors = self.anchors_per_batch
         if views is not None:
             drafter_cfg = self.cfg.drafter
@@ -391,6 +421,13 @@ class DrafterCore:
             "skipped": stats.skipped,
             "anchors": anchors,  # the most anchors this step trained on per batch (0: no cap)
         }
+        if self.time_budget is not None:
+            # every rank, every step: a plan point is a collective (the smallest plan over the ranks)
+            plan = self.time_budget.observe(self.step, time.perf_counter() - self.t_first_step, self._min_over_ranks)
+            if plan is not None:
+                self.trainer.set_total_steps(plan.total_steps)
+                if self.world.is_main:
+                    log.info("%s", plan.describe())
         if self.anchor_budget is not None:
             # every rank, every step: a window's end is a collective (held-out passes never come here)
             change = self.anchor_budget.observe(wait_s, dt, self._sum_over_ranks)
@@ -495,6 +532,8 @@ class DrafterCore:
         extra = {"reason": reason, "tokens_total": self.tokens_total, "config": self.cfg.to_dict()}
         if self.anchor_budget is not None:
             extra["anchor_budget"] = self.anchor_budget.state_dict()
+        if self.time_budget is not None:
+            extra["time_budget"] = self.time_budget.state_dict()
         return extra
 
     def export(self) -> Path | None:
@@ -547,4 +586,5 @@ class DrafterCore:
             tau_holdout_uniform=self.holdout_last.get("tau_holdout_uniform"),
             holdout_step=self.holdout_last.get("holdout_step"),
             anchors=self.anchors_per_batch,
+            end_step=self.end_step,
         )

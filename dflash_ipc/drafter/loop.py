@@ -18,7 +18,7 @@ in-memory channels in the tests, which run the same loop in one process). One it
 
 States::
 
-    TRAINING ──max_steps reached──────────────────────────▶ FINISHING
+    TRAINING ──max_steps reached (or the step training.max_seconds planned: drafter/time_budget.py) ──▶ FINISHING
        ├──── no rank has a batch and none will come ──────▶ FINISHING ("data exhausted")
        └──── a rank saw a stop (agreed on every rank) ────▶ FINISHING (checkpoint at this boundary)
     FINISHING: checkpoint (training.checkpoint_on_finish, or always after a stop), export
@@ -58,7 +58,6 @@ class DrafterLoop:
     ):
         self.core, self.plane, self.io, self.rank = core, plane, io, rank
         t = core.cfg.training
-        self.max_steps = t.max_steps
         self.checkpoint_every = t.checkpoint_every
         self.checkpoint_on_finish = t.checkpoint_on_finish
         self.export_on_finish = t.export_on_finish
@@ -73,7 +72,8 @@ class DrafterLoop:
 
     @property
     def at_max_steps(self) -> bool:
-        return bool(self.max_steps) and self.core.step >= self.max_steps
+        end = self.core.end_step
+        return bool(end) and self.core.step >= end
 
     # -- the named steps
     def drain(self) -> None:
@@ -159,7 +159,7 @@ class DrafterLoop:
     def finish(self) -> DrafterSummary:
         core = self.core
         if self.at_max_steps:
-            self.finish_reason = f"max_steps {self.max_steps}"
+            self.finish_reason = self.core.end_reason()
         log.info(
             "finishing at step %d: %s; batches received per target: %s; %s",
             core.step, self.finish_reason, self.plane.slots_done, self.memory_text(),

@@ -210,7 +210,11 @@ class DrafterTrainer:
         return int(total_steps)
 
     def set_total_steps(self, total_steps: int) -> None:
-        """Update the schedule length (only meaningful when training.max_steps is 0)."""
+        """Update the schedule length: the data's estimate (training.max_steps = 0) or the time budget's plan
+        (training.max_seconds, drafter/time_budget.py; it already respects max_steps)."""
+        if self.cfg.max_seconds > 0:
+            self.total_steps = max(1, int(total_steps))
+            return
         self.total_steps = self._resolve_total_steps(total_steps)
 
     def _check_layout(self) -> None:
@@ -526,7 +530,7 @@ class DrafterTrainer:
             group["betas"] = tuple(self.cfg.betas)
             group["weight_decay"] = self.cfg.weight_decay if gi == self._decay_group else 0.0
         self.step_count = int(state["step"])
-        if self.cfg.max_steps == 0:
+        if self.cfg.max_steps == 0 or self.cfg.max_seconds > 0:
             self.total_steps = int(state["total_steps"])
         self._ensure_linked()
 

@@ -38,6 +38,7 @@ MAY_CHANGE = (
     "drafter.attention",
     "drafter.anchor_chunk",
     "training.max_steps",
+    "training.max_seconds",
     "training.checkpoint_every",
     "training.keep_checkpoints",
     "training.export_on_finish",

@@ -587,7 +587,7 @@ class Supervisor:
 
     def _progress(self) -> None:
         lead = self._lead_drafter()
-        snap = progress_snapshot(lead, self.children, self.cfg.training.max_steps or None) if lead else None
+        snap = progress_snapshot(lead, self.children, lead.work.end_step or self.cfg.training.max_steps or None) if lead else None
         if snap is not None and self._progress_display is not None:
             self._progress_display.update(snap)
 
