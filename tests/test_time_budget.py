@@ -48,6 +48,10 @@ def test_a_slower_pace_later_moves_the_end_earlier_and_a_resume_trains_only_what
     assert plan.seconds_left == pytest.approx(15.0 - 0.25 * (MEASURE_FROM + FIRST_PLAN_AFTER))
     assert plan.total_steps == plan.step + int(plan.seconds_left / 0.25)
     assert b.state_dict()["spent_s"] == pytest.approx(45.0 + 3.0)
+    spent = TimeBudget(60.0, spent_s=61.0, start_step=90)
+    assert spent.total_steps == 90  # nothing left: the loop finishes before a step
+    assert TimeBudget(60.0, spent_s=50.0, start_step=90, pace_s=0.5).total_steps == 110  # the kept pace plans at once
+    assert TimeBudget(60.0, max_steps=100, spent_s=50.0, start_step=90, pace_s=0.5).total_steps == 100
     with pytest.raises(ValueError):
         TimeBudget(0.0)
 
@@ -82,6 +86,8 @@ def test_a_run_with_a_time_budget_ends_at_its_plan_annealed_and_a_resume_keeps_t
         run.close()
     again = InprocRun(cfg, tmp_path / "run", resume=True)
     try:
-        assert again.drafter_core.time_budget.spent_before == pytest.approx(spent["spent_s"])
+        budget = again.drafter_core.time_budget
+        assert budget.spent_before == pytest.approx(spent["spent_s"]) and budget.pace_s == spent["seconds_per_step"] > 0
+        assert again.drafter_core.end_step == budget.total_steps == again.drafter_core.trainer.total_steps
     finally:
         again.close()

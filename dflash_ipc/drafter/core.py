@@ -276,8 +276,18 @@ class DrafterCore:
             self.anchor_budget.load_state_dict(ckpt.extra["anchor_budget"])
             log.info("resume: %d anchors per batch (follow-wait, from the checkpoint)", self.anchor_budget.anchors)
         if self.time_budget is not None:
-            spent = float(ckpt.extra.get("time_budget", {}).get("spent_s", 0.0))
-            self.time_budget = TimeBudget(self.cfg.training.max_seconds, self.cfg.training.max_steps, spent, ckpt.step)
+            kept = ckpt.extra.get("time_budget", {})
+            spent = float(kept.get("spent_s", 0.0))
+            t = self.cfg.training
+            self.time_budget = TimeBudget(t.max_seconds, t.max_steps, spent, ckpt.step, kept.get("seconds_per_step"))
+            if self.time_budget.total_steps is not None:
+                self.trainer.set_total_steps(self.time_budget.total_steps)
+            log.info(
+                "resume: %.1f s of training.max_seconds %g trained; the plan ends at step %s",
+                spent,
+                t.max_seconds,
+                self.time_budget.total_steps,
+            )
             log.info("resume: %.0f of training.max_seconds %g trained before", spent, self.cfg.training.max_seconds)
         self.resumed_from = ResumePoint(checkpoint=str(ckpt.path), step=ckpt.step, notes=list(ckpt.notes))
         self.last_checkpoint = (ckpt.step, ckpt.path)

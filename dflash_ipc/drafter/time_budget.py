@@ -14,7 +14,9 @@ data-parallel ranks, so every rank ends at the same step).
     step == plan                      the loop finishes ("max_seconds")
 
 The budget counts training time only (from the first step on, not the start-up), across restarts: a
-resumed run keeps the seconds it had trained (the checkpoint's ``time_budget``) and trains the rest.
+resumed run keeps the seconds it had trained and its pace (the checkpoint's ``time_budget``), plans the rest
+from that pace at once (nothing, when the seconds are spent), then measures its own. A fresh run trains
+MEASURE_FROM + FIRST_PLAN_AFTER steps before its first plan whatever the budget.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class Plan:
 
 
 class TimeBudget:
-    def __init__(self, max_seconds: float, max_steps: int = 0, spent_s: float = 0.0, start_step: int = 0):
+    def __init__(self, max_seconds: float, max_steps: int = 0, spent_s: float = 0.0, start_step: int = 0, pace_s: float | None = None):
         if max_seconds <= 0:
             raise ValueError(f"max_seconds must be > 0 (got {max_seconds})")
         self.max_seconds = float(max_seconds)
@@ -60,7 +62,13 @@ class TimeBudget:
         self.start_step = int(start_step)
         self.elapsed_s = 0.0  # this process's training seconds at the last step observed
         self._mark: tuple[int, float] | None = None  # (step, elapsed) where the pace is measured from
-        self.total_steps: int | None = None  # the last plan
+        self.pace_s = pace_s  # seconds per step at the last plan
+        # the last plan; a resumed run plans at once from the pace it had (its budget spent: it ends where it is)
+        self.total_steps: int | None = None
+        if self.spent_before >= self.max_seconds:
+            self.total_steps = self.start_step
+        elif pace_s:
+            self.total_steps = self._capped(self.start_step + int((self.max_seconds - self.spent_before) / pace_s))
 
     @property
     def spent_s(self) -> float:
@@ -80,11 +88,13 @@ class TimeBudget:
             return None
         pace = (self.elapsed_s - self._mark[1]) / since
         left = max(0.0, self.max_seconds - self.spent_s)
-        plan = step + int(left / pace) if pace > 0 else step
-        if self.max_steps:
-            plan = min(plan, self.max_steps)
+        plan = self._capped(step + int(left / pace) if pace > 0 else step)
         self.total_steps = max(step, int(reduce(max(step, plan))))
+        self.pace_s = pace
         return Plan(step, self.total_steps, pace, left)
 
+    def _capped(self, plan: int) -> int:
+        return min(plan, self.max_steps) if self.max_steps else plan
+
     def state_dict(self) -> dict:
-        return {"spent_s": self.spent_s, "total_steps": self.total_steps}
+        return {"spent_s": self.spent_s, "total_steps": self.total_steps, "seconds_per_step": self.pace_s}
