@@ -282,8 +282,7 @@ class DrafterCore:
             self.time_budget = TimeBudget(t.max_seconds, t.max_steps, spent, ckpt.step, kept.get("seconds_per_step"))
             if self.time_budget.total_steps is not None:
                 self.trainer.set_total_steps(self.time_budget.total_steps)
-            log.info("resume: %.1f of training.max_seconds %g trained; plan ends at step %s", spent, t.max_seconds, self.time_budget.total_steps)
-            log.info("resume: %.0f of training.max_seconds %g trained before", spent, self.cfg.training.max_seconds)
+            log.info("resume: %.1f s of max_seconds %g trained; plan ends at step %s", spent, t.max_seconds, self.time_budget.total_steps)
         self.resumed_from = ResumePoint(checkpoint=str(ckpt.path), step=ckpt.step, notes=list(ckpt.notes))
         self.last_checkpoint = (ckpt.step, ckpt.path)
         if self.world.is_main:
