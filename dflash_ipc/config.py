@@ -418,7 +418,7 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         for key in ("holdout_every", "holdout_batches"):
             require(getattr(self, key) >= 0, key, "must be >= 0 (0: off / every held-out batch in a pass)")
-        require(self.holdout_max_new >= 0, "holdout_max_new", "must be >= 0: eval's --max-new, or 0 for whole answers")
+        require(self.holdout_max_new >= 0, "holdout_max_new", "must be >= 0 (eval's --max-new, or 0 for whole answers)")
         require(self.max_seconds >= 0 and math.isfinite(self.max_seconds), "max_seconds", "must be >= 0 seconds (0: no time budget)")
         require(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
