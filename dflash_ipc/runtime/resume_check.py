@@ -36,6 +36,7 @@ MAY_CHANGE = (
     "target.attn_implementation",
     "drafter.warm_up",
     "drafter.attention",
+    "drafter.flex_tile",
     "drafter.anchor_chunk",
     "training.max_steps",
     "training.max_seconds",

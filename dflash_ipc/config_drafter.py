@@ -1,0 +1,129 @@
+"""``[drafter]``: the drafter's shape, its anchors and how they are budgeted, its speed options and its head.
+
+Validated in ``__post_init__`` like every section (:mod:`dflash_ipc.config`, which loads it); the
+checks against the target (sizes, the vocabulary) are the preflight's (:mod:`dflash_ipc.runtime.preflight`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dflash_ipc.config_fields import require
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 5
+    # Layer types from the bottom; empty: all sliding except the last (DFlash default 4+1).
+    layer_types: list[Literal["sliding_attention", "full_attention"]] = field(default_factory=list)
+    sliding_window: int = 2048
+    block_size: int = 16
+    num_anchors: int = 512  # per document (SpecForge's per-sample budget)
+    max_anchors_per_batch: int = 0  # 0: no cap; else a uniform subset of the batch's anchors
+    # Anchors per drafter forward+backward inside one optimizer step (gradient accumulation over
+    # anchor chunks: memory follows the chunk, not the anchor count); 0: all anchors at once.
+    anchor_chunk: int = 0
+    # How many anchors each batch trains on. "fixed": max_anchors_per_batch, always. "follow-wait":
+    # max_anchors_per_batch is the start; every anchor_window steps the drafter moves it by one
+    # anchor_chunk, up while it waits for batches more than anchor_target_wait of its time (idle
+    # time spent on more anchors), down while it has become the bound (drafter/anchor_budget.py).
+    anchor_budget: Literal["fixed", "follow-wait"] = "fixed"
+    anchor_target_wait: float = 0.2  # follow-wait: the share of drafter time spent waiting it aims at
+    max_anchors_auto: int = 0  # follow-wait: the most anchors per batch it may reach; 0: 8 x max_anchors_per_batch
+    anchor_window: int = 8  # follow-wait: steps measured per decision (one chunk up or down at most)
+    # One forward+backward on a dummy batch of the configured shapes before the handshake (flex
+    # compile, first-step allocations), so the targets never wait on the drafter's first step.
+    warm_up: bool = True
+    # 0 means "same as the target".
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    noise_std: float = 0.0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+    # flex attention's tile (query rows and keys) for the drafter's masks: 64 visits ~40 % less masked-out
+    # area than 128 on SmolLM2's chat records (tools/flex_density.py), smaller tiles run less efficiently
+    flex_tile: int = 128
+    # torch.compile each layer's norms, projections, RoPE and SwiGLU (dynamic shapes; attention as set above).
+    compile: bool = False
+    mask_token_id: int = -1  # -1: a reserved/unused id, never a stop token (data.tokenizer.choose_mask_token)
+    # Start from the target's own weights instead of random ones: one target layer index per drafter layer
+    # (negative: from the top), copied with the target's final norm; fc starts as the identity on the
+    # captured plane nearest the first copied layer's input (drafter/init_from_target.py). Empty: random.
+    init_from_target: list[int] = field(default_factory=list)
+    draft_vocab_size: int = 0  # head rows: the data's N most frequent answer tokens (draft_vocab.py); 0: all
+
+    def __post_init__(self) -> None:
+        require(self.num_layers >= 1, "num_layers", "must be >= 1")
+        require(self.draft_vocab_size >= 0, "draft_vocab_size", "must be >= 0 (0 = the target's whole vocabulary)")
+        self.init_from_target = [int(i) for i in self.init_from_target]
+        require(
+            not self.init_from_target or len(self.init_from_target) == self.num_layers,
+            "init_from_target",
+            f"must name one target layer per drafter layer (drafter.num_layers = {self.num_layers}), e.g. "
+            f"{list(range(self.num_layers))}, or be empty for a random start; got {self.init_from_target}",
+        )
+        require(
+            not self.layer_types or len(self.layer_types) == self.num_layers,
+            "layer_types",
+            f"must list exactly drafter.num_layers ({self.num_layers}) entries or be empty",
+        )
+        require(self.sliding_window >= 1, "sliding_window", "must be >= 1")
+        require(2 <= self.block_size <= 64, "block_size", "must be between 2 and 64")
+        require(self.num_anchors >= 1, "num_anchors", "must be >= 1")
+        require(self.max_anchors_per_batch >= 0, "max_anchors_per_batch", "must be >= 0 (0 = no cap)")
+        require(self.anchor_chunk >= 0, "anchor_chunk", "must be >= 0 (0 = all anchors in one forward)")
+        self._check_anchor_budget()
+        require(self.noise_std >= 0, "noise_std", "must be >= 0")
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            require(getattr(self, name) >= 0, name, "must be >= 0 (0 = same as the target)")
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        require(
+            not (heads and kv_heads and heads % kv_heads),
+            "num_attention_heads",
+            f"must be a multiple of drafter.num_key_value_heads ({kv_heads}); got {heads}",
+        )
+        require(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE (got {self.head_dim})")
+        require(self.flex_tile in (64, 128), "flex_tile", f"must be 64 or 128 (got {self.flex_tile})")
+        require(self.mask_token_id >= -1, "mask_token_id", "must be a token id >= 0, or -1 for the tokenizer's mask token")
+
+    def _check_anchor_budget(self) -> None:
+        wait = self.anchor_target_wait
+        require(0 < wait < 1, "anchor_target_wait", f"must be a fraction between 0 and 1 (got {wait})")
+        require(self.anchor_window >= 1, "anchor_window", f"must be >= 1 step (got {self.anchor_window})")
+        require(self.max_anchors_auto >= 0, "max_anchors_auto", "must be >= 0 (0 = 8 x drafter.max_anchors_per_batch)")
+        if self.anchor_budget != "follow-wait":
+            return
+        require(
+            self.anchor_chunk > 0,
+            "anchor_budget",
+            "follow-wait moves the budget one drafter.anchor_chunk at a time: set drafter.anchor_chunk > 0 "
+            "(the anchors one forward holds, e.g. 2048)",
+        )
+        require(
+            self.max_anchors_per_batch > 0,
+            "anchor_budget",
+            "follow-wait starts at drafter.max_anchors_per_batch and never goes below it: set it > 0 (e.g. 2048)",
+        )
+        require(
+            self.max_anchors_auto % self.anchor_chunk == 0,
+            "max_anchors_auto",
+            f"must be a multiple of drafter.anchor_chunk ({self.anchor_chunk}), or 0; got {self.max_anchors_auto}",
+        )
+        require(
+            self.max_anchors_auto == 0 or self.max_anchors_auto >= self.max_anchors_per_batch,
+            "max_anchors_auto",
+            f"must be >= drafter.max_anchors_per_batch ({self.max_anchors_per_batch}), the start; got {self.max_anchors_auto}",
+        )
+
+    def resolved_max_anchors_auto(self) -> int:
+        """follow-wait's cap: max_anchors_auto, or 8 x the start."""
+        return self.max_anchors_auto or 8 * self.max_anchors_per_batch
+
+    def resolved_layer_types(self) -> list[str]:
+        if self.layer_types:
+            return list(self.layer_types)
+        return ["sliding_attention"] * (self.num_layers - 1) + ["full_attention"]
