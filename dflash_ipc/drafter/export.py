@@ -159,6 +159,11 @@ def _config_from_hf_dict(d: Mapping[str, Any]) -> DrafterModelConfig:
 def read_export(path: str | Path) -> DrafterModelConfig:
     """An export's config, its weights file checked readable (header and size, no tensor read):
     a ValueError naming the file and what is wrong, before any model is loaded."""
+    return _read_export(path)[0]
+
+
+def _read_export(path: str | Path) -> tuple[DrafterModelConfig, torch.Tensor | None]:
+    """:func:`read_export`, with the draft vocabulary's ids (None: the whole vocabulary)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -172,13 +177,13 @@ def read_export(path: str | Path) -> DrafterModelConfig:
         raise ValueError(f"{cfg_path}: not JSON ({e})") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{cfg_path}: not a DFlash drafter config ({type(e).__name__}: {e})") from None
-    read_export_draft_vocab(path, cfg)
+    ids = read_export_draft_vocab(path, cfg)
     try:
         with safe_open(str(weights), framework="pt") as f:
             f.keys()
     except SafetensorError as e:
         raise ValueError(f"{weights}: not a readable safetensors file ({e}); export the drafter again") from None
-    return cfg
+    return cfg, ids
 
 
 def load_exported_drafter(
@@ -195,14 +200,13 @@ def load_exported_drafter(
     from safetensors.torch import load_file
 
     path = Path(path)
-    cfg = read_export(path)
+    cfg, ids = _read_export(path)
     weights = path / EXPORT_WEIGHTS_FILE
     try:
         state = load_file(str(weights), device=str(device) if device is not None else "cpu")
     except SafetensorError as e:
         raise ValueError(f"{weights}: not a readable safetensors file ({e}); export the drafter again") from None
     dtype = next(iter(state.values())).dtype if state else torch.float32
-    ids = read_export_draft_vocab(path, cfg)
     model = DFlashDrafter(cfg, embed_weight, lm_head_weight, attention=attention, device=device, init_seed=0, draft_token_ids=ids).to(dtype)
     try:
         model.load_state_dict(state, strict=True)

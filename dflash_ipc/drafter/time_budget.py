@@ -89,7 +89,7 @@ class TimeBudget:
         pace = (self.elapsed_s - self._mark[1]) / since
         left = max(0.0, self.max_seconds - self.spent_s)
         plan = self._capped(step + int(left / pace) if pace > 0 else step)
-        self.total_steps = max(step, int(reduce(max(step, plan))))
+        self.total_steps = int(reduce(max(step, plan)))  # every rank is at this step: the smallest is >= it
         self.pace_s = pace
         return Plan(step, self.total_steps, pace, left)
 
