@@ -127,12 +127,15 @@ def test_plan_command(tmp_path):
     cfg = tmp_path / "p.toml"
     cfg.write_text(
         "[run]\nname = 'p'\nseed = 5\n[topology]\ntargets = ['cpu', 'cpu']\n"
-        f"[data]\nbuiltin_samples = 300\ncache_dir = '{tmp_path / 'cache'}'\n"
+        f"[data]\nbuiltin_samples = 300\ncache_dir = '{tmp_path / 'cache'}'\n[drafter]\ndraft_vocab_size = 256\n"
     )
     out = plan_command(cfg)
     assert out["num_shards"] == 2 and out["seed"] == 5 and out["n_samples"] == 300
     assert out["single_bucket_batches"] == out["n_batches"]
     assert not out["data"]["loaded_from_cache"]
+    # the built-in tokenizer has 1,024 ids: only the configured size is below it; the most frequent quarter of
+    # the ids covers far more than a quarter of what the answers say
+    assert list(out["data"]["draft_vocab_coverage"]) == ["256"] and 0.5 < out["data"]["draft_vocab_coverage"]["256"] < 1
     again = plan_command(cfg)
     assert again["data"]["loaded_from_cache"] and again["first_buckets"] == out["first_buckets"]
 

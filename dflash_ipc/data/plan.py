@@ -203,6 +203,10 @@ def plan_stats(lengths: Any, cfg: DataConfig, seed: int, num_shards: int = 1, ep
     }
 
 
+#: head sizes `plan` reports the coverage of, besides the configured one
+DRAFT_VOCAB_SIZES = (1024, 4096, 8192, 16384, 32768)
+
+
 def plan_command(config_path: str | Path, cache_dir: str | Path | None = None) -> dict[str, Any]:
     """``dflash-ipc plan``: load the config, tokenizer and corpus, return :func:`plan_stats`.
 
@@ -212,6 +216,7 @@ def plan_command(config_path: str | Path, cache_dir: str | Path | None = None) -
     from dflash_ipc.config import load_config
     from dflash_ipc.data.corpus import load_corpus
     from dflash_ipc.data.tokenizer import config_tokenizer
+    from dflash_ipc.draft_vocab import choose_draft_vocab
 
     cfg = load_config(config_path)
     num_shards = len(cfg.topology.targets)
@@ -221,6 +226,9 @@ def plan_command(config_path: str | Path, cache_dir: str | Path | None = None) -
         corpus = load_corpus(cfg.data, tok, cdir)
         stats = plan_stats(corpus.lengths, cfg.data, cfg.run.seed, num_shards=num_shards, sources=corpus.sources)
         r = corpus.report
+        vocab = max(len(tok), int(corpus.tokens.max()) + 1 if corpus.tokens.numel() else 1)
+        sizes = sorted({n for n in DRAFT_VOCAB_SIZES if n < vocab} | ({cfg.drafter.draft_vocab_size} - {0}))
+        coverage = {str(n): round(choose_draft_vocab(corpus.tokens, corpus.loss_mask, vocab, n).coverage, 4) for n in sizes}
         return {
             "config": str(config_path),
             "num_shards": num_shards,
@@ -234,6 +242,8 @@ def plan_command(config_path: str | Path, cache_dir: str | Path | None = None) -
                 "truncated": r.truncated,
                 "loaded_from_cache": r.loaded_from_cache,
                 "cache_path": r.cache_path,
+                # share of the supervised tokens the N most frequent ones cover (drafter.draft_vocab_size = N)
+                "draft_vocab_coverage": coverage,
             },
             **stats,
         }
