@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dflash_ipc.fsutil import write_text_atomic
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 #: the export's file and tensor name (loaders that do not know them share the target's full head)
@@ -96,12 +97,8 @@ def choose_draft_vocab(tokens: torch.Tensor, loss_mask: torch.Tensor, vocab_size
 
 
 def write_draft_vocab(path: Path, vocab: DraftVocab) -> None:
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(vocab.to_json(), f)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Atomically and durably (a resumed run reads it back), private to the user (mkstemp's 0600)."""
+    write_text_atomic(path, json.dumps(vocab.to_json()) + "\n", durable=True)
 
 
 def read_draft_vocab(path: Path) -> DraftVocab:
