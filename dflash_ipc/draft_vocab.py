@@ -84,16 +84,27 @@ def choose_draft_vocab(tokens: torch.Tensor, loss_mask: torch.Tensor, vocab_size
     the configured size whatever the data (a resumed run and its export agree on the shape)."""
     if not 1 <= size <= vocab_size:
         raise ValueError(f"drafter.draft_vocab_size must be between 1 and the target's vocabulary ({vocab_size}); got {size}")
+    order, counts, total = _ranked(tokens, loss_mask, vocab_size)
+    chosen = order[:size]
+    covered = int(counts[chosen].sum())
+    return DraftVocab(tuple(sorted(int(i) for i in chosen)), vocab_size, covered / total if total else 0.0, total)
+
+
+def coverage_by_size(tokens: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int, sizes: list[int]) -> dict[int, float]:
+    """:func:`choose_draft_vocab`'s coverage at each size, from one count and one ranking."""
+    order, counts, total = _ranked(tokens, loss_mask, vocab_size)
+    covered = torch.cumsum(counts[order], 0)
+    return {n: int(covered[n - 1]) / total if total else 0.0 for n in sizes}
+
+
+def _ranked(tokens: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(ids by descending count, ties by ascending id; counts per id; supervised tokens)."""
     supervised = tokens[loss_mask.bool()].to(torch.int64)
     if supervised.numel() and (int(supervised.min()) < 0 or int(supervised.max()) >= vocab_size):
         raise ValueError(f"supervised token ids outside the target's vocabulary [0, {vocab_size})")
     counts = torch.bincount(supervised, minlength=vocab_size)
     # stable sort on -count keeps ascending ids among equal counts
-    order = torch.sort(-counts, stable=True).indices
-    chosen = order[:size]
-    covered = int(counts[chosen].sum())
-    total = int(supervised.numel())
-    return DraftVocab(tuple(sorted(int(i) for i in chosen)), vocab_size, covered / total if total else 0.0, total)
+    return torch.sort(-counts, stable=True).indices, counts, int(supervised.numel())
 
 
 def write_draft_vocab(path: Path, vocab: DraftVocab) -> None:

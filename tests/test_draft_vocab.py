@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from test_dflash_loss import V, manual_loss, packed_views, tiny_model
 
 from dflash_ipc.config import ConfigError, TrainingConfig, config_from_dict
-from dflash_ipc.draft_vocab import DRAFT_VOCAB_FILE, EXPORT_FILE, choose_draft_vocab, ensure_draft_vocab, read_draft_vocab
+from dflash_ipc.draft_vocab import DRAFT_VOCAB_FILE, EXPORT_FILE, choose_draft_vocab, coverage_by_size, ensure_draft_vocab, read_draft_vocab
 from dflash_ipc.drafter import blocks as B
 from dflash_ipc.drafter import loss as L
 from dflash_ipc.drafter.export import export_drafter, load_exported_drafter, read_export
@@ -34,6 +34,7 @@ def test_the_most_frequent_supervised_tokens_ties_to_the_lower_id_and_the_covera
     # fewer distinct supervised tokens than asked: filled with the lowest unused ids, coverage 1
     filled = choose_draft_vocab(tokens, mask, 10, 6)
     assert filled.token_ids == (0, 1, 2, 5, 7, 9) and filled.coverage == 1.0
+    assert coverage_by_size(tokens, mask, 10, [2, 3, 6]) == {n: choose_draft_vocab(tokens, mask, 10, n).coverage for n in (2, 3, 6)}
     for bad in (0, 11):
         with pytest.raises(ValueError, match="draft_vocab_size"):
             choose_draft_vocab(tokens, mask, 10, bad)

@@ -216,7 +216,7 @@ def plan_command(config_path: str | Path, cache_dir: str | Path | None = None) -
     from dflash_ipc.config import load_config
     from dflash_ipc.data.corpus import load_corpus
     from dflash_ipc.data.tokenizer import config_tokenizer
-    from dflash_ipc.draft_vocab import choose_draft_vocab
+    from dflash_ipc.draft_vocab import coverage_by_size
 
     cfg = load_config(config_path)
     num_shards = len(cfg.topology.targets)
@@ -228,7 +228,7 @@ def plan_command(config_path: str | Path, cache_dir: str | Path | None = None) -
         r = corpus.report
         vocab = max(len(tok), int(corpus.tokens.max()) + 1 if corpus.tokens.numel() else 1)
         sizes = sorted({n for n in DRAFT_VOCAB_SIZES if n < vocab} | ({cfg.drafter.draft_vocab_size} - {0}))
-        coverage = {str(n): round(choose_draft_vocab(corpus.tokens, corpus.loss_mask, vocab, n).coverage, 4) for n in sizes}
+        coverage = {str(n): round(c, 4) for n, c in coverage_by_size(corpus.tokens, corpus.loss_mask, vocab, sizes).items()}
         return {
             "config": str(config_path),
             "num_shards": num_shards,
