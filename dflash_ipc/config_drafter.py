@@ -44,9 +44,6 @@ class DrafterConfig:
     noise_std: float = 0.0
     dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["auto", "flex", "sdpa"] = "auto"
-    # flex attention's tile (query rows and keys) for the drafter's masks: 64 visits ~40 % less masked-out
-    # area than 128 on SmolLM2's chat records (tools/flex_density.py), smaller tiles run less efficiently
-    flex_tile: int = 128
     # torch.compile each layer's norms, projections, RoPE and SwiGLU (dynamic shapes; attention as set above).
     compile: bool = False
     mask_token_id: int = -1  # -1: a reserved/unused id, never a stop token (data.tokenizer.choose_mask_token)
@@ -87,7 +84,6 @@ class DrafterConfig:
             f"must be a multiple of drafter.num_key_value_heads ({kv_heads}); got {heads}",
         )
         require(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE (got {self.head_dim})")
-        require(self.flex_tile in (64, 128), "flex_tile", f"must be 64 or 128 (got {self.flex_tile})")
         require(self.mask_token_id >= -1, "mask_token_id", "must be a token id >= 0, or -1 for the tokenizer's mask token")
 
     def _check_anchor_budget(self) -> None:

@@ -561,26 +561,3 @@ def test_a_batch_split_by_documents_gives_the_same_token_weighted_gradient():
         torch.testing.assert_close(g_split[n], g_full[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_the_flex_tile_changes_the_work_not_the_loss():
-    """``drafter.flex_tile`` reaches the masks compute_loss builds: 64- and 128-row tiles, the same
-    loss and metrics as the dense SDPA mask (flex eager on the CPU, forward only)."""
-    import dataclasses
-
-    from dflash_ipc.config import ConfigError, config_from_dict
-
-    model, dc = tiny_model(["sliding_attention", "full_attention"], block_size=4, num_anchors=6)
-    views = packed_views([150, 90, 30])
-    tc = TrainingConfig(ce_chunk_tokens=64)
-    outs = {}
-    with torch.no_grad():
-        for backend, tile in (("sdpa", 128), ("flex", 128), ("flex", 64)):
-            model.attention = backend
-            outs[backend, tile] = L.compute_loss(
-                model, views, dataclasses.replace(dc, flex_tile=tile), tc, torch.Generator().manual_seed(4)
-            )
-    ref = outs["sdpa", 128]
-    for key in (("flex", 128), ("flex", 64)):
-        torch.testing.assert_close(outs[key].loss_sum, ref.loss_sum, rtol=1e-5, atol=1e-4)
-        assert torch.equal(outs[key].correct_per_pos, ref.correct_per_pos)
-    with pytest.raises(ConfigError, match=r"drafter\.flex_tile: must be 64 or 128"):
-        config_from_dict({"drafter": {"flex_tile": 32}})

@@ -96,13 +96,11 @@ def variant_overrides(name: str) -> dict[str, dict[str, Any]]:
             out["training"]["ce_chunk_tokens"] = _number(part, "ce-chunk-")
         elif part.startswith("anchor-chunk-"):
             out["drafter"]["anchor_chunk"] = _number(part, "anchor-chunk-")
-        elif part.startswith("flex-tile-"):
-            out["drafter"]["flex_tile"] = _number(part, "flex-tile-")
         elif part.startswith("draft-vocab-"):
             out["drafter"]["draft_vocab_size"] = _number(part, "draft-vocab-")
         else:
             raise ValueError(
-                f"unknown variant {part!r}; use base, eager, compile, ce-compile, ce-chunk-N, anchor-chunk-N, flex-tile-N, "
+                f"unknown variant {part!r}; use base, eager, compile, ce-compile, ce-chunk-N, anchor-chunk-N, "
                 "draft-vocab-N, joined by '+'"
             )
     return out

@@ -376,7 +376,7 @@ def compute_loss(
         e = min(n_anchors, s + chunk)
         part = BlockLabels(*(t[s:e] for t in lab))
         layout = build_block_layout(seq_lens, anchors[s:e], anchor_doc[s:e], bs, block_valid=part.valid.any(dim=1), doc=doc)
-        masks = build_attention_masks(layout, mcfg.layer_types, mcfg.sliding_window, backend, drafter_cfg.flex_tile)
+        masks = build_attention_masks(layout, mcfg.layer_types, mcfg.sliding_window, backend)
         hidden = model(
             context, layout.context_position_ids, model.block_input_ids(token_ids[anchors[s:e]]), layout.block_position_ids, masks
         )

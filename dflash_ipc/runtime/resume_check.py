@@ -36,7 +36,6 @@ MAY_CHANGE = (
     "target.attn_implementation",
     "drafter.warm_up",
     "drafter.attention",
-    "drafter.flex_tile",
     "drafter.anchor_chunk",
     "training.max_steps",
     "training.max_seconds",
