@@ -60,10 +60,13 @@ SYNTH_OV+=("synth.max_seconds=${SYNTH_S:-100}")
 DECODE=${DECODE:-dynamic}
 # MULTI_TURN: the share of answered synthesized requests that get a second user turn (and its answer)
 [ "${MULTI_TURN:-0}" != 0 ] && SYNTH_OV+=("synth.multi_turn_fraction=$MULTI_TURN")
-MAX_STEPS=${MAX_STEPS:-$(python3 -c "print(max(2, int($TRAIN_S / $STEP_S)))")}
+# the schedule fitted to TRAIN_S (training.max_seconds; the last checkpoint and the export come after it, so 30 s
+# less); MAX_STEPS caps it (a comparison of schedules by step sets it)
+MAX_SECONDS=${MAX_SECONDS:-$(python3 -c "print(max(1, int($TRAIN_S) - (30 if $TRAIN_S > 120 else 0)))")}
+MAX_STEPS=${MAX_STEPS:-$(python3 -c "print(max(2, int(2 * $TRAIN_S / $STEP_S)))")}
 MODEL_OV=(); [ -n "$MODEL" ] && MODEL_OV=("target.model_path=\"$MODEL\"")
 mkdir -p "$W"
-echo "out=$OUT work=$W base=$BASE phase=$PHASE budget=${BUDGET_S}s n_synth=$N_SYNTH n_builtin=$N_BUILTIN mix=$MIX max_steps=$MAX_STEPS"
+echo "out=$OUT work=$W base=$BASE phase=$PHASE budget=${BUDGET_S}s n_synth=$N_SYNTH n_builtin=$N_BUILTIN mix=$MIX max_seconds=$MAX_SECONDS max_steps=$MAX_STEPS"
 
 if [ "$PHASE" != train ]; then
   python3 tools/derive_config.py "$BASE" "$W/gen.toml" "${MODEL_OV[@]}" "data.builtin_samples=$N_BUILTIN" "${TOPO[@]}" "${SYNTH_OV[@]}" \
@@ -104,7 +107,7 @@ rm -rf "$RD"
 python3 tools/derive_config.py "$BASE" "$TOML" "${MODEL_OV[@]}" "${TOPO[@]}" \
   "data.paths=[\"$W/builtin.jsonl\", \"$W/synth.jsonl\"]" "data.weights=[$W_BUILTIN, $W_SYNTH]" "data.num_epochs=$EPOCHS" \
   "data.holdout_paths=[\"$W/synth.holdout.jsonl\"]" "training.holdout_every=${HOLDOUT_EVERY:-50}" "training.holdout_batches=${HOLDOUT_BATCHES:-2}" \
-  "training.holdout_max_new=$EVAL_MAX_NEW" "run.run_dir=\"$RD\"" "run.name=\"smollm2-synth\"" "training.max_steps=$MAX_STEPS" \
+  "training.holdout_max_new=$EVAL_MAX_NEW" "run.run_dir=\"$RD\"" "run.name=\"smollm2-synth\"" "training.max_steps=$MAX_STEPS" "training.max_seconds=$MAX_SECONDS" \
   "drafter.block_size=$BLOCK" ${EXTRA:-} >> "$OUT/derive.log" || exit 1
 cp "$TOML" "$OUT/"
 # the untrained floor for the suite, before training so it cannot push the call past its budget
@@ -116,7 +119,7 @@ fi
 if [ "${EVAL:-1}" = 1 ]; then RESERVE=${EVAL_RESERVE_S:-90}; else RESERVE=${EVAL_RESERVE_S:-20}; fi
 TRAIN_T=$(( $(left) - RESERVE ))
 [ "$TRAIN_T" -ge 120 ] || { stage "only $TRAIN_T s left for training (up starts in ~90 s): not started"; exit 1; }
-stage "train (block $BLOCK, max_steps $MAX_STEPS, ~${TRAIN_S}s; $TRAIN_T s)"
+stage "train (block $BLOCK, max_seconds $MAX_SECONDS, max_steps $MAX_STEPS, ~${TRAIN_S}s; $TRAIN_T s)"
 # worst case past BUDGET_S: a 30 s grace after SIGINT + plan's 30 s - RESERVE; give the call BUDGET_S + 45 s
 timeout -s INT -k 30 $TRAIN_T $DF up --config "$TOML" > "$OUT/up.log" 2>&1
 grep -E "^\[up\] (data|plan)" "$OUT/up.log" | head -n 3
