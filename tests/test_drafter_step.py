@@ -132,7 +132,8 @@ def test_variant_names_and_document_lengths():
     assert variant_overrides("base") == {"drafter": {}, "training": {}}
     assert variant_overrides("compile+ce-chunk-8192") == {"drafter": {"compile": True}, "training": {"ce_chunk_tokens": 8192}}
     assert variant_overrides("eager") == {"drafter": {"compile": False}, "training": {"ce_compile": False}}
-    assert variant_overrides("anchor-chunk-4+draft-vocab-16384") == {"drafter": {"anchor_chunk": 4, "draft_vocab_size": 16384}, "training": {}}
+    both = {"drafter": {"anchor_chunk": 4, "draft_vocab_size": 16384}, "training": {}}
+    assert variant_overrides("anchor-chunk-4+draft-vocab-16384") == both
     with pytest.raises(ValueError, match=r"variant 'ce-chunk-8': training\.ce_chunk_tokens: must be >= 16"):
         variant_config(load_config(str(TINY)), "ce-chunk-8")
     for bad in ("fast", "ce-chunk-", "ce-chunk-0", "compile+nope"):
