@@ -559,5 +559,3 @@ def test_a_batch_split_by_documents_gives_the_same_token_weighted_gradient():
     assert g_full.keys() == g_split.keys() and g_full
     for n in g_full:
         torch.testing.assert_close(g_split[n], g_full[n], rtol=1e-5, atol=1e-6, msg=n)
-
-

@@ -100,8 +100,7 @@ def variant_overrides(name: str) -> dict[str, dict[str, Any]]:
             out["drafter"]["draft_vocab_size"] = _number(part, "draft-vocab-")
         else:
             raise ValueError(
-                f"unknown variant {part!r}; use base, eager, compile, ce-compile, ce-chunk-N, anchor-chunk-N, "
-                "draft-vocab-N, joined by '+'"
+                f"unknown variant {part!r}; use base, eager, compile, ce-compile, ce-chunk-N, anchor-chunk-N, draft-vocab-N, joined by '+'"
             )
     return out
 
