@@ -17,6 +17,7 @@ from conftest import tiny_cpu_config, write_toml
 from dflash_ipc.config import load_config
 from dflash_ipc.drafter.core import DrafterCore
 from dflash_ipc.drafter.distributed import DistInfo
+from dflash_ipc.drafter.time_budget import MEASURE_FROM
 from dflash_ipc.transport.slots import SlotViews
 
 
@@ -96,10 +97,15 @@ def test_warm_up_changes_nothing_and_training_matches(tmp_path, anchor_chunk):
     for rw, rc in zip(recs["warm"], recs["cold"]):
         assert rw["loss"] == rc["loss"] and rw["grad_norm"] == rc["grad_norm"] and rw["acc_per_pos"] == rc["acc_per_pos"]
     assert recs["warm"][-1]["step"] == 2
-    # the live rate spans the steps after the first (drafter/core.py RecentRate), not the core's start
-    first, second = recs["warm"]
+    # the live rate starts after the steps that compile (drafter/core.py RecentRate, from MEASURE_FROM on),
+    # warm-up or not: none after two steps, then the span from step MEASURE_FROM to the last
+    assert MEASURE_FROM > 2 and warm.stats().recent_step_s is None
+    more = [warm.train_step(v, [0, 2 + i], 0.0, 0.0) for i, v in enumerate(batches(warm, MEASURE_FROM))]
+    by_step = {r["step"]: r for r in recs["warm"] + more}
+    start, last = by_step[MEASURE_FROM], more[-1]
     work = warm.stats()
-    assert work.recent_step_s == pytest.approx(second["elapsed_s"] - first["elapsed_s"])
-    assert work.recent_tokens_per_s == pytest.approx(second["tokens"] / (second["elapsed_s"] - first["elapsed_s"]))
+    assert work.recent_step_s == pytest.approx((last["elapsed_s"] - start["elapsed_s"]) / (last["step"] - MEASURE_FROM))
+    tokens = sum(by_step[s]["tokens"] for s in range(MEASURE_FROM + 1, last["step"] + 1))
+    assert work.recent_tokens_per_s == pytest.approx(tokens / (last["elapsed_s"] - start["elapsed_s"]))
     warm.close()
     cold.close()

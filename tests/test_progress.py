@@ -109,6 +109,24 @@ def test_the_rate_and_eta_follow_the_last_steps_not_the_start_up():
         RecentRate(window=0)
 
 
+def test_the_rate_starts_after_the_compiling_steps():
+    """A run whose first four steps compile (35 s, then 6 s each: a new shape per length bucket) and then
+    take 0.25 s: counted from step 1 the window still reads 1.9 s per step at step 12; from step 4, 0.25."""
+    from_first, after_compiles = RecentRate(window=50), RecentRate(window=50, start_after=4)
+    elapsed = 0.0
+    for step in range(1, 13):
+        elapsed += 35.0 if step == 1 else 6.0 if step <= 4 else 0.25
+        from_first.observe(step, elapsed, 1000 * step)
+        after_compiles.observe(step, elapsed, 1000 * step)
+        if step <= 4:
+            assert after_compiles.step_s() is None  # nothing but compiles yet: no pace to show
+    assert from_first.step_s() == pytest.approx((18 + 8 * 0.25) / 11)
+    assert after_compiles.step_s() == pytest.approx(0.25)
+    assert after_compiles.tokens_per_s() == pytest.approx(4000.0)
+    with pytest.raises(ValueError, match="start_after must be >= 1"):
+        RecentRate(start_after=0)
+
+
 def test_plain_progress_echoes_only_changes():
     printed: list[str] = []
     display = PlainProgress(printed.append)

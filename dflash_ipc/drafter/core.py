@@ -54,7 +54,7 @@ from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
 from dflash_ipc.drafter.init_from_target import apply_init, plan_init
 from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, num_parameters
-from dflash_ipc.drafter.time_budget import TimeBudget
+from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.node_spec import read_node_spec
@@ -150,14 +150,23 @@ def export_untrained(cfg: DFlashConfig, out_dir: Path, device: torch.device | st
 
 class RecentRate:
     """Seconds per step and tokens per second over the last ``window`` steps (held-out passes and
-    checkpoints inside it included), for the live rate and ETA; pure: fed each step's clock."""
+    checkpoints inside it included), for the live rate and ETA; pure: fed each step's clock.
 
-    def __init__(self, window: int = 50) -> None:
+    The span starts at this process's ``start_after``-th step: the steps before it hold the compiles
+    (a new shape per length bucket), which would otherwise read as a pace many times the real one."""
+
+    def __init__(self, window: int = 50, start_after: int = 1) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 step (got {window})")
+        if start_after < 1:
+            raise ValueError(f"start_after must be >= 1 step (got {start_after})")
         self._marks: deque[tuple[int, float, int]] = deque(maxlen=window + 1)
+        self._to_skip = start_after - 1
 
     def observe(self, step: int, elapsed_s: float, tokens_total: int) -> None:
+        if self._to_skip:
+            self._to_skip -= 1
+            return
         self._marks.append((step, elapsed_s, tokens_total))
 
     def _span(self) -> tuple[int, float, int] | None:
@@ -201,7 +210,7 @@ class DrafterCore:
         self.t_start = time.perf_counter()
         self.t_first_step: float | None = None  # when this process's first training step began
         self.time_budget = TimeBudget(cfg.training.max_seconds, cfg.training.max_steps) if cfg.training.max_seconds > 0 else None
-        self.recent = RecentRate()
+        self.recent = RecentRate(start_after=MEASURE_FROM)  # the time budget skips the same compiles
         self.last: dict = {}
         self.n_params = num_parameters(self.model)
         self.target_hidden_size = self.model.config.hidden_size  # equal to the target's (DrafterModelConfig.from_configs)
