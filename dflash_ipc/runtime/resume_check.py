@@ -36,6 +36,7 @@ MAY_CHANGE = (
     "target.attn_implementation",
     "drafter.warm_up",
     "drafter.attention",
+    "drafter.flex_tile",  # retired (it changed the attention's tiles, not its result): checkpoints that hold it resume
     "drafter.anchor_chunk",
     "training.max_steps",
     "training.max_seconds",

@@ -139,6 +139,9 @@ def test_config_differences_ignores_only_the_operational_keys():
         json.dumps(config_from_dict(apply(base_config(), {"topology.targets": ["cpu", "cpu"], "target.spec.head_dim": DELETE})).to_dict())
     )
     assert config_differences(a, c) == [("target.spec.head_dim", 16, "(absent)")]
+    retired = json.loads(json.dumps(a))
+    retired["drafter"]["flex_tile"] = 128  # a key of the tenth session's trees, since removed
+    assert config_differences(retired, a) == []
 
 
 @pytest.mark.slow
