@@ -9,7 +9,8 @@ seed or data changes which batches the ledger's ids are. Keys that only say how 
 (:data:`MAY_CHANGE`: timeouts, checkpoint cadence, ring sizes, devices, ``training.max_steps``)
 may change. A ``config_hash`` that does not match the config stored beside it means meta.json
 was edited: refused too. A checkpoint written before configs were stored is compared through
-``RUN_DIR/config.json`` when that file's hash is the checkpoint's, else by hash alone.
+``RUN_DIR/config.json`` when that file's hash is the checkpoint's, else by hash alone. A key added
+to the config after the checkpoint was written is kept when this run leaves it at its default.
 
 No torch here: the supervisor runs this (``preflight.validate_for_up``, ``Supervisor.prepare``).
 """
@@ -119,11 +120,18 @@ def _stored_config(meta: dict[str, Any], step_dir: Path, ckpt_root: Path) -> tup
 
 
 def config_differences(stored: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(dotted key, checkpoint's value, this run's value) for every key a resumed run must keep."""
+    """(dotted key, checkpoint's value, this run's value) for every key a resumed run must keep.
+
+    A key the checkpoint lacks because a later version added it counts as kept while this run holds
+    its default: a new option's default is the behaviour from before it existed, so upgrading
+    dflash-ipc between a checkpoint and its resume changes nothing the checkpoint means."""
     a, b = _flatten(stored), _flatten(current)
+    defaults = _flatten(json.loads(json.dumps(DFlashConfig().to_dict())))
     out = []
     for key in sorted(set(a) | set(b)):
         if key not in MUST_MATCH and key.startswith(MAY_CHANGE):
+            continue
+        if key not in a and key in defaults and b.get(key) == defaults[key]:
             continue
         if a.get(key, _ABSENT) != b.get(key, _ABSENT):
             out.append((key, a.get(key, _ABSENT), b.get(key, _ABSENT)))

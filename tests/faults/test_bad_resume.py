@@ -144,6 +144,25 @@ def test_config_differences_ignores_only_the_operational_keys():
     assert config_differences(retired, a) == []
 
 
+def test_a_key_added_after_the_checkpoint_is_kept_at_its_default(tmp_path):
+    """A checkpoint written before ``drafter.draft_vocab_size`` existed resumes while the run leaves it at
+    its default (the whole head, as then); set to anything else, the difference is named."""
+    run_dir = tmp_path / "run"
+    step_dir = write_checkpoint(run_dir, base_config())
+    meta = json.loads((step_dir / META_FILE).read_text())
+    stored = meta["extra"]["config"]
+    del stored["drafter"]["draft_vocab_size"], stored["training"]["max_seconds"]  # as an older version wrote it
+    meta["config_hash"] = run_config_hash(stored)
+    (step_dir / META_FILE).write_text(json.dumps(meta))
+    validate_for_up(write_toml(tmp_path / "same.toml", base_config()), str(run_dir), resume=True)
+    path = write_toml(tmp_path / "vocab.toml", apply(base_config(), {"drafter.draft_vocab_size": 64}))
+    with pytest.raises(ConfigError) as ei:
+        validate_for_up(path, str(run_dir), resume=True)
+    msg = str(ei.value)
+    assert msg.startswith(f"{path}: drafter.draft_vocab_size: differs from the config of the checkpoint "), msg
+    assert "drafter.draft_vocab_size: (absent) in the checkpoint, 64 now" in msg, msg
+
+
 @pytest.mark.slow
 def test_cli_up_resume_from_another_config_starts_nothing(tmp_path):
     """The real `dflash-ipc up --resume`: exit 2, the key named, nothing spawned, the run dir as it was."""
