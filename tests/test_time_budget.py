@@ -74,7 +74,9 @@ def test_a_run_with_a_time_budget_ends_at_its_plan_annealed_and_a_resume_keeps_t
         summary = run.run()
         core = run.drafter_core
         end = core.end_step
-        assert summary.reason == f"max_seconds 4 (planned step {end})" and core.step == end > MEASURE_FROM + FIRST_PLAN_AFTER
+        # the first plan comes at step MEASURE_FROM + FIRST_PLAN_AFTER and never ends before it: a slow
+        # machine's 4 s may end right there, a fast one's later
+        assert summary.reason == f"max_seconds 4 (planned step {end})" and core.step == end >= MEASURE_FROM + FIRST_PLAN_AFTER
         rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in rows if "loss" in r]
         assert steps[-1]["step"] == end
