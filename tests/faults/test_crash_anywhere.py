@@ -117,7 +117,7 @@ def supervisor_kill_trial(tmp_path, moment: str, seed: int, launcher: str = "aut
         up.close()
     report(f"SIGKILL supervisor at {moment} (seed {seed}): children gone after {gone_s} s")
     assert gone_s is not None, f"children of the killed supervisor still run: {leftovers(up, pids)}"
-    assert leftovers(up, pids) == []
+    assert leftovers(up, pids) == [], f"left by the killed supervisor's run; its output:\n{up.output[-3000:]}"
     rc, snap = status_json(run_dir)
     if snap is not None:  # status.json exists once the children were spawned
         assert snap["state"] == "lost", snap["state"]
