@@ -55,7 +55,7 @@ from dflash_ipc.drafter.core import build_drafter, drafter_for_target
 from dflash_ipc.drafter.loss import compute_loss
 from dflash_ipc.drafter.model import DFlashDrafter
 from dflash_ipc.drafter.trainer import DrafterTrainer
-from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, smollm2_135m_config, text_config
+from dflash_ipc.target.hf_config import resolve_layer_ids, smollm2_135m_config, target_vocab_size
 from dflash_ipc.transport.slots import SlotViews
 
 __all__ = ["PHASES", "SCOPES", "variant_overrides", "synthetic_batches", "run_drafter_step_bench"]
@@ -139,7 +139,7 @@ def _stand_in_vocab(cfg: DFlashConfig, vocab_size: int | None) -> DraftVocab | N
     if not n:
         return None
     if vocab_size is None:
-        vocab_size = int(text_config(load_hf_config(cfg.target, vocab_size=len(load_tokenizer(cfg.target.tokenizer)))).vocab_size)
+        vocab_size = target_vocab_size(cfg.target, len(load_tokenizer(cfg.target.tokenizer)))
     return DraftVocab(tuple(range(n)), vocab_size, 0.0, 0)
 
 

@@ -192,6 +192,11 @@ def load_hf_config(cfg: TargetConfig, vocab_size: int | None = None):
     return make_hf_config(cfg.spec, vocab_size, cfg.attn_implementation)
 
 
+def target_vocab_size(cfg: TargetConfig, tokenizer_size: int) -> int:
+    """The target's vocabulary: its checkpoint's, or a random spec's, which takes the tokenizer's size."""
+    return int(text_config(load_hf_config(cfg, vocab_size=tokenizer_size)).vocab_size)
+
+
 def truncated_spec_config(hf_config: Any, num_layers: int):
     """A copy of a Qwen3_5TextConfig with only the first ``num_layers`` layers."""
     d = hf_config.to_dict()
