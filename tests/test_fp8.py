@@ -122,6 +122,50 @@ def test_fp8_refused_where_it_cannot_run():
         build_target(TargetConfig(spec=tiny_spec(300), layer_ids=[1], dtype="bfloat16", quantization="fp8"), "cpu")
 
 
+def _quantizers(stack: nn.Module) -> set:
+    return {m._quantize for m in stack.modules() if isinstance(m, Fp8Linear)}
+
+
+def test_the_quantizer_compiles_only_where_the_target_compiles(monkeypatch, tmp_path):
+    """The per-token quantizer goes through torch.compile only in a target that fuses its elementwise
+    work; an eager target and eval's decoding LM (both of its build paths: a checkpoint, a spec) quantize
+    eagerly: eval forwards a few tokens at a time in each worker, where compiles cost more than they save.
+    The FP8 device check is lifted so the CPU's ``_scaled_mm`` stands in for the GPU's."""
+    import transformers
+
+    import dflash_ipc.target.model as model_mod
+    from dflash_ipc.eval.target_lm import build_target_lm
+
+    monkeypatch.setattr(model_mod, "fp8_device_problem", lambda device, dtype: None)
+    spec = tiny_spec(300)
+    fused = build_target(TargetConfig(spec=spec, layer_ids=[1, 3], dtype="bfloat16", quantization="fp8", fuse_elementwise=True), "cpu")
+    assert quantize_rows not in _quantizers(fused.stack) and len(_quantizers(fused.stack)) == 1
+    eager = build_target(TargetConfig(spec=spec, layer_ids=[1, 3], dtype="bfloat16", quantization="fp8"), "cpu")
+    assert _quantizers(eager.stack) == {quantize_rows}  # "auto" on the CPU: unfused
+
+    spec_cfg = TargetConfig(spec=spec, layer_ids=[1, 3], dtype="bfloat16", quantization="fp8")
+    lm = build_target_lm(spec_cfg, "cpu", vocab_size=300, dtype="bfloat16")
+    assert _quantizers(lm.model) == {quantize_rows}
+    conf = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    transformers.LlamaForCausalLM(conf).save_pretrained(tmp_path / "llama")
+    # as on the GPU, where eval's LM would otherwise compile: the CPU default is already eager, so force it
+    monkeypatch.setattr(model_mod, "quantize_linears", _forcing_compile(model_mod.quantize_linears))
+    checkpoint_cfg = TargetConfig(model_path=str(tmp_path / "llama"), layer_ids=[1], dtype="bfloat16", quantization="fp8")
+    lm = build_target_lm(checkpoint_cfg, "cpu", dtype="bfloat16")
+    assert _quantizers(lm.model) == {quantize_rows}
+
+
+def _forcing_compile(quantize_linears_fn):
+    """``quantize_linears`` that compiles unless told False explicitly (its CUDA default)."""
+
+    def wrapped(stack, compile_quantizer=None):
+        return quantize_linears_fn(stack, compile_quantizer=True if compile_quantizer is None else compile_quantizer)
+
+    return wrapped
+
+
 @pytest.mark.gpu
 def test_cuda_fp8_linear_matches_the_dequantized_product():
     """On the GPU: ``_scaled_mm`` row-wise (fused quantizer compiled) against the fp32 product of

@@ -52,7 +52,7 @@ def build_target_lm(cfg: TargetConfig, device, vocab_size: int | None = None, dt
         if cfg.quantization == "fp8":  # the decoder's linears; the LM head stays in the target's dtype
             from dflash_ipc.target.model import apply_fp8, find_decoder_stack
 
-            apply_fp8(find_decoder_stack(lm), device, torch_dtype)
+            apply_fp8(find_decoder_stack(lm), device, torch_dtype, compile_quantizer=False)
     else:
         from transformers import Qwen3_5ForCausalLM
 

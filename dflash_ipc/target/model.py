@@ -119,9 +119,10 @@ def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> Ta
 
 
 def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids: list[int], device, dtype) -> TargetModel:
+    compile_kernels = wants_fused_elementwise(cfg.fuse_elementwise, device)
     if cfg.quantization == "fp8":
-        apply_fp8(stack, device, dtype)
-    fused = fuse_elementwise(stack) if wants_fused_elementwise(cfg.fuse_elementwise, device) else None
+        apply_fp8(stack, device, dtype, compile_quantizer=compile_kernels)
+    fused = fuse_elementwise(stack) if compile_kernels else None
     if fused is not None and not any(fused.values()):  # a family fused.py has no kernels for (e.g. Llama): eager
         fused = None
     return TargetModel(
@@ -137,13 +138,18 @@ def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids
     )
 
 
-def apply_fp8(stack: nn.Module, device, dtype: torch.dtype) -> None:
+def apply_fp8(stack: nn.Module, device, dtype: torch.dtype, compile_quantizer: bool) -> None:
     """``target.quantization = "fp8"``: the stack's linear layers in e4m3 (:mod:`~dflash_ipc.target.fp8`), the
-    siblings that project one input merged into one quantization and one GEMM (:mod:`~dflash_ipc.target.fp8_merge`)."""
+    siblings that project one input merged into one quantization and one GEMM (:mod:`~dflash_ipc.target.fp8_merge`).
+
+    ``compile_quantizer``: the per-token input quantizer through ``torch.compile``. The target builder ties it
+    to the elementwise fusion (``target.fuse_elementwise``), so an eager target compiles nothing; eval passes
+    False for the reason it leaves the elementwise work unfused: it forwards a few tokens at a time in every
+    worker process, where each process's compiles cost more than they save."""
     problem = fp8_device_problem(device, dtype)
     if problem:
         raise ValueError(f'target.quantization = "fp8": {problem}; set target.quantization = "none"')
-    counts = quantize_linears(stack)
+    counts = quantize_linears(stack, compile_quantizer=compile_quantizer)
     log.info("target linear layers in FP8 e4m3: %d (%.2f GB), %d kept in %s", counts["fp8"], counts["bytes"] / 1e9, counts["kept"], dtype)
     merged = merge_sibling_linears(stack)
     log.info(
