@@ -64,6 +64,10 @@ def test_bench_pipeline_runs_variants_and_reports_ratios(tmp_path):
     assert all(0 <= t["pack_overlap_pct"] <= 100 for t in ipc["targets"])
     assert set(v["cuda-ipc"]["drafter_step_split_s"]) >= {"wait_s", "copy_s", "forward_s", "backward_s", "optimizer_s"}
     assert v["forward-only"]["tokens_per_s"] > 0 and v["forward-only"]["capture_vs_bare"] > 0
+    # the ceiling ran every batch the pipeline forwards (its 4 steps over 2 targets, and a 4-slot ring's depth + 2),
+    # each once untimed first
+    assert [t["forwards"] for t in v["forward-only"]["targets"]] == [4 + 4 + 2] * 2
+    assert v["forward-only"]["first_pass_forward_s"] > 0 and v["forward-only"]["first_pass_vs_timed"] > 0
     assert all(x["peak_host_rss_bytes"] > 0 for x in v.values())
     assert 0 < result["ratio_pipeline_to_forward_only"]
     lines = [json.loads(x) for x in out.read_text().splitlines()]

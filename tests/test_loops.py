@@ -177,3 +177,32 @@ def test_the_anchor_budget_moves_on_the_wait_the_loop_measures(tmp_path, inproc)
         budget.observe(r["wait_s"], r["step_s"], lambda w, s: (w, s))
     assert [r["anchors"] for r in recs] == replayed
     assert sum(r["wait_s"] for r in recs) > 0 and max(replayed) > 8
+
+
+def test_the_forward_only_ceiling_times_a_warm_forward_that_ships_what_a_plain_forward_ships(tmp_path):
+    """The benchmark ceiling (``forward_next(bare_baseline=True)``) forwards each batch once untimed
+    (its first pass: a new shape's compiles), then bare and captured: what it ships is what the
+    training path's single forward ships, batch for batch; only the first pass and the bare
+    baseline are added, and counted apart."""
+    import torch
+
+    from dflash_ipc.ledger import BatchLedger
+    from dflash_ipc.target.core import TargetCore
+
+    cfg = small_config(tmp_path, targets=1)
+    plain = TargetCore(cfg, 0, tmp_path / "plain", torch.device("cpu"))
+    ceiling = TargetCore(cfg, 0, tmp_path / "ceiling", torch.device("cpu"))
+    try:
+        for core in (plain, ceiling):
+            core.start(BatchLedger())
+        for _ in range(3):
+            a, b = plain.forward_next(), ceiling.forward_next(bare_baseline=True)
+            assert a.wire_id == b.wire_id and torch.equal(a.meta.token_ids, b.meta.token_ids)
+            assert len(a.planes) == len(b.planes) and all(torch.equal(x, y) for x, y in zip(a.planes, b.planes))
+        ran, timed = ceiling.stats(), plain.stats()
+        assert ran.forwards == timed.forwards == 3 and ran.tokens == timed.tokens
+        assert ran.first_pass_forward_s > 0 and timed.first_pass_forward_s == 0
+        assert ran.bare_forwards == 2 and timed.bare_forwards == 0  # steady state: after the first batch
+    finally:
+        plain.close()
+        ceiling.close()

@@ -90,6 +90,7 @@ TARGET_STATS = TargetStats(
         steady_forward_tflops=1.75,
         bare_forward_s=0.0,
         bare_forwards=0,
+        first_pass_forward_s=0.0,
         layers_run=4,
         gpu=GpuMemory(allocated_bytes=30 << 30, reserved_bytes=34 << 30, peak_bytes=31 << 30),
     ),

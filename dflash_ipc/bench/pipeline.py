@@ -5,8 +5,12 @@ Variants (each a fresh run directory and a fresh process group):
 * ``cuda-ipc``      the pipeline, hidden states GPU->GPU through CUDA IPC rings;
 * ``host-pinned``   the same, staged through pinned shared host memory;
 * ``forward-only``  targets alone, each slot released the moment it is packed: the ceiling
-                    for the pipeline; every batch also runs once through the bare transformers
-                    stack (no hooks, no capture), the baseline for the target's own overhead;
+                    for the pipeline. Every batch runs three times: once captured and untimed (its
+                    first pass: compiles and autotuning of a new shape, ``first_pass_vs_timed``),
+                    then through the bare transformers stack (no hooks, no capture; the baseline
+                    for the target's own overhead) and captured, both timed: the ceiling is the
+                    warm forward's. It runs as many batches as a pipeline variant forwards (its
+                    steps and a ring's depth), so later variants meet no new batch shape;
 * ``depth-2`` / ``depth-8``  cuda-ipc with 2 and 8 ring slots: host memory must not grow;
 * ``padded`` / ``varlen``  forward-only with ``target.varlen`` forced false / true (padded rows
                     vs one packed row): summary ``ratio_varlen_to_padded`` on the same batches
@@ -67,9 +71,10 @@ from dflash_ipc.runtime.forkserver import ForkServer, up_preload, use_forkserver
 from dflash_ipc.runtime.launch import child_env
 from dflash_ipc.runtime.supervisor import Supervisor
 
-# forward-only first: on a machine whose Triton cache is cold it pays the compilation of the fla
-# kernels inside its own forwards (so its ceiling reads low), and no later variant does; put
-# "warmup" before it to keep the compilation out of every measured variant.
+# forward-only first: its untimed first pass of each batch absorbs what a cold machine compiles (fla's
+# Triton kernels, torch.compile), into the on-disk caches the later variants then read; "warmup" before
+# it does the same on a 4-layer cut, cheaply. A variant with other target modifiers (+eager, +fp8)
+# calls other kernels: give it its own forward-only before its pipeline variant.
 DEFAULT_VARIANTS = ("forward-only", "cuda-ipc", "host-pinned", "depth-2", "depth-8")
 KNOWN_VARIANTS = (*DEFAULT_VARIANTS, "warmup", "padded", "varlen")
 
@@ -268,11 +273,11 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
         }
     )
     n_targets = len(probe.topology.targets)
-    forward_only = max(2, -(-steps * len(probe.topology.drafters) // n_targets)) if fwd else 0
+    # the pipeline variants forward up to a ring's depth of batches beyond their steps: the forward-only
+    # kinds run those batches too, so no later variant meets a batch shape the bench has not run
+    forward_only = max(2, -(-steps * len(probe.topology.drafters) // n_targets)) + probe.transport.ring_slots + 2 if fwd else 0
     if name == "warmup":
         overrides.update(warmup_overrides(probe))
-        # the pipeline variants forward up to a ring's depth of batches beyond their steps
-        forward_only += probe.transport.ring_slots + 2
     cfg = load_config(config_path, overrides)
     run_dir = Path(tempfile.mkdtemp(prefix=f"dflash-bench-{name}-"))
     sup = Supervisor(cfg, run_dir, echo=lambda s: echo(f"[{name}] {s}"), forward_only=forward_only)
@@ -339,6 +344,11 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
         out["bare_forward_s"] = round(bare, 3)
         out["capture_forward_s"] = round(capt, 3)
         out["capture_vs_bare"] = round(bare / capt, 4) if capt > 0 else None
+        # each batch's untimed first pass against its timed forward: what a new batch shape costs
+        first = sum(w.first_pass_forward_s for w in works)
+        timed = sum(w.forward_ms * w.forwards / 1e3 for w in works)
+        out["first_pass_forward_s"] = round(first, 3)
+        out["first_pass_vs_timed"] = round(first / timed, 3) if timed > 0 else None
     else:
         recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         st = _steady(recs)

@@ -84,6 +84,7 @@ class TargetWork(Struct):
     steady_forward_tflops: float
     bare_forward_s: float  # benchmark ceiling: the same batches without capture
     bare_forwards: int
+    first_pass_forward_s: float  # benchmark ceiling: each batch's first, untimed, captured forward
     layers_run: int
     gpu: GpuMemory | None
 
