@@ -136,6 +136,18 @@ def test_a_variant_whose_up_failed_enters_no_ratio_and_no_topology(tmp_path, mon
         assert summary["profile"]["drafter_tokens_per_s"] == 1800.0 and summary["topology"]
 
 
+def test_each_pipeline_is_compared_with_the_ceiling_of_its_own_target_modifiers(tmp_path, monkeypatch):
+    """cuda-ipc+fp8 against forward-only+fp8, cuda-ipc+eager against forward-only+eager: never across
+    precisions; a pipeline variant without its ceiling gets no ratio."""
+    config = str(write_toml(tmp_path / "c.toml", tiny_cpu_config()))
+    rates = {"forward-only+fp8": 2000.0, "cuda-ipc+fp8": 1200.0, "cuda-ipc+eager": 800.0, "forward-only": 1000.0, "cuda-ipc": 900.0}
+    monkeypatch.setattr(pipeline, "run_variant", lambda _config, name, *_: _measured(name, 0, rates[name]))
+    summary = pipeline.run_pipeline_bench(config, 4, list(rates), echo=lambda _: None)
+    assert summary["ratio_pipeline_to_forward_only"] == 0.9 and summary["ratio_pipeline_to_forward_only+fp8"] == 0.6
+    assert summary["ratio_pipeline_to_forward_only_steady+fp8"] == 0.6
+    assert not any(k.endswith("+eager") for k in summary)
+
+
 def test_the_variants_fork_server_serves_forking_configs_only_and_a_failed_start_leaves_each_variant_its_own(tmp_path, monkeypatch):
     """bench pipeline's one fork server for all variants (test_bench_pipeline runs it): a config whose `up`
     execs gets no connection; a server that cannot start is said once, not tried again, and every variant

@@ -37,7 +37,9 @@ second (``drafter_tokens_per_s``, after two optimizer steps). Over a run of N st
 differ by at most the ring's depth; in a short run the drafter's rate is inflated by the
 backlog the target built while the drafter compiled, which is why the minimum is reported.
 
-Steady state of the pipeline (``steady_tokens_per_s``, summary ``ratio_pipeline_to_forward_only_steady``):
+Each ``cuda-ipc[+MODS]`` variant is compared with the ``forward-only[+MODS]`` of the same target modifiers
+(summary ``ratio_pipeline_to_forward_only[+MODS]``). Steady state of the pipeline (``steady_tokens_per_s``,
+summary ``ratio_pipeline_to_forward_only_steady[+MODS]``):
 tokens trained per second after the first ``ring_slots + 2`` steps (both sides warm, the start-up
 backlog drained), next to the whole-run figure. ``target_slot_wait_s``: how long the targets
 waited for a free slot in all (at start-up: until the drafter's first step freed one). The summary
@@ -445,16 +447,20 @@ def summarize_variants(config_path: str, steps: int, peak_tflops: float, results
     failed = sorted(k for k, v in results.items() if "error" in v)
     if failed:
         summary["failed_variants"] = failed
-    results_ok = {k: v for k, v in results.items() if "error" not in v and k != "warmup"}
+    results_ok = {k: v for k, v in results.items() if "error" not in v and k.split("+")[0] != "warmup"}
     ipc = results_ok.get("cuda-ipc")
     results = results_ok
-    if ipc and results.get("forward-only"):
-        summary["ratio_pipeline_to_forward_only"] = round(ipc["tokens_per_s"] / max(1e-9, results["forward-only"]["tokens_per_s"]), 4)
+    # each pipeline against the ceiling with the same target modifiers (cuda-ipc+fp8 / forward-only+fp8, ...)
+    for pipe_name in sorted(n for n in results if n.split("+")[0] == "cuda-ipc"):
+        suffix = pipe_name.removeprefix("cuda-ipc")
+        pipe, ceiling = results[pipe_name], results.get("forward-only" + suffix)
+        if ceiling:
+            rate = max(1e-9, ceiling["tokens_per_s"])
+            summary[f"ratio_pipeline_to_forward_only{suffix}"] = round(pipe["tokens_per_s"] / rate, 4)
+            if pipe.get("steady_tokens_per_s"):
+                summary[f"ratio_pipeline_to_forward_only_steady{suffix}"] = round(pipe["steady_tokens_per_s"] / rate, 4)
     if ipc and results.get("host-pinned"):
         summary["ratio_cuda_ipc_to_host_pinned"] = round(ipc["tokens_per_s"] / max(1e-9, results["host-pinned"]["tokens_per_s"]), 4)
-    if ipc and results.get("forward-only") and ipc.get("steady_tokens_per_s"):
-        ceiling = max(1e-9, results["forward-only"]["tokens_per_s"])
-        summary["ratio_pipeline_to_forward_only_steady"] = round(ipc["steady_tokens_per_s"] / ceiling, 4)
     if ipc:
         summary.update(_topology_advice(config_path, results))
     packed = results.get("varlen") or results.get("forward-only")
