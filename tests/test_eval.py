@@ -16,8 +16,8 @@ from dflash_ipc.config import load_config
 from dflash_ipc.data.tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
-from dflash_ipc.eval.run import load_prompts
-from dflash_ipc.eval.spec import greedy_generate, speculative_generate, summarize
+from dflash_ipc.eval.run import format_suite_table, load_prompts
+from dflash_ipc.eval.spec import GenResult, first_divergence, greedy_generate, speculative_generate, summarize
 from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
 from dflash_ipc.eval.verify import verify_block
 from dflash_ipc.target.heads import target_head_weights
@@ -152,6 +152,58 @@ def test_eval_cli_refuses_an_fp8_target_on_cpu_before_loading_it(tiny, tmp_path)
         r = CliRunner().invoke(main, [*args, "--dtype", dtype])
         assert r.exit_code == 2 and "target.quantization" in r.output and why in r.output, r.output
         assert "Traceback" not in r.output
+
+
+def test_a_divergence_is_located_and_the_targets_logit_gap_there_measured(tiny):
+    """Where speculative output leaves greedy's (a bf16 target's rounding, or a bug), eval says at which
+    token and by how wide a logit gap the target preferred greedy's token there, from one forward of the
+    prompt and greedy's tokens before it on a fresh cache: here a runner-up token planted at token 5."""
+    _, _, target, prompts, _ = tiny
+    prompt = prompts[0]
+    greedy = greedy_generate(target, prompt, 10, set()).tokens
+    logits = target.forward_logits([*prompt, *greedy[:5]], target.new_cache(), capture=False)[0][-1].float()
+    runner_up = int(logits.topk(2).indices[1])
+    assert int(logits.argmax()) == greedy[5]
+    planted = [*greedy[:5], runner_up, *greedy[6:]]
+    d = first_divergence(target, prompt, greedy, planted)
+    assert d["token"] == 5 and d["greedy"] == greedy[5] and d["spec"] == runner_up
+    assert d["logit_gap"] == round((logits[greedy[5]] - logits[runner_up]).item(), 4) and d["logit_gap"] >= 0
+    assert first_divergence(target, prompt, greedy, greedy) is None
+    ended = first_divergence(target, prompt, greedy, greedy[:7])  # the speculative output stopped early
+    assert ended == {"token": 7, "greedy": greedy[7], "spec": None, "logit_gap": None}
+
+    plain = [GenResult(tokens=greedy), GenResult(tokens=greedy), GenResult(tokens=greedy)]
+    spec = [GenResult(tokens=greedy), GenResult(tokens=planted, divergence=d), GenResult(tokens=greedy[:7], divergence=ended)]
+    rep = summarize(spec, plain, 4)
+    assert rep["lossless"] is False and rep["mismatched_prompts"] == [1, 2]
+    assert rep["divergences"] == [{"prompt": 1, **d}, {"prompt": 2, **ended}]
+    assert rep["max_logit_gap_at_divergence"] == abs(d["logit_gap"])
+    rep |= {"tokens_per_s_spec": 1.0, "tokens_per_s_greedy": 1.0, "speedup": 1.0, "speed_tau": 1.0, "speedup_at_set_tau": 1.0}
+    assert f"NO (2 differ, logit gap <= {abs(d['logit_gap']):g})" in format_suite_table({"sets": {"planted": rep}})
+
+
+def test_eval_cli_reports_where_a_speculative_output_diverged(tiny, tmp_path, monkeypatch):
+    """A decoder fault stands in for bf16 rounding: the speculative output's third token replaced by
+    another. eval exits 1, names the prompt, the token and the target's logit gap there (JSON and log)."""
+    import dflash_ipc.eval.spec as spec_mod
+
+    cfg, tok, *_ = tiny
+    d = _drafter(cfg, tok, tmp_path / "drafter")
+    real = spec_mod.speculative_generate
+
+    def faulty(*args, **kwargs):
+        res = real(*args, **kwargs)
+        res.tokens[2] = (res.tokens[2] + 1) % len(tok)
+        return res
+
+    monkeypatch.setattr(spec_mod, "speculative_generate", faulty)
+    r = CliRunner().invoke(main, ["eval", "--config", str(TINY), "--drafter", str(d), "--n", "2", "--max-new", "8", "--json"])
+    assert r.exit_code == 1, r.output
+    rep = json.loads(r.output.strip().splitlines()[-1])
+    assert rep["lossless"] is False and rep["mismatched_prompts"] == [0, 1]
+    assert [(x["prompt"], x["token"]) for x in rep["divergences"]] == [(0, 2), (1, 2)]
+    assert all(x["logit_gap"] > 0 for x in rep["divergences"])  # fp32: greedy's token is the target's argmax there
+    assert "DIFFERS from greedy at token 2, target logit gap" in r.output
 
 
 def test_summary_counts_acceptance_per_position():

@@ -103,7 +103,8 @@ for p in sorted(Path(sys.argv[1]).glob("suite_*_T*.json")):
         continue
     for s, r in rep["sets"].items():
         acc = " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-        ok = "distributional (T > 0)" if r["lossless"] is None else "yes" if r["lossless"] else f"NO ({len(r['mismatched_prompts'])} differ)"
+        gap = r.get("max_logit_gap_at_divergence")
+        ok = "distributional (T > 0)" if r["lossless"] is None else "yes" if r["lossless"] else f"NO ({len(r['mismatched_prompts'])} differ" + ("" if gap is None else f", logit gap ≤ {gap:g}") + ")"
         rows.append(f"| {name} | {t} | {s} | {r['prompts']} | {r['tau']:.2f} | {acc} | {r['speedup']:.2f}× ({r['speed_tau']:.2f}) | {r['speedup_at_set_tau']:.2f}× | {ok} |")
 print("\n".join(rows))
 EOF

@@ -340,18 +340,24 @@ class _Decoder:
         return tuple(SpecSampler(self.temperature, self.top_p, seed, self.tdev) for _ in range(2))
 
     def _both(self, ids: list[int], key: tuple[int, ...]):
-        from dflash_ipc.eval.spec import DrafterProposer, greedy_generate, speculative_generate
+        from dflash_ipc.eval.spec import DrafterProposer, first_divergence, greedy_generate, speculative_generate
 
         plain_s, spec_s = self._samplers(key)
         plain = greedy_generate(self.target, ids, self.max_new, self.stops, plain_s)
         proposer = DrafterProposer(self.drafter)
         spec = speculative_generate(self.target, proposer, ids, self.max_new, self.stops, self.block_size, self.ddev, spec_s)
+        if self.temperature == 0 and spec.tokens != plain.tokens:  # after both timings: not part of either
+            spec.divergence = first_divergence(self.target, ids, plain.tokens, spec.tokens)
         return plain, spec
 
     def _verdict(self, plain, spec) -> str:
         if self.temperature > 0:
             return f"sampled at T={self.temperature:g}"
-        return "same as greedy" if spec.tokens == plain.tokens else "DIFFERS from greedy"
+        if spec.tokens == plain.tokens:
+            return "same as greedy"
+        d = spec.divergence or {}
+        gap = "" if d.get("logit_gap") is None else f", target logit gap {d['logit_gap']:g} between the two"
+        return f"DIFFERS from greedy at token {d.get('token', '?')}{gap}"
 
     def decode(self, items: list[_Item], echo, names: list[str]) -> list[tuple]:
         """``[((set, prompt, turn), plain, spec)]``: every turn of every item, in order."""
@@ -402,6 +408,15 @@ def _speedup_at_tau(speed: list[tuple], tau: float) -> float:
     return round((spec_tokens / seconds_at_tau) / (plain_tokens / plain_s), 4)
 
 
+def _lossless_cell(report: dict) -> str:
+    if report["lossless"] is None:
+        return "distributional"
+    if report["lossless"]:
+        return "yes"
+    gap = report.get("max_logit_gap_at_divergence")
+    return f"NO ({len(report['mismatched_prompts'])} differ{'' if gap is None else f', logit gap <= {gap:g}'})"
+
+
 def format_suite_table(suite: dict) -> str:
     """One line per set: prompts, τ, acceptance per position, speculative / plain tokens/s (plain: greedy
     decoding, or plain sampling at T > 0) of the timed prompts, their own τ, the speed-up at the set's τ
@@ -432,7 +447,7 @@ def format_suite_table(suite: dict) -> str:
                 f"{r['speedup']:.2f}x",
                 f"{r['speed_tau']:.2f}",
                 f"{r['speedup_at_set_tau']:.2f}x",
-                "distributional" if r["lossless"] is None else "yes" if r["lossless"] else f"NO ({len(r['mismatched_prompts'])} differ)",
+                _lossless_cell(r),
             )
         )
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]

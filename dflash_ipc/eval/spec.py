@@ -14,7 +14,8 @@ One prompt (:func:`speculative_generate`)::
 τ = tokens emitted by verification steps / verification steps (the prefill's first token is
 not a step). Plain greedy decoding (:func:`greedy_generate`) runs the same target on the same
 cache type one token per forward; ``lossless`` means every prompt's speculative output equals
-it token for token. At temperature > 0 both take a :class:`~dflash_ipc.eval.sampling.SpecSampler`:
+it token for token, and where one does not, :func:`first_divergence` says where and by how wide a
+logit gap the target preferred greedy's token there. At temperature > 0 both take a :class:`~dflash_ipc.eval.sampling.SpecSampler`:
 the drafts are sampled from the drafter's distributions and verified by speculative sampling, the
 baseline is plain sampling, and losslessness is distributional (see that module).
 """
@@ -35,7 +36,7 @@ from dflash_ipc.eval.sampling import SpecSampler
 from dflash_ipc.eval.target_lm import TargetLM
 from dflash_ipc.eval.verify import StepResult, verify_block
 
-__all__ = ["DrafterProposer", "GenResult", "greedy_generate", "speculative_generate", "summarize"]
+__all__ = ["DrafterProposer", "GenResult", "first_divergence", "greedy_generate", "speculative_generate", "summarize"]
 
 # (context features [n, k*H], anchor token, number of drafts) -> draft tokens
 Proposer = Callable[[torch.Tensor, int, int], list[int]]
@@ -83,6 +84,7 @@ class GenResult:
     steps: list[StepResult] = field(default_factory=list)
     seconds: float = 0.0
     target_forwards: int = 0
+    divergence: dict | None = None  # speculative output that left greedy's: where, and how close a tie (first_divergence)
 
     @property
     def tau(self) -> float:
@@ -108,6 +110,27 @@ def greedy_generate(
         forwards += 1
     _sync(target.device)
     return GenResult(tokens=out, seconds=time.perf_counter() - t0, target_forwards=forwards)
+
+
+@torch.no_grad()
+def first_divergence(target: TargetLM, prompt: Sequence[int], greedy: Sequence[int], spec: Sequence[int]) -> dict | None:
+    """Where speculative output first left plain greedy decoding's, and how close to a tie the target was there.
+
+    A target outside fp32 (bf16, an FP8 target's bf16 activations) does not compute a verification block of
+    several tokens bit for bit as it computes one token at a time, so greedy decoding and its speculative
+    twin may part at a position where the two best tokens are all but tied. The target forwards the prompt
+    and greedy's tokens before that position once, on a fresh cache, and ``logit_gap`` is its logit of
+    greedy's token minus its logit of the speculative one: a tie broken by rounding reads near zero, a bug
+    in the decoder does not. None when the two agree; ``logit_gap`` None when one output ended there."""
+    k = next((i for i, (a, b) in enumerate(zip(greedy, spec)) if a != b), min(len(greedy), len(spec)))
+    if k == len(greedy) == len(spec):
+        return None
+    out: dict = {"token": k, "greedy": greedy[k] if k < len(greedy) else None, "spec": spec[k] if k < len(spec) else None}
+    gap = None
+    if out["greedy"] is not None and out["spec"] is not None:
+        logits = target.forward_logits([*prompt, *greedy[:k]], target.new_cache(), capture=False)[0][-1].float()
+        gap = round((logits[out["greedy"]] - logits[out["spec"]]).item(), 4)
+    return out | {"logit_gap": gap}
 
 
 def _next_token(target: TargetLM, ids: list[int], cache, sampler: SpecSampler | None) -> int:
@@ -180,6 +203,8 @@ def summarize(spec: list[GenResult], plain: list[GenResult], block_size: int) ->
     spec_tokens, plain_tokens = sum(len(r.tokens) for r in spec), sum(len(r.tokens) for r in plain)
     spec_s, plain_s = sum(r.seconds for r in spec), sum(r.seconds for r in plain)
     mismatches = [i for i, (a, b) in enumerate(zip(spec, plain)) if a.tokens != b.tokens]
+    divergences = [{"prompt": i, **spec[i].divergence} for i in mismatches if spec[i].divergence is not None]
+    gaps = [abs(d["logit_gap"]) for d in divergences if d["logit_gap"] is not None]
     spec_tps = spec_tokens / spec_s if spec_s > 0 else 0.0
     plain_tps = plain_tokens / plain_s if plain_s > 0 else 0.0
     return {
@@ -197,4 +222,6 @@ def summarize(spec: list[GenResult], plain: list[GenResult], block_size: int) ->
         "speedup": round(spec_tps / plain_tps, 4) if plain_tps > 0 else 0.0,
         "lossless": not mismatches and len(spec) == len(plain),
         "mismatched_prompts": mismatches,
+        "divergences": divergences,
+        "max_logit_gap_at_divergence": max(gaps) if gaps else None,
     }
