@@ -257,10 +257,14 @@ class TargetCore:
         return self.model.capture(ids.to(self.device, non_blocking=True))
 
     def _timed(self, forward) -> float:
+        """A benchmark baseline forward, synchronized and timed; the overlap meter counts it as a forward."""
         self._sync()
         t0 = time.perf_counter()
+        start_mark = self.overlap.mark()
         forward()
+        end_mark = self.overlap.mark()
         self._sync()
+        self.overlap.add_forward(start_mark, end_mark)
         return time.perf_counter() - t0
 
     def _sync(self) -> None:
@@ -271,14 +275,7 @@ class TargetCore:
     def _bare_forward(self, ids: torch.Tensor, lens: torch.Tensor) -> float:
         """The batch through the stack alone, as the captured forward runs it (packed or padded):
         no hooks, no capture."""
-        self._sync()
-        t0 = time.perf_counter()
-        start_mark = self.overlap.mark()
-        self.model.forward_bare(ids, lens.tolist() if self.model.varlen else None)
-        end_mark = self.overlap.mark()
-        self._sync()
-        self.overlap.add_forward(start_mark, end_mark)
-        return time.perf_counter() - t0
+        return self._timed(lambda: self.model.forward_bare(ids, lens.tolist() if self.model.varlen else None))
 
     def submit_pack(self, captured: Captured, slot: int, slot_tensor: torch.Tensor) -> None:
         assert self.packer is not None
