@@ -206,6 +206,24 @@ def test_eval_cli_reports_where_a_speculative_output_diverged(tiny, tmp_path, mo
     assert "DIFFERS from greedy at token 2, target logit gap" in r.output
 
 
+def test_the_cpu_fp8_measurement_tool_evals_against_an_fp8_target(tiny, tmp_path):
+    """tools/eval_fp8_cpu.py: eval's suite against the FP8 target with torch's CPU ``_scaled_mm`` for the GEMM
+    (measurement only; the product itself refuses FP8 off CUDA, as the test above checks)."""
+    import subprocess
+    import sys
+
+    cfg, tok, *_ = tiny
+    d = _drafter(cfg, tok, tmp_path / "drafter")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n" for i in range(2)))
+    args = ["--config", str(TINY), "--drafter", str(d), "--suite", f"q={questions}", "--n", "2", "--max-new", "6"]
+    proc = subprocess.run([sys.executable, "tools/eval_fp8_cpu.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "target linear layers in FP8 e4m3" in proc.stderr and "FP8 siblings merged" in proc.stderr
+    rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rep["dtype"] == "bfloat16" and rep["sets"]["q"]["prompts"] == 2 and rep["sets"]["q"]["tau"] >= 1.0
+
+
 def test_summary_counts_acceptance_per_position():
     from dflash_ipc.eval.spec import GenResult
 
