@@ -47,13 +47,8 @@ TINY_CPU = REPO / "configs" / "tiny-cpu.toml"
 def pytest_configure(config: pytest.Config) -> None:
     # Two pytest-xdist workers on a 2-core machine: torch's default of one intra-op thread per core
     # in each worker oversubscribes the cores (their OpenMP threads spin while they wait for a core).
-    # For the same reason each worker compiles in-process: inductor's default pool of compile
-    # subprocesses would start a second set of processes on cores the other worker is using.
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
-        import torch._inductor.config as inductor_config
-
-        inductor_config.compile_threads = 1
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -78,10 +73,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 #: The modules that read the session's shared run (one `up` process group): one worker runs them all.
 SHARED_RUN_MODULES = frozenset({"tests/test_up.py", "tests/test_progress.py", "tests/test_tensorboard.py", "tests/test_holdout.py"})
-#: The modules that torch.compile on the CPU: one worker runs them all, so the graphs they share (the
-#: fused target's norms and SwiGLU) and inductor's check of the CPU's vector ISAs are built once, not
-#: by both workers at once on an empty cache.
-INDUCTOR_MODULES = frozenset({"tests/test_drafter_step.py", "tests/test_fp8.py", "tests/test_fp8_merge.py", "tests/test_fused.py"})
 #: Modules of long, independent process-group tests (no fixture shared between tests): each test may
 #: go to either worker, so two of them never queue behind each other on one.
 SPLIT_MODULES = frozenset(
@@ -107,7 +98,7 @@ LONGEST_FIRST = (
     "tests/test_loops.py",
     "tests/test_transport_procs.py",
     "tests/faults/test_crash_anywhere.py",
-    "tests/test_drafter_step.py",  # the CPU compile modules' scope
+    "tests/test_drafter_step.py",
     "tests/test_multinode_faults.py",
     "tests/test_bench_pipeline.py",
     "tests/faults/test_hostile_peers.py",
@@ -133,14 +124,11 @@ def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
 
 def worker_scope(nodeid: str) -> str:
     """What pytest-xdist (``-n 2``) sends to one worker as a unit: a whole module by default (its
-    module-scoped fixtures are built once), the shared run's readers together, the CPU compile
-    modules together, a test of
+    module-scoped fixtures are built once), the shared run's readers together, a test of
     SPLIT_MODULES alone. The order: LONGEST_FIRST, then the collection order."""
     module = nodeid.split("::", 1)[0]
     if module in SHARED_RUN_MODULES:
         return "shared-run"
-    if module in INDUCTOR_MODULES:
-        return "inductor"
     return nodeid if module in SPLIT_MODULES else module
 
 
