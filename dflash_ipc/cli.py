@@ -131,8 +131,8 @@ def bench_gpu_ring_cmd(out_path: str | None, quick: bool, as_json: bool) -> None
     default="forward-only,cuda-ipc,host-pinned,depth-2,depth-8",
     show_default=True,
     help="Comma-separated, run in this order: forward-only, cuda-ipc, host-pinned, padded, depth-N, anchors-N, anchors-auto (the anchor "
-    "budget follows the drafter's wait), warmup "
-    "(put 'warmup' first on a machine whose Triton cache is cold).",
+    "budget follows the drafter's wait), warmup (a 4-layer cut that compiles part of what a cold machine "
+    "needs); a pipeline variant times every forward, so name forward-only before it on a cold machine.",
 )
 @click.option("--peak-tflops", type=float, default=790.0, show_default=True, help="Peak for MFU (bf16 matmul measured on an H200).")
 @click.option("--out", "out_path", default=None, help="Append each variant's result to this file (JSON lines) as soon as it is done.")

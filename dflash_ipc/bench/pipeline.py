@@ -25,10 +25,12 @@ Variants (each a fresh run directory and a fresh process group):
                     Its first move comes after ``ring_slots + 2 + drafter.anchor_window`` steps and
                     each further chunk takes a window: give it the steps to get there;
 * ``warmup``        forward-only over the same batches through the first four decoder layers
-                    (both layer types, the target's real widths): compiles every Triton (fla)
-                    kernel the measured variants will call into the on-disk cache, cheaply, so
-                    no measured forward pays compilation. Not a result; run it first on a cold
-                    machine.
+                    (both layer types, the target's real widths): compiles fla's Triton kernels
+                    at those widths into the on-disk cache, cheaply. Not a result, and not all a
+                    cold machine compiles: the whole model's first passes can still cost several
+                    timed forwards after it (docs/BENCHMARKS.md). What keeps compilation out of
+                    the figures is forward-only's untimed first pass, so name forward-only before
+                    the pipeline variants.
 
 Throughput: ``tokens_per_s`` is the slower of the two sides' steady rates, target tokens
 forwarded and shipped per second (``target_tokens_per_s``, after each target's first forward,
@@ -74,9 +76,9 @@ from dflash_ipc.runtime.launch import child_env
 from dflash_ipc.runtime.supervisor import Supervisor
 
 # forward-only first: its untimed first pass of each batch absorbs what a cold machine compiles (fla's
-# Triton kernels, torch.compile), into the on-disk caches the later variants then read; "warmup" before
-# it does the same on a 4-layer cut, cheaply. A variant with other target modifiers (+eager, +fp8)
-# calls other kernels: give it its own forward-only before its pipeline variant.
+# Triton kernels, torch.compile), into the on-disk caches the later variants then read; "warmup" on a
+# 4-layer cut covers only part of it. A variant with other target modifiers (+eager, +fp8) calls other
+# kernels: give it its own forward-only before its pipeline variant.
 DEFAULT_VARIANTS = ("forward-only", "cuda-ipc", "host-pinned", "depth-2", "depth-8")
 KNOWN_VARIANTS = (*DEFAULT_VARIANTS, "warmup", "padded", "varlen")
 
