@@ -538,8 +538,8 @@ def gen_data_cmd(config_path, out_path, prompts_path, device, as_json, **options
     """The target answers the first user turn of every chat record (resumable self-distillation data)."""
     from pathlib import Path
 
-    from dflash_ipc.data.gen import GenOptions, run_gen_data
-    from dflash_ipc.data.synth import parse_synth_spec, run_synth_gen_data
+    from dflash_ipc.datagen.gen import GenOptions, run_gen_data
+    from dflash_ipc.datagen.synth import parse_synth_spec, run_synth_gen_data
 
     cfg = _load_or_exit(config_path)
     _check_device_option("--device", device, cfg.topology.targets[0], f"topology.targets[0] of {config_path}")

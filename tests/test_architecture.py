@@ -265,7 +265,7 @@ ROLES = ("target", "drafter")
 #: What the drafter reads of the target package: the frozen target model's description (its HF
 #: configuration and layer ids; its embedding and LM head weights), which the drafter is built on.
 #: Nothing of the target's process (core, loop, model, packing) crosses.
-TARGET_MODEL_FACTS = {"dflash_ipc.target.hf_config", "dflash_ipc.target.heads"}
+TARGET_MODEL_FACTS = {"dflash_ipc.target_spec.hf_config", "dflash_ipc.target_spec.heads"}
 
 
 def _subpackage(module: str) -> str:
@@ -311,7 +311,7 @@ def test_no_private_name_is_imported_across_modules():
 def test_the_layer_rules_catch_planted_violations():
     graph = {
         "dflash_ipc.target.core": {"dflash_ipc.runtime.nodes", "dflash_ipc.drafter.checkpoint", "dflash_ipc.ledger"},
-        "dflash_ipc.drafter.core": {"dflash_ipc.target.hf_config", "dflash_ipc.procs.target"},
+        "dflash_ipc.drafter.core": {"dflash_ipc.target_spec.hf_config", "dflash_ipc.procs.target"},
         "dflash_ipc.runtime.supervisor": {"dflash_ipc.target.core"},
     }
     assert upward_imports(graph) == [

@@ -28,7 +28,7 @@ def test_padded_is_forward_only_without_varlen(tmp_path):
 
 def test_warmup_variant_cuts_the_target_to_its_first_four_layers(tmp_path):
     """What the CPU bench test no longer runs as a process group of its own: the target it builds."""
-    from dflash_ipc.target.hf_config import load_hf_config, text_config
+    from dflash_ipc.target_spec.hf_config import load_hf_config, text_config
 
     full = _load(tmp_path, {})
     cfg = _load(tmp_path, pipeline.warmup_overrides(full))

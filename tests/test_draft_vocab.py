@@ -153,8 +153,8 @@ def test_the_export_carries_its_rows_and_eval_drafts_over_them_losslessly(tmp_pa
     from dflash_ipc.data.tokenizer import load_tokenizer
     from dflash_ipc.draft_vocab import DraftVocab
     from dflash_ipc.drafter.core import drafter_for_target
-    from dflash_ipc.target.heads import target_head_weights
-    from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, text_config
+    from dflash_ipc.target_spec.heads import target_head_weights
+    from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 
     cfg = load_config(TINY, {"drafter.draft_vocab_size": 200})
     tok = load_tokenizer(cfg.target.tokenizer)

@@ -20,8 +20,8 @@ from dflash_ipc.eval.run import format_suite_table, load_prompts
 from dflash_ipc.eval.spec import GenResult, first_divergence, greedy_generate, speculative_generate, summarize
 from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
 from dflash_ipc.eval.verify import verify_block
-from dflash_ipc.target.heads import target_head_weights
-from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, text_config
+from dflash_ipc.target_spec.heads import target_head_weights
+from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.toml"

@@ -120,8 +120,8 @@ def llama_target(tiny_llama):
     """The random 4-layer Llama checkpoint of conftest (attention only: cache crop) and a DFlash drafter for it."""
     from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
     from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
-    from dflash_ipc.target.heads import target_head_weights
-    from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids
+    from dflash_ipc.target_spec.heads import target_head_weights
+    from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids
 
     d = tiny_llama
     cfg = load_config(TINY, {"target.model_path": str(d), "target.tokenizer": "builtin", "target.spec": {}, "data.builtin_samples": 20})

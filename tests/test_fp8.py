@@ -13,8 +13,8 @@ from torch import nn
 
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.target.fp8 import E4M3, Fp8Linear, fp8_device_problem, quantize_linears, quantize_rows
-from dflash_ipc.target.hf_config import tiny_spec
 from dflash_ipc.target.model import build_target
+from dflash_ipc.target_spec.hf_config import tiny_spec
 
 # e4m3 keeps 3 mantissa bits: a value rounds to within 2^-4 of itself, relative (normal range)
 E4M3_REL = 2.0**-4

@@ -23,8 +23,8 @@ import dflash_ipc.target.fp8 as fp8_mod
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.target.fp8 import Fp8Linear, quantize_linears
 from dflash_ipc.target.fp8_merge import Fp8LinearSlice, MergedFp8Linear, merge_sibling_linears, unmerge_sibling_linears
-from dflash_ipc.target.hf_config import tiny_spec
 from dflash_ipc.target.model import TargetModel, build_target
+from dflash_ipc.target_spec.hf_config import tiny_spec
 
 VOCAB = 300
 LENS = [37, 20, 5]

@@ -9,8 +9,8 @@ import torch
 
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.target.fused import unfuse_elementwise, wants_fused_elementwise
-from dflash_ipc.target.hf_config import tiny_spec
 from dflash_ipc.target.model import build_target
+from dflash_ipc.target_spec.hf_config import tiny_spec
 
 
 def test_auto_fuses_on_cuda_only_and_true_false_force_it():

@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from dflash_ipc.cli import main
 from dflash_ipc.config import load_config
 from dflash_ipc.data.corpus import DataError, load_corpus
-from dflash_ipc.data.gen import holdout_path, is_holdout, prompt_key
 from dflash_ipc.data.readers import iter_records
 from dflash_ipc.data.tokenizer import load_tokenizer
+from dflash_ipc.datagen.gen import holdout_path, is_holdout, prompt_key
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.toml"
@@ -161,7 +161,7 @@ def test_static_and_compiled_decoding_give_the_ids_of_the_dynamic_cache(tiny_lla
     import torch
     from transformers import LlamaForCausalLM
 
-    from dflash_ipc.data.gen import GenOptions, generate_batch
+    from dflash_ipc.datagen.gen import GenOptions, generate_batch
 
     lm = LlamaForCausalLM.from_pretrained(tiny_llama).eval()
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [3] * 20, [1, 2]]
@@ -192,7 +192,7 @@ def test_static_and_compiled_decoding_give_the_ids_of_the_dynamic_cache(tiny_lla
 
 
 def test_decode_mode_is_checked():
-    from dflash_ipc.data.gen import GenOptions
+    from dflash_ipc.datagen.gen import GenOptions
 
     with pytest.raises(ValueError, match="decode must be one of dynamic, static, compiled"):
         GenOptions(decode="graphs")

@@ -11,8 +11,8 @@ from dflash_ipc.config import ConfigError, load_config
 from dflash_ipc.drafter.core import build_drafter
 from dflash_ipc.drafter.init_from_target import drafter_layer_shapes, nearest_plane, plan_init
 from dflash_ipc.runtime.preflight import check_environment
-from dflash_ipc.target.heads import decoder_stack_shapes
-from dflash_ipc.target.hf_config import default_layer_ids
+from dflash_ipc.target_spec.heads import decoder_stack_shapes
+from dflash_ipc.target_spec.hf_config import default_layer_ids
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
 COPIED_PER_LAYER = (
@@ -105,8 +105,8 @@ def test_a_qwen3_5_checkpoint_is_read_through_its_prefix_and_its_layers_are_refu
 
     from dflash_ipc.config import DrafterConfig
     from dflash_ipc.drafter.model import DrafterModelConfig
-    from dflash_ipc.target.heads import read_decoder_stack
-    from dflash_ipc.target.hf_config import tiny_spec
+    from dflash_ipc.target_spec.heads import read_decoder_stack
+    from dflash_ipc.target_spec.hf_config import tiny_spec
 
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=16)
     conf = Qwen3_5Config(text_config=tiny_spec(512), vision_config=vision)

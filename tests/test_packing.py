@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.target.hf_config import tiny_spec
 from dflash_ipc.target.model import build_target
 from dflash_ipc.target.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta, pack_into_slot, real_token_index
+from dflash_ipc.target_spec.hf_config import tiny_spec
 from dflash_ipc.transport.slots import SlotLayout
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -10,8 +10,8 @@ from dflash_ipc.config import ConfigError, config_from_dict, load_config
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.runtime import resources
 from dflash_ipc.runtime.preflight import check_memory
-from dflash_ipc.target.hf_config import default_layer_ids, make_hf_config, truncated_spec_config
 from dflash_ipc.target.model import build_target
+from dflash_ipc.target_spec.hf_config import default_layer_ids, make_hf_config, truncated_spec_config
 
 
 def shapes(cfg):

@@ -16,11 +16,11 @@ from click.testing import CliRunner
 from dflash_ipc.cli import main
 from dflash_ipc.config import ConfigError, load_config
 from dflash_ipc.config_synth import SynthConfig
-from dflash_ipc.data.gen import is_holdout, prompt_key
-from dflash_ipc.data.prequery import pre_query_template, user_turn_stops
-from dflash_ipc.data.synth import diversity_path, parse_synth_spec, synth_prompts_path
-from dflash_ipc.data.synth_filters import PromptFilter, diversity_report
 from dflash_ipc.data.tokenizer import load_tokenizer
+from dflash_ipc.datagen.gen import is_holdout, prompt_key
+from dflash_ipc.datagen.prequery import pre_query_template, user_turn_stops
+from dflash_ipc.datagen.synth import diversity_path, parse_synth_spec, synth_prompts_path
+from dflash_ipc.datagen.synth_filters import PromptFilter, diversity_report
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.toml"
@@ -222,9 +222,9 @@ def test_synth_gives_up_after_its_draw_budget(tmp_path):
 
 def test_multi_turn_adds_second_turns_beside_their_first_and_resumes(tmp_path, tok):
     from dflash_ipc.data.corpus import load_corpus
-    from dflash_ipc.data.gen import GenOptions
-    from dflash_ipc.data.synth_turns import extend_turns, turns_path
     from dflash_ipc.data.tokenizer import vocab_identity
+    from dflash_ipc.datagen.gen import GenOptions
+    from dflash_ipc.datagen.synth_turns import extend_turns, turns_path
     from dflash_ipc.eval.target_lm import build_target_lm
 
     path = tmp_path / "mt.toml"

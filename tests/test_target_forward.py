@@ -14,7 +14,7 @@ import torch
 
 from dflash_ipc.bench.target_forward import run, time_variant
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.target.hf_config import tiny_spec
+from dflash_ipc.target_spec.hf_config import tiny_spec
 
 VOCAB = 300
 

@@ -15,8 +15,9 @@ from torch import nn
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.target.fast_path import fast_path_report, impl_origin, resolve_impl
 from dflash_ipc.target.flops import forward_flops, layer_matmul_params
-from dflash_ipc.target.heads import target_head_weights
-from dflash_ipc.target.hf_config import (
+from dflash_ipc.target.model import TargetModel, build_target
+from dflash_ipc.target_spec.heads import target_head_weights
+from dflash_ipc.target_spec.hf_config import (
     default_layer_ids,
     load_hf_config,
     make_hf_config,
@@ -25,7 +26,6 @@ from dflash_ipc.target.hf_config import (
     text_config,
     tiny_spec,
 )
-from dflash_ipc.target.model import TargetModel, build_target
 
 VOCAB = 300
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.target.hf_config import tiny_spec
 from dflash_ipc.target.model import TargetModel, build_target
 from dflash_ipc.target.packing import BatchMeta, flat_batch_meta, pack_into_slot
 from dflash_ipc.target.varlen import DocumentResetMixer, PackedDocs
+from dflash_ipc.target_spec.hf_config import tiny_spec
 from dflash_ipc.transport.slots import SlotLayout
 
 VOCAB = 300

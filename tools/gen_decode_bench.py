@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from dflash_ipc.data.gen import GenOptions, generate_batch
+from dflash_ipc.datagen.gen import GenOptions, generate_batch
 
 
 def _model(args) -> torch.nn.Module:
@@ -30,7 +30,7 @@ def _model(args) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     from transformers import LlamaForCausalLM
 
-    from dflash_ipc.target.hf_config import smollm2_135m_config
+    from dflash_ipc.target_spec.hf_config import smollm2_135m_config
 
     torch.manual_seed(0)
     conf = smollm2_135m_config(args.layers)  # SmolLM2-135M's shapes, random weights

@@ -77,7 +77,7 @@ python3 tools/derive_config.py "$BASE" "$W/gen.toml" "${MODEL_OV[@]}" "data.buil
 python3 - "$W" "$N_PROMPTS" <<'EOF' || exit 1
 import json, sys
 from dflash_ipc.data.corpus import builtin_conversations
-from dflash_ipc.data.gen import prompt_key
+from dflash_ipc.datagen.gen import prompt_key
 from dflash_ipc.data.readers import prompt_messages
 w, n = sys.argv[1], int(sys.argv[2])
 seen, recs = set(), []

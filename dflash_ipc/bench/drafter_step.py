@@ -5,7 +5,7 @@
 * **Model**: the config's drafter (random weights, ``run.seed``) on its target's shapes: the target
   model folder's config and LM head (``target.model_path``) or ``target.spec``, as training builds it
   (:func:`~dflash_ipc.drafter.core.build_drafter`); ``--random-target``: SmolLM2-135M's shapes
-  (:func:`~dflash_ipc.target.hf_config.smollm2_135m_config`) with random heads, for a machine
+  (:func:`~dflash_ipc.target_spec.hf_config.smollm2_135m_config`) with random heads, for a machine
   without the checkpoint.
 * **Batches**: ``--batches`` synthetic packed batches like the targets send: ``--tokens`` tokens
   (default ``data.token_budget``) of documents whose lengths are drawn uniformly around
@@ -55,7 +55,7 @@ from dflash_ipc.drafter.core import build_drafter, drafter_for_target
 from dflash_ipc.drafter.loss import compute_loss
 from dflash_ipc.drafter.model import DFlashDrafter
 from dflash_ipc.drafter.trainer import DrafterTrainer
-from dflash_ipc.target.hf_config import resolve_layer_ids, smollm2_135m_config, target_vocab_size
+from dflash_ipc.target_spec.hf_config import resolve_layer_ids, smollm2_135m_config, target_vocab_size
 from dflash_ipc.transport.slots import SlotViews
 
 __all__ = ["PHASES", "SCOPES", "variant_overrides", "synthetic_batches", "run_drafter_step_bench"]

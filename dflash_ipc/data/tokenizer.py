@@ -212,7 +212,7 @@ def check_target_tokenizer(target_cfg: Any, tokenizer: PreTrainedTokenizerBase) 
     tokenizer's size, so it always fits)."""
     if not target_cfg.model_path:
         return
-    from dflash_ipc.target.hf_config import load_hf_config, text_config
+    from dflash_ipc.target_spec.hf_config import load_hf_config, text_config
 
     check_vocab(tokenizer, int(text_config(load_hf_config(target_cfg)).vocab_size), target_cfg.tokenizer)
 

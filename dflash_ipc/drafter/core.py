@@ -58,8 +58,8 @@ from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.node_spec import read_node_spec
-from dflash_ipc.target.heads import decoder_stack_shapes, read_decoder_stack, target_head_weights
-from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, text_config
+from dflash_ipc.target_spec.heads import decoder_stack_shapes, read_decoder_stack, target_head_weights
+from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 from dflash_ipc.transport.slots import SlotViews
 
 log = logging.getLogger(__name__)

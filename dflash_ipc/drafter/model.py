@@ -37,7 +37,7 @@ from torch import nn
 
 from dflash_ipc.config import DrafterConfig
 from dflash_ipc.devices import as_device, fill_normal_
-from dflash_ipc.target.hf_config import rope_theta, text_config
+from dflash_ipc.target_spec.hf_config import rope_theta, text_config
 
 try:  # flex_attention exists in every supported torch (>= 2.11); keep the import soft anyway.
     from torch.nn.attention.flex_attention import BlockMask, flex_attention

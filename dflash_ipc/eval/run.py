@@ -291,8 +291,8 @@ class _Decoder:
         from dflash_ipc.devices import dtype_from_name
         from dflash_ipc.drafter.export import load_exported_drafter
         from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
-        from dflash_ipc.target.heads import target_head_weights
-        from dflash_ipc.target.hf_config import load_hf_config
+        from dflash_ipc.target_spec.heads import target_head_weights
+        from dflash_ipc.target_spec.hf_config import load_hf_config
 
         cfg_dict, source, drafter_dir, self.max_new, block_size, self.dtype, self.temperature, self.top_p, self.seed = job
         self.cfg = config_from_dict(cfg_dict, source)

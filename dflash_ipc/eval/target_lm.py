@@ -35,8 +35,8 @@ __all__ = ["TargetLM", "build_target_lm"]
 
 def build_target_lm(cfg: TargetConfig, device, vocab_size: int | None = None, dtype: str | None = None) -> nn.Module:
     """The full causal LM of the target on ``device`` in ``dtype`` (default: ``cfg.dtype``)."""
-    from dflash_ipc.target.heads import target_head_weights
     from dflash_ipc.target.model import build_target
+    from dflash_ipc.target_spec.heads import target_head_weights
 
     device = torch.device(device)
     # eval forwards a few tokens at a time on a cache: compiling fused kernels per worker would cost more than it saves

@@ -182,7 +182,7 @@ def _check_names_a_model(cfg: DFlashConfig) -> None:
 
 def _check_model(cfg: DFlashConfig) -> None:
     from dflash_ipc.data.tokenizer import TokenizerError, load_tokenizer, mask_token_id
-    from dflash_ipc.target.hf_config import default_layer_ids, text_config
+    from dflash_ipc.target_spec.hf_config import default_layer_ids, text_config
 
     src, target = cfg.source, cfg.target
     try:
@@ -278,7 +278,7 @@ def _check_drafter_resolves(cfg: DFlashConfig, hf_config: Any, layer_ids: list[i
 def _check_init_from_target(cfg: DFlashConfig, shape: Any) -> None:
     """``drafter.init_from_target`` against the checkpoint's tensor shapes (its headers only)."""
     from dflash_ipc.drafter.init_from_target import plan_init
-    from dflash_ipc.target.heads import decoder_stack_shapes
+    from dflash_ipc.target_spec.heads import decoder_stack_shapes
 
     if not cfg.target.model_path:
         _fail(
@@ -333,7 +333,7 @@ def _checkpoint_config(source: str, model_path: str) -> Any:
 
 def _spec_config(source: str, spec: dict[str, Any], vocab_size: int, attn_implementation: str) -> Any:
     from dflash_ipc.runtime.spec_check import check_spec
-    from dflash_ipc.target.hf_config import make_hf_config
+    from dflash_ipc.target_spec.hf_config import make_hf_config
 
     check_spec(source, spec)
     try:

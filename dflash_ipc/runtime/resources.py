@@ -160,7 +160,7 @@ def _safetensors_elements(path: Path) -> int:
 def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_shape: Any, backend: str) -> list[Need]:
     """What the run will hold, item by item (see the module docstring)."""
     from dflash_ipc.devices import dtype_from_name
-    from dflash_ipc.target.hf_config import text_config
+    from dflash_ipc.target_spec.hf_config import text_config
 
     tc = text_config(hf_config)
     hidden, vocab, n_layers = int(tc.hidden_size), int(tc.vocab_size), int(tc.num_hidden_layers)
@@ -217,7 +217,7 @@ def _spec_factors(cfg: DFlashConfig, hidden: int) -> list[tuple[str, int, int]]:
 
 
 def _tied(hf_config: Any) -> bool:
-    from dflash_ipc.target.heads import is_tied
+    from dflash_ipc.target_spec.heads import is_tied
 
     return is_tied(hf_config)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from dflash_ipc.target.hf_config import text_config
+from dflash_ipc.target_spec.hf_config import text_config
 
 
 def _attn_output_gate(tc: Any) -> bool:

@@ -10,8 +10,8 @@
   ``i``, i.e. ``hidden_states[i + 1]`` of HF's ``output_hidden_states``), stopping the forward
   right after the last captured layer.
 
-Around it: :mod:`~dflash_ipc.target.hf_config` (specs, configs, layer ids),
-:mod:`~dflash_ipc.target.heads` (the frozen embedding / LM head for the drafter, without building
+Around it: :mod:`~dflash_ipc.target_spec.hf_config` (specs, configs, layer ids),
+:mod:`~dflash_ipc.target_spec.heads` (the frozen embedding / LM head for the drafter, without building
 the target), :mod:`~dflash_ipc.target.fast_path` (fast kernels or slow fallbacks?) and
 :mod:`~dflash_ipc.target.flops` (FLOPs of the forward actually run, for MFU).
 
@@ -41,10 +41,10 @@ from dflash_ipc.target.flops import forward_flops
 from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
 from dflash_ipc.target.fp8_merge import merge_sibling_linears
 from dflash_ipc.target.fused import fuse_elementwise, wants_fused_elementwise
-from dflash_ipc.target.heads import derived_seed, target_head_weights
-from dflash_ipc.target.hf_config import make_hf_config, resolve_layer_ids, text_config, truncated_spec_config
 from dflash_ipc.target.packed_attention import packed_attention, register_packed_attention
 from dflash_ipc.target.varlen import PackedDocs, fla_packed_conv, install_document_reset, resolve_varlen, uses_packed_attention
+from dflash_ipc.target_spec.heads import derived_seed, target_head_weights
+from dflash_ipc.target_spec.hf_config import make_hf_config, resolve_layer_ids, text_config, truncated_spec_config
 
 log = logging.getLogger(__name__)
 

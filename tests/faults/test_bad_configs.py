@@ -295,7 +295,7 @@ def test_absent_device_index_named_against_visible_count():
 
 def test_spec_typo_would_have_built_a_different_model(tmp_path):
     """Why spec keys are checked: Qwen3_5TextConfig keeps an unknown key and builds its default shape."""
-    from dflash_ipc.target.hf_config import make_hf_config
+    from dflash_ipc.target_spec.hf_config import make_hf_config
 
     conf = make_hf_config({"hidden_sise": 64}, vocab_size=1024)
     assert conf.hidden_size != 64  # the typo was ignored, silently

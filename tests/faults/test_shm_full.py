@@ -23,7 +23,7 @@ from dflash_ipc.config import ConfigError, config_from_dict
 from dflash_ipc.drafter.model import DrafterModelConfig
 from dflash_ipc.runtime import liveness, resources
 from dflash_ipc.runtime.preflight import check_memory
-from dflash_ipc.target.hf_config import default_layer_ids, make_hf_config
+from dflash_ipc.target_spec.hf_config import default_layer_ids, make_hf_config
 
 SMALL_SHM = "8m"  # the trial's size; the tiny config's two rings need 12.1 MiB
 

@@ -2,7 +2,7 @@
 
 Rendered by the tokenizer's own template (a conversation ending in a sentinel user message, cut at
 the sentinel), so nothing is hard-coded per model and a default system prompt the template injects
-is kept. Prompt synthesis (:mod:`dflash_ipc.data.synth`) samples user requests from it.
+is kept. Prompt synthesis (:mod:`dflash_ipc.datagen.synth`) samples user requests from it.
 """
 
 from __future__ import annotations

@@ -3,14 +3,14 @@
 writes a realistic user request; the target's answers to those requests then train the drafter on
 the kind of traffic the target serves, with no data set downloaded.
 
-The pre-query prefix comes from the tokenizer's own chat template (:mod:`dflash_ipc.data.prequery`): a
+The pre-query prefix comes from the tokenizer's own chat template (:mod:`dflash_ipc.datagen.prequery`): a
 conversation with a sentinel user message is rendered and cut at the sentinel, so a default system
 prompt the template injects is kept and nothing is hard-coded per model. A tokenizer without a chat
 template is refused.
 
 Sampling is batched on the target's device (gen-data's generation: ``synth.temperature`` / ``top_p``,
 up to ``synth.max_prompt_tokens``, stopping at the end-of-turn token), and every sample goes through
-the filters of :mod:`dflash_ipc.data.synth_filters`. Steering: batch ``k`` renders the system prompt
+the filters of :mod:`dflash_ipc.datagen.synth_filters`. Steering: batch ``k`` renders the system prompt
 ``synth.system_prompts[k % len]`` with ``{topic}`` = ``synth.topics[k % len]``; the stored request
 keeps only the user turn, so the answers are written to the request alone, as users send it.
 
@@ -42,10 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ipc.config import DFlashConfig
-from dflash_ipc.data.gen import GenOptions, generate_batch, read_complete_jsonl, run_gen_data
-from dflash_ipc.data.prequery import pre_query_template, user_turn_stops
-from dflash_ipc.data.synth_filters import PromptFilter, diversity_report, format_report
-from dflash_ipc.data.synth_turns import extend_turns
+from dflash_ipc.datagen.gen import GenOptions, generate_batch, read_complete_jsonl, run_gen_data
+from dflash_ipc.datagen.prequery import pre_query_template, user_turn_stops
+from dflash_ipc.datagen.synth_filters import PromptFilter, diversity_report, format_report
+from dflash_ipc.datagen.synth_turns import extend_turns
 from dflash_ipc.fsutil import write_text_atomic
 
 __all__ = [

@@ -20,7 +20,7 @@ import torch
 
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.devices import as_device, cuda_device, fill_normal_
-from dflash_ipc.target.hf_config import text_config
+from dflash_ipc.target_spec.hf_config import text_config
 
 
 def derived_seed(seed: int, tag: str) -> int:

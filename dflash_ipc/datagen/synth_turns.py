@@ -1,6 +1,6 @@
 """Multi-turn synthesis (``synth.multi_turn_fraction`` > 0): after gen-data answered the synthesized
 requests, the target also writes the user's *next* turn after its own answer (the pre-query prefix of
-the conversation so far, :func:`~dflash_ipc.data.synth.pre_query_template` with history), then answers it.
+the conversation so far, :func:`~dflash_ipc.datagen.synth.pre_query_template` with history), then answers it.
 
 Which records get a second turn is a hash of their id (``synth.multi_turn_fraction`` of those whose
 answer ended, ``finish == "stop"``: a cut answer has no natural follow-up). A second turn passes the
@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ipc.config import DFlashConfig
-from dflash_ipc.data.gen import GenOptions, generate_batch, holdout_path, is_holdout, read_complete_jsonl
-from dflash_ipc.data.prequery import pre_query_template, user_turn_stops
 from dflash_ipc.data.records import ANSWER_IDS_FIELD, VOCAB_FIELD
-from dflash_ipc.data.synth_filters import PromptFilter
+from dflash_ipc.datagen.gen import GenOptions, generate_batch, holdout_path, is_holdout, read_complete_jsonl
+from dflash_ipc.datagen.prequery import pre_query_template, user_turn_stops
+from dflash_ipc.datagen.synth_filters import PromptFilter
 
 __all__ = ["TURN_SUFFIX", "extend_turns", "turns_path"]
 
