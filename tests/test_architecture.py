@@ -1,4 +1,5 @@
-"""Architecture rules, checked on the source: no import cycle between modules, no module over 600 lines.
+"""Architecture rules, checked on the source: no import cycle between modules nor between packages,
+packages import only the layers below them, no module over 600 lines, no function over 100 lines.
 
 Imports are read with ``ast`` (never executed): module-level and function-level ``import`` /
 ``from ... import``, relative ones resolved against the importing module's package. Imports under
@@ -257,45 +258,118 @@ def test_every_from_import_of_the_package_resolves():
 
 # --------------------------------------------------------------------------- layers point down
 
-#: The pure cores: they never reach up into the process machinery (runtime), operations (ops),
-#: benchmarks (bench) or the process shells (procs).
-CORE_PACKAGES = ("target", "drafter", "data", "transport", "control")
-ABOVE_THE_CORES = ("runtime", "ops", "bench", "procs")
+#: The layers, lowest first. A unit is a sub-package (``dflash_ipc.data``) or a top-level module
+#: (``dflash_ipc.ledger``); ``dflash_ipc.procs`` is the process shells. A unit imports only units of
+#: the layers below its own; within one layer only the leaves import each other (the package-level
+#: cycle test keeps that acyclic). ``target`` and ``drafter`` share a layer, so neither role imports
+#: the other: what both read of the frozen target lives in the leaf ``target_spec``.
+LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
+    (name, frozenset(units))
+    for name, units in (
+        (
+            "leaves",
+            {
+                "dflash_ipc",
+                "assets",
+                "config",
+                "config_fields",
+                "config_checks",
+                "config_drafter",
+                "config_synth",
+                "config_quant",
+                "chat_template",
+                "cli_options",
+                "devices",
+                "draft_vocab",
+                "fsutil",
+                "ledger",
+                "target_spec",
+            },
+        ),  # fmt: skip
+        ("control", {"control"}),
+        ("transport", {"transport", "node_spec"}),
+        ("data", {"data"}),
+        ("roles", {"target", "drafter"}),
+        ("eval", {"eval"}),
+        ("datagen", {"datagen"}),
+        ("ops", {"ops"}),
+        ("runtime", {"runtime"}),
+        ("bench", {"bench"}),
+        ("procs", {"procs"}),
+        ("cli", {"cli"}),
+    )
+)
+LEAF_LAYER = "leaves"
 ROLES = ("target", "drafter")
-#: What the drafter reads of the target package: the frozen target model's description (its HF
-#: configuration and layer ids; its embedding and LM head weights), which the drafter is built on.
-#: Nothing of the target's process (core, loop, model, packing) crosses.
-TARGET_MODEL_FACTS = {"dflash_ipc.target_spec.hf_config", "dflash_ipc.target_spec.heads"}
 
 
-def _subpackage(module: str) -> str:
+def unit_of(module: str) -> str:
+    """``dflash_ipc.data.corpus`` -> ``data``; ``dflash_ipc.ledger`` -> ``ledger``; ``dflash_ipc`` -> ``dflash_ipc``."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 else ""
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
-def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    pairs = ((m, d) for m, deps in graph.items() for d in deps)
-    return sorted(f"{m} -> {d}" for m, d in pairs if _subpackage(m) in CORE_PACKAGES and _subpackage(d) in ABOVE_THE_CORES)
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph collapsed onto units: ``a -> b`` when some module of ``a`` imports one of ``b``."""
+    out: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        out.setdefault(unit_of(module), set()).update(unit_of(d) for d in deps)
+    for unit, deps in list(out.items()):
+        deps.discard(unit)
+        for dep in deps:
+            out.setdefault(dep, set())
+    return out
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every module import that does not point to a lower layer (or, for leaves, to another leaf),
+    and every unit that no layer names."""
+    rank = {unit: (i, layer) for i, (layer, units) in enumerate(LAYERS) for unit in units}
+    unplaced = sorted({unit_of(m) for m in graph} - rank.keys())
+    bad = [f"{unit}: in no layer (add it to LAYERS in tests/test_architecture.py)" for unit in unplaced]
+    for module, deps in sorted(graph.items()):
+        src = unit_of(module)
+        for dep in sorted(deps):
+            dst = unit_of(dep)
+            if src == dst or src not in rank or dst not in rank:
+                continue
+            (i, layer), (j, dst_layer) = rank[src], rank[dst]
+            if j > i or (j == i and layer != LEAF_LAYER):
+                bad.append(f"{module} -> {dep} ({layer} -> {dst_layer})")
+    return bad
 
 
 def cross_role_imports(graph: dict[str, set[str]]) -> list[str]:
     return sorted(
-        f"{m} -> {d}"
-        for m, deps in graph.items()
-        if _subpackage(m) in ROLES
-        for d in deps
-        if _subpackage(d) in ROLES and _subpackage(d) != _subpackage(m) and d not in TARGET_MODEL_FACTS
+        f"{m} -> {d}" for m, deps in graph.items() if unit_of(m) in ROLES for d in deps if unit_of(d) in ROLES and unit_of(d) != unit_of(m)
     )
 
 
-def test_cores_never_import_the_layers_above_them():
-    bad = upward_imports(import_graph())
-    assert not bad, "a core imports a layer above it (move what it needs down into a leaf module):\n" + "\n".join(bad)
+def test_no_import_cycles_between_packages():
+    """Module-level acyclicity still lets data.a -> eval.b -> data.c close a loop between packages."""
+    cycles = import_cycles(package_graph(import_graph()))
+    text = "\n".join(" -> ".join(c) for c in cycles)
+    assert not cycles, f"{len(cycles)} import cycle(s) between packages:\n{text}"
+
+
+def test_every_import_points_to_a_lower_layer():
+    bad = layer_violations(import_graph())
+    order = " < ".join(layer for layer, _ in LAYERS)
+    assert not bad, f"imports that do not point down ({order}):\n" + "\n".join(bad)
+
+
+def test_data_imports_neither_eval_nor_a_role():
+    """The core data package serves both roles and eval; what it needs of the target is in target_spec."""
+    graph = import_graph()
+    bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if unit_of(m) == "data" for d in deps if unit_of(d) in {"eval", *ROLES})
+    assert not bad, "data imports a layer built on it:\n" + "\n".join(bad)
 
 
 def test_no_role_imports_another_roles_package():
     bad = cross_role_imports(import_graph())
-    assert not bad, "a role imports another role's package (share it through a leaf module, e.g. ledger, node_spec):\n" + "\n".join(bad)
+    assert not bad, "a role imports another role's package (share it through a leaf, e.g. target_spec, ledger, node_spec):\n" + "\n".join(
+        bad
+    )
 
 
 def test_no_private_name_is_imported_across_modules():
@@ -312,10 +386,67 @@ def test_the_layer_rules_catch_planted_violations():
     graph = {
         "dflash_ipc.target.core": {"dflash_ipc.runtime.nodes", "dflash_ipc.drafter.checkpoint", "dflash_ipc.ledger"},
         "dflash_ipc.drafter.core": {"dflash_ipc.target_spec.hf_config", "dflash_ipc.procs.target"},
+        "dflash_ipc.data.tokenizer": {"dflash_ipc.eval.target_lm", "dflash_ipc.target_spec.hf_config"},
+        "dflash_ipc.eval.target_lm": {"dflash_ipc.data.readers"},
         "dflash_ipc.runtime.supervisor": {"dflash_ipc.target.core"},
+        "dflash_ipc.config": {"dflash_ipc.fsutil"},
+        "dflash_ipc.gadget": set(),
     }
-    assert upward_imports(graph) == [
-        "dflash_ipc.drafter.core -> dflash_ipc.procs.target",
-        "dflash_ipc.target.core -> dflash_ipc.runtime.nodes",
+    assert layer_violations(graph) == [
+        "gadget: in no layer (add it to LAYERS in tests/test_architecture.py)",
+        "dflash_ipc.data.tokenizer -> dflash_ipc.eval.target_lm (data -> eval)",
+        "dflash_ipc.drafter.core -> dflash_ipc.procs.target (roles -> procs)",
+        "dflash_ipc.target.core -> dflash_ipc.drafter.checkpoint (roles -> roles)",
+        "dflash_ipc.target.core -> dflash_ipc.runtime.nodes (roles -> runtime)",
     ]
     assert cross_role_imports(graph) == ["dflash_ipc.target.core -> dflash_ipc.drafter.checkpoint"]
+    units = package_graph(graph)
+    assert units["data"] == {"eval", "target_spec"} and units["eval"] == {"data"}
+    assert import_cycles(units) == [["data", "eval", "data"], ["runtime", "target", "runtime"]]
+
+
+# --------------------------------------------------------------------------- functions stay short
+
+MAX_FUNCTION_LINES = 100
+
+
+def long_functions(source: str, max_lines: int = MAX_FUNCTION_LINES) -> list[tuple[str, int, int]]:
+    """(qualified name, first line, length) of every function longer than ``max_lines``, nested ones
+    included; the length runs from the ``def`` line to the last line of the body."""
+    found = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef) and (n := child.end_lineno - child.lineno + 1) > max_lines:
+                    found.append((name, child.lineno, n))
+                visit(child, f"{name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_the_length_rule_counts_def_to_last_line():
+    def block(indent: int, n: int) -> str:
+        return "".join(f"{' ' * indent}x{i} = {i}\n" for i in range(n))
+
+    hundred = "def f():\n" + block(4, 99)
+    assert long_functions(hundred) == []
+    assert long_functions(hundred + "    y = 0\n") == [("f", 1, 101)]
+    nested = "class C:\n    def g(self):\n        def h():\n" + block(12, 99) + "        return h\n"
+    assert [(name, n) for name, _, n in long_functions(nested)] == [("C.g", 102)]
+    assert [(name, n) for name, _, n in long_functions(nested, max_lines=99)] == [("C.g", 102), ("C.g.h", 100)]
+
+
+def test_no_function_over_100_lines():
+    modules = package_modules()
+    too_long = [
+        f"{path.relative_to(REPO)}:{line}: {name} ({n} lines)"
+        for path in sorted(set(modules.values()))
+        for name, line, n in long_functions(path.read_text())
+    ]
+    text = "\n".join(too_long)
+    assert not too_long, f"{len(too_long)} function(s) over {MAX_FUNCTION_LINES} lines (split them into named steps):\n{text}"
