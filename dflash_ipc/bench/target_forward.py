@@ -189,6 +189,136 @@ def _planes(model: TargetModel, batches) -> list[list[torch.Tensor]]:
     return [[p.detach().clone() for p in run_one(model, "packed", ids, lens)] for ids, lens in batches]
 
 
+@dataclasses.dataclass
+class ForwardBench:
+    """One built target, its batches and the JSON being written: what every step of :func:`run` measures with."""
+
+    model: TargetModel
+    batches: list[tuple[torch.Tensor, list[int]]]
+    out: dict[str, Any]
+    out_file: Path
+    peak_tflops: float
+    warmup_passes: int
+    agree_batches: int
+    profile: bool
+
+    @property
+    def results(self) -> dict[str, Any]:
+        return self.out["results"]
+
+    def save(self) -> None:
+        self.out_file.write_text(json.dumps(self.out, indent=1))
+
+    def save_ratios(self) -> None:
+        self.out["ratios"] = _ratios(self.results)
+        self.save()
+
+    def planes(self) -> list[list[torch.Tensor]]:
+        """The packed captured planes of the first ``agree_batches`` batches: one side of an agreement table."""
+        return _planes(self.model, self.batches[: self.agree_batches])
+
+    def measure(self, tag: str, timed: tuple[str, ...], profiled: tuple[str, ...]) -> None:
+        """Time the ``timed`` variants of the model as it is now; profile the ``profiled`` ones
+        (with ``--profile``)."""
+        model = self.model
+        for v in timed:
+            self.results[f"{v}-{tag}"] = r = time_variant(model, v, self.batches, self.peak_tflops, self.warmup_passes)
+            _echo(f"{v}-{tag}: {r['tokens_per_s']} tok/s real, MFU {r['mfu_real']} (bf16 peak), padding {r['padding_pct']}%")
+            self.save()
+        ids, lens = self.batches[0]
+        for v in profiled if self.profile else ():
+            run_one(model, v, ids, lens)  # compiled / autotuned before the profiled call
+            self.out["profile"][f"{v}-{tag}"] = prof = profile_classes(
+                lambda v=v: run_one(model, v, ids, lens), model.device.type == "cuda"
+            )
+            _echo(format_table(f"profile {v} {tag}, batch {tuple(ids.shape)}", prof))
+            self.save()
+
+    def fused(self, tag: str, ref: list[list[torch.Tensor]] | None = None) -> None:
+        """``packed`` with the elementwise work fused, timed and profiled; its agreement with ``ref`` when given."""
+        from dflash_ipc.target.fused import fuse_elementwise, unfuse_elementwise
+
+        self.out[f"fused_{tag}"] = fuse_elementwise(self.model.stack)
+        try:
+            self.measure(f"{tag}-fused", ("packed",), ("packed",))
+            if ref is not None:
+                self.out[f"agreement_{tag}_fused_vs_bf16"] = rows = agreement(ref, self.planes(), self.model.layer_ids)
+                _echo(format_agreement(f"captured hidden states, {tag} + fused elementwise vs bf16", rows))
+        finally:
+            unfuse_elementwise(self.model.stack)
+
+
+def build_bench(
+    cfg: DFlashConfig, config_path: str, out_path: str, dev: torch.device, layers: int, n_batches: int, cache_dir: str, **knobs
+) -> ForwardBench:
+    """Plan the batches, build the target and write what the run measures on (shapes, layers, packed path)."""
+    out: dict[str, Any] = {"config": config_path, "device": str(dev), "peak_tflops": knobs["peak_tflops"]}
+    out["timing"] = {"warmup_passes_per_variant": knobs["warmup_passes"], "timed_passes_per_variant": 1, "each_warmup_pass": "every batch"}
+    t0 = time.perf_counter()
+    cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "dflash-target-forward-data"
+    batches, vocab, out["epoch_padding_pct"] = plan_batches(cfg, n_batches, cache)
+    _echo(f"{len(batches)} batches in {time.perf_counter() - t0:.1f}s: shapes {[tuple(i.shape) for i, _ in batches]}")
+    t0 = time.perf_counter()
+    model = build_target(target_config(cfg, layers), dev, vocab_size=vocab)
+    _sync(model)
+    out["build_s"] = round(time.perf_counter() - t0, 1)
+    out["layers_run"] = model.layers_run
+    out["layers_total_in_config"] = int(cfg.target.spec.get("num_hidden_layers", 0)) if cfg.target.spec else None
+    out["layer_ids"] = model.layer_ids
+    out["packed_path"] = model.varlen_reason
+    out["gated_delta_net"] = {"varlen_kernels": model.linear_attention_kernels, "conv": sorted({m.conv or "padded" for m in model._mixers})}
+    out["batches"] = [{"shape": list(i.shape), "docs": len(lens), "real_tokens": sum(lens)} for i, lens in batches]
+    _echo(f"target built in {out['build_s']}s: {model.layers_run} layers, capture {model.layer_ids}; {model.varlen_reason}")
+    bench = ForwardBench(model, batches, out, Path(out_path), **knobs)
+    bench.save()
+    out["results"] = {}
+    out["profile"] = {}
+    return bench
+
+
+def run_fp8(bench: ForwardBench, ref: list[list[torch.Tensor]], fuse: bool, fp8_unmerged: bool) -> None:
+    """The same weights quantized and merged as the product builds them: FP8 timings and agreement
+    first, then its profiles, fusion and the unmerged baseline; the bf16 linears are put back last
+    for their own profiles and fusion."""
+    from dflash_ipc.target.fp8 import quantize_linears
+    from dflash_ipc.target.fp8_merge import merge_sibling_linears, unmerge_sibling_linears
+
+    model, out = bench.model, bench.out
+    bf16_linears = {name: mod for name, mod in model.stack.named_modules() if type(mod) is nn.Linear}
+    t0 = time.perf_counter()
+    out["fp8_layers"] = quantize_linears(model.stack)
+    out["fp8_merged"] = merge_sibling_linears(model.stack)  # as the product builds it (target/model.py apply_fp8)
+    out["fp8_quantize_s"] = round(time.perf_counter() - t0, 1)
+    bench.measure("fp8", VARIANTS, ())
+    merged_planes = bench.planes()
+    out["agreement_fp8_vs_bf16"] = agreement(ref, merged_planes, model.layer_ids)
+    _echo(format_agreement("captured hidden states, FP8 vs bf16 (packed, real tokens)", out["agreement_fp8_vs_bf16"]))
+    bench.save_ratios()
+    bench.measure("fp8", (), ("packed",))
+    if fuse:
+        bench.fused("fp8", ref)
+    unmerge_sibling_linears(model.stack)
+    if fp8_unmerged:
+        run_fp8_unmerged(bench, merged_planes, fuse)
+    for name, mod in bf16_linears.items():  # the bf16 weights back, for their profiles and fusion
+        parent, _, child = name.rpartition(".")
+        setattr(model.stack.get_submodule(parent) if parent else model.stack, child, mod)
+
+
+def run_fp8_unmerged(bench: ForwardBench, merged_planes: list[list[torch.Tensor]], fuse: bool) -> None:
+    """Each projection quantizing its own input and running its own GEMM: the merge's baseline, and
+    how far its planes are from the merged ones."""
+    bench.measure("fp8-unmerged", ("packed",), ("packed",))
+    unmerged_planes = bench.planes()
+    bench.out["merged_vs_unmerged_max_abs"] = max(
+        ((a.float() - b.float()).abs().max().item() for m, u in zip(merged_planes, unmerged_planes) for a, b in zip(m, u)), default=0.0
+    )
+    _echo(f"captured planes, FP8 merged vs unmerged: max abs difference {bench.out['merged_vs_unmerged_max_abs']:.3g}")
+    if fuse:
+        bench.fused("fp8-unmerged")
+    bench.save_ratios()
+
+
 def run(
     config_path: str,
     out_path: str,
@@ -209,115 +339,26 @@ def run(
     """The whole measurement (see the module docstring); returns the JSON it wrote."""
     cfg = load_config(config_path)
     dev = torch.device(device or cfg.topology.targets[0])
-    out: dict[str, Any] = {"config": config_path, "device": str(dev), "peak_tflops": peak_tflops}
-    out["timing"] = {"warmup_passes_per_variant": warmup_passes, "timed_passes_per_variant": 1, "each_warmup_pass": "every batch"}
-    out_file = Path(out_path)
-
-    def save() -> None:
-        out_file.write_text(json.dumps(out, indent=1))
-
-    t0 = time.perf_counter()
-    cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "dflash-target-forward-data"
-    batches, vocab, out["epoch_padding_pct"] = plan_batches(cfg, n_batches, cache)
-    _echo(f"{len(batches)} batches in {time.perf_counter() - t0:.1f}s: shapes {[tuple(i.shape) for i, _ in batches]}")
-    tcfg = target_config(cfg, layers)
-    t0 = time.perf_counter()
-    model = build_target(tcfg, dev, vocab_size=vocab)
-    _sync(model)
-    out["build_s"] = round(time.perf_counter() - t0, 1)
-    out["layers_run"] = model.layers_run
-    out["layers_total_in_config"] = int(cfg.target.spec.get("num_hidden_layers", 0)) if cfg.target.spec else None
-    out["layer_ids"] = model.layer_ids
-    out["packed_path"] = model.varlen_reason
-    out["gated_delta_net"] = {"varlen_kernels": model.linear_attention_kernels, "conv": sorted({m.conv or "padded" for m in model._mixers})}
-    out["batches"] = [{"shape": list(i.shape), "docs": len(lens), "real_tokens": sum(lens)} for i, lens in batches]
-    _echo(f"target built in {out['build_s']}s: {model.layers_run} layers, capture {model.layer_ids}; {model.varlen_reason}")
-    save()
-    results: dict[str, Any] = {}
-    out["results"] = results
-    out["profile"] = {}
-    on_cuda = dev.type == "cuda"
-
-    def measure(tag: str, timed: tuple[str, ...], profiled: tuple[str, ...]) -> None:
-        """Time the ``timed`` variants of the model as it is now; profile the ``profiled`` ones
-        (with ``--profile``)."""
-        for v in timed:
-            results[f"{v}-{tag}"] = r = time_variant(model, v, batches, peak_tflops, warmup_passes)
-            _echo(f"{v}-{tag}: {r['tokens_per_s']} tok/s real, MFU {r['mfu_real']} (bf16 peak), padding {r['padding_pct']}%")
-            save()
-        ids, lens = batches[0]
-        for v in profiled if profile else ():
-            run_one(model, v, ids, lens)  # compiled / autotuned before the profiled call
-            out["profile"][f"{v}-{tag}"] = prof = profile_classes(lambda v=v: run_one(model, v, ids, lens), on_cuda)
-            _echo(format_table(f"profile {v} {tag}, batch {tuple(ids.shape)}", prof))
-            save()
-
-    def fused(tag: str, ref: list[list[torch.Tensor]] | None = None) -> None:
-        from dflash_ipc.target.fused import fuse_elementwise, unfuse_elementwise
-
-        out[f"fused_{tag}"] = fuse_elementwise(model.stack)
-        try:
-            measure(f"{tag}-fused", ("packed",), ("packed",))
-            if ref is not None:
-                out[f"agreement_{tag}_fused_vs_bf16"] = rows = agreement(ref, _planes(model, batches[:agree_batches]), model.layer_ids)
-                _echo(format_agreement(f"captured hidden states, {tag} + fused elementwise vs bf16", rows))
-        finally:
-            unfuse_elementwise(model.stack)
-
+    knobs = {"peak_tflops": peak_tflops, "warmup_passes": warmup_passes, "agree_batches": agree_batches, "profile": profile}
+    bench = build_bench(cfg, config_path, out_path, dev, layers, n_batches, cache_dir, **knobs)
     # headline figures first (bf16, then FP8 on the same weights), profiles and fusion after
-    measure("bf16", VARIANTS, ())
-    ref = _planes(model, batches[:agree_batches])
-    from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
+    bench.measure("bf16", VARIANTS, ())
+    ref = bench.planes()
+    from dflash_ipc.target.fp8 import fp8_device_problem
 
-    problem = None if fp8_off_gpu else fp8_device_problem(dev, model.dtype)
-    if not fp8 or problem:
-        if problem:
-            out["fp8_skipped"] = problem
-            _echo(f"fp8 skipped: {problem}")
-        measure("bf16", (), VARIANTS)
-        if fuse:
-            fused("bf16", ref)
-        out["ratios"] = _ratios(results)
-        save()
-        return out
-    from dflash_ipc.target.fp8_merge import merge_sibling_linears, unmerge_sibling_linears
-
-    bf16_linears = {name: mod for name, mod in model.stack.named_modules() if type(mod) is nn.Linear}
-    t0 = time.perf_counter()
-    out["fp8_layers"] = quantize_linears(model.stack)
-    out["fp8_merged"] = merge_sibling_linears(model.stack)  # as the product builds it (target/model.py apply_fp8)
-    out["fp8_quantize_s"] = round(time.perf_counter() - t0, 1)
-    measure("fp8", VARIANTS, ())
-    merged_planes = _planes(model, batches[:agree_batches])
-    out["agreement_fp8_vs_bf16"] = agreement(ref, merged_planes, model.layer_ids)
-    _echo(format_agreement("captured hidden states, FP8 vs bf16 (packed, real tokens)", out["agreement_fp8_vs_bf16"]))
-    out["ratios"] = _ratios(results)
-    save()
-    measure("fp8", (), ("packed",))
+    problem = None if fp8_off_gpu else fp8_device_problem(dev, bench.model.dtype)
+    if problem:
+        bench.out["fp8_skipped"] = problem
+        _echo(f"fp8 skipped: {problem}")
+    elif fp8:
+        run_fp8(bench, ref, fuse, fp8_unmerged)
+    bench.measure("bf16", (), VARIANTS)
     if fuse:
-        fused("fp8", ref)
-    unmerge_sibling_linears(model.stack)
-    if fp8_unmerged:  # each projection quantizing its own input and running its own GEMM: the ratio's baseline
-        measure("fp8-unmerged", ("packed",), ("packed",))
-        unmerged_planes = _planes(model, batches[:agree_batches])
-        out["merged_vs_unmerged_max_abs"] = max(
-            ((a.float() - b.float()).abs().max().item() for m, u in zip(merged_planes, unmerged_planes) for a, b in zip(m, u)), default=0.0
-        )
-        _echo(f"captured planes, FP8 merged vs unmerged: max abs difference {out['merged_vs_unmerged_max_abs']:.3g}")
-        if fuse:
-            fused("fp8-unmerged")
-        out["ratios"] = _ratios(results)
-        save()
-    for name, mod in bf16_linears.items():  # the bf16 weights back, for their profiles and fusion
-        parent, _, child = name.rpartition(".")
-        setattr(model.stack.get_submodule(parent) if parent else model.stack, child, mod)
-    measure("bf16", (), VARIANTS)
-    if fuse:
-        fused("bf16", ref)
-    out["ratios"] = _ratios(results)
-    _echo(f"ratios: {json.dumps(out['ratios'])}")
-    save()
-    return out
+        bench.fused("bf16", ref)
+    bench.save_ratios()
+    if fp8 and not problem:
+        _echo(f"ratios: {json.dumps(bench.out['ratios'])}")
+    return bench.out
 
 
 def _ratios(results: dict[str, Any]) -> dict[str, float]:
