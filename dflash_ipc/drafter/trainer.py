@@ -109,6 +109,33 @@ class DrafterTrainer:
         # Flat layout: gradients are produced roughly in reverse registration order, so slots
         # (and buckets) follow reverse order to let early buckets launch during backward.
         order = list(range(len(self.params)))[::-1]
+        self._allocate_flat_buffers(order)
+        self._plan_buckets(order, bucket_mb)
+        self._pending: list[int] = []
+        self._next_launch = 0
+        self._works: list[Any] = []
+        self._in_backward = False
+        self._accumulating = False
+        self._accumulated: torch.Tensor | None = None  # loss sum of the micro-batches backpropagated so far
+        self._seen: list[bool] = []
+        self.buckets_launched_in_backward = 0
+        self.optimizer = self._build_optimizer(eps)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        self._relink_warned = False
+        if self.world.is_distributed:
+            self._check_layout()
+            if sync_initial:
+                dist.broadcast(self._master_flat, src=0)
+                if not self.single_copy:
+                    self._compute_flat.copy_(self._master_flat)
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _allocate_flat_buffers(self, order: list[int]) -> None:
+        """The flat master, compute and gradient buffers (each parameter's slot aligned, in ``order``),
+        and every parameter re-pointed at its views: the model's at the compute buffer, the
+        optimizer's fp32 masters at the master buffer, both sharing the gradient buffer."""
         offsets: dict[int, int] = {}
         off = 0
         for i in order:
@@ -125,7 +152,7 @@ class DrafterTrainer:
         if self.single_copy:
             self._compute_flat = self._master_flat
         else:
-            self._compute_flat = torch.zeros(self.numel, dtype=compute_dtype, device=dev)
+            self._compute_flat = torch.zeros(self.numel, dtype=self.compute_dtype, device=dev)
 
         self._master_views: list[torch.Tensor] = []
         self._compute_views: list[torch.Tensor] = []
@@ -149,14 +176,16 @@ class DrafterTrainer:
                 self._grad_views.append(gv)
                 self.master_params.append(mp)
 
-        # Buckets over the flat gradient buffer (header included in bucket 0).
+    def _plan_buckets(self, order: list[int], bucket_mb: float) -> None:
+        """All-reduce buckets over the flat gradient buffer (header included in bucket 0), cut at
+        parameter slots in ``order`` once ``bucket_mb`` is reached, and each parameter's bucket."""
         bucket_elems = max(1, int(bucket_mb * 2**20) // self._grad_buf.element_size())
         self._bucket_bounds: list[tuple[int, int]] = []
         self._param_bucket = [0] * len(self.params)
         start = 0
         cur_end = _HEADER
         for i in order:
-            end = _HEADER + offsets[i] + -(-self.params[i].numel() // _ALIGN_ELEMS) * _ALIGN_ELEMS
+            end = _HEADER + self._offsets[i] + -(-self.params[i].numel() // _ALIGN_ELEMS) * _ALIGN_ELEMS
             if cur_end - start >= bucket_elems and cur_end > start:
                 self._bucket_bounds.append((start, cur_end))
                 start = cur_end
@@ -166,38 +195,21 @@ class DrafterTrainer:
         self._bucket_sizes = [0] * len(self._bucket_bounds)
         for b in self._param_bucket:
             self._bucket_sizes[b] += 1
-        self._pending: list[int] = []
-        self._next_launch = 0
-        self._works: list[Any] = []
-        self._in_backward = False
-        self._accumulating = False
-        self._accumulated: torch.Tensor | None = None  # loss sum of the micro-batches backpropagated so far
-        self._seen: list[bool] = []
-        self.buckets_launched_in_backward = 0
 
+    def _build_optimizer(self, eps: float) -> torch.optim.AdamW:
+        """AdamW over the fp32 masters: weight decay on matrices only (group 0 when there are any)."""
         decay = [mp for mp in self.master_params if mp.ndim >= 2]
         no_decay = [mp for mp in self.master_params if mp.ndim < 2]
         groups = []
         self._decay_group = 0 if decay else -1
         if decay:
-            groups.append({"params": decay, "weight_decay": training_cfg.weight_decay})
+            groups.append({"params": decay, "weight_decay": self.cfg.weight_decay})
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
-        opt_kwargs: dict[str, Any] = dict(lr=training_cfg.lr, betas=tuple(training_cfg.betas), eps=eps)
-        if dev.type == "cuda":
+        opt_kwargs: dict[str, Any] = dict(lr=self.cfg.lr, betas=tuple(self.cfg.betas), eps=eps)
+        if self.device.type == "cuda":
             opt_kwargs["fused"] = True
-        self.optimizer = torch.optim.AdamW(groups, **opt_kwargs)
-
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
-        self._relink_warned = False
-        if self.world.is_distributed:
-            self._check_layout()
-            if sync_initial:
-                dist.broadcast(self._master_flat, src=0)
-                if not self.single_copy:
-                    self._compute_flat.copy_(self._master_flat)
-
-    # ------------------------------------------------------------------ setup helpers
+        return torch.optim.AdamW(groups, **opt_kwargs)
 
     def _resolve_total_steps(self, total_steps: int | None) -> int:
         if self.cfg.max_steps > 0:
