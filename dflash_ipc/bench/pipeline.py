@@ -265,7 +265,9 @@ class VariantsForkServer:
             self._server.close()
 
 
-def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, echo, fork_server: VariantsForkServer | None = None) -> dict:
+def variant_config(config_path: str, name: str, steps: int):
+    """The config of variant ``name``, run for ``steps`` steps with no checkpoint or export; whether it
+    is forward-only, and then how many batches each target forwards (0 for a pipeline variant)."""
     probe = load_config(config_path)
     overrides, fwd = variant_overrides(name, probe.topology.on_cuda, probe.drafter.anchor_chunk, probe.drafter.max_anchors_per_batch)
     overrides.update(
@@ -282,7 +284,11 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
     forward_only = max(2, -(-steps * len(probe.topology.drafters) // n_targets)) + probe.transport.ring_slots + 2 if fwd else 0
     if name == "warmup":
         overrides.update(warmup_overrides(probe))
-    cfg = load_config(config_path, overrides)
+    return load_config(config_path, overrides), fwd, forward_only
+
+
+def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, echo, fork_server: VariantsForkServer | None = None) -> dict:
+    cfg, fwd, forward_only = variant_config(config_path, name, steps)
     run_dir = Path(tempfile.mkdtemp(prefix=f"dflash-bench-{name}-"))
     sup = Supervisor(cfg, run_dir, echo=lambda s: echo(f"[{name}] {s}"), forward_only=forward_only)
     if fork_server is not None:
@@ -305,31 +311,45 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
         "slot_occupancy_mean": round(sum(sampler.occupancy) / len(sampler.occupancy), 3) if sampler.occupancy else None,
     }
     targets = [c for c in sup.children if c.role == "target"]
-    drafters = [c for c in sup.children if c.role == "drafter"]
-    # every target's final figures (forward-only: its Done) or its last heartbeat's
+    works, gpu_peaks = target_figures(out, targets, run_dir, peak_tflops)
+    if fwd:
+        forward_only_figures(out, works)
+    else:
+        drafters = [c for c in sup.children if c.role == "drafter"]
+        pipeline_figures(out, cfg, run_dir, works, len(drafters))
+        for c in drafters:
+            gpu = c.stats.work.gpu if isinstance(c.stats, DrafterStats) else None
+            gpu_peaks[c.device] = max(gpu_peaks.get(c.device, 0), gpu.peak_bytes if gpu else 0)
+    out["peak_gpu_mem_bytes"] = gpu_peaks
+    return out
+
+
+TARGET_WORK_FIGURES = (
+    "forwards",
+    "forward_ms",
+    "pack_ms",
+    "pack_overlap_pct",
+    "pack_exposed_ms",
+    "pack_submit_ms",
+    "slot_wait_ms",
+    "busy_pct",
+    "steady_tokens_per_s",
+    "steady_tflops",
+    "steady_forward_tflops",
+    "layers_run",
+)
+
+
+def target_figures(out: dict, targets: list, run_dir: Path, peak_tflops: float) -> tuple[list, dict[str, int]]:
+    """Every target's final figures (forward-only: its Done) or its last heartbeat's into ``out``, and
+    their sums; returns the targets' work figures and the GPU memory peak per device so far."""
     tstats: list[TargetStats] = [c.stats for c in targets if isinstance(c.stats, TargetStats)]
     if len(tstats) != len(targets):
         raise RuntimeError(f"{len(targets) - len(tstats)} target(s) reported no figures (see their logs in {run_dir}/logs)")
     works = [ts.work for ts in tstats]
     out["targets"] = [
         {
-            **{
-                k: getattr(w, k)
-                for k in (
-                    "forwards",
-                    "forward_ms",
-                    "pack_ms",
-                    "pack_overlap_pct",
-                    "pack_exposed_ms",
-                    "pack_submit_ms",
-                    "slot_wait_ms",
-                    "busy_pct",
-                    "steady_tokens_per_s",
-                    "steady_tflops",
-                    "steady_forward_tflops",
-                    "layers_run",
-                )
-            },
+            **{k: getattr(w, k) for k in TARGET_WORK_FIGURES},
             "gpu_mem_peak_bytes": w.gpu.peak_bytes if w.gpu else None,
             "routed_per_drafter": ts.plane.routed_per_drafter,
         }
@@ -341,48 +361,51 @@ def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, ech
     out["target_tflops_steady"] = round(sum(w.steady_tflops for w in works), 2)
     out["target_mfu"] = round(sum(w.steady_forward_tflops for w in works) / len(works) / peak_tflops, 4)
     out["target_tokens_per_s"] = round(sum(w.steady_tokens_per_s for w in works), 1)
-    if fwd:
-        out["tokens_per_s"] = out["target_tokens_per_s"]
-        capt = sum(w.steady_forward_s for w in works)
-        bare = sum(w.bare_forward_s for w in works)
-        out["bare_forward_s"] = round(bare, 3)
-        out["capture_forward_s"] = round(capt, 3)
-        out["capture_vs_bare"] = round(bare / capt, 4) if capt > 0 else None
-        # each batch's untimed first pass against its timed forward: what a new batch shape costs
-        first = sum(w.first_pass_forward_s for w in works)
-        timed = sum(w.forward_ms * w.forwards / 1e3 for w in works)
-        out["first_pass_forward_s"] = round(first, 3)
-        out["first_pass_vs_timed"] = round(first / timed, 3) if timed > 0 else None
-    else:
-        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        st = _steady(recs)
-        span = st[-1]["elapsed_s"] - (recs[recs.index(st[0]) - 1]["elapsed_s"] if recs.index(st[0]) > 0 else 0.0)
-        toks = sum(r["tokens"] for r in st)
-        out["steps"] = len(recs)
-        out["drafter_tokens_per_s"] = round(toks / max(1e-9, span), 1)
-        out["whole_run_tokens_per_s"] = round(sum(r["tokens"] for r in recs) / max(1e-9, recs[-1]["elapsed_s"]), 1)
-        # both sides warm: past the backlog a ring's depth of slots can hold, and past the first steps
-        skip = cfg.transport.ring_slots + 2
-        warm = recs[skip:]
-        if len(warm) >= 2:
-            span_warm = warm[-1]["elapsed_s"] - warm[0]["elapsed_s"]
-            out["steady_tokens_per_s"] = round(sum(r["tokens"] for r in warm[1:]) / max(1e-9, span_warm), 1)
-            out["steady_after_steps"] = skip + 1
-        out["drafter_busy_tokens_per_s_per_gpu"] = round(toks / max(1e-9, sum(r["step_s"] for r in st)) / len(drafters), 1)
-        out["target_slot_wait_s"] = round(sum(w.slot_wait_ms for w in works) / 1000, 2)
-        out["tokens_per_s"] = min(out["drafter_tokens_per_s"], out["target_tokens_per_s"])
-        out["bound_by"] = "target" if out["target_tokens_per_s"] <= out["drafter_tokens_per_s"] else "drafter"
-        keys = ("wait_s", "copy_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s", "step_s")
-        out["drafter_step_split_s"] = {k: round(sum(r[k] for r in st) / len(st), 4) for k in keys}
-        out["drafter_wait_pct"] = round(100 * sum(r["wait_s"] for r in st) / max(1e-9, sum(r["wait_s"] + r["step_s"] for r in st)), 2)
-        out["loss_first_last"] = [recs[0]["loss"], recs[-1]["loss"]]
-        if cfg.drafter.anchor_budget == "follow-wait":
-            out.update(anchor_budget_figures(recs))
-        for c in drafters:
-            gpu = c.stats.work.gpu if isinstance(c.stats, DrafterStats) else None
-            gpu_peaks[c.device] = max(gpu_peaks.get(c.device, 0), gpu.peak_bytes if gpu else 0)
-    out["peak_gpu_mem_bytes"] = gpu_peaks
-    return out
+    return works, gpu_peaks
+
+
+def forward_only_figures(out: dict, works: list) -> None:
+    """A forward-only variant: the targets' throughput, the capture's cost over a bare forward, and
+    each batch's untimed first pass against its timed forward (what a new batch shape costs)."""
+    out["tokens_per_s"] = out["target_tokens_per_s"]
+    capt = sum(w.steady_forward_s for w in works)
+    bare = sum(w.bare_forward_s for w in works)
+    out["bare_forward_s"] = round(bare, 3)
+    out["capture_forward_s"] = round(capt, 3)
+    out["capture_vs_bare"] = round(bare / capt, 4) if capt > 0 else None
+    first = sum(w.first_pass_forward_s for w in works)
+    timed = sum(w.forward_ms * w.forwards / 1e3 for w in works)
+    out["first_pass_forward_s"] = round(first, 3)
+    out["first_pass_vs_timed"] = round(first / timed, 3) if timed > 0 else None
+
+
+def pipeline_figures(out: dict, cfg, run_dir: Path, works: list, n_drafters: int) -> None:
+    """A pipeline variant, from the run's metrics.jsonl: the drafters' throughput (after the first
+    steps, and with both sides warm), which side bounds it, the step's split and the loss."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    st = _steady(recs)
+    span = st[-1]["elapsed_s"] - (recs[recs.index(st[0]) - 1]["elapsed_s"] if recs.index(st[0]) > 0 else 0.0)
+    toks = sum(r["tokens"] for r in st)
+    out["steps"] = len(recs)
+    out["drafter_tokens_per_s"] = round(toks / max(1e-9, span), 1)
+    out["whole_run_tokens_per_s"] = round(sum(r["tokens"] for r in recs) / max(1e-9, recs[-1]["elapsed_s"]), 1)
+    # both sides warm: past the backlog a ring's depth of slots can hold, and past the first steps
+    skip = cfg.transport.ring_slots + 2
+    warm = recs[skip:]
+    if len(warm) >= 2:
+        span_warm = warm[-1]["elapsed_s"] - warm[0]["elapsed_s"]
+        out["steady_tokens_per_s"] = round(sum(r["tokens"] for r in warm[1:]) / max(1e-9, span_warm), 1)
+        out["steady_after_steps"] = skip + 1
+    out["drafter_busy_tokens_per_s_per_gpu"] = round(toks / max(1e-9, sum(r["step_s"] for r in st)) / n_drafters, 1)
+    out["target_slot_wait_s"] = round(sum(w.slot_wait_ms for w in works) / 1000, 2)
+    out["tokens_per_s"] = min(out["drafter_tokens_per_s"], out["target_tokens_per_s"])
+    out["bound_by"] = "target" if out["target_tokens_per_s"] <= out["drafter_tokens_per_s"] else "drafter"
+    keys = ("wait_s", "copy_s", "forward_s", "backward_s", "allreduce_s", "optimizer_s", "step_s")
+    out["drafter_step_split_s"] = {k: round(sum(r[k] for r in st) / len(st), 4) for k in keys}
+    out["drafter_wait_pct"] = round(100 * sum(r["wait_s"] for r in st) / max(1e-9, sum(r["wait_s"] + r["step_s"] for r in st)), 2)
+    out["loss_first_last"] = [recs[0]["loss"], recs[-1]["loss"]]
+    if cfg.drafter.anchor_budget == "follow-wait":
+        out.update(anchor_budget_figures(recs))
 
 
 def warmup_overrides(probe) -> dict:
