@@ -75,6 +75,40 @@ def run_bench(quick: bool = False, progress=print) -> dict:
     if n > 1:
         out["peer_access"] = torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0)
         out["auto"] = list(choose_backend(0, [1]))
+    out["reference_gbps"] = ref = reference_copies(other, progress)
+    rings = run_scenarios(ring_scenarios(other, quick), timeout=500)
+    for r in rings:
+        if r["mode"] == "stream":
+            label = "1GiB" if r["slot_bytes"] >= GIB else "256MiB"
+            if r["backend"] == "cuda-ipc":
+                refv = ref[("peer_" if r["consumer_device"] != r["producer_device"] else "same_") + label]
+            else:
+                refv = ref["pinned_256MiB"]["min"]
+            r["reference_gbps"] = refv
+            r["ratio"] = r["gbps"] / refv if r["gbps"] and refv else None
+            progress(
+                f"[ring] {r['name']} ({r['copy_mode']}): {r['gbps']:.1f} GB/s ({100 * (r['ratio'] or 0):.1f}% of {refv:.1f}), "
+                f"{r['slots']} slots, errors {r['errors']}, open {r['open_s'] * 1e3:.0f} ms"
+            )
+        else:
+            progress(
+                f"[handoff] {r['name']} ({r['copy_mode']}): "
+                f"commit->copied p50 {r['handoff_us_p50']:.0f} us p99 {r['handoff_us_p99']:.0f} us, "
+                f"round trip p50 {r['roundtrip_us_p50']:.0f} us p99 {r['roundtrip_us_p99']:.0f} us, errors {r['errors']}"
+            )
+    out["rings"] = rings
+    if n > 1 and not quick:
+        for key, env in (
+            ("expandable_segments", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+            ("push", {"DFLASH_IPC_CUDA_COPY": "push"}),
+        ):
+            out[f"rings_{key}"] = environment_variant_rings(key, env, other, ref, progress)
+    return out
+
+
+def reference_copies(other: int, progress) -> dict:
+    """Plain copy bandwidths the rings are measured against: device to device (cuda:0 to ``other`` and
+    to itself, 1 GiB and 256 MiB) and through pinned host memory (256 MiB)."""
     ref = {}
     for size, label in ((GIB, "1GiB"), (256 * MIB, "256MiB")):
         ref[f"peer_{label}"] = measure_reference_gbps(0, other, size)
@@ -90,9 +124,14 @@ def run_bench(quick: bool = False, progress=print) -> dict:
         "min": min(pin["d2h"], pin1["h2d"]),
     }
     progress(f"[ref] pinned 256 MiB: D2H {pin['d2h']:.1f}, H2D(other) {pin1['h2d']:.1f} GB/s")
-    out["reference_gbps"] = ref
+    return ref
+
+
+def ring_scenarios(other: int, quick: bool) -> list:
+    """The ring streams (cuda-ipc to ``other`` and to itself, host-pinned, with and without the
+    producer's fill) and handoffs; ``quick``: a quarter of the iterations (at least 20)."""
     it = (lambda x: max(20, x // 4)) if quick else (lambda x: x)
-    scs = [
+    return [
         scenario("cuda-ipc 1GiB other", "cuda-ipc", 0, other, layout_for_bytes(GIB), num_slots=4, iters=it(150), warmup=10),
         scenario("cuda-ipc 256MiB other", "cuda-ipc", 0, other, layout_for_bytes(256 * MIB), num_slots=4, iters=it(400), warmup=20),
         scenario("cuda-ipc 1GiB same", "cuda-ipc", 0, 0, layout_for_bytes(GIB), num_slots=4, iters=it(150), warmup=10),
@@ -117,55 +156,29 @@ def run_bench(quick: bool = False, progress=print) -> dict:
         handoff_scenario("cuda-ipc", 0, 0, iters=it(2000)),
         handoff_scenario("host-pinned", 0, other, iters=it(1000)),
     ]
-    rings = run_scenarios(scs, timeout=500)
-    for r in rings:
-        if r["mode"] == "stream":
-            label = "1GiB" if r["slot_bytes"] >= GIB else "256MiB"
-            if r["backend"] == "cuda-ipc":
-                refv = ref[("peer_" if r["consumer_device"] != r["producer_device"] else "same_") + label]
-            else:
-                refv = ref["pinned_256MiB"]["min"]
-            r["reference_gbps"] = refv
-            r["ratio"] = r["gbps"] / refv if r["gbps"] and refv else None
+
+
+def environment_variant_rings(key: str, env: dict[str, str], other: int, ref: dict, progress) -> list:
+    """The peer cuda-ipc streams (and, for ``push``, a handoff) again under ``env``."""
+    scs = [
+        scenario(f"cuda-ipc 1GiB other {key}", "cuda-ipc", 0, other, layout_for_bytes(GIB), num_slots=4, iters=100, warmup=10),
+        scenario(f"cuda-ipc 256MiB other {key}", "cuda-ipc", 0, other, layout_for_bytes(256 * MIB), num_slots=4, iters=300, warmup=20),
+    ]
+    if key == "push":
+        scs.append(handoff_scenario("cuda-ipc", 0, other, iters=1000))
+    rs = run_scenarios(scs, env=env, timeout=300)
+    for r in rs:
+        if r["mode"] != "stream":
             progress(
-                f"[ring] {r['name']} ({r['copy_mode']}): {r['gbps']:.1f} GB/s ({100 * (r['ratio'] or 0):.1f}% of {refv:.1f}), "
-                f"{r['slots']} slots, errors {r['errors']}, open {r['open_s'] * 1e3:.0f} ms"
+                f"[handoff] {r['name']} {key} ({r['copy_mode']}): commit->copied p50 {r['handoff_us_p50']:.0f} us "
+                f"p99 {r['handoff_us_p99']:.0f} us, errors {r['errors']}"
             )
-        else:
-            progress(
-                f"[handoff] {r['name']} ({r['copy_mode']}): "
-                f"commit->copied p50 {r['handoff_us_p50']:.0f} us p99 {r['handoff_us_p99']:.0f} us, "
-                f"round trip p50 {r['roundtrip_us_p50']:.0f} us p99 {r['roundtrip_us_p99']:.0f} us, errors {r['errors']}"
-            )
-    out["rings"] = rings
-    if n > 1 and not quick:
-        variants = {
-            "expandable_segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
-            "push": {"DFLASH_IPC_CUDA_COPY": "push"},
-        }
-        for key, env in variants.items():
-            scs2 = [
-                scenario(f"cuda-ipc 1GiB other {key}", "cuda-ipc", 0, other, layout_for_bytes(GIB), num_slots=4, iters=100, warmup=10),
-                scenario(
-                    f"cuda-ipc 256MiB other {key}", "cuda-ipc", 0, other, layout_for_bytes(256 * MIB), num_slots=4, iters=300, warmup=20
-                ),
-            ]
-            if key == "push":
-                scs2.append(handoff_scenario("cuda-ipc", 0, other, iters=1000))
-            rs2 = run_scenarios(scs2, env=env, timeout=300)
-            for r in rs2:
-                if r["mode"] != "stream":
-                    progress(
-                        f"[handoff] {r['name']} {key} ({r['copy_mode']}): commit->copied p50 {r['handoff_us_p50']:.0f} us "
-                        f"p99 {r['handoff_us_p99']:.0f} us, errors {r['errors']}"
-                    )
-                    continue
-                refv = ref["peer_1GiB" if r["slot_bytes"] >= GIB else "peer_256MiB"]
-                r["reference_gbps"] = refv
-                r["ratio"] = r["gbps"] / refv if r["gbps"] else None
-                progress(
-                    f"[ring] {r['name']} ({r['copy_mode']}): {r['gbps']:.1f} GB/s ({100 * (r['ratio'] or 0):.1f}% of {refv:.1f}), "
-                    f"errors {r['errors']}"
-                )
-            out[f"rings_{key}"] = rs2
-    return out
+            continue
+        refv = ref["peer_1GiB" if r["slot_bytes"] >= GIB else "peer_256MiB"]
+        r["reference_gbps"] = refv
+        r["ratio"] = r["gbps"] / refv if r["gbps"] else None
+        progress(
+            f"[ring] {r['name']} ({r['copy_mode']}): {r['gbps']:.1f} GB/s ({100 * (r['ratio'] or 0):.1f}% of {refv:.1f}), "
+            f"errors {r['errors']}"
+        )
+    return rs
