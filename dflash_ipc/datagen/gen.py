@@ -209,12 +209,7 @@ def run_gen_data(
     """Answer the prompts with the target; returns counts (written, skipped as done, held out).
     ``get_lm``: gives the target's causal LM (loaded once by the caller), else it is loaded here; either only
     when something is left to answer."""
-    from dflash_ipc.data.tokenizer import (
-        check_target_tokenizer,
-        config_tokenizer,
-        stop_token_ids,
-        vocab_identity,
-    )
+    from dflash_ipc.data.tokenizer import check_target_tokenizer, config_tokenizer
     from dflash_ipc.eval.target_lm import build_target_lm
 
     out = Path(out)
@@ -222,19 +217,39 @@ def run_gen_data(
     out.parent.mkdir(parents=True, exist_ok=True)
     for p in (out, hold):
         truncate_torn_tail(p)
-    done, done_prompts = done_ids(out, hold)
     tokenizer = config_tokenizer(cfg)  # prompts rendered with the [chat_template] kwargs
     check_target_tokenizer(cfg.target, tokenizer)
     paths = [prompts_path] if prompts_path else list(cfg.data.paths)
     clash = [p for p in paths if not p.startswith("builtin:") and Path(p).resolve() in (out.resolve(), hold.resolve())]
     if clash:
         raise ValueError(f"the prompts ({clash[0]}) are the output file; pass --prompts (e.g. builtin:stdlib-docs) or another --out")
+    pending, counts = pending_prompts(cfg, paths, tokenizer, opts.limit, *done_ids(out, hold))
+    result = {"out": str(out), "holdout": str(hold), "to_generate": len(pending), **counts, "written": 0, "held_out": 0, "new_tokens": 0}
+    echo(
+        f"gen-data: {len(pending)} prompts to answer ({counts['skipped_done']} already done, {counts['duplicate_prompts']} "
+        f"repeated prompts skipped, {counts['no_prompt']} records without a user turn)"
+    )
+    if not pending:
+        return result
+    if get_lm is not None:
+        lm = get_lm()
+    else:
+        lm = build_target_lm(cfg.target, torch.device(device or cfg.topology.targets[0]), vocab_size=len(tokenizer))
+    answer_prompts(cfg, lm, tokenizer, pending, opts, out, hold, result, echo)
+    return result
+
+
+def pending_prompts(
+    cfg: DFlashConfig, paths: list[str], tokenizer, limit: int, done: set[str], done_prompts: set[str]
+) -> tuple[list[tuple[str, list[dict], list[int]]], dict[str, int]]:
+    """The records still to answer, as (id, prompt messages, rendered prompt ids), in reading order, up
+    to ``limit`` records counting those already done; and the counts of what was skipped and why."""
     pending: list[tuple[str, list[dict], list[int]]] = []
     seen: set[str] = set()
     seen_prompts: set[str] = set()
     skipped_done = no_prompt = duplicates = duplicate_prompts = 0
     for where, rec in iter_records(paths, cfg.data.builtin_samples, cfg.data.max_seq_len):
-        if opts.limit and len(pending) + skipped_done >= opts.limit:  # before the record: all done is also done
+        if limit and len(pending) + skipped_done >= limit:  # before the record: all done is also done
             break
         rid = record_id(where, rec)
         if rid in seen:
@@ -258,28 +273,25 @@ def run_gen_data(
         seen_prompts.add(key)
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         pending.append((rid, msgs, tokenizer(text, add_special_tokens=False)["input_ids"][: cfg.data.max_seq_len]))
-    result = {
-        "out": str(out),
-        "holdout": str(hold),
-        "to_generate": len(pending),
-        "skipped_done": skipped_done,
-        "no_prompt": no_prompt,
-        "duplicate_ids": duplicates,
-        "duplicate_prompts": duplicate_prompts,
-        "written": 0,
-        "held_out": 0,
-        "new_tokens": 0,
-    }
-    echo(
-        f"gen-data: {len(pending)} prompts to answer ({skipped_done} already done, {duplicate_prompts} repeated prompts skipped, "
-        f"{no_prompt} records without a user turn)"
-    )
-    if not pending:
-        return result
-    if get_lm is not None:
-        lm = get_lm()
-    else:
-        lm = build_target_lm(cfg.target, torch.device(device or cfg.topology.targets[0]), vocab_size=len(tokenizer))
+    counts = {"skipped_done": skipped_done, "no_prompt": no_prompt, "duplicate_ids": duplicates, "duplicate_prompts": duplicate_prompts}
+    return pending, counts
+
+
+def answer_prompts(
+    cfg: DFlashConfig,
+    lm,
+    tokenizer,
+    pending: list[tuple[str, list[dict], list[int]]],
+    opts: GenOptions,
+    out: Path,
+    hold: Path,
+    result: dict,
+    echo: Callable[[str], None],
+) -> None:
+    """Generate the answers shortest prompt first, in batches, appending each record to ``out`` or
+    (held out by its prompt's hash) ``hold``, flushed after every batch; counts go into ``result``."""
+    from dflash_ipc.data.tokenizer import stop_token_ids, vocab_identity
+
     stops = stop_token_ids(tokenizer, getattr(lm, "generation_config", None))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
@@ -308,7 +320,6 @@ def run_gen_data(
                 progress.advance(len(batch), new_tokens)
     finally:
         progress.close()
-    return result
 
 
 @torch.no_grad()
