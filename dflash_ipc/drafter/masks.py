@@ -20,7 +20,7 @@ anchors (no ``[Q, n+Q]`` mask is ever materialized on the flex path).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -92,41 +92,77 @@ def flex_block_mask(
         raise RuntimeError("flex attention is not available in this torch build")
     causal, window = _layer_rule(layer_type, sliding_window)
     qb, kb = (tile, tile) if isinstance(tile, int) else tile
-    idx = layout.index
-    dev = layout.anchors.device
-    n, nq, kv_len, bs = layout.n_ctx, layout.num_queries, layout.kv_len, layout.block_size
+    nq, kv_len = layout.num_queries, layout.kv_len
     tq, tkv = max(1, -(-nq // qb)), max(1, -(-kv_len // kb))
-    big = torch.iinfo(torch.int64).max // 4
+    partial, full = _key_tiles(layout, _RowRanges.of(layout, causal, window), qb, kb, tq, tkv)
+    kv_num, kv_idx = _tile_lists(partial)
+    full_num, full_idx = _tile_lists(full)
+    pidx = _padded_index(layout.index, tq * qb, tkv * kb)
 
-    # Per query row: context range [c_lo, c_hi] and own-block range [b_lo, b_hi] (inclusive).
-    q_rows = torch.arange(nq, device=dev)
-    c_lo = layout.doc_start[idx.q_doc] if nq else idx.q_doc
-    if window is not None:
-        c_lo = torch.maximum(c_lo, idx.q_pos - window + 1)
-    c_hi = idx.q_anchor - 1
-    b_lo = n + idx.q_block * bs
-    b_hi = b_lo + bs - 1
-    if causal:
-        b_hi = n + q_rows
-    if window is not None:
-        b_lo = torch.maximum(b_lo, n + q_rows - window + 1)
-    c_empty = (c_lo > c_hi) | ~idx.q_valid
-    b_empty = ~idx.q_valid
-    c_lo_e, c_hi_e = c_lo.masked_fill(c_empty, big), c_hi.masked_fill(c_empty, -1)
-    b_lo_e, b_hi_e = b_lo.masked_fill(b_empty, big), b_hi.masked_fill(b_empty, -1)
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask_values(pidx, q_idx, kv_idx, causal=causal, window=window)
 
-    row_tile = q_rows // qb
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(qb, kb),
+        mask_mod=mask_mod,
+        seq_lengths=(nq, kv_len),
+    )
+
+
+_BIG = torch.iinfo(torch.int64).max // 4  # an empty range's lower end: above every key index
+
+
+class _RowRanges(NamedTuple):
+    """Per query row: the context range ``[c_lo, c_hi]`` and the own-block range ``[b_lo, b_hi]`` it may
+    see (inclusive), and which of them are empty (an invalid row sees nothing)."""
+
+    c_lo: torch.Tensor
+    c_hi: torch.Tensor
+    b_lo: torch.Tensor
+    b_hi: torch.Tensor
+    c_empty: torch.Tensor
+    b_empty: torch.Tensor
+
+    @classmethod
+    def of(cls, layout: BlockLayout, causal: bool, window: int | None) -> _RowRanges:
+        idx, n, bs = layout.index, layout.n_ctx, layout.block_size
+        q_rows = torch.arange(layout.num_queries, device=layout.anchors.device)
+        c_lo = layout.doc_start[idx.q_doc] if layout.num_queries else idx.q_doc
+        if window is not None:
+            c_lo = torch.maximum(c_lo, idx.q_pos - window + 1)
+        c_hi = idx.q_anchor - 1
+        b_lo = n + idx.q_block * bs
+        b_hi = b_lo + bs - 1
+        if causal:
+            b_hi = n + q_rows
+        if window is not None:
+            b_lo = torch.maximum(b_lo, n + q_rows - window + 1)
+        return cls(c_lo, c_hi, b_lo, b_hi, (c_lo > c_hi) | ~idx.q_valid, ~idx.q_valid)
+
+
+def _key_tiles(layout: BlockLayout, rows: _RowRanges, qb: int, kb: int, tq: int, tkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[tq, tkv]`` booleans: the key tiles a query tile visits with ``mask_mod`` (partial) and those
+    every row of a complete query tile sees entirely inside the context (full, ``mask_mod`` skipped)."""
+    dev = layout.anchors.device
+    nq, kv_len, n = layout.num_queries, layout.kv_len, layout.n_ctx
+    row_tile = torch.arange(nq, device=dev) // qb
 
     def reduce(values: torch.Tensor, how: str, init: int) -> torch.Tensor:
         out = torch.full((tq,), init, dtype=torch.int64, device=dev)
         return out.scatter_reduce(0, row_tile, values, reduce=how, include_self=True)
 
+    c_lo_e, c_hi_e = rows.c_lo.masked_fill(rows.c_empty, _BIG), rows.c_hi.masked_fill(rows.c_empty, -1)
+    b_lo_e, b_hi_e = rows.b_lo.masked_fill(rows.b_empty, _BIG), rows.b_hi.masked_fill(rows.b_empty, -1)
     # Union over the tile's rows (any row may see it) ...
-    u_c_lo, u_c_hi = reduce(c_lo_e, "amin", big), reduce(c_hi_e, "amax", -1)
-    u_b_lo, u_b_hi = reduce(b_lo_e, "amin", big), reduce(b_hi_e, "amax", -1)
+    u_c_lo, u_c_hi = reduce(c_lo_e, "amin", _BIG), reduce(c_hi_e, "amax", -1)
+    u_b_lo, u_b_hi = reduce(b_lo_e, "amin", _BIG), reduce(b_hi_e, "amax", -1)
     # ... and intersection of context ranges (every row sees it; empty rows make it empty).
-    i_c_lo = reduce(c_lo.masked_fill(c_empty, big), "amax", -1)
-    i_c_hi = reduce(c_hi.masked_fill(c_empty, -1), "amin", big)
+    i_c_lo = reduce(c_lo_e, "amax", -1)
+    i_c_hi = reduce(c_hi_e, "amin", _BIG)
 
     k_first = torch.arange(tkv, device=dev) * kb
     k_last = torch.clamp(k_first + kb - 1, max=kv_len - 1)
@@ -143,20 +179,20 @@ def flex_block_mask(
         & complete_q[:, None]
         & complete_kv[None, :]
     )
-    partial = visit & ~full
+    return visit & ~full, full
 
-    def lists(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num = m.sum(-1).to(torch.int32)
-        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return num[None, None], order[None, None]
 
-    kv_num, kv_idx = lists(partial)
-    full_num, full_idx = lists(full)
+def _tile_lists(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``[tq, tkv]`` tile choice as flex's (count per query tile, key tile indices listed first)."""
+    num = m.sum(-1).to(torch.int32)
+    order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num[None, None], order[None, None]
 
-    # Pad the index arrays so the kernel's reads past the ragged last tile stay in bounds;
-    # padded queries are invalid, padded keys belong to no document and no block.
-    q_pad, kv_pad = tq * qb, tkv * kb
-    pidx = MaskIndex(
+
+def _padded_index(idx: MaskIndex, q_pad: int, kv_pad: int) -> MaskIndex:
+    """The index arrays padded so the kernel's reads past the ragged last tile stay in bounds;
+    padded queries are invalid, padded keys belong to no document and no block."""
+    return MaskIndex(
         q_doc=_pad(idx.q_doc, q_pad, -5),
         q_block=_pad(idx.q_block, q_pad, -5),
         q_anchor=_pad(idx.q_anchor, q_pad, 0),
@@ -165,19 +201,6 @@ def flex_block_mask(
         kv_doc=_pad(idx.kv_doc, kv_pad, -7),
         kv_block=_pad(idx.kv_block, kv_pad, -7),
         kv_pos=_pad(idx.kv_pos, kv_pad, 0),
-    )
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return mask_values(pidx, q_idx, kv_idx, causal=causal, window=window)
-
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=(qb, kb),
-        mask_mod=mask_mod,
-        seq_lengths=(nq, kv_len),
     )
 
 
