@@ -335,14 +335,30 @@ def _consume(sc: Scenario, conn) -> None:
     del dsts, dst_free
     if cuda:
         torch.cuda.empty_cache()
+    copy_mode = getattr(ring, "copy_mode", ring.backend)
+    send(conn, ConsumerClosed(_consumer_figures(sc, copy_mode, open_s, errors, done_t, done_bytes, handoff_ns, issue_ns)))
+
+
+def _consumer_figures(
+    sc: Scenario,
+    copy_mode: str,
+    open_s: float,
+    errors: int,
+    done_t: list[int],
+    done_bytes: list[int],
+    handoff_ns: list[int],
+    issue_ns: list[int],
+) -> ConsumerFigures:
+    """The consumer's figures: throughput from the first slot done after ``sc.warmup`` to the last, and
+    the handoff's percentiles past the warm-up."""
     w = min(sc.warmup, max(0, len(done_t) - 2))
     gbps = None
     if len(done_t) - w >= 2:
         dt = (done_t[-1] - done_t[w]) / 1e9
         gbps = sum(done_bytes[w + 1 :]) / dt / 1e9 if dt > 0 else None
     hand = handoff_ns[w:]
-    figures = ConsumerFigures(
-        copy_mode=getattr(ring, "copy_mode", ring.backend),
+    return ConsumerFigures(
+        copy_mode=copy_mode,
         open_s=open_s,
         slots=len(done_t),
         bytes=sum(done_bytes),
@@ -352,7 +368,6 @@ def _consume(sc: Scenario, conn) -> None:
         handoff_us_p99=(_pct(hand, 99) or 0) / 1e3,
         copy_out_call_us_p50=(_pct(issue_ns, 50) or 0) / 1e3,
     )
-    send(conn, ConsumerClosed(figures))
 
 
 # --------------------------------------------------------------------------- processes
