@@ -47,7 +47,7 @@ import torch
 
 from dflash_ipc.bench.op_profile import format_table, profile_classes
 from dflash_ipc.config import DFlashConfig, load_config
-from dflash_ipc.config_fields import FieldError
+from dflash_ipc.config.fields import FieldError
 from dflash_ipc.data.tokenizer import load_tokenizer
 from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.draft_vocab import DraftVocab

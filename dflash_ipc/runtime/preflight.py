@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, load_config
-from dflash_ipc.config_checks import valid_device
+from dflash_ipc.config.topology import valid_device
 from dflash_ipc.runtime.resume_check import check_resume_config
 from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
 
