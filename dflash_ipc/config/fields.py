@@ -26,9 +26,13 @@ import types
 import typing
 from typing import Any, Literal
 
+# The source of a value given on the command line as ``--set KEY=VALUE``: its errors read ``--set KEY: ...``.
+SET_SOURCE = "--set"
+
 
 class ConfigError(ValueError):
-    """A configuration problem, already phrased as ``FILE: dotted.key: what to change``.
+    """A configuration problem, already phrased as ``FILE: dotted.key: what to change`` (``--set dotted.key: ...``
+    for a value given with ``--set``).
 
     Made by :meth:`at`, it also holds the file, key and message apart: the probe process sends
     them back to the supervisor, which raises the same error (:mod:`dflash_ipc.runtime.probe`)."""
@@ -39,7 +43,7 @@ class ConfigError(ValueError):
 
     @classmethod
     def at(cls, source: str, key: str, message: str) -> ConfigError:
-        err = cls(f"{source}: {key}: {message}")
+        err = cls(f"{source} {key}: {message}" if source == SET_SOURCE else f"{source}: {key}: {message}")
         err.source, err.key, err.detail = source, key, message
         return err
 

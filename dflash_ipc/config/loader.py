@@ -30,13 +30,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash_ipc.config.data import ChatTemplateConfig, DataConfig, SynthConfig
 from dflash_ipc.config.drafter import DrafterConfig
-from dflash_ipc.config.fields import ConfigError, FieldError, build_section, did_you_mean, require
+from dflash_ipc.config.fields import SET_SOURCE, ConfigError, FieldError, build_section, did_you_mean, require
 from dflash_ipc.config.run import RunConfig
 from dflash_ipc.config.target import TargetConfig
 from dflash_ipc.config.topology import TopologyConfig
@@ -47,10 +48,13 @@ from dflash_ipc.fsutil import write_text_atomic
 __all__ = [
     "RESOLVED_CONFIG_FILE",
     "SECTIONS",
+    "SET_SOURCE",
     "DFlashConfig",
+    "blame_sets",
     "config_from_dict",
     "load_config",
     "load_resolved_config",
+    "parse_sets",
     "read_resolved_config",
     "write_resolved_config",
 ]
@@ -147,8 +151,13 @@ SECTIONS: dict[str, type] = {
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DFlashConfig:
-    """Load and validate a TOML config; raises :class:`ConfigError` naming file and key."""
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None, *, sets: Sequence[str] = ()) -> DFlashConfig:
+    """Load and validate a TOML config; raises :class:`ConfigError` naming file and key.
+
+    ``sets``: the user's ``--set SECTION.KEY=VALUE`` items, applied over the file and checked like
+    it; an error in a key they set names ``--set KEY`` instead of the file. ``overrides``: dotted
+    keys the program itself sets (``up --max-steps``, a bench variant), applied last.
+    """
     path = Path(path)
     src = str(path)
     try:
@@ -162,10 +171,66 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> DF
         raise ConfigError(f"{src}: cannot read: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{src}: not valid TOML: {e}") from None
+    for dotted, value in parse_sets(sets).items():
+        _set_dotted(raw, dotted, value, SET_SOURCE)
     for dotted, value in (overrides or {}).items():
-        section, _, key = dotted.partition(".")
-        raw.setdefault(section, {})[key] = value
-    return config_from_dict(raw, source=src)
+        _set_dotted(raw, dotted, value, src)
+    try:
+        return config_from_dict(raw, source=src)
+    except ConfigError as e:
+        raise blame_sets(e, sets) from None
+
+
+# --------------------------------------------------------------------------- --set overrides
+
+
+def parse_sets(sets: Sequence[str]) -> dict[str, Any]:
+    """``["training.lr=3e-4", "run.name=x"]`` -> ``{"training.lr": 0.0003, "run.name": "x"}``.
+
+    VALUE is read as a TOML value (numbers, booleans, strings in quotes, arrays, inline tables);
+    text that is not one is taken as a string, so ``run.name=trial-2`` needs no quotes."""
+    out: dict[str, Any] = {}
+    for item in sets:
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ConfigError(f"{SET_SOURCE} {item!r}: expected SECTION.KEY=VALUE, e.g. --set training.lr=3e-4")
+        if len(key.split(".")) < 2 or not all(key.split(".")):
+            raise ConfigError.at(SET_SOURCE, key, "name a key with its section, SECTION.KEY=VALUE, e.g. training.lr=3e-4")
+        out[key] = toml_value(text.strip())
+    return out
+
+
+def toml_value(text: str) -> Any:
+    """``text`` as a TOML value, or the text itself when it is not one."""
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    *parents, leaf = dotted.split(".")
+    table = raw
+    for depth, part in enumerate(parents):
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise ConfigError.at(source, dotted, f"{'.'.join(parents[: depth + 1])} is a value, not a table")
+    table[leaf] = value
+
+
+def blame_sets(err: ConfigError, sets: Sequence[str]) -> ConfigError:
+    """``err`` named after the ``--set`` item that caused it; else, when ``--set`` items were given, ``err``
+    with them appended (the file's value may be refused because of one of them)."""
+    if not sets or err.key is None or err.detail is None or err.source is None:
+        return err
+    keys = [item.partition("=")[0].strip() for item in sets]
+    if any(err.key == k or err.key.startswith((f"{k}.", f"{k}[")) or k.startswith(f"{err.key}.") for k in keys):
+        return ConfigError.at(SET_SOURCE, err.key, err.detail)
+    note = f"(with {' '.join(f'--set {s}' for s in sets)})"
+    if err.source == SET_SOURCE or err.detail.endswith(note):
+        return err
+    return ConfigError.at(err.source, err.key, f"{err.detail} {note}")
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> DFlashConfig:

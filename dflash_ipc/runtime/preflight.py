@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, load_config
+from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, blame_sets, load_config
 from dflash_ipc.config.topology import valid_device
 from dflash_ipc.runtime.resume_check import check_resume_config
 from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
@@ -50,13 +51,26 @@ def torch_loaded() -> bool:
 
 
 def validate_for_up(
-    config_path: str | Path, run_dir_override: str | None = None, *, resume: bool = False, overrides: dict[str, Any] | None = None
+    config_path: str | Path,
+    run_dir_override: str | None = None,
+    *,
+    resume: bool = False,
+    overrides: dict[str, Any] | None = None,
+    sets: Sequence[str] = (),
 ) -> tuple[DFlashConfig, Path]:
     """Everything ``up`` checks before it touches the run directory; returns (config, run dir).
 
+    ``sets``: the ``--set`` items over the file; a refusal of a key they set names ``--set KEY``.
     In a process without torch (the ``up`` supervisor) the checks of :func:`check_machine` are
     left to ``Supervisor.prepare``'s probe, which runs them before it creates anything."""
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, sets=sets)
+    try:
+        return cfg, _validate_loaded_for_up(cfg, run_dir_override, resume)
+    except ConfigError as e:
+        raise blame_sets(e, sets) from None
+
+
+def _validate_loaded_for_up(cfg: DFlashConfig, run_dir_override: str | None, resume: bool) -> Path:
     run_dir = cfg.run_dir(run_dir_override).absolute()
     check_host(cfg)
     if torch_loaded():
@@ -65,7 +79,7 @@ def validate_for_up(
     check_run_dir(cfg, run_dir, resume=resume, key=_run_dir_key(cfg, run_dir_override))
     if resume:
         check_resume_config(cfg, run_dir / "checkpoints")
-    return cfg, run_dir
+    return run_dir
 
 
 def check_environment(cfg: DFlashConfig) -> None:
