@@ -19,9 +19,26 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dflash_ipc.config.fields import require
+from dflash_ipc.config.fields import MAX_SEED, require
 
-__all__ = ["RESERVED_KWARGS", "ChatTemplateConfig", "DataConfig", "SynthConfig", "check_mix_weights"]
+__all__ = [
+    "BUILTIN_CORPORA",
+    "MAX_BUILTIN_SAMPLES",
+    "MAX_EPOCHS",
+    "RESERVED_KWARGS",
+    "ChatTemplateConfig",
+    "DataConfig",
+    "SynthConfig",
+    "check_mix_weights",
+]
+
+# The corpora a "builtin:" path may name (dflash_ipc.data.builtin_corpus builds them).
+BUILTIN_CORPORA = ("builtin:stdlib-docs",)
+# The built-in corpus is for trying the pipeline offline; real data comes from files. Its samples are built in
+# memory before training starts: 100000 take about a minute; 10**12 would never finish.
+MAX_BUILTIN_SAMPLES = 100_000
+# Every epoch's plan is drawn before the run starts (the probe counts the batches of all of them).
+MAX_EPOCHS = 1000
 
 
 @dataclass
@@ -40,11 +57,11 @@ class DataConfig:
     max_batch_size: int = 64
     """Most sequences in one batch."""
     num_epochs: int = 1
-    """Passes over the data (with ``weights``: how many epochs' worth the mix draws)."""
+    """Passes over the data (with ``weights``: how many epochs' worth the mix draws), 1..1000."""
     cache_dir: str = ""
     """Where the tokenized corpus is cached; empty: ``RUN_DIR/data``."""
     builtin_samples: int = 2000
-    """Size of the built-in corpus (conversations); only with a "builtin:" path."""
+    """Size of the built-in corpus (conversations), 1..100000; only with a "builtin:" path."""
     holdout_paths: list[str] = field(default_factory=list)
     """Held-out chat data (gen-data's ``OUT.holdout.jsonl``), never trained on: ``training.holdout_every`` measures
     tau_holdout on it."""
@@ -73,8 +90,20 @@ class DataConfig:
             f"must be >= data.max_seq_len ({self.max_seq_len}) so the longest sequence fits one batch",
         )
         require(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
-        require(self.num_epochs >= 1, "num_epochs", "must be >= 1")
-        require(self.builtin_samples >= 1, "builtin_samples", "must be >= 1")
+        require(1 <= self.num_epochs <= MAX_EPOCHS, "num_epochs", f"must be >= 1 and at most {MAX_EPOCHS} (got {self.num_epochs})")
+        require(
+            1 <= self.builtin_samples <= MAX_BUILTIN_SAMPLES,
+            "builtin_samples",
+            f"must be >= 1 and at most {MAX_BUILTIN_SAMPLES} (got {self.builtin_samples}): the built-in corpus is for trying "
+            "the pipeline; train on files for more",
+        )
+        for key, paths in (("paths", self.paths), ("holdout_paths", self.holdout_paths)):
+            for i, p in enumerate(paths):
+                require(
+                    not p.startswith("builtin:") or p in BUILTIN_CORPORA,
+                    f"{key}[{i}]",
+                    f"{p!r} is no built-in corpus; the built-in ones: {', '.join(BUILTIN_CORPORA)}",
+                )
         check_mix_weights(self.paths, self.weights)
 
 
@@ -114,7 +143,7 @@ class SynthConfig:
     topics: list[str] = field(default_factory=list)
     """Topics filled into the "{topic}" of ``system_prompts``, in turn."""
     seed: int = 0
-    """Seed of the request sampling."""
+    """Seed of the request sampling, 0 .. 2**32 - 1."""
     near_dup_threshold: float = 0.7
     """Near-duplicates: a request whose word 3-gram Jaccard similarity to a kept one is at least this is dropped
     (1: exact duplicates only)."""
@@ -137,6 +166,7 @@ class SynthConfig:
         require(math.isfinite(self.temperature) and self.temperature > 0, "temperature", "must be > 0 (synthesis samples)")
         require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (got {self.top_p})")
         require(self.max_prompt_tokens >= 4, "max_prompt_tokens", "must be >= 4")
+        require(0 <= self.seed <= MAX_SEED, "seed", f"must be in [0, 2**32 - 1] (got {self.seed})")
         require(self.min_chars >= 1, "min_chars", "must be >= 1")
         require(self.max_chars > self.min_chars, "max_chars", f"must be > synth.min_chars ({self.min_chars})")
         require(0 < self.near_dup_threshold <= 1, "near_dup_threshold", "must be in (0, 1] (1: exact duplicates only)")

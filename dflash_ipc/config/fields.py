@@ -26,6 +26,10 @@ import types
 import typing
 from typing import Any, Literal
 
+# Seeds are mixed with ranks, steps and sample indices (seed * 1_000_003 + ...) before torch's manual_seed and
+# numpy's generators take them: below 2**32 every such mix stays a valid 64-bit seed.
+MAX_SEED = 2**32 - 1
+
 # The source of a value given on the command line as ``--set KEY=VALUE``: its errors read ``--set KEY: ...``.
 SET_SOURCE = "--set"
 

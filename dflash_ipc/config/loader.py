@@ -97,8 +97,26 @@ class DFlashConfig:
             )
             require(self.drafter.draft_vocab_size == 0, "training.kl_weight", "needs drafter.draft_vocab_size = 0 (the whole vocabulary)")
         require(self.training.holdout_every == 0 or bool(self.data.holdout_paths), "training.holdout_every", "needs data.holdout_paths")
+        self._check_attention_devices()
         shared = set(self.data.holdout_paths) & set(self.data.paths)
         require(not shared, "data.holdout_paths", f"{sorted(shared)} also in data.paths: held-out data is never trained on")
+
+    def _check_attention_devices(self) -> None:
+        """Kernels that exist on CUDA only, asked for on the CPU (whether they are installed: the preflight)."""
+        cpu_targets = [i for i, d in enumerate(self.topology.targets) if not d.startswith("cuda")]
+        require(
+            self.target.attn_implementation != "flash_attention_2" or not cpu_targets,
+            "target.attn_implementation",
+            f'"flash_attention_2" runs on CUDA GPUs only, but topology.targets[{cpu_targets[0] if cpu_targets else 0}] is the CPU; '
+            'use "sdpa"',
+        )
+        cpu_drafters = [i for i, d in enumerate(self.topology.drafters) if not d.startswith("cuda")]
+        require(
+            self.drafter.attention != "flex" or not cpu_drafters,
+            "drafter.attention",
+            f'"flex" (FlexAttention\'s block-sparse kernels) needs CUDA drafters, but '
+            f'topology.drafters[{cpu_drafters[0] if cpu_drafters else 0}] is the CPU; use "sdpa" or "auto"',
+        )
 
     def resolved_backend(self) -> str:
         """The transport backend, with "auto" resolved where no GPU probing is needed."""

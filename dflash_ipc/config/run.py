@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from dflash_ipc.config.fields import require
+from dflash_ipc.config.fields import MAX_SEED, require
 
 __all__ = ["MAX_TIMEOUT_S", "RunConfig", "tensorboard_installed", "valid_host", "zmq_has_curve"]
 
@@ -48,7 +48,7 @@ class RunConfig:
     ``up --run-dir`` overrides it."""
     seed: int = 0
     """Seeds the batch order, the drafter's initial weights and its noise; ``--resume`` refuses a changed seed
-    (the ledger names batches in this order)."""
+    (the ledger names batches in this order). 0 .. 2**32 - 1."""
     handshake_timeout_s: float = 120.0
     """Seconds every process has to load its model and report ready before the group is torn down."""
     heartbeat_interval_s: float = 1.0
@@ -89,6 +89,7 @@ class RunConfig:
             "name",
             f"must be a plain name without '/', not '.' or '..' (got {self.name!r}): the run directory is runs/<name>",
         )
+        require(0 <= self.seed <= MAX_SEED, "seed", f"must be in [0, 2**32 - 1] (got {self.seed})")
         launchers = ("auto", "exec", "forkserver")
         require(self.launcher in launchers, "launcher", f"must be one of {', '.join(map(repr, launchers))} (got {self.launcher!r})")
         require(

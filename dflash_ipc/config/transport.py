@@ -7,7 +7,10 @@ from typing import Literal
 
 from dflash_ipc.config.fields import require
 
-__all__ = ["TransportConfig"]
+__all__ = ["MAX_PREFETCH", "TransportConfig"]
+
+# A drafter's prefetch buffers are slot-sized each; more than a deep ring's worth buys nothing.
+MAX_PREFETCH = 64
 
 
 @dataclass
@@ -21,7 +24,7 @@ class TransportConfig:
     max_outstanding_per_drafter: int = 3
     """Credits: at most this many slots outstanding at one drafter (held or queued), from all targets."""
     drafter_prefetch: int = 1
-    """Batches a drafter keeps copied out of the rings, ready to train on."""
+    """Batches a drafter keeps copied out of the rings, ready to train on (1..64; each is a slot-sized buffer)."""
     slot_tokens: int = 0
     """Extra slot capacity in tokens above ``data.token_budget`` (0: exactly the token budget)."""
 
@@ -29,5 +32,9 @@ class TransportConfig:
         require(self.ring_slots >= 2, "ring_slots", f"must be >= 2 (got {self.ring_slots}); raise it to at least 2")
         require(self.ring_slots <= 64, "ring_slots", f"must be <= 64 (got {self.ring_slots})")
         require(self.max_outstanding_per_drafter >= 1, "max_outstanding_per_drafter", "must be >= 1")
-        require(self.drafter_prefetch >= 1, "drafter_prefetch", "must be >= 1")
+        require(
+            1 <= self.drafter_prefetch <= MAX_PREFETCH,
+            "drafter_prefetch",
+            f"must be >= 1 and at most {MAX_PREFETCH} (got {self.drafter_prefetch}): each prefetched batch holds a slot-sized buffer",
+        )
         require(self.slot_tokens >= 0, "slot_tokens", "must be >= 0")

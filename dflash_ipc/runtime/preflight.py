@@ -93,6 +93,7 @@ def check_host(cfg: DFlashConfig) -> None:
     _check_names_a_model(cfg)
     _check_control_host(cfg)
     _check_data_paths(cfg)
+    _check_cache_dir(cfg)
 
 
 def check_machine(cfg: DFlashConfig) -> None:
@@ -179,6 +180,28 @@ def _check_data_paths(cfg: DFlashConfig) -> None:
                 _fail(cfg.source, f"{key}[{i}]", f"{p}: not readable by this user")
 
 
+def _check_cache_dir(cfg: DFlashConfig) -> None:
+    """``data.cache_dir`` is a directory this user can write, or can be created: tried with a temporary
+    directory inside it (or inside its nearest existing parent), removed at once."""
+    if not cfg.data.cache_dir:
+        return
+    import tempfile
+
+    path = Path(cfg.data.cache_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        _fail(cfg.source, "data.cache_dir", f"{cfg.data.cache_dir}: exists and is not a directory; name a directory for the token cache")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    what = "cannot be written" if parent == path else f"cannot be created in {parent}"
+    if not parent.is_dir():
+        _fail(cfg.source, "data.cache_dir", f"{cfg.data.cache_dir}: {what}: {parent} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dflash-cache-check-", dir=parent))
+    except OSError as e:
+        _fail(cfg.source, "data.cache_dir", f"{cfg.data.cache_dir}: {what}: {e.strerror or e}")
+
+
 def _check_names_a_model(cfg: DFlashConfig) -> None:
     """A config must say which target it trains for: without one the defaults build a 4096-wide,
     32-layer random target (a drafter of it held 12.5 GB on a CPU box before anything failed)."""
@@ -207,6 +230,7 @@ def _check_model(cfg: DFlashConfig) -> None:
         hf_config, shape_key = _checkpoint_config(src, target.model_path), "target.model_path"
     else:
         hf_config, shape_key = _spec_config(src, target.spec, len(tokenizer), target.attn_implementation), "target.spec"
+    check_attn_implementation(src, target.attn_implementation, hf_config)
     tc = text_config(hf_config)
     n_layers, vocab, hidden = int(tc.num_hidden_layers), int(tc.vocab_size), int(tc.hidden_size)
     t_heads = int(tc.num_attention_heads)
@@ -323,6 +347,45 @@ def check_memory(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafte
     resources.check_fits(cfg, needs, available if available is not None else resources.measure_available(cfg))
 
 
+def check_attn_implementation(source: str, implementation: str, hf_config: Any) -> None:
+    """``target.attn_implementation`` against this transformers (does the model class have it?) and this machine
+    (is flash_attn installed, does this torch have flex attention?): else every target fails while loading."""
+    if implementation in ("sdpa", "eager"):
+        return
+    import transformers
+    from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
+
+    key, flash = "target.attn_implementation", implementation == "flash_attention_2"
+    model_class = _target_model_class(hf_config)
+    if model_class is not None and not getattr(model_class, "_supports_flash_attn" if flash else "_supports_flex_attn", False):
+        name = model_class.__name__
+        _fail(source, key, f'transformers {transformers.__version__} has no {implementation} for {name}; use "sdpa"')
+    if flash and not is_flash_attn_2_available():
+        _fail(
+            source,
+            key,
+            'needs the flash_attn package and a CUDA device, and flash_attn does not import here; pip install flash-attn or use "sdpa"',
+        )
+    if not flash and not is_torch_flex_attn_available():
+        _fail(source, key, 'this torch has no flex attention; use "sdpa"')
+
+
+def _target_model_class(hf_config: Any) -> Any:
+    """The class transformers builds the target with (Qwen3_5TextModel for a spec), or None if it does not say."""
+    from transformers import Qwen3_5TextConfig
+
+    if isinstance(hf_config, Qwen3_5TextConfig):
+        from transformers import Qwen3_5TextModel
+
+        return Qwen3_5TextModel
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except (KeyError, ValueError):
+        return None
+
+
 def _checkpoint_config(source: str, model_path: str) -> Any:
     path = Path(model_path).expanduser()
     key = "target.model_path"
@@ -346,10 +409,11 @@ def _checkpoint_config(source: str, model_path: str) -> Any:
 
 
 def _spec_config(source: str, spec: dict[str, Any], vocab_size: int, attn_implementation: str) -> Any:
-    from dflash_ipc.runtime.spec_check import check_spec
+    from dflash_ipc.runtime.spec_check import check_spec, check_spec_vocab
     from dflash_ipc.target.hf_config import make_hf_config
 
     check_spec(source, spec)
+    check_spec_vocab(source, spec, vocab_size)
     try:
         return make_hf_config(spec, vocab_size, attn_implementation)
     except Exception as e:  # noqa: BLE001 - transformers validates with several exception types
