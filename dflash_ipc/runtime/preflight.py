@@ -168,14 +168,24 @@ def check_quantization_devices(source: str, quantization: str, dtype: str, devic
 
 
 def _check_data_paths(cfg: DFlashConfig) -> None:
+    """Every data path is a readable file (JSONL, .jsonl.gz, Parquet), a folder of Parquet files, or a folder
+    written by ``datasets``' save_to_disk (data/readers.py reads each)."""
+    from dflash_ipc.data.readers import is_table_source
+
     for key, paths in (("data.paths", cfg.data.paths), ("data.holdout_paths", cfg.data.holdout_paths)):
         for i, p in enumerate(paths):
             if p.startswith("builtin:"):
                 continue
             path = Path(p).expanduser()
-            if not path.is_file():
-                what = "is a directory; list the JSONL files" if path.is_dir() else "not found"
-                _fail(cfg.source, f"{key}[{i}]", f"{p}: {what}")
+            if path.is_dir() and not is_table_source(str(path)):
+                _fail(
+                    cfg.source,
+                    f"{key}[{i}]",
+                    f"{p}: a folder with neither *.parquet files nor a saved datasets folder (dataset_info.json, state.json "
+                    "or dataset_dict.json); list the JSONL files, or give a Parquet or save_to_disk folder",
+                )
+            if not path.is_file() and not path.is_dir():
+                _fail(cfg.source, f"{key}[{i}]", f"{p}: {'not a regular file' if path.exists() else 'not found'}")
             if not os.access(path, os.R_OK):
                 _fail(cfg.source, f"{key}[{i}]", f"{p}: not readable by this user")
 

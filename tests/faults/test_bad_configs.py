@@ -65,6 +65,11 @@ def _model_dir(tmp: Path, *, config_json: str | None, weights: bool) -> str:
     return str(d)
 
 
+def _empty_dir(tmp: Path) -> Path:
+    (tmp / "folder").mkdir()
+    return tmp / "folder"
+
+
 def _llama_config_json() -> str:
     """A small model's config.json that passes every check but the weights'."""
     from transformers import LlamaConfig
@@ -253,7 +258,7 @@ CASES = [
     Case("samples-beyond-int64", "data.builtin_samples", "64-bit", {"data.builtin_samples": 2**64}),
     Case("holdout-file-missing", "data.holdout_paths[0]", "not found", {"data.holdout_paths": ["/nonexistent/holdout.jsonl"]}),
     Case("no-target-model", "target.spec", "names no target model", {"target.spec": DELETE}),
-    # values that used to pass the door and fail after spawn, run without bound, or name the wrong key
+    # values that would fail only after spawn, run without bound, or be blamed on another key
     Case("attn-flash-on-cpu", "target.attn_implementation", "CUDA", {"target.attn_implementation": "flash_attention_2"}),
     Case(
         "attn-flex-unsupported",
@@ -277,6 +282,12 @@ CASES = [
     Case("builtin-unknown-holdout", "data.holdout_paths[0]", "no built-in corpus", {"data.holdout_paths": ["builtin:nope"]}),
     Case("slot-tokens-huge", "transport.slot_tokens", "/dev/shm", {"transport.slot_tokens": 10**15}),
     Case("spec-vocab-size-ignored", "target.spec.vocab_size", "tokenizer", {"target.spec.vocab_size": 10}),
+    Case(
+        "data-path-empty-folder",
+        "data.paths[0]",
+        "neither *.parquet files nor a saved datasets folder",
+        setup=lambda tmp: {"data.paths": [str(_empty_dir(tmp))]},
+    ),
 ]
 
 
