@@ -9,8 +9,8 @@ import sys
 import click
 
 from dflash_ipc.bench.drafter_step_cli import drafter_step_cmd
-from dflash_ipc.cli_options import choice_option, int_option, json_option
-from dflash_ipc.config import ConfigError
+from dflash_ipc.cli_options import choice_option, int_option, json_option, set_option
+from dflash_ipc.config import ConfigError, blame_sets
 from dflash_ipc.control.ring_descriptor import BACKENDS
 from dflash_ipc.eval.prompts import HUMANEVAL_AS, MT_BENCH_TURNS
 
@@ -136,30 +136,38 @@ def bench_gpu_ring_cmd(out_path: str | None, quick: bool, as_json: bool) -> None
 )
 @click.option("--peak-tflops", type=float, default=790.0, show_default=True, help="Peak for MFU (bf16 matmul measured on an H200).")
 @click.option("--out", "out_path", default=None, help="Append each variant's result to this file (JSON lines) as soon as it is done.")
+@set_option()
 @json_option()
-def bench_pipeline_cmd(config_path: str, steps: int, variants: str, peak_tflops: float, out_path: str | None, as_json: bool) -> None:
+def bench_pipeline_cmd(
+    config_path: str, steps: int, variants: str, peak_tflops: float, out_path: str | None, set_values: tuple[str, ...], as_json: bool
+) -> None:
     """Run the pipeline in several variants (transport, ceiling, ring depth) and compare them."""
     from dflash_ipc.bench.pipeline import run_pipeline_bench, variant_overrides
 
     # This process is the supervisor of every variant and never imports torch: the model and
     # device checks run in the first variant's probe (runtime.probe), still before any process.
-    _load_or_exit(config_path, check_host=True)
+    _load_or_exit(config_path, set_values, check_host=True)
     names = [v.strip() for v in variants.split(",") if v.strip()]
     for name in names:  # a misspelt variant is refused before any process starts
         try:
             variant_overrides(name, on_cuda=False)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--variants") from None
+
+    def echo(line: str) -> None:
+        click.echo(line, err=as_json)
+
     try:
-        result = run_pipeline_bench(config_path, steps, names, peak_tflops, echo=lambda s: click.echo(s, err=as_json), out_path=out_path)
+        result = run_pipeline_bench(config_path, steps, names, peak_tflops, echo=echo, out_path=out_path, sets=set_values)
     except ConfigError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {blame_sets(e, set_values)}", err=True)
         sys.exit(2)
     click.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
 
 
-def _load_or_exit(path: str, *, check_environment: bool = False, check_host: bool = False):
-    """The validated config, or exit 2 with ``FILE: dotted.key: what to change`` on stderr.
+def _load_or_exit(path: str, sets: tuple[str, ...] = (), *, check_environment: bool = False, check_host: bool = False):
+    """The validated config (``sets``: the ``--set`` items over the file), or exit 2 with ``FILE: dotted.key: what
+    to change`` (``--set dotted.key: ...`` for a key set there) on stderr.
 
     ``check_environment``: also the model, devices and data files it names (imports torch and
     transformers here: one-shot commands); ``check_host``: only what needs neither."""
@@ -167,13 +175,13 @@ def _load_or_exit(path: str, *, check_environment: bool = False, check_host: boo
     from dflash_ipc.runtime import preflight
 
     try:
-        cfg = load_config(path)
+        cfg = load_config(path, sets=sets)
         if check_environment:
             preflight.check_environment(cfg)
         elif check_host:
             preflight.check_host(cfg)
     except ConfigError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {blame_sets(e, sets)}", err=True)
         sys.exit(2)
     for w in cfg.ignored_value_warnings():
         click.echo(f"warning: {path}: {w}", err=True)
@@ -196,9 +204,10 @@ def _check_device_option(option: str, value: str | None, default: str, default_f
 @main.command("check-config")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--file-only", is_flag=True, help="Check the file alone, not the model, devices and data files it names on this machine.")
-def check_config(config_path: str, file_only: bool) -> None:
+@set_option()
+def check_config(config_path: str, file_only: bool, set_values: tuple[str, ...]) -> None:
     """Validate a config file (and the model, devices, tokenizer and data it names) and print it resolved."""
-    cfg = _load_or_exit(config_path, check_environment=not file_only)
+    cfg = _load_or_exit(config_path, set_values, check_environment=not file_only)
     if not file_only:  # the tokenizer imports transformers and torch: seconds a refused or file-only check never needs
         from dflash_ipc.data.tokenizer import TokenizerError, check_target_tokenizer, load_tokenizer
 
@@ -238,6 +247,7 @@ def check_config(config_path: str, file_only: bool) -> None:
     help="Checkpoints (with the batch ledger) and the export, written by global rank 0 and read by every node on --resume "
     "(default: the run dir; with several nodes put it on storage every node reads).",
 )
+@set_option()
 def up(
     config_path: str,
     run_dir: str | None,
@@ -249,6 +259,7 @@ def up(
     master_addr: str | None,
     master_port: int | None,
     shared_dir: str | None,
+    set_values: tuple[str, ...],
 ) -> None:
     """Start the whole pipeline: one process per target and per drafter (per node, with --nnodes)."""
     import os
@@ -266,7 +277,7 @@ def up(
     overrides = {"training.max_steps": max_steps} if max_steps is not None else None
     try:
         # Before the run directory is created or chmodded: a refused run leaves no trace.
-        cfg, resolved_run_dir = validate_for_up(config_path, run_dir, resume=resume, overrides=overrides)
+        cfg, resolved_run_dir = validate_for_up(config_path, run_dir, resume=resume, overrides=overrides, sets=set_values)
     except (ConfigError, RunDirBusy) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -292,7 +303,7 @@ def up(
             sup.prepare()
         except (GroupFailed, ProbeFailed, ValueError, OSError) as e:  # ConfigError is a ValueError
             sup.abandon()  # a refused run leaves no directory behind
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {blame_sets(e, set_values) if isinstance(e, ConfigError) else e}", err=True)
             sys.exit(2)
         sys.exit(sup.run())
     finally:
@@ -350,8 +361,9 @@ def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
     type=click.Path(dir_okay=False),
     help="Measured rates (JSON): a `bench pipeline` result, or {tokens_per_batch, target_batch_s, drafter_step_s}.",
 )
+@set_option()
 @json_option()
-def plan(config_path: str | None, n_gpus: int | None, profile_path: str | None, as_json: bool) -> None:
+def plan(config_path: str | None, n_gpus: int | None, profile_path: str | None, set_values: tuple[str, ...], as_json: bool) -> None:
     """Length-bucketed batch plan statistics for a config (no model is loaded), or with --topology
     the best target:drafter split of N GPUs from a measured profile."""
     if n_gpus is not None or profile_path is not None:
@@ -361,8 +373,8 @@ def plan(config_path: str | None, n_gpus: int | None, profile_path: str | None, 
         raise click.UsageError("give --config FILE (batch plan), or --topology N --profile FILE (GPU split)")
     from dflash_ipc.data.plan import plan_command
 
-    _load_or_exit(config_path)
-    stats = plan_command(config_path)
+    _load_or_exit(config_path, set_values)
+    stats = plan_command(config_path, sets=set_values)
     if as_json:
         click.echo(json.dumps(stats))
     else:
@@ -443,15 +455,16 @@ def _plan_topology(n_gpus: int | None, profile_path: str | None, as_json: bool) 
 )
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus, applied to p and q.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (each prompt's draws depend on it and its place only).")
+@set_option()
 @json_option()
-def eval_cmd(config_path, drafter_dir, prompts_path, suite, as_json, **options) -> None:
+def eval_cmd(config_path, drafter_dir, prompts_path, suite, set_values, as_json, **options) -> None:
     """DFlash speculative decoding with an exported drafter: tau, acceptance, speed, lossless (per set with --suite)."""
     from dflash_ipc.eval.prompts import set_name
     from dflash_ipc.eval.run import format_suite_table, run_eval, run_suite
 
     if suite and prompts_path:
         raise click.UsageError("--suite and --prompts are exclusive: put the file in the suite")
-    cfg = _load_or_exit(config_path)
+    cfg = _load_or_exit(config_path, set_values)
     target_device, drafter_device = options["target_device"], options["drafter_device"]
     _check_device_option("--target-device", target_device, cfg.topology.targets[0], f"topology.targets[0] of {config_path}")
     if drafter_device or len([d for d in (target_device or "").split(",") if d.strip()]) <= 1:  # else: each target's own device
@@ -481,13 +494,14 @@ def eval_cmd(config_path, drafter_dir, prompts_path, suite, as_json, **options) 
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for config.json + model.safetensors.")
 @click.option("--device", default="cpu", show_default=True, help="Where to build it (the target's embedding and LM head are read).")
-def export_untrained_cmd(config_path: str, out_dir: str, device: str) -> None:
+@set_option()
+def export_untrained_cmd(config_path: str, out_dir: str, device: str, set_values: tuple[str, ...]) -> None:
     """Export a freshly initialised drafter (as `up` starts it) in the trained export's layout: eval's untrained floor."""
     from pathlib import Path
 
     from dflash_ipc.drafter.core import export_untrained
 
-    cfg = _load_or_exit(config_path)
+    cfg = _load_or_exit(config_path, set_values)
     _check_device_option("--device", device, "cpu", "cpu")
     try:
         out = export_untrained(cfg, Path(out_dir), device)
@@ -533,15 +547,16 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str) -> None:
     choices=("dynamic", "static", "compiled"),
     help="KV cache of generate: dynamic, static, or static with a torch.compile'd decode step (CUDA graphs on a GPU).",
 )
+@set_option()
 @json_option()
-def gen_data_cmd(config_path, out_path, prompts_path, device, as_json, **options):
+def gen_data_cmd(config_path, out_path, prompts_path, device, set_values, as_json, **options):
     """The target answers the first user turn of every chat record (resumable self-distillation data)."""
     from pathlib import Path
 
     from dflash_ipc.datagen.gen import GenOptions, run_gen_data
     from dflash_ipc.datagen.synth import parse_synth_spec, run_synth_gen_data
 
-    cfg = _load_or_exit(config_path)
+    cfg = _load_or_exit(config_path, set_values)
     _check_device_option("--device", device, cfg.topology.targets[0], f"topology.targets[0] of {config_path}")
     opts = GenOptions(**options)  # every other option is a field of GenOptions, by name
 

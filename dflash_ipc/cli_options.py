@@ -21,3 +21,15 @@ def int_option(*decls: str, minimum: int, default: int, help: str | None = None)
 def json_option():
     """``--json``: the result as one JSON object on the last line of stdout."""
     return click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+
+
+def set_option():
+    """``--set SECTION.KEY=VALUE`` (repeatable): one config key over the file's, checked like the file."""
+    return click.option(
+        "--set",
+        "set_values",
+        multiple=True,
+        metavar="SECTION.KEY=VALUE",
+        help="Override one config key (repeatable), checked like the file: --set training.lr=3e-4. "
+        'VALUE is a TOML value (numbers, true/false, [arrays], "strings"); other text is taken as a string.',
+    )

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from dflash_ipc.cli import main
 from dflash_ipc.config import ConfigError, load_config
-from dflash_ipc.config_synth import SynthConfig
+from dflash_ipc.config.data import SynthConfig
 from dflash_ipc.data.tokenizer import load_tokenizer
 from dflash_ipc.datagen.gen import is_holdout, prompt_key
 from dflash_ipc.datagen.prequery import pre_query_template, user_turn_stops

@@ -40,14 +40,14 @@ import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from dflash_ipc.bench.op_profile import format_table, profile_classes
 from dflash_ipc.config import DFlashConfig, load_config
-from dflash_ipc.config_fields import FieldError
+from dflash_ipc.config.fields import FieldError
 from dflash_ipc.data.tokenizer import load_tokenizer
 from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.draft_vocab import DraftVocab
@@ -329,11 +329,13 @@ def run_drafter_step_bench(
     device: str = "",
     echo: Callable[[str], None] = _echo,
     save: Callable[[dict[str, Any]], None] | None = None,
+    sets: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The measurement of the module docstring; ``save`` gets the result after each variant."""
+    """The measurement of the module docstring; ``save`` gets the result after each variant; ``sets``: the
+    ``--set`` items over the config file."""
     if not variants:
         raise ValueError("give at least one variant")
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, sets=sets)
     for name in variants:
         variant_config(cfg, name)  # every name checked before the first is timed
     dev = torch.device(device or cfg.topology.drafters[0])

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from dflash_ipc.cli_options import int_option, json_option
+from dflash_ipc.cli_options import int_option, json_option, set_option
 from dflash_ipc.config import ConfigError
 
 
@@ -25,14 +25,15 @@ from dflash_ipc.config import ConfigError
 @click.option(
     "--out", "out_path", default=None, type=click.Path(dir_okay=False), help="Write the result as JSON here (after each variant)."
 )
+@set_option()
 @json_option()
-def drafter_step_cmd(config_path, variants, out_path, as_json, **options):
+def drafter_step_cmd(config_path, variants, out_path, set_values, as_json, **options):
     """Time the drafter's training step (forward, loss, backward, optimizer) in variants of its speed options."""
     from dflash_ipc.bench.drafter_step import run_drafter_step_bench, variant_config
     from dflash_ipc.config import load_config
 
     try:
-        cfg = load_config(config_path)
+        cfg = load_config(config_path, sets=set_values)
     except ConfigError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -48,5 +49,6 @@ def drafter_step_cmd(config_path, variants, out_path, as_json, **options):
             with open(out_path, "w") as f:
                 json.dump(result, f, indent=1)
 
-    result = run_drafter_step_bench(config_path, names, save=save, **options)  # the other options are its keywords, by name
+    # the other options are its keywords, by name
+    result = run_drafter_step_bench(config_path, names, save=save, sets=set_values, **options)
     click.echo(json.dumps(result) if as_json else json.dumps(result["ratios"], indent=1))

@@ -63,6 +63,7 @@ import json
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -265,10 +266,10 @@ class VariantsForkServer:
             self._server.close()
 
 
-def variant_config(config_path: str, name: str, steps: int):
+def variant_config(config_path: str, name: str, steps: int, sets: Sequence[str] = ()):
     """The config of variant ``name``, run for ``steps`` steps with no checkpoint or export; whether it
     is forward-only, and then how many batches each target forwards (0 for a pipeline variant)."""
-    probe = load_config(config_path)
+    probe = load_config(config_path, sets=sets)
     overrides, fwd = variant_overrides(name, probe.topology.on_cuda, probe.drafter.anchor_chunk, probe.drafter.max_anchors_per_batch)
     overrides.update(
         {
@@ -284,11 +285,19 @@ def variant_config(config_path: str, name: str, steps: int):
     forward_only = max(2, -(-steps * len(probe.topology.drafters) // n_targets)) + probe.transport.ring_slots + 2 if fwd else 0
     if name == "warmup":
         overrides.update(warmup_overrides(probe))
-    return load_config(config_path, overrides), fwd, forward_only
+    return load_config(config_path, overrides, sets=sets), fwd, forward_only
 
 
-def run_variant(config_path: str, name: str, steps: int, peak_tflops: float, echo, fork_server: VariantsForkServer | None = None) -> dict:
-    cfg, fwd, forward_only = variant_config(config_path, name, steps)
+def run_variant(
+    config_path: str,
+    name: str,
+    steps: int,
+    peak_tflops: float,
+    echo,
+    fork_server: VariantsForkServer | None = None,
+    sets: Sequence[str] = (),
+) -> dict:
+    cfg, fwd, forward_only = variant_config(config_path, name, steps, sets)
     run_dir = Path(tempfile.mkdtemp(prefix=f"dflash-bench-{name}-"))
     sup = Supervisor(cfg, run_dir, echo=lambda s: echo(f"[{name}] {s}"), forward_only=forward_only)
     if fork_server is not None:
@@ -424,27 +433,42 @@ def warmup_overrides(probe) -> dict:
 
 
 def run_pipeline_bench(
-    config_path: str, steps: int, variants: list[str], peak_tflops: float = 790.0, echo=print, out_path: str | None = None
+    config_path: str,
+    steps: int,
+    variants: list[str],
+    peak_tflops: float = 790.0,
+    echo=print,
+    out_path: str | None = None,
+    sets: Sequence[str] = (),
 ) -> dict:
     """``out_path``: each variant's result is appended there as one JSON line the moment it is
-    known, so a run cut short by a time limit keeps the variants it finished."""
+    known, so a run cut short by a time limit keeps the variants it finished. ``sets``: the
+    ``--set`` items over the config file, under every variant's own overrides."""
     results: dict = {}
     fork_server = VariantsForkServer(echo)
     try:
         for name in variants:
-            _run_one_variant(config_path, name, steps, peak_tflops, echo, fork_server, results, out_path)
+            _run_one_variant(config_path, name, steps, peak_tflops, echo, fork_server, results, out_path, sets)
     finally:
         fork_server.close()
-    return summarize_variants(config_path, steps, peak_tflops, results)
+    return summarize_variants(config_path, steps, peak_tflops, results, sets)
 
 
 def _run_one_variant(
-    config_path: str, name: str, steps: int, peak_tflops: float, echo, fork_server: VariantsForkServer, results: dict, out_path: str | None
+    config_path: str,
+    name: str,
+    steps: int,
+    peak_tflops: float,
+    echo,
+    fork_server: VariantsForkServer,
+    results: dict,
+    out_path: str | None,
+    sets: Sequence[str] = (),
 ) -> None:
     """One variant into ``results`` (and a line of ``out_path``): a failure is its result, never the others'."""
     echo(f"[bench pipeline] variant {name}: {steps} steps")
     try:
-        results[name] = run_variant(config_path, name, steps, peak_tflops, echo, fork_server)
+        results[name] = run_variant(config_path, name, steps, peak_tflops, echo, fork_server, sets)
         if results[name]["exit_code"] != 0:  # its figures stay in the result, out of every ratio
             results[name]["error"] = (
                 f"dflash-ipc up exited with code {results[name]['exit_code']} (why: the [{name}] [up] lines "
@@ -465,7 +489,7 @@ def _run_one_variant(
         echo(f"[bench pipeline] {name}: {json.dumps({k: v for k, v in results[name].items() if k not in ('targets',)})}")
 
 
-def summarize_variants(config_path: str, steps: int, peak_tflops: float, results: dict) -> dict:
+def summarize_variants(config_path: str, steps: int, peak_tflops: float, results: dict, sets: Sequence[str] = ()) -> dict:
     """The summary over the variants' results: ratios, topology advice. A failed variant (an
     ``error``: an exception, or an ``up`` that exited non-zero) is listed but enters no figure."""
     summary: dict = {"config": config_path, "steps": steps, "peak_tflops": peak_tflops, "variants": results}
@@ -487,7 +511,7 @@ def summarize_variants(config_path: str, steps: int, peak_tflops: float, results
     if ipc and results.get("host-pinned"):
         summary["ratio_cuda_ipc_to_host_pinned"] = round(ipc["tokens_per_s"] / max(1e-9, results["host-pinned"]["tokens_per_s"]), 4)
     if ipc:
-        summary.update(_topology_advice(config_path, results))
+        summary.update(_topology_advice(config_path, results, sets))
     packed = results.get("varlen") or results.get("forward-only")
     if packed and results.get("padded"):
         fo, pad = packed, results["padded"]
@@ -503,9 +527,9 @@ def summarize_variants(config_path: str, steps: int, peak_tflops: float, results
     return summary
 
 
-def _topology_advice(config_path: str, results: dict) -> dict:
+def _topology_advice(config_path: str, results: dict, sets: Sequence[str] = ()) -> dict:
     """The measured per-GPU rates and the best target:drafter split for this run's GPU count and for 8."""
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, sets=sets)
     ipc = results["cuda-ipc"]
     ceiling = results.get("forward-only", ipc)
     profile = Profile(

@@ -50,8 +50,8 @@ import torch
 from torch import nn
 
 from dflash_ipc.bench.op_profile import format_table, profile_classes
-from dflash_ipc.cli_options import int_option
-from dflash_ipc.config import DFlashConfig, load_config
+from dflash_ipc.cli_options import int_option, set_option
+from dflash_ipc.config import ConfigError, DFlashConfig, load_config
 from dflash_ipc.target.model import TargetModel, build_target
 
 VARIANTS = ("padded", "packed")
@@ -335,9 +335,10 @@ def run(
     cache_dir: str = "",
     fp8_off_gpu: bool = False,
     fp8_unmerged: bool = True,
+    set_values: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The whole measurement (see the module docstring); returns the JSON it wrote."""
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, sets=set_values)
     dev = torch.device(device or cfg.topology.targets[0])
     knobs = {"peak_tflops": peak_tflops, "warmup_passes": warmup_passes, "agree_batches": agree_batches, "profile": profile}
     bench = build_bench(cfg, config_path, out_path, dev, layers, n_batches, cache_dir, **knobs)
@@ -439,12 +440,18 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
     help="Also FP8 with the sibling projections unmerged (each quantizes its input, its own GEMM): packed, and fused with --fuse.",
 )
 @click.option("--fp8-off-gpu", is_flag=True, hidden=True, help="Dry runs: FP8 through torch._scaled_mm on any device (CPU: slow).")
+@set_option()
 def main(checkpoint: str, **options) -> None:
     if checkpoint:
         checkpoint_agreement(checkpoint, options["out_path"], options["device"] or "cuda:0")
         return
     if not options["config_path"]:
         raise click.UsageError("--config is needed (or --checkpoint)")
+    try:  # refused before any model is built
+        load_config(options["config_path"], sets=options["set_values"])
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
     run(**options)  # every other option is a keyword of run, by name
 
 

@@ -489,18 +489,26 @@ def _read_jsonl(builder: _Builder, path: Path, label: str) -> None:
 # --------------------------------------------------------------------------- cache + entry point
 
 
+def _source_stamp(path: Path) -> list:
+    """What a cached corpus of ``path`` depends on: its size and mtime, for a folder (Parquet, a saved dataset)
+    those of every file in it, so a rewritten shard invalidates the cache."""
+    try:
+        if path.is_dir():
+            files = sorted(f for f in path.rglob("*") if f.is_file())
+            return [str(path.resolve()), [[str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]]
+        st = path.stat()
+        return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+    except OSError:
+        return [str(path), None, None]
+
+
 def _cache_key(cfg: DataConfig, tokenizer) -> str:
     sources = []
     for p in cfg.paths:
         if p.startswith("builtin:"):
             sources.append([p, cfg.builtin_samples, sys.version])
         else:
-            path = Path(p)
-            try:
-                st = path.stat()
-                sources.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
-            except OSError:
-                sources.append([str(path), None, None])
+            sources.append(_source_stamp(Path(p)))
     blob = json.dumps(
         {
             "format": CACHE_FORMAT,

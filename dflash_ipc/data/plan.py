@@ -207,8 +207,8 @@ def plan_stats(lengths: Any, cfg: DataConfig, seed: int, num_shards: int = 1, ep
 DRAFT_VOCAB_SIZES = (1024, 4096, 8192, 16384, 32768)
 
 
-def plan_command(config_path: str | Path, cache_dir: str | Path | None = None) -> dict[str, Any]:
-    """``dflash-ipc plan``: load the config, tokenizer and corpus, return :func:`plan_stats`.
+def plan_command(config_path: str | Path, cache_dir: str | Path | None = None, sets: Sequence[str] = ()) -> dict[str, Any]:
+    """``dflash-ipc plan``: load the config (``sets``: its ``--set`` items), tokenizer and corpus, return :func:`plan_stats`.
 
     The tokenized corpus is cached in ``cache_dir``, else ``data.cache_dir``, else the run's
     ``data`` directory when ``run.run_dir`` is set, else a temporary directory.
@@ -218,7 +218,7 @@ def plan_command(config_path: str | Path, cache_dir: str | Path | None = None) -
     from dflash_ipc.data.tokenizer import config_tokenizer
     from dflash_ipc.draft_vocab import coverage_by_size
 
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, sets=sets)
     num_shards = len(cfg.topology.targets)
 
     def run(cdir: Path) -> dict[str, Any]:

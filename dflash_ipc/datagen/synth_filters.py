@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
-from dflash_ipc.config_synth import SynthConfig
+from dflash_ipc.config.data import SynthConfig
 
 __all__ = ["DROP_REASONS", "PromptFilter", "diversity_report", "format_report", "normalize", "shingles"]
 

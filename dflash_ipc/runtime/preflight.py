@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, load_config
-from dflash_ipc.config_checks import valid_device
+from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, blame_sets, load_config
+from dflash_ipc.config.topology import valid_device
 from dflash_ipc.runtime.resume_check import check_resume_config
 from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
 
@@ -50,13 +51,26 @@ def torch_loaded() -> bool:
 
 
 def validate_for_up(
-    config_path: str | Path, run_dir_override: str | None = None, *, resume: bool = False, overrides: dict[str, Any] | None = None
+    config_path: str | Path,
+    run_dir_override: str | None = None,
+    *,
+    resume: bool = False,
+    overrides: dict[str, Any] | None = None,
+    sets: Sequence[str] = (),
 ) -> tuple[DFlashConfig, Path]:
     """Everything ``up`` checks before it touches the run directory; returns (config, run dir).
 
+    ``sets``: the ``--set`` items over the file; a refusal of a key they set names ``--set KEY``.
     In a process without torch (the ``up`` supervisor) the checks of :func:`check_machine` are
     left to ``Supervisor.prepare``'s probe, which runs them before it creates anything."""
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, sets=sets)
+    try:
+        return cfg, _validate_loaded_for_up(cfg, run_dir_override, resume)
+    except ConfigError as e:
+        raise blame_sets(e, sets) from None
+
+
+def _validate_loaded_for_up(cfg: DFlashConfig, run_dir_override: str | None, resume: bool) -> Path:
     run_dir = cfg.run_dir(run_dir_override).absolute()
     check_host(cfg)
     if torch_loaded():
@@ -65,7 +79,7 @@ def validate_for_up(
     check_run_dir(cfg, run_dir, resume=resume, key=_run_dir_key(cfg, run_dir_override))
     if resume:
         check_resume_config(cfg, run_dir / "checkpoints")
-    return cfg, run_dir
+    return run_dir
 
 
 def check_environment(cfg: DFlashConfig) -> None:
@@ -79,6 +93,7 @@ def check_host(cfg: DFlashConfig) -> None:
     _check_names_a_model(cfg)
     _check_control_host(cfg)
     _check_data_paths(cfg)
+    _check_cache_dir(cfg)
 
 
 def check_machine(cfg: DFlashConfig) -> None:
@@ -153,16 +168,48 @@ def check_quantization_devices(source: str, quantization: str, dtype: str, devic
 
 
 def _check_data_paths(cfg: DFlashConfig) -> None:
+    """Every data path is a readable file (JSONL, .jsonl.gz, Parquet), a folder of Parquet files, or a folder
+    written by ``datasets``' save_to_disk (data/readers.py reads each)."""
+    from dflash_ipc.data.readers import is_table_source
+
     for key, paths in (("data.paths", cfg.data.paths), ("data.holdout_paths", cfg.data.holdout_paths)):
         for i, p in enumerate(paths):
             if p.startswith("builtin:"):
                 continue
             path = Path(p).expanduser()
-            if not path.is_file():
-                what = "is a directory; list the JSONL files" if path.is_dir() else "not found"
-                _fail(cfg.source, f"{key}[{i}]", f"{p}: {what}")
+            if path.is_dir() and not is_table_source(str(path)):
+                _fail(
+                    cfg.source,
+                    f"{key}[{i}]",
+                    f"{p}: a folder with neither *.parquet files nor a saved datasets folder (dataset_info.json, state.json "
+                    "or dataset_dict.json); list the JSONL files, or give a Parquet or save_to_disk folder",
+                )
+            if not path.is_file() and not path.is_dir():
+                _fail(cfg.source, f"{key}[{i}]", f"{p}: {'not a regular file' if path.exists() else 'not found'}")
             if not os.access(path, os.R_OK):
                 _fail(cfg.source, f"{key}[{i}]", f"{p}: not readable by this user")
+
+
+def _check_cache_dir(cfg: DFlashConfig) -> None:
+    """``data.cache_dir`` is a directory this user can write, or can be created: tried with a temporary
+    directory inside it (or inside its nearest existing parent), removed at once."""
+    if not cfg.data.cache_dir:
+        return
+    import tempfile
+
+    path = Path(cfg.data.cache_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        _fail(cfg.source, "data.cache_dir", f"{cfg.data.cache_dir}: exists and is not a directory; name a directory for the token cache")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    what = "cannot be written" if parent == path else f"cannot be created in {parent}"
+    if not parent.is_dir():
+        _fail(cfg.source, "data.cache_dir", f"{cfg.data.cache_dir}: {what}: {parent} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dflash-cache-check-", dir=parent))
+    except OSError as e:
+        _fail(cfg.source, "data.cache_dir", f"{cfg.data.cache_dir}: {what}: {e.strerror or e}")
 
 
 def _check_names_a_model(cfg: DFlashConfig) -> None:
@@ -193,6 +240,7 @@ def _check_model(cfg: DFlashConfig) -> None:
         hf_config, shape_key = _checkpoint_config(src, target.model_path), "target.model_path"
     else:
         hf_config, shape_key = _spec_config(src, target.spec, len(tokenizer), target.attn_implementation), "target.spec"
+    check_attn_implementation(src, target.attn_implementation, hf_config)
     tc = text_config(hf_config)
     n_layers, vocab, hidden = int(tc.num_hidden_layers), int(tc.vocab_size), int(tc.hidden_size)
     t_heads = int(tc.num_attention_heads)
@@ -309,6 +357,45 @@ def check_memory(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafte
     resources.check_fits(cfg, needs, available if available is not None else resources.measure_available(cfg))
 
 
+def check_attn_implementation(source: str, implementation: str, hf_config: Any) -> None:
+    """``target.attn_implementation`` against this transformers (does the model class have it?) and this machine
+    (is flash_attn installed, does this torch have flex attention?): else every target fails while loading."""
+    if implementation in ("sdpa", "eager"):
+        return
+    import transformers
+    from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
+
+    key, flash = "target.attn_implementation", implementation == "flash_attention_2"
+    model_class = _target_model_class(hf_config)
+    if model_class is not None and not getattr(model_class, "_supports_flash_attn" if flash else "_supports_flex_attn", False):
+        name = model_class.__name__
+        _fail(source, key, f'transformers {transformers.__version__} has no {implementation} for {name}; use "sdpa"')
+    if flash and not is_flash_attn_2_available():
+        _fail(
+            source,
+            key,
+            'needs the flash_attn package and a CUDA device, and flash_attn does not import here; pip install flash-attn or use "sdpa"',
+        )
+    if not flash and not is_torch_flex_attn_available():
+        _fail(source, key, 'this torch has no flex attention; use "sdpa"')
+
+
+def _target_model_class(hf_config: Any) -> Any:
+    """The class transformers builds the target with (Qwen3_5TextModel for a spec), or None if it does not say."""
+    from transformers import Qwen3_5TextConfig
+
+    if isinstance(hf_config, Qwen3_5TextConfig):
+        from transformers import Qwen3_5TextModel
+
+        return Qwen3_5TextModel
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except (KeyError, ValueError):
+        return None
+
+
 def _checkpoint_config(source: str, model_path: str) -> Any:
     path = Path(model_path).expanduser()
     key = "target.model_path"
@@ -332,10 +419,11 @@ def _checkpoint_config(source: str, model_path: str) -> Any:
 
 
 def _spec_config(source: str, spec: dict[str, Any], vocab_size: int, attn_implementation: str) -> Any:
-    from dflash_ipc.runtime.spec_check import check_spec
+    from dflash_ipc.runtime.spec_check import check_spec, check_spec_vocab
     from dflash_ipc.target_spec.hf_config import make_hf_config
 
     check_spec(source, spec)
+    check_spec_vocab(source, spec, vocab_size)
     try:
         return make_hf_config(spec, vocab_size, attn_implementation)
     except Exception as e:  # noqa: BLE001 - transformers validates with several exception types

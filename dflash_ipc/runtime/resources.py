@@ -172,8 +172,10 @@ def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_sh
     hidden_factor = next((f for f in spec_factors if f[0].endswith(".hidden_size")), ("target.model_path", hidden, hidden))
     tokens = cfg.data.token_budget + cfg.transport.slot_tokens
     data_ref, transport_ref = DataConfig(), TransportConfig()
+    # the slot's tokens are the budget plus slot_tokens: the larger of the two is the one to lower
+    token_key = "transport.slot_tokens" if cfg.transport.slot_tokens > cfg.data.token_budget else "data.token_budget"
     ring_factors = [
-        ("data.token_budget", tokens, data_ref.token_budget),
+        (token_key, tokens, data_ref.token_budget),
         ("data.max_batch_size", cfg.data.max_batch_size, data_ref.max_batch_size),
         ("transport.ring_slots", cfg.transport.ring_slots, transport_ref.ring_slots),
         ("target.num_capture_layers", num_planes, TargetConfig().num_capture_layers),

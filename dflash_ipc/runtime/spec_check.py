@@ -77,6 +77,34 @@ def check_spec(source: str, spec: dict[str, Any]) -> None:
             if valid is not None and key not in valid:
                 _fail(source, dotted, f"unknown rope parameter{_did_you_mean(key, valid)}")
             _check_value(source, dotted, key, value, spec)
+        _check_rope_type(source, rope.get("rope_type", "default"))
+
+
+def _check_rope_type(source: str, rope_type: Any) -> None:
+    """transformers looks the RoPE initialisation up by this name when the model is built, in every process."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    known = ["default", *ROPE_INIT_FUNCTIONS]
+    if rope_type not in known:
+        dotted = "target.spec.rope_parameters.rope_type"
+        _fail(source, dotted, f"{rope_type!r} is not a RoPE type transformers knows{_did_you_mean(str(rope_type), known)} (valid: {known})")
+
+
+def check_spec_vocab(source: str, spec: dict[str, Any], vocab: int) -> None:
+    """The spec's token ids against the vocabulary a random-weight target gets: its tokenizer's size."""
+    if "vocab_size" in spec and spec["vocab_size"] != vocab:
+        _fail(
+            source,
+            "target.spec.vocab_size",
+            f"{spec['vocab_size']} would be ignored: a random-weight target's vocabulary is its tokenizer's "
+            f"({vocab} ids, target.tokenizer); remove the key",
+        )
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = spec.get(key)
+        ids = value if isinstance(value, list) else [value]
+        bad = [i for i in ids if isinstance(i, int) and i >= vocab]
+        if bad:
+            _fail(source, f"target.spec.{key}", f"{bad[0]} is outside the target's vocabulary [0, {vocab}) (the tokenizer's size)")
 
 
 def _check_numbers(source: str, dotted: str, value: Any) -> None:

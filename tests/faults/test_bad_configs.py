@@ -65,6 +65,11 @@ def _model_dir(tmp: Path, *, config_json: str | None, weights: bool) -> str:
     return str(d)
 
 
+def _empty_dir(tmp: Path) -> Path:
+    (tmp / "folder").mkdir()
+    return tmp / "folder"
+
+
 def _llama_config_json() -> str:
     """A small model's config.json that passes every check but the weights'."""
     from transformers import LlamaConfig
@@ -253,6 +258,36 @@ CASES = [
     Case("samples-beyond-int64", "data.builtin_samples", "64-bit", {"data.builtin_samples": 2**64}),
     Case("holdout-file-missing", "data.holdout_paths[0]", "not found", {"data.holdout_paths": ["/nonexistent/holdout.jsonl"]}),
     Case("no-target-model", "target.spec", "names no target model", {"target.spec": DELETE}),
+    # values that would fail only after spawn, run without bound, or be blamed on another key
+    Case("attn-flash-on-cpu", "target.attn_implementation", "CUDA", {"target.attn_implementation": "flash_attention_2"}),
+    Case(
+        "attn-flex-unsupported",
+        "target.attn_implementation",
+        "no flex_attention for Qwen3_5",
+        {"target.attn_implementation": "flex_attention"},
+    ),
+    Case("drafter-flex-on-cpu", "drafter.attention", "CUDA", {"drafter.attention": "flex"}),
+    Case("seed-int64-max", "run.seed", "2**32 - 1", {"run.seed": 2**63 - 1}),
+    Case("seed-negative", "run.seed", "2**32 - 1", {"run.seed": -1}),
+    Case("synth-seed-int64-max", "synth.seed", "2**32 - 1", {"synth.seed": 2**63 - 1}),
+    Case("spec-pad-beyond-vocab", "target.spec.pad_token_id", "outside the target's vocabulary", {"target.spec.pad_token_id": 1_000_000}),
+    Case("spec-eos-beyond-vocab", "target.spec.eos_token_id", "outside the target's vocabulary", {"target.spec.eos_token_id": [1, 10**6]}),
+    Case("spec-rope-type-bogus", "target.spec.rope_parameters.rope_type", "'default'", {"target.spec.rope_parameters.rope_type": "bogus"}),
+    Case("builtin-samples-huge", "data.builtin_samples", "at most 100000", {"data.builtin_samples": 10**12}),
+    Case("num-epochs-huge", "data.num_epochs", "at most 1000", {"data.num_epochs": 10**12}),
+    Case("drafter-prefetch-huge", "transport.drafter_prefetch", "at most 64", {"transport.drafter_prefetch": 10**9}),
+    Case("cache-dir-is-a-file", "data.cache_dir", "not a directory", {"data.cache_dir": "/etc/passwd"}),
+    Case("cache-dir-cannot-be-made", "data.cache_dir", "cannot be created", {"data.cache_dir": "/proc/nope/x"}),
+    Case("builtin-unknown", "data.paths[0]", "builtin:stdlib-docs", {"data.paths": ["builtin:nope"]}),
+    Case("builtin-unknown-holdout", "data.holdout_paths[0]", "no built-in corpus", {"data.holdout_paths": ["builtin:nope"]}),
+    Case("slot-tokens-huge", "transport.slot_tokens", "/dev/shm", {"transport.slot_tokens": 10**15}),
+    Case("spec-vocab-size-ignored", "target.spec.vocab_size", "tokenizer", {"target.spec.vocab_size": 10}),
+    Case(
+        "data-path-empty-folder",
+        "data.paths[0]",
+        "neither *.parquet files nor a saved datasets folder",
+        setup=lambda tmp: {"data.paths": [str(_empty_dir(tmp))]},
+    ),
 ]
 
 
@@ -426,3 +461,22 @@ def test_cli_check_config_checks_the_model(tmp_path):
     assert proc.returncode == 2 and ": target.spec.hidden_sise: " in proc.stderr, proc.stderr
     file_only = cli("check-config", "--file-only", "--config", str(path))
     assert file_only.returncode == 0 and json.loads(file_only.stdout)["target"]["spec"]["hidden_sise"] == 64, file_only.stderr
+
+
+def test_attention_implementations_checked_against_what_is_installed():
+    """flash_attention_2 where flash_attn does not import (this CPU machine) is refused before spawn; flex_attention
+    is refused for a model class transformers has none for (Qwen3.5) and passes for one it has (Llama)."""
+    from transformers import LlamaConfig
+    from transformers.utils import is_flash_attn_2_available
+
+    from dflash_ipc.runtime.preflight import check_attn_implementation
+    from dflash_ipc.target_spec.hf_config import make_hf_config, tiny_spec
+
+    qwen = make_hf_config(tiny_spec(512))
+    if not is_flash_attn_2_available():
+        with pytest.raises(ConfigError, match=r"^f\.toml: target\.attn_implementation: needs the flash_attn package"):
+            check_attn_implementation("f.toml", "flash_attention_2", qwen)
+    with pytest.raises(ConfigError, match=r"no flex_attention for Qwen3_5TextModel"):
+        check_attn_implementation("f.toml", "flex_attention", qwen)
+    check_attn_implementation("f.toml", "flex_attention", LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1))
+    check_attn_implementation("f.toml", "sdpa", qwen)

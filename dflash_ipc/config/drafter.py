@@ -1,6 +1,6 @@
 """``[drafter]``: the drafter's shape, its anchors and how they are budgeted, its speed options and its head.
 
-Validated in ``__post_init__`` like every section (:mod:`dflash_ipc.config`, which loads it); the
+Validated in ``__post_init__`` like every section (:mod:`dflash_ipc.config.loader` loads it); the
 checks against the target (sizes, the vocabulary) are the preflight's (:mod:`dflash_ipc.runtime.preflight`).
 """
 
@@ -9,49 +9,67 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dflash_ipc.config_fields import require
+from dflash_ipc.config.fields import require
 
 
 @dataclass
 class DrafterConfig:
     num_layers: int = 5
-    # Layer types from the bottom; empty: all sliding except the last (DFlash default 4+1).
+    """Decoder layers of the drafter."""
     layer_types: list[Literal["sliding_attention", "full_attention"]] = field(default_factory=list)
+    """Each layer's attention from the bottom; empty: all sliding except the last (the DFlash default 4+1)."""
     sliding_window: int = 2048
+    """Window of the sliding_attention layers, in tokens."""
     block_size: int = 16
-    num_anchors: int = 512  # per document (SpecForge's per-sample budget)
-    max_anchors_per_batch: int = 0  # 0: no cap; else a uniform subset of the batch's anchors
-    # Anchors per drafter forward+backward inside one optimizer step (gradient accumulation over
-    # anchor chunks: memory follows the chunk, not the anchor count); 0: all anchors at once.
+    """Tokens the drafter proposes per block (2..64): an anchor and the block_size - 1 tokens after it."""
+    num_anchors: int = 512
+    """Anchors (block starts) sampled per document, SpecForge's per-sample budget."""
+    max_anchors_per_batch: int = 0
+    """Cap on a batch's anchors: a uniform subset of them; 0: no cap."""
     anchor_chunk: int = 0
-    # How many anchors each batch trains on. "fixed": max_anchors_per_batch, always. "follow-wait":
-    # max_anchors_per_batch is the start; every anchor_window steps the drafter moves it by one
-    # anchor_chunk, up while it waits for batches more than anchor_target_wait of its time (idle
-    # time spent on more anchors), down while it has become the bound (drafter/anchor_budget.py).
+    """Anchors per drafter forward+backward inside one optimizer step (gradient accumulation over anchor chunks:
+    memory follows the chunk, not the anchor count); 0: all anchors at once."""
     anchor_budget: Literal["fixed", "follow-wait"] = "fixed"
-    anchor_target_wait: float = 0.2  # follow-wait: the share of drafter time spent waiting it aims at
-    max_anchors_auto: int = 0  # follow-wait: the most anchors per batch it may reach; 0: 8 x max_anchors_per_batch
-    anchor_window: int = 8  # follow-wait: steps measured per decision (one chunk up or down at most)
-    # One forward+backward on a dummy batch of the configured shapes before the handshake (flex
-    # compile, first-step allocations), so the targets never wait on the drafter's first step.
+    """How many anchors each batch trains on. "fixed": ``max_anchors_per_batch``, always. "follow-wait": starts at
+    ``max_anchors_per_batch``; every ``anchor_window`` steps moves it by one ``anchor_chunk``, up while the drafter
+    waits for batches more than ``anchor_target_wait`` of its time, down while it has become the bound."""
+    anchor_target_wait: float = 0.2
+    """follow-wait: the share of drafter time spent waiting that it aims at, in (0, 1)."""
+    max_anchors_auto: int = 0
+    """follow-wait: the most anchors per batch it may reach (a multiple of ``anchor_chunk``); 0: 8 x
+    ``max_anchors_per_batch``."""
+    anchor_window: int = 8
+    """follow-wait: steps measured per decision (one chunk up or down at most)."""
     warm_up: bool = True
-    # 0 means "same as the target".
+    """One forward+backward on a dummy batch of the configured shapes before the handshake (flex compile, first-step
+    allocations), so the targets never wait on the drafter's first step."""
     hidden_size: int = 0
+    """Hidden size; 0: the target's (it must equal the target's: the drafter reads its embedding and LM head)."""
     intermediate_size: int = 0
+    """SwiGLU intermediate size; 0: the target's."""
     num_attention_heads: int = 0
+    """Attention heads; 0: the target's."""
     num_key_value_heads: int = 0
+    """Key/value heads (must divide the attention heads); 0: the target's."""
     head_dim: int = 0
+    """Head dimension (even, for RoPE); 0: the target's."""
     noise_std: float = 0.0
+    """Standard deviation of Gaussian noise added to the captured hidden states in training; 0: none."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """The drafter's weights and compute (the optimizer state stays float32)."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
-    # torch.compile each layer's norms, projections, RoPE and SwiGLU (dynamic shapes; attention as set above).
+    """Attention kernel: "flex" (FlexAttention with block-sparse masks, CUDA), "sdpa" (dense masks), "auto": flex
+    on CUDA, sdpa on the CPU."""
     compile: bool = False
-    mask_token_id: int = -1  # -1: a reserved/unused id, never a stop token (data.tokenizer.choose_mask_token)
-    # Start from the target's own weights instead of random ones: one target layer index per drafter layer
-    # (negative: from the top), copied with the target's final norm; fc starts as the identity on the
-    # captured plane nearest the first copied layer's input (drafter/init_from_target.py). Empty: random.
+    """torch.compile each layer's norms, projections, RoPE and SwiGLU (dynamic shapes; attention as set above)."""
+    mask_token_id: int = -1
+    """Token id of the masked block positions; -1: a reserved or unused id of the tokenizer, never a stop token."""
     init_from_target: list[int] = field(default_factory=list)
-    draft_vocab_size: int = 0  # head rows: the data's N most frequent answer tokens (draft_vocab.py); 0: all
+    """Start from the target's own weights: one target layer index per drafter layer (negative: from the top),
+    copied with the target's final norm; fc starts as the identity on the captured plane nearest the first copied
+    layer's input. Empty: random weights."""
+    draft_vocab_size: int = 0
+    """Rows of the drafter's head: the data's N most frequent answer tokens; 0: the target's whole vocabulary."""
 
     def __post_init__(self) -> None:
         require(self.num_layers >= 1, "num_layers", "must be >= 1")
