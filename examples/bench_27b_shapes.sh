@@ -16,8 +16,8 @@
 # pays the compiles of a cold machine. Each stage writes JSON under OUT_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-runs/bench-27b-shapes}; STAGES=${STAGES:-fwd27b,fwd9b,pipeline,pipeline-fp8}
-mkdir -p "$OUT"
+OUT_DIR=${1:-runs/bench-27b-shapes}; STAGES=${STAGES:-fwd27b,fwd9b,pipeline,pipeline-fp8}
+mkdir -p "$OUT_DIR"
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
 stage() { echo "== [$SECONDS s] $*"; }
 python -c "import torch, fla; assert torch.cuda.is_available(), 'no CUDA device'" \
@@ -26,21 +26,21 @@ python -c "import torch, fla; assert torch.cuda.is_available(), 'no CUDA device'
 if want fwd27b; then
   stage "27B-shape target forward, 16 of 64 layers, 8 batches: padded / packed, bf16 / FP8, fused"
   python -m dflash_ipc.bench.target_forward --config configs/h200-1gpu.toml --layers 16 --batches 8 --profile --fuse \
-    --out "$OUT/fwd27b.json"
+    --out "$OUT_DIR/fwd27b.json"
 fi
 if want fwd9b; then
   stage "9B-class target forward, 32 layers, 8 batches"
   python -m dflash_ipc.bench.target_forward --config configs/bench-9b-x2.toml --device cuda:0 --batches 8 --fuse \
-    --out "$OUT/fwd9b.json"
+    --out "$OUT_DIR/fwd9b.json"
 fi
 if want pipeline; then
   stage "pipeline, target and drafter on one H200 (bf16): forward-only ceiling, then cuda-ipc"
   dflash-ipc bench pipeline --config configs/h200-1gpu.toml --steps 10 --variants forward-only,cuda-ipc \
-    --out "$OUT/pipeline.jsonl" --json | tail -n 1 > "$OUT/pipeline.json"
+    --out "$OUT_DIR/pipeline.jsonl" --json | tail -n 1 > "$OUT_DIR/pipeline.json"
 fi
 if want pipeline-fp8; then
   stage "pipeline with the FP8 target (target.quantization = fp8)"
   dflash-ipc bench pipeline --config configs/h200-1gpu.toml --steps 10 --variants forward-only+fp8,cuda-ipc+fp8 \
-    --out "$OUT/pipeline_fp8.jsonl" --json | tail -n 1 > "$OUT/pipeline_fp8.json"
+    --out "$OUT_DIR/pipeline_fp8.jsonl" --json | tail -n 1 > "$OUT_DIR/pipeline_fp8.json"
 fi
-stage "done: $OUT"
+stage "done: $OUT_DIR"
