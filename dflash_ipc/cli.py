@@ -9,6 +9,7 @@ import sys
 import click
 
 from dflash_ipc.bench.drafter_step_cli import drafter_step_cmd
+from dflash_ipc.bench.gen_decode_cli import gen_decode_cmd
 from dflash_ipc.cli_options import choice_option, int_option, json_option, set_option
 from dflash_ipc.config import ConfigError, blame_sets
 from dflash_ipc.control.ring_descriptor import BACKENDS
@@ -28,6 +29,7 @@ def bench() -> None:
 
 
 bench.add_command(drafter_step_cmd)
+bench.add_command(gen_decode_cmd)
 
 
 @bench.command("transport")

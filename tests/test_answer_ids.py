@@ -1,4 +1,4 @@
-"""gen-data keeps the target's own token ids and the corpus trains on them (issue 13): the ids a record
+"""gen-data keeps the target's own token ids and the corpus trains on them: the ids a record
 stores are the ids the model generated, they land in the supervised positions verbatim, canonical
 text gives the same sample as the text path, a cut answer ends at the cut, bad ids are bad lines."""
 

@@ -247,7 +247,7 @@ def test_damaged_latest_falls_back_with_reason(tmp_path):
     ckpt = load_latest_checkpoint(tmp_path)
     assert ckpt.step == 1
     assert any("trainer.pt" in n and "step-000002" in n for n in ckpt.notes)
-    # said as it is: an older checkpoint (issue 25: "using newer complete checkpoint step-000001")
+    # said as it is: an older checkpoint, not a "newer" one
     assert ckpt.notes[-1] == (
         "latest says 'step-000002', which is missing or damaged; falling back to the older complete checkpoint step-000001: "
         "the steps after it are trained again"

@@ -325,7 +325,7 @@ def test_bad_messages_are_rejected_and_counted_without_raising(wiring_factory):
 
 
 def test_forged_data_plane_messages_change_nothing_and_are_counted(wiring_factory):
-    """Issue 15 item 3: messages that do not fit the state machine, or name another sender than
+    """Messages that do not fit the state machine, or name another sender than
     the authenticated one, are refused. Before: an EndOfData with any count ended a consumer's
     input (the run 'finished' with nothing trained), a SlotReady with a made-up seq was copied."""
     w = wiring_factory(num_consumers=2, ring_slots=4, max_outstanding=2)

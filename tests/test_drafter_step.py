@@ -170,40 +170,6 @@ def test_bench_cli_times_the_real_step_in_variants_with_a_profile(tmp_path):
     assert abs(sum(c["pct"] for c in prof.values()) - 100.0) < 0.1
 
 
-def test_the_picker_takes_the_fastest_variant_that_keeps_the_loss_and_its_overrides_load(tmp_path):
-    """tools/pick_drafter_speed.py, the GPU chain's SPEED=auto, on a real bench result."""
-    import importlib.util
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("pick_drafter_speed", root / "tools" / "pick_drafter_speed.py")
-    picker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(picker)
-    out = tmp_path / "step.json"
-    args = ["bench", "drafter-step", "--config", str(TINY), "--variants", "base,ce-chunk-64+anchor-chunk-64", "--steps", "1"]
-    r = CliRunner().invoke(main, [*args, "--batches", "1", "--tokens", "256", "--doc-len", "100", "--out", str(out)])
-    assert r.exit_code == 0, r.output
-    result = json.loads(out.read_text())
-    speeds = {name: v["step"] for name, v in result["ratios"].items()}
-    best, reasons = picker.pick(result, min_speedup=0.0, max_loss_diff=1e-6)
-    assert best == max(speeds, key=speeds.get) and len(reasons) == 2
-    assert picker.pick(result, min_speedup=1e9, max_loss_diff=1.0)[0] is None  # nothing fast enough: train as configured
-    cli = [sys.executable, str(root / "tools" / "pick_drafter_speed.py"), str(out), "--min-speedup", "0", "--max-loss-diff", "1e-6"]
-    assert subprocess.run(cli, capture_output=True, text=True, check=True).stdout.split() == picker.overrides(best)
-    speedup = subprocess.run([*cli, "--speedup"], capture_output=True, text=True, check=True).stdout
-    assert float(speedup) == speeds[best]
-    assert picker.pick(result, min_speedup=0.0, max_loss_diff=-1.0)[0] is None  # a changed loss is never taken
-    tie = {"ratios": {"base": {"step": 1.0, "loss_step0_rel_diff": 0.0}, "compile": {"step": 1.0, "loss_step0_rel_diff": 0.0}}}
-    assert picker.pick(tie, min_speedup=0.0, max_loss_diff=1e-6)[0] == "base"  # a tie keeps the first: no change for nothing
-    overrides = picker.overrides("ce-chunk-64+anchor-chunk-64")
-    assert overrides == ["drafter.anchor_chunk=64", "training.ce_chunk_tokens=64"]
-    derived = tmp_path / "derived.toml"
-    subprocess.run([sys.executable, str(root / "tools" / "derive_config.py"), str(TINY), str(derived), *overrides], check=True)
-    cfg = load_config(derived)
-    assert (cfg.drafter.anchor_chunk, cfg.training.ce_chunk_tokens) == (64, 64)
-
-
 def test_bench_cli_refuses_an_unknown_variant_before_building_anything():
     for variants, why in (("base,turbo", "unknown variant 'turbo'"), ("ce-chunk-4", "training.ce_chunk_tokens: must be >= 16")):
         r = CliRunner().invoke(main, ["bench", "drafter-step", "--config", str(TINY), "--variants", variants])

@@ -207,7 +207,7 @@ def test_eval_cli_reports_where_a_speculative_output_diverged(tiny, tmp_path, mo
 
 
 def test_the_cpu_fp8_measurement_tool_evals_against_an_fp8_target(tiny, tmp_path):
-    """tools/eval_fp8_cpu.py: eval's suite against the FP8 target with torch's CPU ``_scaled_mm`` for the GEMM
+    """tests/eval_fp8_cpu.py: eval's suite against the FP8 target with torch's CPU ``_scaled_mm`` for the GEMM
     (measurement only; the product itself refuses FP8 off CUDA, as the test above checks)."""
     import subprocess
     import sys
@@ -217,7 +217,7 @@ def test_the_cpu_fp8_measurement_tool_evals_against_an_fp8_target(tiny, tmp_path
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n" for i in range(2)))
     args = ["--config", str(TINY), "--drafter", str(d), "--suite", f"q={questions}", "--n", "2", "--max-new", "6"]
-    proc = subprocess.run([sys.executable, "tools/eval_fp8_cpu.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "tests/eval_fp8_cpu.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "target linear layers in FP8 e4m3" in proc.stderr and "FP8 siblings merged" in proc.stderr
     rep = json.loads(proc.stdout.strip().splitlines()[-1])

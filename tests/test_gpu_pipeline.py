@@ -1,4 +1,4 @@
-"""GPU end to end: the whole pipeline (`dflash-ipc up`) on one H200 and on two (run on the lent GPU).
+"""GPU end to end: the whole pipeline (`dflash-ipc up`) on one H200 and on two.
 
 Declared as data: each case is (target device, drafter device, transport backend, drafter speed options);
 the two-GPU cases are marked ``gpu(2)`` (skipped by tests/conftest.py on a one-GPU machine). Every case's

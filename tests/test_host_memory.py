@@ -1,5 +1,5 @@
 """Host memory of a child: glibc's mmap threshold is pinned (runtime.launch), so large blocks a
-trainer frees go back to the system instead of staying in a heap that fragments (issue 15's soak).
+trainer frees go back to the system instead of staying in a heap that fragments (the fault suite's soak).
 
 Each case runs in a fresh interpreter: the setting is per process and cannot be undone.
 """

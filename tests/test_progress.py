@@ -170,8 +170,8 @@ def _summary(tokens: int, train_s: float):
 
 
 def test_summary_after_resume_rates_only_this_sessions_steps(tmp_path):
-    """metrics.jsonl of a resumed run holds every step since the start; this session trained the
-    last 10 of 30 in 5 s (issue 25: all 3,000 tokens over this session's 5 s, 600 tokens/s, was printed; 200 is true)."""
+    """metrics.jsonl of a resumed run holds every step since the start; this invocation trained the
+    last 10 of 30 in 5 s: 200 tokens/s, not all 3,000 tokens over its 5 s (600 tokens/s)."""
     import json
 
     from dflash_ipc.runtime.progress import finished_summary
@@ -179,7 +179,7 @@ def test_summary_after_resume_rates_only_this_sessions_steps(tmp_path):
     recs = [{"step": s, "loss": 2.0, "tokens": 100, "elapsed_s": 1.0 * (s if s <= 20 else s - 20) / 2} for s in range(1, 31)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     text = finished_summary(tmp_path, _summary(tokens=1000, train_s=5.0), wall_s=9.0)
-    assert "this session (resumed at step 20): 10 steps, 1000 target tokens in 5.0 s: 200 tokens/s" in text, text
+    assert "this invocation (resumed at step 20): 10 steps, 1000 target tokens in 5.0 s: 200 tokens/s" in text, text
     assert "all 30 steps: 3000 target tokens" in text and "600 tokens/s" not in text
     one = finished_summary(tmp_path, _summary(tokens=3000, train_s=5.0), wall_s=9.0)  # a run that was never resumed
     assert "trained on 3000 target tokens in 5.0 s: 600 tokens/s; wall 9.0 s" in one, one

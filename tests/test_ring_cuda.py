@@ -2,7 +2,7 @@
 
 Every test here needs CUDA and is skipped without it. The producer and the consumer are
 separate spawned processes; the ring descriptor and every control message travel between them
-as typed msgpack messages over a pipe (dflash_ipc.bench.gpu_ring, gpu_wire), never pickled. Run on the lent H200
+as typed msgpack messages over a pipe (dflash_ipc.bench.gpu_ring, gpu_wire), never pickled. Run on an H200
 machine: ``python -m pytest tests/test_ring_cuda.py -q``.
 """
 

@@ -390,10 +390,10 @@ def test_ctrl_c_checkpoints_and_resume_consumes_every_batch_once(stopped_and_res
     assert [m["step"] for m in recs] == list(range(1, final_step + 1)), "metrics steps do not continue"
     assert final_step > stop_step
     assert "[up] finished (data exhausted)" in second.output
-    # `up` says where it resumed, and rates this session's steps only (issue 25 item 7)
+    # `up` says where it resumed, and rates this invocation's steps only
     assert f"[up] resumed from {r['ckpt1']} (step {stop_step})" in second.output, second.output
     session_tokens = sum(m["tokens"] for m in recs if m["step"] > stop_step)
-    assert f"this session (resumed at step {stop_step}): {final_step - stop_step} steps, {session_tokens} target tokens" in second.output
+    assert f"this invocation (resumed at step {stop_step}): {final_step - stop_step} steps, {session_tokens} target tokens" in second.output
     ckpt2 = latest_checkpoint(run_dir)
     assert checkpoint_step(ckpt2) == final_step
 

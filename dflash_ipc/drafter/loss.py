@@ -315,7 +315,7 @@ def compute_loss(
     the gradient without receiving any). A block lies in one anchor chunk, so chunking cannot change
     them. ``weight_sum`` is then the number of blocks with a label (``dpace_normalizer = "blocks"``:
     the loss is the mean over blocks of the expected-accepted-length credit, as the paper's author
-    asks in SpecForge issue 828) or the sum of the D-PACE weights (``"weights"``: SpecForge's first
+    asked of SpecForge) or the sum of the D-PACE weights (``"weights"``: SpecForge's first
     integration); either is a sum over blocks, so the trainer's all-reduce makes it the global one.
     """
     mcfg = model.config

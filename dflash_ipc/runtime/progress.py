@@ -195,22 +195,22 @@ def ready_text(n_processes: int, seconds: float, hellos: Mapping) -> str:
 
 
 def _rate_text(recs: list[dict], summary: DrafterSummary | None, wall_s: float) -> str:
-    """Tokens/s of this session's steps only: metrics.jsonl of a resumed run also holds the steps
-    before its checkpoint, trained by earlier sessions in time this one did not see."""
+    """Tokens/s of this invocation's steps only: metrics.jsonl of a resumed run also holds the steps
+    before its checkpoint, trained by earlier invocations in time this one did not see."""
     toks = sum(r["tokens"] for r in recs)
     work = summary.final.work if summary is not None else None
-    if work is None or work.tokens >= toks:  # one session (or no summary): every step is this session's
+    if work is None or work.tokens >= toks:  # one invocation (or no summary): every step is this invocation's
         train_s = recs[-1]["elapsed_s"] if recs[-1].get("elapsed_s") else wall_s
         return f"trained on {toks} target tokens in {train_s:.1f} s: {toks / max(1e-9, train_s):.0f} tokens/s; wall {wall_s:.1f} s"
     mine, steps = 0, 0
-    for r in reversed(recs):  # this session's steps are the last ones, their tokens add up to its total
+    for r in reversed(recs):  # this invocation's steps are the last ones, their tokens add up to its total
         if mine >= work.tokens:
             break
         mine += r["tokens"]
         steps += 1
     train_s = work.train_elapsed_s or wall_s
     return (
-        f"this session (resumed at step {recs[-1]['step'] - steps}): {steps} steps, {work.tokens} target tokens in {train_s:.1f} s: "
+        f"this invocation (resumed at step {recs[-1]['step'] - steps}): {steps} steps, {work.tokens} target tokens in {train_s:.1f} s: "
         f"{work.tokens / max(1e-9, train_s):.0f} tokens/s; wall {wall_s:.1f} s; all {len(recs)} steps: {toks} target tokens"
     )
 

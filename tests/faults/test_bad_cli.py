@@ -1,4 +1,4 @@
-"""Bad command lines, not one traceback (issue 25 item 7): every case runs the real `dflash-ipc`
+"""Bad command lines, not one traceback: every case runs the real `dflash-ipc`
 command (click's CliRunner on ``dflash_ipc.cli.main``, in-process: it exercises the real command
 and costs no interpreter start), and must exit non-zero with a message naming what to change,
 with no exception escaping the command.

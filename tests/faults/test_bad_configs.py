@@ -196,7 +196,7 @@ CASES = [
         "run.control_host",
         "cannot listen on '192.0.2.1' here",
         {"run.control": "tcp", "run.control_host": "192.0.2.1", "transport.backend": "nccl"},
-    ),  # target.spec values (issue 25 item 2): every key against Qwen3_5TextConfig, every number finite and in range
+    ),  # target.spec values: every key against Qwen3_5TextConfig, every number finite and in range
     Case("spec-rms-norm-eps-inf", "target.spec.rms_norm_eps", "finite", {"target.spec.rms_norm_eps": float("inf")}),
     Case("spec-rms-norm-eps-negative", "target.spec.rms_norm_eps", "must be in (0, 1)", {"target.spec.rms_norm_eps": -1e-6}),
     Case("spec-initializer-range-nan", "target.spec.initializer_range", "finite", {"target.spec.initializer_range": float("nan")}),
@@ -236,7 +236,7 @@ CASES = [
     Case("spec-activation-unknown", "target.spec.hidden_act", "did you mean 'swish'", {"target.spec.hidden_act": "swish2"}),
     Case("spec-eos-negative", "target.spec.eos_token_id", ">= 0", {"target.spec.eos_token_id": -3}),
     Case("spec-tie-not-bool", "target.spec.tie_word_embeddings", "must be a bool", {"target.spec.tie_word_embeddings": "no"}),
-    # resources (item 3): what the rings, models and optimizer state need, before spawn (sizes no machine has)
+    # resources: what the rings, models and optimizer state need, before spawn (sizes no machine has)
     Case("rings-token-budget", "data.token_budget", "/dev/shm", {"data.token_budget": 2**40}),
     Case("rings-max-batch-size", "data.max_batch_size", "/dev/shm", {"data.max_batch_size": 2**63 - 1}),
     Case("rings-target-hidden-size", "target.spec.hidden_size", "of shared memory in /dev/shm", {"target.spec.hidden_size": 10**9}),
@@ -253,7 +253,7 @@ CASES = [
         "cannot size the target",
         {"target.spec.hidden_size": 2**31, "target.spec.intermediate_size": 2**40},
     ),
-    # config parts of item 7
+    # configs that name no target, integers past 64 bits, missing held-out files
     Case("max-steps-beyond-int64", "training.max_steps", "does not fit a 64-bit integer", {"training.max_steps": 99999999999999999999}),
     Case("samples-beyond-int64", "data.builtin_samples", "64-bit", {"data.builtin_samples": 2**64}),
     Case("holdout-file-missing", "data.holdout_paths[0]", "not found", {"data.holdout_paths": ["/nonexistent/holdout.jsonl"]}),

@@ -133,7 +133,7 @@ def test_19mb_line_does_not_blow_up_memory(tmp_path):
 
 
 # A JSON escape of half a UTF-16 pair decodes to a lone surrogate, which no tokenizer takes
-# (issue 25 item 5: the Rust tokenizer refused the whole batch, the probe crashed, `up` exited 2
+# (the Rust tokenizer refused the whole batch, the probe crashed, `up` exited 2
 # with a traceback although on_bad_line = "skip").
 SURROGATE_LINES = [
     '{"text": "before \\ud800 after"}',

@@ -1,5 +1,5 @@
 """`up --resume` from checkpoints another config wrote: refused before any process starts, naming
-the keys that differ (issue 25 item 3), from the config stored in the checkpoint's meta.json.
+the keys that differ, from the config stored in the checkpoint's meta.json.
 
 Checkpoints are written by the real writer (``drafter.checkpoint.save_checkpoint``) with the
 ``extra`` and ``config_hash`` a drafter gives it; the refusals come from
@@ -140,7 +140,7 @@ def test_config_differences_ignores_only_the_operational_keys():
     )
     assert config_differences(a, c) == [("target.spec.head_dim", 16, "(absent)")]
     retired = json.loads(json.dumps(a))
-    retired["drafter"]["flex_tile"] = 128  # a key of the tenth session's trees, since removed
+    retired["drafter"]["flex_tile"] = 128  # a key the config no longer has
     assert config_differences(retired, a) == []
 
 

@@ -1,4 +1,4 @@
-"""Crash anywhere, hang anywhere (issue 15 items 2, 4, 5): real `dflash-ipc up` groups on the tiny
+"""Crash anywhere, hang anywhere: real `dflash-ipc up` groups on the tiny
 CPU config, one fault each.
 
 * SIGKILL of a child (each role) at a random moment (import, handshake, mid-step, during

@@ -1,4 +1,4 @@
-"""On GPUs (issue 15): a drafter SIGKILLed while it holds the target's CUDA IPC mappings ends
+"""On GPUs: a drafter SIGKILLed while it holds the target's CUDA IPC mappings ends
 the group, and every GPU's free memory returns to what it was before the run started.
 
 A real `dflash-ipc up` (tiny bf16 model, target on cuda:0, drafter on cuda:1, cuda-ipc ring),

@@ -1,4 +1,4 @@
-"""Hostile peers (issue 15 items 1, 3, 5): a process without the run key sends every shape of bad
+"""Hostile peers: a process without the run key sends every shape of bad
 message into every socket of a live run (supervisor ROUTER, status REP, each target's and each
 drafter's PULL), from before the handshake into training (until its frame budget is spent, within
 the first steps, or training ends). The run must still train

@@ -1,4 +1,4 @@
-"""Every receive path takes any frame shape, and only run members' sealed frames (issue 15 items 1, 3).
+"""Every receive path takes any frame shape, and only run members' sealed frames.
 
 Real ZeroMQ sockets in one process. Before: the handshake unpacked ``ident, frame =
 recv_multipart()`` (a two-part message from a DEALER raised ValueError and ended the supervisor),

@@ -1,4 +1,4 @@
-"""One run per directory (issue 25 item 1): a second `dflash-ipc up` on a live run directory is
+"""One run per directory: a second `dflash-ipc up` on a live run directory is
 refused, and the first run loses nothing.
 
 Before, a second `up` swept the first's live shared memory, reset its metrics.jsonl, overwrote its

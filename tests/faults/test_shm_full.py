@@ -1,4 +1,4 @@
-"""A /dev/shm too small for the rings (issue 25 item 4): refused before spawn naming /dev/shm and
+"""A /dev/shm too small for the rings: refused before spawn naming /dev/shm and
 the key, never a SIGBUS mid-run.
 
 The real thing runs in a private mount namespace (``unshare -m``) with an 8 MiB tmpfs on

@@ -1,4 +1,4 @@
-"""Soak (issue 15): many tiny steps through the whole pipeline; host RSS of every process sampled
+"""Soak: many tiny steps through the whole pipeline; host RSS of every process sampled
 while it trains, and its drift after warm-up must stay under 1 %.
 
 CI runs a short soak (~150 steps); DFLASH_IPC_SOAK_STEPS=N (with DFLASH_IPC_FAULTS_FULL=1) runs a

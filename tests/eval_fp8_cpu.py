@@ -3,11 +3,11 @@ for the GPU's FP8 GEMM (the same e4m3 weights, per-row weight and per-token inpu
 product refuses FP8 off CUDA >= 8.9 (it would be slow: here ~30 s per 64-token prompt for SmolLM2-135M on two
 cores), so this script lifts that device check in its own process and changes nothing else.
 
-    python tools/eval_fp8_cpu.py --config W/train.toml --model DIR --drafter W/run/export/drafter \\
+    python tests/eval_fp8_cpu.py --config W/train.toml --model DIR --drafter W/run/export/drafter \\
         --suite synth=W/synth.holdout.jsonl,builtin=W/builtin.holdout.jsonl,everyday=configs/eval/everyday.jsonl \\
         --n 6 --max-new 64 --quantization fp8 --dtype bfloat16 > out.json
 
-``--model``: the target checkpoint (and tokenizer), e.g. ``tools/smollm2_to_hf.py``'s output, in place of the
+``--model``: the target checkpoint (and tokenizer), e.g. the converted SmolLM2 folder, in place of the
 config's ``target.model_path`` (default: the config's target). Prints eval's JSON report on stdout, its progress on stderr.
 """
 
