@@ -67,7 +67,7 @@ def _model(args: GenDecodeArgs):
         return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     from transformers import LlamaForCausalLM
 
-    from dflash_ipc.target.hf_config import smollm2_135m_config
+    from dflash_ipc.target_spec.hf_config import smollm2_135m_config
 
     torch.manual_seed(0)
     return LlamaForCausalLM(smollm2_135m_config(args.layers)).to(device=args.device, dtype=dtype).eval()
