@@ -265,3 +265,21 @@ def test_a_full_disk_is_named_as_the_cause_not_the_peer_it_took_down(tmp_path, s
     report(f"fence: disk full mid-run: {failed[:200]}")
     assert code == 1 and "drafter-0" in failed and "CheckpointDiskFull" in failed and "free" in failed, out[-3000:]
     assert "Connection closed" not in failed and "drafter-1" not in failed, failed
+
+
+def test_the_token_cache_on_a_tiny_disk_is_one_named_error(small_disk):
+    """A 64 KiB disk: the cache of 1 MiB of tokens is refused with its sizes (before: a torch.save traceback)."""
+    from dflash_ipc.data.corpus import Corpus, DataReport, TokenCacheDiskFull, _save_cache
+
+    tiny = small_disk / "tiny"
+    tiny.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(tiny)], check=True)
+    try:
+        n = 200_000
+        corpus = Corpus(torch.ones(n, dtype=torch.int32), torch.ones(n, dtype=torch.uint8), torch.tensor([0, n]), DataReport())
+        with pytest.raises(TokenCacheDiskFull) as e:
+            _save_cache(tiny / "data" / "tokens-x.pt", "x", corpus)
+        assert "\n" not in str(e.value) and "for the token cache: need ~1.1 MiB" in str(e.value), str(e.value)
+        assert "data.cache_dir" in str(e.value) and os.listdir(tiny / "data") == []
+    finally:
+        subprocess.run(["umount", "-l", str(tiny)], check=False)
