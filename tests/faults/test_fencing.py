@@ -279,7 +279,7 @@ def test_the_token_cache_on_a_tiny_disk_is_one_named_error(small_disk):
         corpus = Corpus(torch.ones(n, dtype=torch.int32), torch.ones(n, dtype=torch.uint8), torch.tensor([0, n]), DataReport())
         with pytest.raises(TokenCacheDiskFull) as e:
             _save_cache(tiny / "data" / "tokens-x.pt", "x", corpus)
-        assert "\n" not in str(e.value) and "for the token cache: need ~1.1 MiB" in str(e.value), str(e.value)
+        assert "\n" not in str(e.value) and "for the token cache: need ~1.0 MiB" in str(e.value), str(e.value)
         assert "data.cache_dir" in str(e.value) and os.listdir(tiny / "data") == []
     finally:
         subprocess.run(["umount", "-l", str(tiny)], check=False)
