@@ -154,6 +154,7 @@ def test_a_stopped_child_dies_with_its_supervisor(tmp_path, sentinel):
 
 
 @pytest.mark.slow
+@pytest.mark.faults_full  # the lock itself: test_a_deleted_lock_file_admits_no_second_run, in-process
 def test_a_second_up_after_the_lock_file_was_deleted_is_refused(tmp_path):
     cfg = write_config(tmp_path / "c.toml", training={"checkpoint_every": 2})
     run_dir = tmp_path / "run"
