@@ -44,7 +44,7 @@ def drafter_main(child: ChildContext) -> int:
     child.closing.callback(destroy_distributed)
     plan = json.loads((run_dir / "plan.json").read_text())
     total_steps = cfg.training.max_steps or max(1, -(-plan["n_batches_total"] // world.world_size))
-    core = DrafterCore(cfg, run_dir, world, device, total_steps, child.args.resume)
+    core = DrafterCore(cfg, run_dir, world, device, total_steps, child.args.resume, fence=child.fence)
     child.closing.callback(core.close)
     log.info(
         "drafter %d/%d on %s: %.2fM trainable params, step %d; %s",

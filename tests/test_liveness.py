@@ -81,15 +81,29 @@ def test_a_dead_report_is_blamed_on_the_peer_that_exits_just_after_it(procs):
     """drafter-1 SIGKILLed: drafter-0's collective fails at once and it reports Dead before the
     killed process is seen to exit (the full fault suite once named drafter-0). The peer exiting
     within the grace is the cause; with no exit the reporter stays the one named."""
-    from dflash_ipc.runtime.liveness import exit_behind_report
+    from dflash_ipc.runtime.liveness import root_cause
 
-    reporter = Child("drafter", 0, "cpu", popen=procs(None), dead_error="Connection closed by peer")
+    reporter = Child("drafter", 0, "cpu", popen=procs(None), dead_error="Connection closed by peer", dead_at=1.0)
     victim_proc = procs(None)
     victim = Child("drafter", 1, "cpu", popen=victim_proc)
     victim_proc.kill()  # exits while the supervisor is already looking
-    assert exit_behind_report([reporter, victim], reporter, grace_s=30.0) is victim
+    assert root_cause([reporter, victim], grace_s=30.0) is victim
     alone = Child("drafter", 1, "cpu", popen=procs(None))
-    assert exit_behind_report([reporter, alone], reporter, grace_s=0.2) is None
+    assert root_cause([reporter, alone], grace_s=0.2) is reporter
+
+
+def test_the_first_failure_by_time_is_named_not_the_peer_that_exited_first(procs):
+    """drafter-0 fails on a full disk and reports it, then closes its rings (slow); drafter-1's
+    collective fails a moment later ("Connection closed by peer") and it exits first. The first
+    report by the time of failure is the cause, whichever process exited first."""
+    from dflash_ipc.runtime.liveness import failure_line, first_failure
+
+    first = Child("drafter", 0, "cpu", popen=procs(None), dead_error="CheckpointDiskFull: need ~2.0 MiB, 1.4 MiB free", dead_at=100.0)
+    peer_proc = procs(1)
+    peer = Child("drafter", 1, "cpu", popen=peer_proc, dead_error="RuntimeError: Connection closed by peer", dead_at=100.2)
+    peer_proc.wait()
+    assert first_failure([peer, first]) is first
+    assert failure_line(first) == "drafter-0 reported: CheckpointDiskFull: need ~2.0 MiB, 1.4 MiB free"
 
 
 def test_host_memory_text_reports_the_high_water_mark_of_a_freed_peak():

@@ -153,10 +153,16 @@ class Done(Message):
 
 @dataclass(frozen=True)
 class Dead(Message):
+    """A child's failure: ``error`` is "ExceptionType: message"; ``cause`` the exception's type
+    (e.g. CheckpointDiskFull); ``failed_unix`` when it failed, so the supervisor names the first
+    failure of a group (its peers' failures follow it: "connection closed by peer")."""
+
     TAG: ClassVar[str] = "dead"
     role: str
     rank: int
     error: str
+    cause: str = ""
+    failed_unix: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,12 @@ mask, int64 offsets) keyed by the input files (path, size, mtime), the tokenizer
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 from array import array
 from dataclasses import asdict, dataclass, field
@@ -533,24 +535,51 @@ def _load_cached(path: Path, key: str) -> Corpus | None:
         return None
 
 
+class TokenCacheDiskFull(OSError):
+    """The tokenized data does not fit where its cache goes: one line with the sizes and what to change."""
+
+    def __init__(self, path: Path, need: int, free: int):
+        super().__init__(
+            errno.ENOSPC,
+            f"no space left on {path.parent} for the token cache: need ~{need / 2**20:.1f} MiB, {free / 2**20:.2f} MiB free; "
+            f"free space there, or point data.cache_dir at a larger disk",
+        )
+
+
 def _save_cache(path: Path, key: str, corpus: Corpus) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    need = sum(t.numel() * t.element_size() for t in (corpus.tokens, corpus.loss_mask, corpus.offsets)) + (64 << 10)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise TokenCacheDiskFull(path, need, 0) from None
+        raise
+    free = shutil.disk_usage(path.parent).free
+    if free < need:
+        raise TokenCacheDiskFull(path, need, free)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     report = corpus.report.to_dict()
     report["loaded_from_cache"] = False
-    torch.save(
-        {
-            "format": CACHE_FORMAT,
-            "key": key,
-            "tokens": corpus.tokens,
-            "loss_mask": corpus.loss_mask,
-            "offsets": corpus.offsets,
-            "sources": corpus.sources,
-            "report": report,
-        },
-        tmp,
-    )
-    os.replace(tmp, path)
+    try:
+        torch.save(
+            {
+                "format": CACHE_FORMAT,
+                "key": key,
+                "tokens": corpus.tokens,
+                "loss_mask": corpus.loss_mask,
+                "offsets": corpus.offsets,
+                "sources": corpus.sources,
+                "report": report,
+            },
+            tmp,
+        )
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save on a full disk: a RuntimeError ("unexpected pos")
+        free = shutil.disk_usage(path.parent).free
+        tmp.unlink(missing_ok=True)
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < need:
+            raise TokenCacheDiskFull(path, need, free) from None
+        raise
 
 
 def load_corpus(cfg: DataConfig, tokenizer, cache_dir: Path | None) -> Corpus:

@@ -63,6 +63,7 @@ from dflash_ipc.drafter.ckpt_layout import (  # noqa: F401 - the layout's names,
 )
 from dflash_ipc.drafter.safetensors_stream import write_safetensors
 from dflash_ipc.ledger import BatchId, BatchLedger  # noqa: F401 - re-exported for the checkpoint's readers
+from dflash_ipc.runtime.fence import Fence
 
 log = logging.getLogger(__name__)
 
@@ -289,8 +290,13 @@ def save_checkpoint(
     config_hash: str = "",
     keep: int = 2,
     optimizer_tensors: dict[str, torch.Tensor] | None = None,
+    fence: Fence | None = None,
 ) -> Path:
     """Write ``ckpt_root/step-NNNNNN`` atomically, point ``latest`` at it, keep the newest ``keep``.
+
+    ``fence`` (:mod:`dflash_ipc.runtime.fence`): checked before anything is written, and held from
+    the commit through ``latest`` and the retention's deletes: a process whose run directory a
+    newer `up` owns writes and deletes nothing there (FencedOut).
 
     ``model_state`` and ``optimizer_tensors`` (written to optimizer.safetensors when given) may stay
     on their device: they are streamed through one bounded host buffer. ``trainer_state`` goes
@@ -305,6 +311,8 @@ def save_checkpoint(
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (got {keep})")
     root = Path(ckpt_root)
+    fence = fence or Fence.none()
+    fence.check(f"checkpoint step {step}")
     root.mkdir(parents=True, exist_ok=True)
     need = checkpoint_bytes_needed(model_state, trainer_state, ledger, optimizer_tensors)
     free = _free_bytes(root)
@@ -337,16 +345,25 @@ def save_checkpoint(
         }
         _write_json(tmp / META_FILE, meta)  # written last: its presence marks a complete payload
         _fsync_dir(tmp)
-        if final.exists():  # re-saving a step (e.g. after resuming there): move the old one away first
-            _remove_dir(final)
-        os.rename(tmp, final)  # commit point
-        _fsync_dir(root)
+        with fence.guard(f"checkpoint step {step}"):
+            _commit(root, tmp, final, name, need, keep, step)
     except BaseException as e:
         free = _free_bytes(root)  # before the cleanup gives the space back
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, CheckpointDiskFull):
+            raise
         if _is_disk_full(e, free, need):
             raise CheckpointDiskFull(root, step, need, free) from e
         raise
+    return final
+
+
+def _commit(root: Path, tmp: Path, final: Path, name: str, need: int, keep: int, step: int) -> None:
+    """Rename the written ``tmp`` to ``final`` (the commit point), point ``latest`` at it, retain."""
+    if final.exists():  # re-saving a step (e.g. after resuming there): move the old one away first
+        _remove_dir(final)
+    os.rename(tmp, final)  # commit point
+    _fsync_dir(root)
     try:
         _replace_pointer(root, name)
     except OSError as e:  # the step directory is complete: loading finds it even without the pointer
@@ -354,7 +371,6 @@ def save_checkpoint(
             raise CheckpointDiskFull(root, step, need, _free_bytes(root)) from e
         raise
     _retain(root, step, keep)
-    return final
 
 
 def _retain(root: Path, step: int, keep: int) -> None:

@@ -58,6 +58,7 @@ from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.node_spec import read_node_spec
+from dflash_ipc.runtime.fence import Fence
 from dflash_ipc.target_spec.heads import decoder_stack_shapes, read_decoder_stack, target_head_weights
 from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 from dflash_ipc.transport.slots import SlotViews
@@ -185,9 +186,20 @@ class RecentRate:
 
 
 class DrafterCore:
-    def __init__(self, cfg: DFlashConfig, run_dir: Path, world: DistInfo, device: torch.device, total_steps: int, resume: bool):
+    def __init__(
+        self,
+        cfg: DFlashConfig,
+        run_dir: Path,
+        world: DistInfo,
+        device: torch.device,
+        total_steps: int,
+        resume: bool,
+        fence: Fence | None = None,
+    ):
         self.cfg = cfg
         self.run_dir = run_dir
+        # Every write to the run directory is fenced: refused once a newer `up` owns it (runtime.fence).
+        self.fence = fence or Fence.none()
         self.world = world
         self.device = device
         dtype = dtype_from_name(cfg.drafter.dtype)
@@ -306,7 +318,8 @@ class DrafterCore:
             except (ValueError, KeyError, TypeError):
                 pass  # a torn last line of a crashed run
         if len(kept) != len(lines):
-            write_text_atomic(self.metrics_path, "".join(ln + "\n" for ln in kept))
+            with self.fence.guard("metrics.jsonl (dropping the steps after the checkpoint)"):
+                write_text_atomic(self.metrics_path, "".join(ln + "\n" for ln in kept))
             log.info("resume: dropped %d metrics lines after step %d", len(lines) - len(kept), step)
 
     # -- warm-up
@@ -497,7 +510,7 @@ class DrafterCore:
         return rec
 
     def _write_metrics(self, rec: dict) -> None:
-        with open(self.metrics_path, "a") as f:
+        with self.fence.guard(f"metrics.jsonl (step {rec['step']})"), open(self.metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if self._tensorboard is not None:
             for key, tag in TENSORBOARD_SCALARS:
@@ -530,6 +543,7 @@ class DrafterCore:
                 extra=self._checkpoint_extra(reason),
                 config_hash=self.config_hash,
                 keep=self.cfg.training.keep_checkpoints,
+                fence=self.fence,
             )
             log.info("checkpoint %s (%s): %d batches in the ledger", path, reason, len(self.ledger))
         self.last_checkpoint = (self.step, path)
@@ -548,7 +562,8 @@ class DrafterCore:
         if not self.world.is_main:
             return None
         out = self.shared_root / "export" / "drafter"
-        export_drafter(self.model, out, chat_template_kwargs=self.cfg.chat_template.kwargs)
+        with self.fence.guard(f"the export to {out}"):
+            export_drafter(self.model, out, chat_template_kwargs=self.cfg.chat_template.kwargs)
         return out
 
     def weights_digest(self) -> str:
@@ -568,7 +583,8 @@ class DrafterCore:
         out.parent.mkdir(mode=0o700, exist_ok=True)
         digest = self.weights_digest()
         rec = {"rank": self.world.rank, "step": self.step, "weights_sha256": digest, "batch_ids": [list(b) for b in self.trained_ids]}
-        write_text_atomic(out, json.dumps(rec) + "\n")
+        with self.fence.guard(f"the rank record {out.name}"):
+            write_text_atomic(out, json.dumps(rec) + "\n")
         log.info("rank record %s: step %d, weights sha256 %s", out, self.step, digest[:16])
         return out
 

@@ -46,6 +46,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from typing import Any, TextIO
 
 import setproctitle
 
+from dflash_ipc.runtime.fence import Fence, FencedOut
 from dflash_ipc.runtime.heartbeat import HeartbeatSender
 from dflash_ipc.runtime.launch import read_key, remove_supervisor_sockets, set_parent_death_signal
 
@@ -238,9 +240,11 @@ class ChildSockets:
 
         from dflash_ipc.control.protocol import Dead
 
+        failed_unix = time.time()
         log.error("%s-%d failed: %s", self.role, self.rank, traceback.format_exc())
+        cause = type(exc).__name__
         try:
-            self.send_to_supervisor(Dead(role=self.role, rank=self.rank, error=f"{type(exc).__name__}: {exc}"))
+            self.send_to_supervisor(Dead(role=self.role, rank=self.rank, error=f"{cause}: {exc}", cause=cause, failed_unix=failed_unix))
         except zmq.ZMQError:
             pass
 
@@ -307,6 +311,8 @@ class ChildContext:
     device: Any  # torch.device
     socks: ChildSockets
     rejects: Any  # protocol.RejectCounter
+    # Every write to the run directory goes through fence.guard: refused once a newer `up` owns it.
+    fence: Fence = field(default_factory=Fence.none)
     # The role's resources, closed last-registered first after main_fn returns or raises.
     closing: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     heartbeats: HeartbeatSender | None = None
@@ -376,6 +382,7 @@ def child_arg_parser(role: str, description: str = "") -> argparse.ArgumentParse
     ap.add_argument("--cpus", default=None, help="comma-separated CPU cores of this process (set by the supervisor)")
     ap.add_argument("--supervisor-pid", type=int, default=0, help="the supervisor that spawned this process (set by the supervisor)")
     ap.add_argument("--key-fd", type=int, default=-1, help="inherited pipe holding the run key (set by the supervisor)")
+    ap.add_argument("--generation", default="", help="FILE:N:TOKEN: the run dir generation it writes under (set by the supervisor)")
     ap.add_argument("--supervisor-endpoint", default="", help="tcp://HOST:PORT of the supervisor (run.control = tcp)")
     ap.add_argument("--control-keys", default="", help="directory holding keys/, the run's CURVE keys (run.control = tcp)")
     return ap
@@ -419,6 +426,7 @@ def run_child(
     args = parser.parse_args(argv)
     key = read_key(args.key_fd)
     run_dir = Path(args.run_dir)
+    fence = Fence.of_argv(run_dir, args.generation)
     placement = place(args) if place is not None else placement_from_config(role, args)
     log, stop, log_file = _setup_process(role, args.rank, run_dir, placement.log_level, args.supervisor_pid)
     parent_pid = args.supervisor_pid or os.getppid()
@@ -426,7 +434,7 @@ def run_child(
     failed_in_main = False
     if stop.requested:  # the supervisor died while this process started: nothing to report to
         log.error("%s-%d: supervisor (pid %d) is gone; exiting", role, args.rank, parent_pid)
-        remove_supervisor_sockets(run_dir)
+        _remove_dead_supervisor_sockets(run_dir, fence, log)
         _close_process_logging(log_file)
         return 1
     try:
@@ -458,6 +466,7 @@ def run_child(
             device=device,
             socks=socks,
             rejects=rejects,
+            fence=fence,
         )
         with child.closing:
             try:
@@ -483,5 +492,14 @@ def run_child(
         if os.getppid() != parent_pid:
             # The supervisor was killed (SIGKILL leaves its socket files): the last of its children
             # to leave removes them, so a dead run leaves no socket behind.
-            remove_supervisor_sockets(run_dir)
+            _remove_dead_supervisor_sockets(run_dir, fence, log)
         _close_process_logging(log_file)
+
+
+def _remove_dead_supervisor_sockets(run_dir: Path, fence: Fence, log: logging.Logger) -> None:
+    """The dead supervisor's socket files, unless a newer `up` owns the directory (they are its own then)."""
+    try:
+        with fence.guard("removing the dead supervisor's socket files"):
+            remove_supervisor_sockets(run_dir)
+    except FencedOut as e:
+        log.warning("%s", e)

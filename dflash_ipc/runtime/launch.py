@@ -25,6 +25,7 @@ import ctypes
 import importlib
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +44,59 @@ def set_parent_death_signal(sig: int) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except OSError:
         pass
+
+
+# The sentinel's program: a bare interpreter (-S -I: a few MiB, not a copy of a child that has
+# torch mapped), watching the supervisor through the pidfd the child hands it.
+_SENTINEL = """
+import ctypes, os, select, signal, sys, time
+worker, pidfd, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)
+if os.getppid() != worker:
+    sys.exit(0)
+select.select([pidfd], [], [])
+deadline = time.monotonic() + grace
+while True:
+    try:
+        with open(f"/proc/{worker}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        sys.exit(0)
+    if state in "Tt" or time.monotonic() >= deadline:
+        os.kill(worker, signal.SIGKILL)
+        sys.exit(0)
+    time.sleep(0.05)
+"""
+#: After its supervisor died, a child still running this long (it was SIGTERMed by its death
+#: signal, and checkpoints and leaves) is SIGKILLed by its sentinel; a stopped one at once.
+ORPHAN_KILL_AFTER_S = 120.0
+
+
+def start_death_sentinel(supervisor: int, grace_s: float = ORPHAN_KILL_AFTER_S) -> subprocess.Popen | None:
+    """A small process that ends this one when ``supervisor`` dies, *also while this one is stopped*.
+
+    The death signal (SIGTERM, so a running child leaves through its CLOSING path) stays pending
+    in a SIGSTOPped process until SIGCONT: a stopped child of a SIGKILLed supervisor would wake up
+    later in a directory a newer `up` owns (runtime.fence refuses its writes). The sentinel waits
+    on the supervisor's pidfd; once it is gone it SIGKILLs this process at once if stopped, else
+    after ``grace_s``. It dies with this process (its own death signal). None where unsupported
+    (not Linux, no pidfd) or when the supervisor is already gone (the caller's check exits then)."""
+    if sys.platform != "linux" or not supervisor or not hasattr(os, "pidfd_open") or os.environ.get("DFLASH_IPC_DEBUG_NO_SENTINEL"):
+        return None
+    try:
+        pidfd = os.pidfd_open(supervisor)
+    except OSError:
+        return None
+    try:
+        if os.getppid() != supervisor:  # the pid may name another process already
+            return None
+        argv = [sys.executable, "-S", "-I", "-c", _SENTINEL, str(os.getpid()), str(pidfd), str(grace_s)]
+        return subprocess.Popen(argv, pass_fds=(pidfd,), stdin=subprocess.DEVNULL)
+    except OSError:
+        return None
+    finally:
+        os.close(pidfd)
 
 
 def pin_malloc_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
@@ -144,6 +198,7 @@ def main(argv: Sequence[str]) -> int:
     # Until the role installs its own handler, SIGTERM ends the import at once.
     signal.signal(signal.SIGTERM, _exit_with_supervisor(supervisor, run_dir))
     set_parent_death_signal(signal.SIGTERM)
+    start_death_sentinel(supervisor)  # the death signal waits out a SIGSTOP; the sentinel's SIGKILL does not
     pin_malloc_mmap_threshold()  # before torch and the role allocate anything
     if supervisor and os.getppid() != supervisor:
         print(f"{role}: supervisor (pid {supervisor}) is gone before this child started; exiting", file=sys.stderr)

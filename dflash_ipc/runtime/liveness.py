@@ -94,12 +94,7 @@ def exited_child(children: list, stopping: bool = False) -> Any | None:
     """The exited child (without a Done) that explains a failure, or None. While ``stopping``, a
     target's clean exit is expected: it may have had the signal too (a terminal's Ctrl-C reaches
     the whole foreground process group)."""
-    exited = [
-        c
-        for c in children
-        if c.popen is not None and c.popen.poll() is not None and c.done is None
-        if not (stopping and c.role == "target" and c.popen.returncode == 0)
-    ]
+    exited = _exited(children, stopping)
     # The likely cause first: killed by a signal, else exited without a Dead report. Peers
     # report Dead ("connection closed by peer" from gloo) and exit because of it.
     return min(exited, key=lambda c: (c.popen.returncode >= 0, c.dead_error is not None), default=None)
@@ -117,18 +112,58 @@ def dead_child_text(children: list, stopping: bool = False) -> str | None:
     return exit_text(ch) if ch is not None else None
 
 
-def exit_behind_report(children: list, reporter: Any, stopping: bool = False, grace_s: float = 1.0) -> Any | None:
-    """The exited child behind ``reporter``'s Dead report, if one exits within ``grace_s``.
+def first_failure(children: list, stopping: bool = False) -> Any | None:
+    """The child whose failure came first, or None: the root cause, not its consequences.
+
+    An exit nobody reported (a signal, an exit without a Dead report) comes first: it explains
+    the reports of its peers ("connection closed by peer" from gloo). Otherwise the earliest Dead
+    report by the time its child failed: the peer that failed first (disk full, out of memory)
+    also exits later than the peers it takes down, while it closes its rings."""
+    unreported = [c for c in children if c.dead_error is None and c in _exited(children, stopping)]
+    if unreported:
+        return min(unreported, key=lambda c: c.popen.returncode >= 0)
+    reporters = [c for c in children if c.dead_error is not None and c.done is None]
+    return min(reporters, key=lambda c: c.dead_at, default=None)
+
+
+def _exited(children: list, stopping: bool) -> list:
+    return [
+        c
+        for c in children
+        if c.popen is not None and c.popen.poll() is not None and c.done is None
+        if not (stopping and c.role == "target" and c.popen.returncode == 0)
+    ]
+
+
+def failure_line(ch: Any) -> str:
+    """:func:`first_failure`'s child in words: its exit (and report), or its report while it still runs."""
+    if ch.popen is not None and ch.popen.poll() is not None:
+        return exit_text(ch)
+    return f"{ch.name} reported: {ch.dead_error}"
+
+
+def root_cause(children: list, stopping: bool = False, grace_s: float = 1.0) -> Any | None:
+    """:func:`first_failure`, after waiting up to ``grace_s`` for an unreported exit to show.
 
     A peer's SIGKILL reaches the survivors' collectives ("connection closed by peer") within
     milliseconds, while the killed process, tearing down its mappings, can take longer to become
     a zombie the supervisor sees: blaming the first reporter named the wrong process."""
     deadline = time.monotonic() + grace_s
     while True:
-        ch = exited_child([c for c in children if c is not reporter], stopping)
-        if ch is not None or time.monotonic() >= deadline:
-            return ch
+        first = first_failure(children, stopping)
+        if (first is not None and first.dead_error is None) or time.monotonic() >= deadline:
+            return first
         time.sleep(0.01)
+
+
+def reap_after_kill(popen: Any, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for a SIGKILLed process to be reaped; False if it was not (a
+    process in uninterruptible sleep, state D, or in a frozen cgroup dies only once it wakes)."""
+    try:
+        popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def wait_for_exits(children: list, timeout: float) -> list:

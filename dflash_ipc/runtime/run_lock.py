@@ -7,12 +7,18 @@ lock before it touches, sweeps or spawns anything there, and keeps it across eve
 left by a SIGKILLed supervisor never blocks the next start (no stale-pid guessing). The lock's open
 file description is close-on-exec: children and the probe never hold it (a stopped orphan cannot
 keep a directory locked). The file also records the owner (pid, host, start time), read only to
-word a refusal::
+word a refusal. A file can be deleted while it is locked, and a lock taken on its replacement
+would exclude nobody: so the directory itself is flocked first (an fd opened with O_DIRECTORY),
+and a deleted ``lock`` file admits no second run. Once locked, the supervisor takes the directory's
+next *generation* (:mod:`dflash_ipc.runtime.fence`), which fences out every write of the processes
+of earlier runs::
 
     up: validate the config (reads only; an owned directory is refused here already: refuse_if_owned)
-      ─▶ RunDirLock.take (Supervisor.dir_lock): open RUN_DIR/lock (0600, O_CREAT), flock LOCK_EX|LOCK_NB
+      ─▶ RunDirLock.take (Supervisor.dir_lock): flock RUN_DIR itself (O_DIRECTORY), then open
+           RUN_DIR/lock (0600, O_CREAT), flock LOCK_EX|LOCK_NB; each checked to be what the path names now
            held (retried for ACQUIRE_WAIT_S) ─▶ RunDirBusy "RUN_DIR is in use by ... pid P on H", exit 2
-           taken ─▶ write the owner record ─▶ status "preparing", probe, sweep, spawn, restarts ... (held throughout)
+           taken ─▶ write the owner record ─▶ fence.advance: RUN_DIR/generation N+1 (children get it in argv)
+           ─▶ status "preparing", probe, sweep, spawn, restarts ... (held throughout)
       ─▶ exit or death: the kernel drops the lock (the file stays, unlocked)
       a start refused after it (the probe refused the config): release(remove_created=True, written=...)
       removes the directory again if the lock created it and nothing else was written there
@@ -37,6 +43,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from dflash_ipc.runtime import fence
 
 if TYPE_CHECKING:
     from dflash_ipc.runtime.nodes import NodeSpec
@@ -99,10 +107,13 @@ def busy_text(directory: Path, what: Path) -> str:
     """The refusal: who owns ``directory`` (the live owner records under it) and how to stop it."""
     # `what` held shared (by the nodes of a run of several): its record is an old owner's; the nodes' count
     held = [what] if _held(what) else [p for p in sorted(directory.glob(f"{LOCK_FILE}.node-*")) if _held(p)]
+    owners = [_read_owner(p) for p in held]
+    if not any(isinstance(o.get("pid"), int) for o in owners):  # the lock file deleted: the generation names the owner
+        owners = [fence.read_owner(p) for p in sorted(directory.glob(f"{fence.GENERATION_FILE}*"))]
     here = socket.gethostname()
     lines = []
     pids = []
-    for owner in map(_read_owner, held):
+    for owner in owners:
         pid = owner.get("pid")
         if not isinstance(pid, int):
             continue
@@ -126,8 +137,51 @@ def refuse_if_owned(directory: Path) -> None:
     A check for ``up`` to make before its other run-dir checks, so that "in use by pid P" comes
     before, say, "already holds checkpoints": :meth:`RunDirLock.acquire` still decides."""
     path = directory / LOCK_FILE
-    if _held(path):
+    if _held(path) or _dir_held(directory):
         raise RunDirBusy(busy_text(directory, path))
+
+
+def _dir_held(directory: Path) -> bool:
+    """Whether a single-node supervisor holds the directory itself (its lock file may be deleted)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
+def _lock_dir(directory: Path, exclusive: bool, wait_s: float) -> int:
+    """An fd of ``directory`` itself holding its flock: deleting the lock file cannot undo it."""
+    deadline = time.monotonic() + wait_s
+    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    while True:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, mode)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() >= deadline:
+                raise RunDirBusy(busy_text(directory, directory / LOCK_FILE)) from None
+            time.sleep(_RETRY_S)
+            continue
+        except OSError:
+            os.close(fd)
+            raise
+        try:
+            st, fst = os.stat(directory), os.fstat(fd)
+        except FileNotFoundError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
+            return fd
+        os.close(fd)  # the directory was replaced meanwhile: lock the one the path names now
 
 
 def _lock_one(path: Path, exclusive: bool, wait_s: float) -> int:
@@ -176,6 +230,7 @@ class RunDirLock:
         self._fds: list[int] = []
         self._files: list[Path] = []
         self._created: list[Path] = []  # directories this lock made (removed again by release(remove_created=True))
+        self.generation: fence.Generation | None = None  # this run's, taken with the locks
 
     @classmethod
     def acquire(cls, directories: list[Path], spec: LockSpec | None = None, wait_s: float = ACQUIRE_WAIT_S) -> RunDirLock:
@@ -190,6 +245,7 @@ class RunDirLock:
         try:
             for directory in self.directories:
                 self._take(directory, wait_s)
+            self.generation = fence.advance(self.generation_path, {"node_rank": self.spec.node_rank, "nnodes": self.spec.nnodes})
         except BaseException:
             self.release(remove_created=True)
             raise
@@ -198,6 +254,7 @@ class RunDirLock:
         missing = [p for p in (directory, *directory.parents) if not p.exists()]
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._created += missing  # deepest first
+        self._fds.append(_lock_dir(directory, self.spec.nnodes <= 1, wait_s))
         for name, exclusive in self.spec.files():
             path = directory / name
             fd = _lock_one(path, exclusive, wait_s)
@@ -212,11 +269,20 @@ class RunDirLock:
     def held(self) -> bool:
         return bool(self._fds)
 
+    @property
+    def generation_path(self) -> Path:
+        """The file holding this node's generation (in the run dir, the first directory)."""
+        return fence.generation_file(self.directories[0], self.spec.nnodes, self.spec.node_rank)
+
+    def own_fence(self) -> fence.Fence:
+        """The supervisor's own fence (taken: its generation; unlocked: not fenced)."""
+        return fence.Fence(self.generation_path, self.generation) if self.generation else fence.Fence.none()
+
     def release(self, *, remove_created: bool = False, written: tuple[str, ...] = ()) -> None:
         """Drop every lock (idempotent). ``remove_created``: also remove the directories this lock made,
         when they hold nothing but its lock files and the files named in ``written``."""
         if remove_created:
-            ours = {p.name for p in self._files} | set(written)
+            ours = {p.name for p in self._files} | {self.generation_path.name} | set(written)
             for directory in self._created:  # deepest first
                 with contextlib.suppress(OSError):
                     if set(os.listdir(directory)) <= ours:  # nothing else was written there
@@ -226,6 +292,7 @@ class RunDirLock:
         for fd in self._fds:
             os.close(fd)
         self._fds, self._files, self._created = [], [], []
+        self.generation = None
 
 
 def lock_run_dirs(run_dir: Path, node: NodeSpec) -> RunDirLock:

@@ -78,6 +78,7 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+UNREAPABLE_AFTER_S = 10.0  # a SIGKILLed child not reaped by then is reported and left: `up` still exits
 
 
 @dataclass
@@ -92,6 +93,8 @@ class Child:
     stats: TargetStats | DrafterStats | None = None  # the latest heartbeat's figures (after Done: the final ones)
     done: Done | None = None
     dead_error: str | None = None
+    dead_at: float = 0.0  # when it failed, by its Dead report: the first failure of a group is its cause
+    unreaped: bool = False  # SIGKILLed and still not reaped (state D, a frozen cgroup): reported, left behind
 
     @property
     def name(self) -> str:
@@ -194,6 +197,7 @@ class Supervisor:
         write_node_spec(run_dir, self.node)
         old_id = (run_dir / "run_id").read_text().strip() if (run_dir / "run_id").exists() else ""
         if old_id:
+            self.dir_lock.own_fence().check("the sweep of the previous run's shared memory")
             swept = sweep_run_shm(old_id)
             if swept:
                 self.echo(f"[up] swept {len(swept)} leftover shared-memory segment(s) of the previous run")
@@ -275,6 +279,7 @@ class Supervisor:
             env = dict(base_env)
             key_fd = key_pipe(self._auth.key)
             argv = child_argv(ch.role, parent, key_fd) + ["--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
+            argv += ["--generation", self.dir_lock.own_fence().argv_value]  # its writes there are fenced (runtime.fence)
             argv += self._control.child_argv
             if self.forward_only:
                 argv += ["--forward-only", str(self.forward_only)]
@@ -419,13 +424,13 @@ class Supervisor:
                 # before calling the exit unexpected.
                 self._drain_router(router, wait_ms=500)
                 ch = liveness.exited_child(self.children, stopping)
-            if ch is not None:
-                raise GroupFailed(self._failure_text(liveness.exit_text(ch), ch))
-            reporter = next((c for c in self.children if c.dead_error and c.done is None), None)
-            if reporter is not None:  # a peer that just died (its exit can lag the survivors' reports) is the cause
-                culprit = liveness.exit_behind_report(self.children, reporter, stopping)
-                what = liveness.exit_text(culprit) if culprit else f"{reporter.name} reported: {reporter.dead_error}"
-                raise GroupFailed(self._failure_text(what, culprit or reporter))
+            if ch is not None or any(c.dead_error and c.done is None for c in self.children):
+                # The Dead reports in flight first: the peer that failed first (its disk full) may
+                # still be closing while the peers it took down have exited already.
+                self._drain_router(router, wait_ms=300)
+                culprit = liveness.root_cause(self.children, stopping)
+                if culprit is not None:
+                    raise GroupFailed(self._failure_text(liveness.failure_line(culprit), culprit))
             node_failure = self._node_failure() if not targets_stopped else None
             if node_failure:
                 raise GroupFailed(node_failure)
@@ -503,7 +508,9 @@ class Supervisor:
             if isinstance(summary, DrafterSummary) and ch.rank == 0:
                 self._summary = summary
         elif isinstance(msg, Dead):
-            ch.dead_error = msg.error
+            if ch.dead_error is None:  # the first report is the failure; anything after is its aftermath
+                ch.dead_error = msg.error
+                ch.dead_at = msg.failed_unix or time.time()
         else:
             self.rejects.reject("unexpected_type", f"{type(msg).__name__} from {ch.name}")
 
@@ -535,7 +542,13 @@ class Supervisor:
             if ch.popen.poll() is None:
                 log.warning("%s did not stop within %.0f s of SIGTERM: SIGKILL", ch.name, grace)
                 ch.popen.kill()
-                ch.popen.wait()
+        for ch in alive:
+            if ch.popen.poll() is None and not liveness.reap_after_kill(ch.popen, UNREAPABLE_AFTER_S):
+                ch.unreaped = True
+                self.echo(
+                    f"[up] {ch.name} (pid {ch.popen.pid}) survived SIGKILL for {UNREAPABLE_AFTER_S:g} s "
+                    f"(uninterruptible sleep, state D, or a frozen cgroup?): left behind; it dies once it wakes"
+                )
 
     def _failure_text(self, what: str, ch: Child | None = None) -> str:
         return liveness.failure_text(what, self.children, self.run_dir / "logs", ch)
