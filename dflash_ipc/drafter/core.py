@@ -184,6 +184,10 @@ class RecentRate:
         return span[2] / span[1] if span else None
 
 
+class TrainingDiverged(RuntimeError):
+    """Too many optimizer updates in a row were skipped as non-finite: the run ends without an export."""
+
+
 class DrafterCore:
     def __init__(self, cfg: DFlashConfig, run_dir: Path, world: DistInfo, device: torch.device, total_steps: int, resume: bool):
         self.cfg = cfg
@@ -212,6 +216,7 @@ class DrafterCore:
         self.time_budget = TimeBudget(cfg.training.max_seconds, cfg.training.max_steps) if cfg.training.max_seconds > 0 else None
         self.recent = RecentRate(start_after=MEASURE_FROM)  # the time budget skips the same compiles
         self.last: dict = {}
+        self.skipped_in_a_row = 0  # updates skipped for a non-finite loss or gradient since the last applied one
         self.n_params = num_parameters(self.model)
         self.target_hidden_size = self.model.config.hidden_size  # equal to the target's (DrafterModelConfig.from_configs)
         self.warmup_s: float | None = None
@@ -447,7 +452,24 @@ class DrafterCore:
         self.last = rec
         if self.world.is_main:
             self._write_metrics(rec)
+        self._check_diverged(stats)
         return rec
+
+    def _check_diverged(self, stats) -> None:
+        """Count updates skipped for a non-finite loss or gradient; ``training.max_consecutive_skipped_updates``
+        of them in a row raise :class:`TrainingDiverged`. The step's figures are global (all-reduced), so
+        every rank raises at the same step and no collective is left waiting."""
+        non_finite = stats.skipped and not (math.isfinite(stats.grad_norm) and math.isfinite(stats.global_weight))
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if non_finite else 0
+        limit = self.cfg.training.max_consecutive_skipped_updates
+        if limit and self.skipped_in_a_row >= limit:
+            raise TrainingDiverged(
+                f"training diverged: {self.skipped_in_a_row} updates in a row skipped for a non-finite loss or gradient "
+                f"(step {self.step}: loss {stats.global_loss}, gradient norm {stats.grad_norm}, loss weight {stats.global_weight}); "
+                f"the weights have not moved since step {self.step - self.skipped_in_a_row}, so nothing is exported. "
+                "Lower training.lr, check training.loss_gamma and drafter.noise_std, or resume from an earlier checkpoint "
+                f"(training.max_consecutive_skipped_updates = {limit}; 0 never stops)"
+            )
 
     # -- held-out passes
     def evaluate_holdout(self, views: SlotViews, batch_id: list, pass_batches: int) -> dict | None:

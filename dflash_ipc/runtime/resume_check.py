@@ -48,6 +48,7 @@ MAY_CHANGE = (
     "training.holdout_every",
     "training.holdout_batches",
     "training.holdout_max_new",
+    "training.max_consecutive_skipped_updates",
 )
 # run.seed orders the batches the ledger names: not operational although it sits in [run].
 MUST_MATCH = ("run.seed",)
