@@ -48,6 +48,7 @@ from dflash_ipc.drafter.checkpoint import (
     set_rng_state,
 )
 from dflash_ipc.drafter.ckpt_layout import run_config_hash
+from dflash_ipc.drafter.ckpt_verify import read_plan, resume_ledger
 from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
@@ -207,6 +208,7 @@ class DrafterCore:
         # Several nodes: global rank 0 writes, every node resumes from the shared root (runtime/nodes.py).
         self.shared_root = read_node_spec(run_dir).shared_root(run_dir)
         self.ckpt_root = self.shared_root / "checkpoints"
+        self.plan = read_plan(run_dir)  # plan.json, written by `up` (None outside a run)
         self.trained_ids: list[tuple] = []  # every batch this rank trained on in this process (its own ledger)
         self.config_hash = run_config_hash(cfg.to_dict())
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -272,14 +274,16 @@ class DrafterCore:
             self._tensorboard = None
 
     def _resume(self) -> None:
-        ckpt = load_latest_checkpoint(self.ckpt_root, map_location=self.device)
+        # strict: checkpoints that all fail verification end this process; it never trains again from step 0
+        ckpt = load_latest_checkpoint(self.ckpt_root, map_location=self.device, plan=self.plan, strict=True)
         if ckpt is None:
             log.info("resume: no checkpoint under %s, starting fresh", self.ckpt_root)
             return
         self.trainer.load_state_dict(ckpt.trainer_state, master=ckpt.model_state, moments=ckpt.optimizer_tensors)
         set_rng_state(ckpt.rng_state)
         self.generator.manual_seed(self.cfg.run.seed * 1000 + self.world.rank + 7919 * ckpt.step)
-        self.ledger = ckpt.ledger
+        # the targets skip the same batches (ckpt_verify.resume_ledger): none after `up --replan` re-planned changed data
+        self.ledger = resume_ledger(ckpt.path, self.run_dir)
         self.step = ckpt.step
         if self.anchor_budget is not None and "anchor_budget" in ckpt.extra:
             self.anchor_budget.load_state_dict(ckpt.extra["anchor_budget"])
@@ -560,6 +564,8 @@ class DrafterCore:
     def _checkpoint_extra(self, reason: str) -> dict:
         # the config itself, so a resume can name the keys that differ (runtime/resume_check.py)
         extra = {"reason": reason, "tokens_total": self.tokens_total, "config": self.cfg.to_dict()}
+        if self.plan is not None:  # which batches the ledger's ids are (data/fingerprint.py)
+            extra["data"] = self.plan.get("data_fingerprint")
         if self.anchor_budget is not None:
             extra["anchor_budget"] = self.anchor_budget.state_dict()
         if self.time_budget is not None:

@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, load_config
 from dflash_ipc.config_checks import valid_device
-from dflash_ipc.runtime.resume_check import check_resume_config
+from dflash_ipc.runtime.resume_check import check_resume_checkpoints, check_resume_config
 from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
 
 # Files whose presence marks a directory as a run directory (written by Supervisor.prepare; the lock first).
@@ -50,7 +50,12 @@ def torch_loaded() -> bool:
 
 
 def validate_for_up(
-    config_path: str | Path, run_dir_override: str | None = None, *, resume: bool = False, overrides: dict[str, Any] | None = None
+    config_path: str | Path,
+    run_dir_override: str | None = None,
+    *,
+    resume: bool = False,
+    overrides: dict[str, Any] | None = None,
+    replan: bool = False,
 ) -> tuple[DFlashConfig, Path]:
     """Everything ``up`` checks before it touches the run directory; returns (config, run dir).
 
@@ -64,7 +69,8 @@ def validate_for_up(
     refuse_if_owned(run_dir)  # "in use by pid P" before any other word on the directory
     check_run_dir(cfg, run_dir, resume=resume, key=_run_dir_key(cfg, run_dir_override))
     if resume:
-        check_resume_config(cfg, run_dir / "checkpoints")
+        check_resume_config(cfg, run_dir / "checkpoints", replan=replan)
+        check_resume_checkpoints(cfg, run_dir / "checkpoints")  # sizes, meta, ledger; the digests after the probe
     return cfg, run_dir
 
 
