@@ -256,7 +256,7 @@ def planned_ids(run_dir: Path) -> set[tuple[int, ...]]:
 
 @pytest.mark.slow
 def test_resume_falls_back_past_a_nan_checkpoint_and_trains_each_batch_once(copy):
-    """The issue's case: fc.weight[0] = NaN, same size. `up --resume` names it, resumes from step 8,
+    """A NaN written into a weight, the file's size unchanged. `up --resume` names it, resumes from step 8,
     trains on to the end of the data; the final ledger is every planned batch exactly once."""
     run_dir, root = copy / "run", copy / "run" / "checkpoints"
     set_tensor(MODEL_FILE, is_model, float("nan"), resealed=False)(root / NEWEST)
@@ -273,7 +273,7 @@ def test_resume_falls_back_past_a_nan_checkpoint_and_trains_each_batch_once(copy
 
 
 def change_data(copy: Path) -> None:
-    """The issue's case: the data file shuffled and cut to two thirds."""
+    """The data file cut to two thirds and reordered."""
     data = copy / "train.jsonl"
     lines = data.read_text().splitlines()
     data.write_text("\n".join(reversed(lines[: len(lines) * 2 // 3])) + "\n")
