@@ -339,3 +339,20 @@ def test_a_run_whose_updates_are_all_skipped_fails_without_export(trained, tmp_p
 def test_max_consecutive_skipped_updates_is_validated(value, why):
     with pytest.raises(ConfigError, match=rf"^a\.toml: training\.max_consecutive_skipped_updates: {re.escape(why)}"):
         config_from_dict(tiny_cpu_config(training={"max_consecutive_skipped_updates": value}), "a.toml")
+
+
+def test_replan_lets_the_data_keys_change_and_nothing_else(tmp_path):
+    """`--resume --replan`: data.* may differ from the checkpoint's config (re-planning is the point); other keys may not."""
+    from test_bad_configs import apply, base_config
+    from test_bad_resume import write_checkpoint
+
+    run_dir = tmp_path / "run"
+    write_checkpoint(run_dir, base_config())
+    more_data = write_toml(tmp_path / "more.toml", apply(base_config(), {"data.builtin_samples": 900}))
+    with pytest.raises(ConfigError, match=r"data\.builtin_samples: 800 in the checkpoint, 900 now"):
+        validate_for_up(more_data, str(run_dir), resume=True)
+    validate_for_up(more_data, str(run_dir), resume=True, replan=True)
+    with pytest.raises(ConfigError, match=r"training\.lr: 0\.003 in the checkpoint, 0\.001 now"):
+        validate_for_up(
+            write_toml(tmp_path / "lr.toml", apply(base_config(), {"training.lr": 1e-3})), str(run_dir), resume=True, replan=True
+        )
