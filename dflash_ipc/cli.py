@@ -228,6 +228,11 @@ def check_config(config_path: str, file_only: bool, set_values: tuple[str, ...])
     "--max-steps", type=click.IntRange(0), default=None, help="Override training.max_steps (0: train until the data is exhausted)."
 )
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the run directory (fresh if none).")
+@click.option(
+    "--replan",
+    is_flag=True,
+    help="With --resume: the data changed since the checkpoint; plan it anew (weights and optimizer continue, every batch is new).",
+)
 @int_option(
     "--max-restarts",
     minimum=0,
@@ -255,6 +260,7 @@ def up(
     run_dir: str | None,
     max_steps: int | None,
     resume: bool,
+    replan: bool,
     max_restarts: int,
     nnodes: int | None,
     node_rank: int | None,
@@ -276,10 +282,13 @@ def up(
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 
+    if replan and not resume:
+        click.echo("error: --replan re-plans the data of a resumed run: pass it with --resume", err=True)
+        sys.exit(2)
     overrides = {"training.max_steps": max_steps} if max_steps is not None else None
     try:
         # Before the run directory is created or chmodded: a refused run leaves no trace.
-        cfg, resolved_run_dir = validate_for_up(config_path, run_dir, resume=resume, overrides=overrides, sets=set_values)
+        cfg, resolved_run_dir = validate_for_up(config_path, run_dir, resume=resume, overrides=overrides, sets=set_values, replan=replan)
     except (ConfigError, RunDirBusy) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -289,7 +298,14 @@ def up(
     from dflash_ipc.runtime.supervisor import GroupFailed, Supervisor
 
     sup = Supervisor(
-        cfg, resolved_run_dir, resume=resume, max_restarts=max_restarts, echo=click.echo, live_progress=sys.stdout.isatty(), node=node
+        cfg,
+        resolved_run_dir,
+        resume=resume,
+        replan=replan,
+        max_restarts=max_restarts,
+        echo=click.echo,
+        live_progress=sys.stdout.isatty(),
+        node=node,
     )
     try:
         try:  # held until this process exits, across every restart: nothing below runs on a directory it does not own

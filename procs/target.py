@@ -12,7 +12,7 @@ from dflash_ipc.control import channels, handshake
 from dflash_ipc.control.protocol import Hello
 from dflash_ipc.control.stats import ChildInfo, FastPath
 from dflash_ipc.devices import gpu_memory_text
-from dflash_ipc.ledger import read_ledger
+from dflash_ipc.drafter.ckpt_verify import resume_ledger
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.child import ChildContext, run_child
 from dflash_ipc.target.core import TargetCore
@@ -57,7 +57,7 @@ def target_main(child: ChildContext) -> int:
     start = handshake.child_handshake(
         socks.dealer, hello, cfg.run.handshake_timeout_s, child.rejects, lambda: child.stop.requested, socks.auth
     )
-    core.start(read_ledger(start.resume.checkpoint if start.resume else None))
+    core.start(resume_ledger(start.resume.checkpoint if start.resume else None, run_dir))
     log.info(
         "schedule: %d batches planned, %d already consumed (ledger), %d to run", core.planned, core.skipped_ledgered, core.batches_left
     )

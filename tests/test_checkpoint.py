@@ -252,10 +252,10 @@ def test_damaged_latest_falls_back_with_reason(tmp_path):
         "latest says 'step-000002', which is missing or damaged; falling back to the older complete checkpoint step-000001: "
         "the steps after it are trained again"
     ), ckpt.notes
-    # Same size but garbage also fails validation (the payload must parse).
+    # Same size but garbage also fails validation: its sha256 is not the one meta.json recorded.
     trainer_pt.write_bytes(b"\0" * len(data))
     ckpt = load_latest_checkpoint(tmp_path)
-    assert ckpt.step == 1 and any("unreadable" in n for n in ckpt.notes)
+    assert ckpt.step == 1 and any("trainer.pt does not match the sha256" in n for n in ckpt.notes), ckpt.notes
     (tmp_path / "step-000001" / ck.META_FILE).unlink()
     assert load_latest_checkpoint(tmp_path) is None
     # A save at a lower step removes the damaged newer directory so it cannot shadow it.

@@ -63,8 +63,16 @@ class TrainingConfig:
     max_seconds: float = 0.0
     """Training time budget: the schedule's length is planned from the measured pace so the cosine ends as the seconds
     run out; ``max_steps``, when set, caps it. 0: no budget."""
+    max_consecutive_skipped_updates: int = 20
+    """This many optimizer updates in a row skipped for a non-finite loss or gradient end the run (exit 1, no
+    export): the weights stopped moving. 0: never stop."""
 
     def __post_init__(self) -> None:
+        require(
+            self.max_consecutive_skipped_updates >= 0,
+            "max_consecutive_skipped_updates",
+            f"must be >= 0 (got {self.max_consecutive_skipped_updates}); e.g. 20, or 0 to never stop on skipped updates",
+        )
         for key in ("holdout_every", "holdout_batches"):
             require(getattr(self, key) >= 0, key, "must be >= 0 (0: off / every held-out batch in a pass)")
         require(self.holdout_max_new >= 0, "holdout_max_new", "must be >= 0 (eval's --max-new, or 0 for whole answers)")

@@ -11,15 +11,18 @@ Layout under ``ckpt_root``::
                              weights and moments too in trainer-state format 1), "rng": RNG state(s)}
                             -- torch.save, loaded with weights_only=True
         ledger.json         ids of every batch consumed by an optimizer step
-        meta.json           format, step, time, config hash, file sizes, extra  (written last)
+        meta.json           the manifest, written last: format, step, time, config hash, file sizes and
+                            sha256s, num_batches, extra (the config, the data fingerprint), its own sha256
     latest                  "step-000123\\n", replaced atomically
 
 Saving writes everything into ``.tmp-...`` in the same root, fsyncs each file and the
 directory, renames it to ``step-NNNNNN`` (the commit point), fsyncs the root, then replaces
 ``latest``. A crash at any point leaves every earlier checkpoint intact; half-written
 ``.tmp-*`` directories are never considered and are removed by the next successful save.
-Loading validates a candidate fully (meta, sizes, both payload files parse) and falls back to
-the next newest complete checkpoint, recording why in :attr:`Checkpoint.notes`.
+Loading validates a candidate fully (meta, sizes, sha256s and the ledger: ``ckpt_verify``; every
+payload parses; no weight or moment non-finite, past :data:`MAX_ABS_VALUE`, or a negative
+``exp_avg_sq``) and falls back to the next newest good checkpoint, recording why in
+:attr:`Checkpoint.notes`; with ``strict``, checkpoints that all fail raise :class:`NoUsableCheckpoint`.
 
 A full disk is named, not left to the writers' own errors (torch.save says "enforce fail ...
 unexpected pos", safetensors "IoError ... StorageFull"): a save checks the free space against
@@ -31,6 +34,7 @@ N: need ~X"; the half-written ``.tmp-*`` is removed, earlier checkpoints are unt
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -60,6 +64,17 @@ from dflash_ipc.drafter.ckpt_layout import (  # noqa: F401 - the layout's names,
     TRAINER_FILE,
     read_latest_pointer,
     step_dir_name,
+)
+from dflash_ipc.drafter.ckpt_verify import (  # noqa: F401 - the errors, re-exported for the modules that load checkpoints
+    DIGESTS_KEY,
+    META_DIGEST_KEY,
+    CheckpointError,
+    NoUsableCheckpoint,
+    ledger_applies,
+    ledger_plan_problem,
+    meta_digest,
+    sha256_file,
+    verify_files,
 )
 from dflash_ipc.drafter.safetensors_stream import write_safetensors
 from dflash_ipc.ledger import BatchId, BatchLedger  # noqa: F401 - re-exported for the checkpoint's readers
@@ -171,9 +186,12 @@ def _write_torch(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    write_safetensors(path, tensors, metadata)  # streamed from the device: bounded host memory
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Write and fsync; returns the file's sha256, taken from the bytes as they were written."""
+    hasher = hashlib.sha256()
+    write_safetensors(path, tensors, metadata, hasher=hasher)  # streamed from the device: bounded host memory
     _fsync_path(path)
+    return hasher.hexdigest()
 
 
 def _replace_pointer(root: Path, name: str) -> None:
@@ -323,13 +341,15 @@ def save_checkpoint(
     tmp = root / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        _write_safetensors(tmp / MODEL_FILE, model_state, {"format": CKPT_FORMAT, "step": str(step)})
+        digests = {MODEL_FILE: _write_safetensors(tmp / MODEL_FILE, model_state, {"format": CKPT_FORMAT, "step": str(step)})}
         payload_files = [MODEL_FILE, TRAINER_FILE, LEDGER_FILE]
         if optimizer_tensors is not None:
-            _write_safetensors(tmp / OPTIM_FILE, optimizer_tensors, {"format": CKPT_FORMAT, "step": str(step)})
+            digests[OPTIM_FILE] = _write_safetensors(tmp / OPTIM_FILE, optimizer_tensors, {"format": CKPT_FORMAT, "step": str(step)})
             payload_files.append(OPTIM_FILE)
         _write_torch(tmp / TRAINER_FILE, {"trainer": trainer_state, "rng": rng_state})
+        digests[TRAINER_FILE] = sha256_file(tmp / TRAINER_FILE)  # small: read back
         _write_json(tmp / LEDGER_FILE, ledger.to_wire())
+        digests[LEDGER_FILE] = sha256_file(tmp / LEDGER_FILE)
         now = time.time()
         meta = {
             "format": CKPT_FORMAT,
@@ -341,9 +361,11 @@ def save_checkpoint(
             "pid": os.getpid(),
             "num_batches": len(ledger),
             "files": {f: (tmp / f).stat().st_size for f in payload_files},
+            DIGESTS_KEY: digests,
             "extra": extra or {},
         }
-        _write_json(tmp / META_FILE, meta)  # written last: its presence marks a complete payload
+        meta[META_DIGEST_KEY] = meta_digest(json.loads(json.dumps(meta)))  # the digest of what a reader parses back
+        _write_json(tmp / META_FILE, meta)  # written last, the manifest: its presence marks a complete payload
         _fsync_dir(tmp)
         with fence.guard(f"checkpoint step {step}"):
             _commit(root, tmp, final, name, need, keep, step)
@@ -421,37 +443,20 @@ class Checkpoint:
         return self.meta.get("config_hash", "")
 
 
-class CheckpointError(RuntimeError):
-    pass
+# A weight or first moment whose square overflows float32 (2**64 ~ 1.8e19; float32 max ~ 3.4e38) turns
+# every norm, variance and dot product it enters into inf: no such value comes out of a finite run.
+MAX_ABS_VALUE = 2.0**64
 
 
 def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu") -> Checkpoint:
-    """Load and fully validate one checkpoint directory; raises :class:`CheckpointError` saying why."""
+    """Load and fully validate one checkpoint directory; raises :class:`CheckpointError` saying why.
+
+    The files against meta.json's sizes and sha256s and the ledger against its count
+    (:func:`~dflash_ipc.drafter.ckpt_verify.verify_files`), then the values: every weight and
+    optimizer tensor finite and within :data:`MAX_ABS_VALUE`, every ``exp_avg_sq`` >= 0."""
     path = Path(path)
-    m = STEP_DIR_RE.match(path.name)
-    if not m:
-        raise CheckpointError(f"{path}: not a step-NNNNNN directory")
-    meta_path = path / META_FILE
-    try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {META_FILE} missing (incomplete checkpoint)") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: {META_FILE} unreadable: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != CKPT_FORMAT:
-        raise CheckpointError(f"{path}: unsupported format {meta.get('format') if isinstance(meta, dict) else meta!r}")
-    if meta.get("step") != int(m.group(1)):
-        raise CheckpointError(f"{path}: meta.json says step {meta.get('step')!r}, directory says {int(m.group(1))}")
-    files = meta.get("files")
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{path}: meta.json has no file list")
-    for fname in (MODEL_FILE, TRAINER_FILE, LEDGER_FILE, *((OPTIM_FILE,) if OPTIM_FILE in files else ())):
-        fp = path / fname
-        if not fp.is_file():
-            raise CheckpointError(f"{path}: {fname} missing")
-        size = fp.stat().st_size
-        if size != files.get(fname):
-            raise CheckpointError(f"{path}: {fname} is {size} bytes, meta.json recorded {files.get(fname)}")
+    meta, ledger = verify_files(path)
+    files = meta["files"]
     try:
         model_state = _st_load_file(str(path / MODEL_FILE), device=str(map_location))
     except Exception as e:  # noqa: BLE001 - any parse failure means a damaged file
@@ -468,10 +473,10 @@ def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu
         raise CheckpointError(f"{path}: {TRAINER_FILE} unreadable: {e}") from None
     if not isinstance(payload, dict) or "trainer" not in payload:
         raise CheckpointError(f"{path}: {TRAINER_FILE} has no trainer state")
-    try:
-        ledger = BatchLedger.from_wire(json.loads((path / LEDGER_FILE).read_text()))
-    except (OSError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{path}: {LEDGER_FILE} unreadable: {e}") from None
+    for fname, tensors in ((MODEL_FILE, model_state), (OPTIM_FILE, optimizer_tensors), (TRAINER_FILE, _named_tensors(payload["trainer"]))):
+        problem = _value_problem(tensors)
+        if problem:
+            raise CheckpointError(f"{path}: {fname}: {problem}")
     return Checkpoint(
         path=path,
         step=int(meta["step"]),
@@ -484,18 +489,52 @@ def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu
     )
 
 
+def _named_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors inside nested dicts/lists (a trainer state of format 1 holds weights and moments), by dotted path."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        out.update(_named_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _value_problem(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The first tensor no finite training run writes: a NaN or inf, a magnitude past
+    :data:`MAX_ABS_VALUE`, a negative ``exp_avg_sq`` (a running mean of squares). None: all plausible."""
+    for name, t in tensors.items():
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            return f"{name} holds {bad} non-finite value(s) (NaN or inf)"
+        peak = float(t.abs().max())
+        if name.endswith("exp_avg_sq"):
+            low = float(t.min())
+            if low < 0:
+                return f"{name} holds a negative value ({low:g}); a mean of squares cannot be negative"
+        elif peak > MAX_ABS_VALUE:
+            return f"{name} holds a value of magnitude {peak:.3g}, past {MAX_ABS_VALUE:.3g} (its square overflows float32)"
+    return None
+
+
 def load_latest_checkpoint(
     ckpt_root: Path | str,
     *,
     map_location: str | torch.device = "cpu",
     expected_config_hash: str | None = None,
+    plan: dict[str, Any] | None = None,
+    strict: bool = False,
 ) -> Checkpoint | None:
     """The newest complete, valid checkpoint under ``ckpt_root``, or None if there is none.
 
     Candidates are the ``step-*`` directories, newest step first (a complete directory newer than
     ``latest`` exists only if a crash hit between its commit and the pointer update). Damaged
-    candidates are skipped; the reasons land in ``Checkpoint.notes`` and the log. A config hash
-    different from ``expected_config_hash`` is reported in ``notes`` but does not reject.
+    candidates are skipped; the reasons land in ``Checkpoint.notes`` and the log. With ``plan``
+    (plan.json), a ledger written for the same data must fit it. A config hash different from
+    ``expected_config_hash`` is reported in ``notes`` but does not reject. ``strict``: checkpoints
+    that exist but all fail raise :class:`NoUsableCheckpoint` instead of returning None.
     """
     root = Path(ckpt_root)
     notes: list[str] = []
@@ -507,6 +546,9 @@ def load_latest_checkpoint(
     for step, path in candidates:
         try:
             ckpt = load_checkpoint(path, map_location=map_location)
+            problem = ledger_plan_problem(ckpt.ledger, plan) if plan is not None and ledger_applies(ckpt.meta, plan) else None
+            if problem:
+                raise CheckpointError(f"{path}: {LEDGER_FILE} does not fit the plan: {problem}")
         except CheckpointError as e:
             notes.append(f"skipped {e}")
             log.warning("checkpoint skipped: %s", e)
@@ -527,4 +569,8 @@ def load_latest_checkpoint(
         return ckpt
     if notes:
         log.warning("no usable checkpoint under %s: %s", root, "; ".join(notes))
+    if strict and (candidates or pointer is not None):
+        raise NoUsableCheckpoint(
+            f"no usable checkpoint under {root}: {'; '.join(notes)}. Restore a checkpoint from a backup, or train in a new run directory"
+        )
     return None

@@ -48,6 +48,7 @@ from dflash_ipc.drafter.checkpoint import (
     set_rng_state,
 )
 from dflash_ipc.drafter.ckpt_layout import run_config_hash
+from dflash_ipc.drafter.ckpt_verify import read_plan, resume_ledger
 from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
@@ -185,6 +186,10 @@ class RecentRate:
         return span[2] / span[1] if span else None
 
 
+class TrainingDiverged(RuntimeError):
+    """Too many optimizer updates in a row were skipped as non-finite: the run ends without an export."""
+
+
 class DrafterCore:
     def __init__(
         self,
@@ -215,6 +220,7 @@ class DrafterCore:
         # Several nodes: global rank 0 writes, every node resumes from the shared root (runtime/nodes.py).
         self.shared_root = read_node_spec(run_dir).shared_root(run_dir)
         self.ckpt_root = self.shared_root / "checkpoints"
+        self.plan = read_plan(run_dir)  # plan.json, written by `up` (None outside a run)
         self.trained_ids: list[tuple] = []  # every batch this rank trained on in this process (its own ledger)
         self.config_hash = run_config_hash(cfg.to_dict())
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -224,6 +230,7 @@ class DrafterCore:
         self.time_budget = TimeBudget(cfg.training.max_seconds, cfg.training.max_steps) if cfg.training.max_seconds > 0 else None
         self.recent = RecentRate(start_after=MEASURE_FROM)  # the time budget skips the same compiles
         self.last: dict = {}
+        self.skipped_in_a_row = 0  # updates skipped for a non-finite loss or gradient since the last applied one
         self.n_params = num_parameters(self.model)
         self.target_hidden_size = self.model.config.hidden_size  # equal to the target's (DrafterModelConfig.from_configs)
         self.warmup_s: float | None = None
@@ -279,14 +286,16 @@ class DrafterCore:
             self._tensorboard = None
 
     def _resume(self) -> None:
-        ckpt = load_latest_checkpoint(self.ckpt_root, map_location=self.device)
+        # strict: checkpoints that all fail verification end this process; it never trains again from step 0
+        ckpt = load_latest_checkpoint(self.ckpt_root, map_location=self.device, plan=self.plan, strict=True)
         if ckpt is None:
             log.info("resume: no checkpoint under %s, starting fresh", self.ckpt_root)
             return
         self.trainer.load_state_dict(ckpt.trainer_state, master=ckpt.model_state, moments=ckpt.optimizer_tensors)
         set_rng_state(ckpt.rng_state)
         self.generator.manual_seed(self.cfg.run.seed * 1000 + self.world.rank + 7919 * ckpt.step)
-        self.ledger = ckpt.ledger
+        # the targets skip the same batches (ckpt_verify.resume_ledger): none after `up --replan` re-planned changed data
+        self.ledger = resume_ledger(ckpt.path, self.run_dir)
         self.step = ckpt.step
         if self.anchor_budget is not None and "anchor_budget" in ckpt.extra:
             self.anchor_budget.load_state_dict(ckpt.extra["anchor_budget"])
@@ -460,7 +469,24 @@ class DrafterCore:
         self.last = rec
         if self.world.is_main:
             self._write_metrics(rec)
+        self._check_diverged(stats)
         return rec
+
+    def _check_diverged(self, stats) -> None:
+        """Count updates skipped for a non-finite loss or gradient; ``training.max_consecutive_skipped_updates``
+        of them in a row raise :class:`TrainingDiverged`. The step's figures are global (all-reduced), so
+        every rank raises at the same step and no collective is left waiting."""
+        non_finite = stats.skipped and not (math.isfinite(stats.grad_norm) and math.isfinite(stats.global_weight))
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if non_finite else 0
+        limit = self.cfg.training.max_consecutive_skipped_updates
+        if limit and self.skipped_in_a_row >= limit:
+            raise TrainingDiverged(
+                f"training diverged: {self.skipped_in_a_row} updates in a row skipped for a non-finite loss or gradient "
+                f"(step {self.step}: loss {stats.global_loss}, gradient norm {stats.grad_norm}, loss weight {stats.global_weight}); "
+                f"the weights have not moved since step {self.step - self.skipped_in_a_row}, so nothing is exported. "
+                "Lower training.lr, check training.loss_gamma and drafter.noise_std, or resume from an earlier checkpoint "
+                f"(training.max_consecutive_skipped_updates = {limit}; 0 never stops)"
+            )
 
     # -- held-out passes
     def evaluate_holdout(self, views: SlotViews, batch_id: list, pass_batches: int) -> dict | None:
@@ -552,6 +578,8 @@ class DrafterCore:
     def _checkpoint_extra(self, reason: str) -> dict:
         # the config itself, so a resume can name the keys that differ (runtime/resume_check.py)
         extra = {"reason": reason, "tokens_total": self.tokens_total, "config": self.cfg.to_dict()}
+        if self.plan is not None:  # which batches the ledger's ids are (data/fingerprint.py)
+            extra["data"] = self.plan.get("data_fingerprint")
         if self.anchor_budget is not None:
             extra["anchor_budget"] = self.anchor_budget.state_dict()
         if self.time_budget is not None:

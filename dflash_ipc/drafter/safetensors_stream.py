@@ -16,6 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 
@@ -43,10 +44,12 @@ def write_safetensors(
     *,
     dtype: torch.dtype | None = None,
     slice_bytes: int = 64 << 20,
+    hasher: Any = None,
 ) -> None:
     """Write ``tensors`` (on any device; cast to ``dtype`` when given) to ``path`` and fsync it.
 
-    Tensors sharing storage are written as separate copies (safetensors' own writer refuses them)."""
+    Tensors sharing storage are written as separate copies (safetensors' own writer refuses them).
+    ``hasher`` (a ``hashlib`` object) is fed every byte written: a digest without reading the file back."""
     names = sorted(tensors)
     header: dict[str, object] = {}
     if metadata:
@@ -63,7 +66,8 @@ def write_safetensors(
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % _ALIGN)
     buffer: torch.Tensor | None = None
-    with open(path, "wb") as f:
+    with open(path, "wb") as raw:
+        f = raw if hasher is None else _Hashing(raw, hasher)
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for name in names:
@@ -82,5 +86,16 @@ def write_safetensors(
                     host = buffer[:need].view(part.dtype)
                     host.copy_(part)
                 f.write(memoryview(host.view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
+        raw.flush()
+        os.fsync(raw.fileno())
+
+
+class _Hashing:
+    """A file's ``write`` that feeds a hash on the way."""
+
+    def __init__(self, f: BinaryIO, hasher: Any):
+        self._f, self._hasher = f, hasher
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._hasher.update(data)
+        return self._f.write(data)

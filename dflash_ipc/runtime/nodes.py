@@ -122,6 +122,9 @@ def run_digest(config: dict, plan: dict) -> str:
     """What every node must agree on: the config (less run-dir-local keys) and the data plan."""
     run = {k: v for k, v in config.get("run", {}).items() if k not in ("run_dir", "metrics_port")}
     cfg = {k: v for k, v in config.items() if k not in ("run", "source")} | {"run": run}
+    # the data's content and plan, not each node's file times (data/fingerprint.py)
+    fingerprint = plan.get("data_fingerprint")
+    plan = plan | {"data_fingerprint": fingerprint.get("digest") if isinstance(fingerprint, dict) else fingerprint}
     return hashlib.sha256(json.dumps([cfg, plan], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

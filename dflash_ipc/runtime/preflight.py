@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, blame_sets, load_config
 from dflash_ipc.config.topology import valid_device
-from dflash_ipc.runtime.resume_check import check_resume_config
+from dflash_ipc.runtime.resume_check import check_resume_checkpoints, check_resume_config
 from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
 
 # Files whose presence marks a directory as a run directory (written by Supervisor.prepare; the lock first).
@@ -57,6 +57,7 @@ def validate_for_up(
     resume: bool = False,
     overrides: dict[str, Any] | None = None,
     sets: Sequence[str] = (),
+    replan: bool = False,
 ) -> tuple[DFlashConfig, Path]:
     """Everything ``up`` checks before it touches the run directory; returns (config, run dir).
 
@@ -65,12 +66,12 @@ def validate_for_up(
     left to ``Supervisor.prepare``'s probe, which runs them before it creates anything."""
     cfg = load_config(config_path, overrides, sets=sets)
     try:
-        return cfg, _validate_loaded_for_up(cfg, run_dir_override, resume)
+        return cfg, _validate_loaded_for_up(cfg, run_dir_override, resume, replan)
     except ConfigError as e:
         raise blame_sets(e, sets) from None
 
 
-def _validate_loaded_for_up(cfg: DFlashConfig, run_dir_override: str | None, resume: bool) -> Path:
+def _validate_loaded_for_up(cfg: DFlashConfig, run_dir_override: str | None, resume: bool, replan: bool = False) -> Path:
     run_dir = cfg.run_dir(run_dir_override).absolute()
     check_host(cfg)
     if torch_loaded():
@@ -78,7 +79,8 @@ def _validate_loaded_for_up(cfg: DFlashConfig, run_dir_override: str | None, res
     refuse_if_owned(run_dir)  # "in use by pid P" before any other word on the directory
     check_run_dir(cfg, run_dir, resume=resume, key=_run_dir_key(cfg, run_dir_override))
     if resume:
-        check_resume_config(cfg, run_dir / "checkpoints")
+        check_resume_config(cfg, run_dir / "checkpoints", replan=replan)
+        check_resume_checkpoints(cfg, run_dir / "checkpoints")  # sizes, meta, ledger; the digests after the probe
     return run_dir
 
 

@@ -89,12 +89,18 @@ class DataPlan(Struct):
     samples: int
     summary: str
     seconds: float
+    fingerprint: dict | None = None  # data/fingerprint.py: which batches the plan's ids are
 
     NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset({"n_batches_total", "samples", "seconds"})
 
     def plan_json(self) -> dict:
         """``plan.json`` of the run directory."""
-        return {"n_batches_total": self.n_batches_total, "n_batches_per_shard": self.n_batches_per_shard, "samples": self.samples}
+        return {
+            "n_batches_total": self.n_batches_total,
+            "n_batches_per_shard": self.n_batches_per_shard,
+            "samples": self.samples,
+            "data_fingerprint": self.fingerprint,
+        }
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,7 @@ def check_and_plan(cfg: DFlashConfig, run_dir: Path | None, n_shards: int) -> Da
 
 def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
     from dflash_ipc.data.corpus import load_corpus
+    from dflash_ipc.data.fingerprint import file_entries, make_fingerprint, plan_digest, tokens_digest
     from dflash_ipc.data.mix import mix_line, mix_report
     from dflash_ipc.data.plan import plan_epoch
     from dflash_ipc.data.tokenizer import check_target_tokenizer, config_tokenizer
@@ -137,10 +144,21 @@ def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
     check_target_tokenizer(cfg.target, tok)
     data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data"
     corpus = load_corpus(cfg.data, tok, data_dir)
-    per_shard = [
-        sum(len(plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, e, n_shards, s, corpus.sources)) for e in range(cfg.data.num_epochs))
-        for s in range(n_shards)
-    ]
+    per_shard = [0] * n_shards
+    planned: list[tuple[list[int], tuple[int, ...]]] = []
+    for e in range(cfg.data.num_epochs):
+        for s in range(n_shards):
+            batches = plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, e, n_shards, s, corpus.sources)
+            per_shard[s] += len(batches)
+            planned += [(b.id.to_wire(), b.sample_indices) for b in batches]
+    fingerprint = make_fingerprint(
+        file_entries(cfg.data.paths, cfg.data.builtin_samples),
+        corpus.num_samples,
+        int(corpus.tokens.numel()),
+        tokens_digest(corpus.tokens, corpus.loss_mask, corpus.offsets),
+        per_shard,
+        plan_digest(planned),
+    )
     summary = corpus.report.summary()
     if cfg.drafter.draft_vocab_size:
         from dflash_ipc.draft_vocab import ensure_draft_vocab
@@ -152,7 +170,7 @@ def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
         summary += "; " + mix_line(
             mix_report(corpus.lengths, corpus.sources, cfg.data.paths, cfg.data.weights, cfg.run.seed, cfg.data.num_epochs)
         )
-    return DataPlan(sum(per_shard), per_shard, corpus.num_samples, summary, time.perf_counter() - t0)
+    return DataPlan(sum(per_shard), per_shard, corpus.num_samples, summary, time.perf_counter() - t0, fingerprint)
 
 
 # --------------------------------------------------------------------------- the supervisor's side

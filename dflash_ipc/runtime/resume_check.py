@@ -12,6 +12,14 @@ was edited: refused too. A checkpoint written before configs were stored is comp
 ``RUN_DIR/config.json`` when that file's hash is the checkpoint's, else by hash alone. A key added
 to the config after the checkpoint was written is kept when this run leaves it at its default.
 
+The checkpoints themselves (:mod:`dflash_ipc.drafter.ckpt_verify`): at the door the newest one whose
+meta, sizes and ledger count hold is found (:func:`check_resume_checkpoints`; when checkpoints exist
+and none holds, ``--resume`` is refused: it never trains again from step 0); after the probe has
+planned the data, the same with every file's sha256 and the ledger against the new plan, and the
+chosen checkpoint's data fingerprint against the data now (:func:`check_resume_data`): changed data
+is refused, naming what changed, unless ``up --replan`` asks to re-plan it (the weights and
+optimizer continue, the old ledger's ids do not name batches of the new plan: every batch is new).
+
 No torch here: the supervisor runs this (``preflight.validate_for_up``, ``Supervisor.prepare``).
 """
 
@@ -22,7 +30,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dflash_ipc.config import RESOLVED_CONFIG_FILE, ConfigError, DFlashConfig
+from dflash_ipc.data.fingerprint import describe_changes, same_data
 from dflash_ipc.drafter.ckpt_layout import CKPT_FORMAT, META_FILE, STEP_DIR_RE, run_config_hash
+from dflash_ipc.drafter.ckpt_verify import NoUsableCheckpoint, ResumeChoice, choose_checkpoint
 
 KEY = "--resume"
 # Dotted keys (or whole sections, ending in ".") a resumed run may change.
@@ -48,12 +58,17 @@ MAY_CHANGE = (
     "training.holdout_every",
     "training.holdout_batches",
     "training.holdout_max_new",
+    "training.max_consecutive_skipped_updates",
 )
 # run.seed orders the batches the ledger names: not operational although it sits in [run].
 MUST_MATCH = ("run.seed",)
 
 
-def check_resume_config(cfg: DFlashConfig, ckpt_root: Path) -> None:
+# With --replan the data may change: re-planning it is what the flag asks for.
+MAY_CHANGE_ON_REPLAN = ("data.",)
+
+
+def check_resume_config(cfg: DFlashConfig, ckpt_root: Path, *, replan: bool = False) -> None:
     """Refuse resuming from any complete checkpoint under ``ckpt_root`` that another config wrote."""
     if not ckpt_root.is_dir():
         return
@@ -73,7 +88,7 @@ def check_resume_config(cfg: DFlashConfig, ckpt_root: Path) -> None:
                     "config, or start a new run directory",
                 )
             continue
-        diff = config_differences(stored, current)
+        diff = config_differences(stored, current, MAY_CHANGE_ON_REPLAN if replan else ())
         if diff:
             listed = "; ".join(f"{k}: {_show(a)} in the checkpoint, {_show(b)} now" for k, a, b in diff[:8])
             more = f"; and {len(diff) - 8} more" if len(diff) > 8 else ""
@@ -119,7 +134,9 @@ def _stored_config(meta: dict[str, Any], step_dir: Path, ckpt_root: Path) -> tup
     return None, ""
 
 
-def config_differences(stored: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+def config_differences(
+    stored: dict[str, Any], current: dict[str, Any], also_may_change: tuple[str, ...] = ()
+) -> list[tuple[str, Any, Any]]:
     """(dotted key, checkpoint's value, this run's value) for every key a resumed run must keep.
 
     A key the checkpoint lacks because a later version added it counts as kept while this run holds
@@ -129,7 +146,7 @@ def config_differences(stored: dict[str, Any], current: dict[str, Any]) -> list[
     defaults = _flatten(json.loads(json.dumps(DFlashConfig().to_dict())))
     out = []
     for key in sorted(set(a) | set(b)):
-        if key not in MUST_MATCH and key.startswith(MAY_CHANGE):
+        if key not in MUST_MATCH and key.startswith(MAY_CHANGE + also_may_change):
             continue
         if key not in a and key in defaults and b.get(key) == defaults[key]:
             continue
@@ -161,3 +178,36 @@ def _show(v: Any) -> str:
 
 def _fail(cfg: DFlashConfig, message: str) -> NoReturn:
     raise ConfigError.at(cfg.source, KEY, message)
+
+
+def check_resume_checkpoints(
+    cfg: DFlashConfig, ckpt_root: Path, *, digests: bool = False, plan: dict[str, Any] | None = None
+) -> ResumeChoice:
+    """The checkpoint ``--resume`` continues from (``ckpt_verify.choose_checkpoint``); checkpoints that
+    all fail are refused, naming each one's fault. ``digests`` and ``plan`` as there."""
+    try:
+        return choose_checkpoint(ckpt_root, digests=digests, plan=plan)
+    except NoUsableCheckpoint as e:
+        _fail(cfg, str(e))
+
+
+def check_resume_data(cfg: DFlashConfig, choice: ResumeChoice, plan: dict[str, Any], *, replan: bool) -> tuple[bool, str | None]:
+    """The chosen checkpoint's data against the data planned now: (re-planned, the line `up` prints).
+    Changed data is refused, naming what changed, unless ``replan``."""
+    extra = choice.meta.get("extra")
+    old = extra.get("data") if isinstance(extra, dict) else None
+    new = plan.get("data_fingerprint")
+    if choice.path is None or same_data(old, new):
+        return False, ("--replan: the data is as the checkpoint's; nothing re-planned" if replan and choice.path is not None else None)
+    changes = "; ".join(describe_changes(old, new)) or "its digest differs"
+    if not replan:
+        _fail(
+            cfg,
+            f"the data changed since the checkpoint {choice.path} was written: {changes}. Its ledger's batch ids would name "
+            "other samples (some trained twice, some never): put the data back, or pass --replan to re-plan the changed data",
+        )
+    return True, (
+        f"--replan: the data changed since {choice.path.name} ({changes}); re-planned: {plan.get('n_batches_total')} batches, "
+        f"all new (the checkpoint's {len(choice.ledger)} consumed batches were ids of the old plan); the weights and optimizer "
+        f"continue from step {choice.meta.get('step')}"
+    )

@@ -70,7 +70,7 @@ from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_en
 from dflash_ipc.runtime.probe import run_probe
 from dflash_ipc.runtime.progress import PlainProgress, RichProgress, eta_seconds, finished_summary, progress_display, progress_snapshot
 from dflash_ipc.runtime.restarts import GroupFailed, run_with_restarts
-from dflash_ipc.runtime.resume_check import check_resume_config
+from dflash_ipc.runtime.resume_check import check_resume_checkpoints, check_resume_config, check_resume_data
 from dflash_ipc.runtime.run_lock import RunDirLock, lock_run_dirs
 from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 
@@ -116,6 +116,7 @@ class Supervisor:
         run_dir: Path,
         *,
         resume: bool = False,
+        replan: bool = False,
         max_restarts: int = 0,
         echo=print,
         forward_only: int = 0,
@@ -128,6 +129,7 @@ class Supervisor:
         self.node_group: NodeGroup | SingleNode = SingleNode()
         self.run_dir = run_dir
         self.resume = resume
+        self.replan = replan  # up --replan: a resumed run may re-plan changed data (runtime/resume_check.py)
         self.max_restarts = max_restarts
         self.echo = echo
         # True: a live progress bar on this process's stdout (a TTY); False: plain lines through echo.
@@ -179,11 +181,12 @@ class Supervisor:
                 f"{self.node.shared_root(run_dir)} already holds checkpoints; pass --resume to continue that run, or use another --run-dir"
             )
         if self.resume:  # the shared checkpoint root of several nodes, too (the run dir's: validate_for_up)
-            check_resume_config(self.cfg, self.node.checkpoint_root(run_dir))
+            check_resume_config(self.cfg, self.node.checkpoint_root(run_dir), replan=self.replan)
         n_shards = self.node.nnodes * len(self.cfg.topology.targets)  # every target of every node: one global shard each
         self.launcher = self.launcher or launcher_for(self.cfg, child_env(), self.echo)  # says where its preload went (or which shared one)
         plan = run_probe(self.cfg, run_dir, n_shards, launcher=self.launcher)
         self.echo(f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)")
+        replanned = self._check_resume_data(plan.plan_json()) if self.resume else False
         channels.make_private_dir(run_dir)
         for sub in ("logs", "checkpoints", "data"):
             channels.make_private_dir(run_dir / sub)
@@ -206,8 +209,20 @@ class Supervisor:
         self.run_id = new_run_id()
         (run_dir / "run_id").write_text(self.run_id + "\n")
         write_resolved_config(self.cfg, run_dir)
-        self.plan = plan.plan_json()
+        self.plan = plan.plan_json() | ({"replan": True} if replanned else {})
         (run_dir / "plan.json").write_text(json.dumps(self.plan, indent=2))
+
+    def _check_resume_data(self, plan: dict) -> bool:
+        """Before anything is written: the checkpoint to resume from verified end to end (every sha256,
+        its ledger against this plan), falling back past damaged ones with the reason printed, and
+        its data against this data. True: changed data re-planned (``--replan``)."""
+        choice = check_resume_checkpoints(self.cfg, self.node.checkpoint_root(self.run_dir), digests=True, plan=plan)
+        for note in choice.notes:
+            self.echo(f"[up] checkpoint: {note}")
+        replanned, line = check_resume_data(self.cfg, choice, plan, replan=self.replan)
+        if line:
+            self.echo(f"[up] {line}")
+        return replanned
 
     # ------------------------------------------------------------------ run
 
