@@ -477,6 +477,32 @@ def eval_cmd(config_path, drafter_dir, prompts_path, suite, as_json, **options) 
     sys.exit(0 if ok else 1)
 
 
+@main.command("export")
+@click.option("--from", "source", required=True, type=click.Path(file_okay=False), help="A run directory, or one checkpoints/step-N.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the export (files 0644).")
+@choice_option("--for", "client", choices=("all", "vllm", "sglang", "zlab"), help="Serving client ('all': one layout all read).")
+@click.option("--device", default="cpu", show_default=True, help="Where to rebuild the drafter (the target's embedding and head are read).")
+@json_option()
+def export_cmd(source: str, out_dir: str, client: str, device: str, as_json: bool) -> None:
+    """Export a run's newest complete checkpoint for a serving engine; print the command that serves it."""
+    from dflash_ipc.drafter.export_run import export_checkpoint
+
+    _check_device_option("--device", device, "cpu", "cpu")
+    try:
+        res = export_checkpoint(source, out_dir, client, device)
+    except (ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    if as_json:
+        click.echo(json.dumps(res.to_json()))
+        return
+    for note in res.notes:
+        click.echo(f"note: {note}", err=True)
+    click.echo(f"exported step {res.step} ({res.checkpoint}) for {client} -> {res.out}\n")
+    for cmd in res.commands.values():
+        click.echo(cmd + "\n")
+
+
 @main.command("export-untrained")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for config.json + model.safetensors.")
