@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from dflash_ipc.bench.drafter_serve import drafter_serve_command
 from dflash_ipc.bench.drafter_step_cli import drafter_step_cmd
 from dflash_ipc.cli_options import choice_option, int_option, json_option
 from dflash_ipc.config import ConfigError
@@ -28,6 +29,7 @@ def bench() -> None:
 
 
 bench.add_command(drafter_step_cmd)
+bench.add_command(drafter_serve_command())
 
 
 @bench.command("transport")

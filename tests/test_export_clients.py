@@ -24,23 +24,35 @@ from dflash_ipc.drafter.export import CLIENTS, D2T_TENSOR, HEAD_TENSOR, MODELING
 
 zl = pytest.importorskip("dflash.model", reason="z-lab's dflash (the test extra) is not installed")
 
-N_PROMPTS, MAX_NEW, DRAFT_ROWS = 16, 24, 256
+N_PROMPTS, MAX_NEW, DRAFT_ROWS, STEPS = 16, 24, 256, 40
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_llama):
-    """(config, run directory, {client: export directory}) of one short in-process run."""
+    """(config, run directory, {client: (export directory, serving commands)}) of one short in-process
+    run on the target's own greedy answers to 16 built-in questions (gen-data), as a user trains."""
     from loop_harness import InprocRun, small_config
 
+    from dflash_ipc.data.builtin_corpus import builtin_conversations
+    from dflash_ipc.data.gen import GenOptions, run_gen_data
     from dflash_ipc.runtime.probe import plan_data
 
     tmp = tmp_path_factory.mktemp("export")
+    questions, answers = tmp / "questions.jsonl", tmp / "gen.jsonl"
+    chats = builtin_conversations(N_PROMPTS, 256)
+    questions.write_text("".join(json.dumps({"id": f"q{i}", **c}) + "\n" for i, c in enumerate(chats)))
+    target = {"model_path": str(tiny_llama), "spec": {}}
+    (tmp / "gen").mkdir()
+    (tmp / "train").mkdir()
+    gen_cfg = small_config(tmp / "gen", targets=1, target=target, data={"paths": [str(questions)]})
+    run_gen_data(gen_cfg, answers, GenOptions(batch_size=N_PROMPTS, max_new=MAX_NEW))
     cfg = small_config(
-        tmp,
+        tmp / "train",
         targets=1,
-        target={"model_path": str(tiny_llama), "spec": {}},
+        target=target,
+        data={"paths": [str(answers)], "num_epochs": 100},
         drafter={"draft_vocab_size": DRAFT_ROWS},
-        training={"max_steps": 24, "lr": 3e-3},
+        training={"max_steps": STEPS, "lr": 1e-2, "warmup_steps": 2},
     )
     run_dir = tmp / "run"
     run_dir.mkdir(mode=0o700)
@@ -55,7 +67,7 @@ def trained(tmp_path_factory, tiny_llama):
         r = CliRunner().invoke(main, ["export", "--from", str(run_dir), "--out", str(tmp / client), "--for", client, "--json"])
         assert r.exit_code == 0, r.output
         rep = json.loads(r.output.strip().splitlines()[-1])
-        assert rep["step"] == 24 and rep["client"] == client
+        assert rep["step"] == STEPS and rep["client"] == client
         outs[client] = (Path(rep["out"]), rep["commands"])
     return cfg, run_dir, outs
 
@@ -70,7 +82,8 @@ def target(trained, tiny_llama):
     cfg = trained[0]
     tok = load_tokenizer(cfg.target.tokenizer)
     lm = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation="sdpa").eval()
-    return lm, load_prompts(cfg, tok, None, N_PROMPTS), sorted(stop_token_ids(tok))
+    prompts, stops = load_prompts(cfg, tok, None, N_PROMPTS), sorted(stop_token_ids(tok))
+    return lm, prompts, stops, _greedy(lm, prompts, stops)
 
 
 def _eval_tau(cfg, export: Path) -> dict:
@@ -147,7 +160,7 @@ def test_the_d2t_table_maps_each_head_row_to_the_target_id_it_drafts(trained):
 
 def test_zlab_draft_model_decodes_the_sglang_layout_losslessly_at_evals_tau(trained, target):
     cfg, _, outs = trained
-    lm, prompts, stops = target
+    lm, prompts, stops, greedy = target
     draft, info = zl.DFlashDraftModel.from_pretrained(outs["sglang"][0], dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched key
     assert (draft.block_size, draft.mask_token_id) == (
@@ -155,7 +168,7 @@ def test_zlab_draft_model_decodes_the_sglang_layout_losslessly_at_evals_tau(trai
         json.loads((outs["sglang"][0] / "config.json").read_text())["dflash_config"]["mask_token_id"],
     )
     outputs, lengths = _zlab_decode(draft.eval(), lm, prompts, stops)
-    assert outputs == _greedy(lm, prompts, stops)
+    assert outputs == greedy
     rep = _eval_tau(cfg, outs["sglang"][0])  # over the whole head, as SGLang and z-lab's class draft
     tau = round(sum(lengths) / len(lengths), 4)
     print(f"\nz-lab DFlashDraftModel, whole head: tau {tau} (eval {rep['tau']}), {len(prompts)} prompts lossless")
@@ -172,17 +185,16 @@ def test_automodel_route_drafts_over_the_reduced_head_at_evals_tau(trained, targ
     from transformers import AutoModel
 
     cfg, _, outs = trained
-    lm, prompts, stops = target
+    lm, prompts, stops, greedy = target
     draft, info = AutoModel.from_pretrained(outs["zlab"][0], trust_remote_code=True, dtype=torch.float32, output_loading_info=True)
     assert type(draft).__name__ == "DFlashIpcDraftModel" and not any(info.values()), info
     assert draft.reduced_head
     outputs, lengths = _zlab_decode(draft.eval(), lm, prompts, stops)
-    greedy = _greedy(lm, prompts, stops)
     assert outputs == greedy
     rep = _eval_tau(cfg, outs["zlab"][0])  # eval drafts over the same rows (d2t)
     tau = round(sum(lengths) / len(lengths), 4)
     print(f"\nAutoModel route, {DRAFT_ROWS}-row head, z-lab's loop: tau {tau} (eval {rep['tau']})")
-    assert rep["lossless"] is True and tau == rep["tau"]
+    assert rep["lossless"] is True and tau == rep["tau"] and len(lengths) == rep["verify_steps"]
     # its own greedy loop: the same outputs and steps
     own = []
     for p, g in zip(prompts, greedy):

@@ -33,6 +33,13 @@ def _dflash_value(config, name: str, default=None):
     return (getattr(config, "dflash_config", None) or {}).get(name, getattr(config, name, default))
 
 
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` positions of ``cache`` (a negative count: what every transformers 5 accepts)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -184,7 +191,7 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
             if width > 1:
                 pos = torch.arange(done - ctx.shape[1], done + width, device=dev)[None]
                 h = self(pos, embed(block), ctx, past_key_values=d_cache, use_cache=True)
-                d_cache.crop(done)
+                crop_cache(d_cache, done)
                 block[0, 1:] = self.compute_logits(h[:, 1:], head).argmax(-1)[0]
             pos = torch.arange(done, done + width, device=dev)[None]
             out = target(block, position_ids=pos, past_key_values=t_cache, use_cache=True, output_hidden_states=True)
@@ -197,5 +204,5 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
             self.acceptance_lengths.append(len(new))
             ctx = self._context(out.hidden_states)[:, : len(new)]
             done += len(new)
-            t_cache.crop(done)
+            crop_cache(t_cache, done)
         return torch.cat([input_ids, torch.tensor([tokens], device=dev)], dim=1)
