@@ -41,7 +41,8 @@ def trained(tmp_path_factory, tiny_llama):
     questions, answers = tmp / "questions.jsonl", tmp / "gen.jsonl"
     chats = builtin_conversations(N_PROMPTS, 256)
     questions.write_text("".join(json.dumps({"id": f"q{i}", **c}) + "\n" for i, c in enumerate(chats)))
-    target = {"model_path": str(tiny_llama), "spec": {}}
+    # not the last of its 4 layers: Hugging Face's hidden_states[4] is the final-normed output (export notes it)
+    target = {"model_path": str(tiny_llama), "spec": {}, "layer_ids": [0, 1, 2]}
     (tmp / "gen").mkdir()
     (tmp / "train").mkdir()
     gen_cfg = small_config(tmp / "gen", targets=1, target=target, data={"paths": [str(questions)]})
@@ -67,7 +68,7 @@ def trained(tmp_path_factory, tiny_llama):
         r = CliRunner().invoke(main, ["export", "--from", str(run_dir), "--out", str(tmp / client), "--for", client, "--json"])
         assert r.exit_code == 0, r.output
         rep = json.loads(r.output.strip().splitlines()[-1])
-        assert rep["step"] == STEPS and rep["client"] == client
+        assert rep["step"] == STEPS and rep["client"] == client and rep["notes"] == []
         outs[client] = (Path(rep["out"]), rep["commands"])
     return cfg, run_dir, outs
 
@@ -228,3 +229,16 @@ def test_speculators_converts_and_loads_the_export_with_the_ids_it_expects(train
     theirs = model.state_dict()
     for name in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight", "norm.weight"):
         torch.testing.assert_close(theirs[name], mine[name])
+
+
+def test_a_drafter_reading_the_targets_last_layer_is_noted(trained):
+    import dataclasses
+
+    from dflash_ipc.drafter.export import read_export
+    from dflash_ipc.drafter.export_run import client_notes
+
+    conf = read_export(trained[2]["all"][0])
+    assert client_notes(conf) == []
+    last = dataclasses.replace(conf, target_layer_ids=[0, 1, conf.num_target_layers - 1])
+    (note,) = client_notes(last)
+    assert "last layer" in note and "target.layer_ids" in note

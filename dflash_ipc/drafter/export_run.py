@@ -87,11 +87,23 @@ def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", dev
         raise ValueError(f"{ckpt.path}: its weights do not fit the drafter its config describes: {str(e)[:400]}") from None
     path = export_drafter(model, out, chat_template_kwargs=cfg.chat_template.kwargs, client=client)
     target = cfg.target.model_path or "TARGET"
-    notes = list(ckpt.notes)
+    notes = [*ckpt.notes, *client_notes(model.config)]
     if not cfg.target.model_path:
         notes.append("the run's target is a random spec (no target.model_path): TARGET in the commands stands for it")
     commands = serving_commands(path, model.config, target, cfg.chat_template.kwargs, client)
     return ExportResult(path, ckpt.path, ckpt.step, client, commands, notes)
+
+
+def client_notes(config: DrafterModelConfig) -> list[str]:
+    """What the clients read differently in this drafter (empty: they all read it as it trained)."""
+    last = config.num_target_layers - 1
+    if config.num_target_layers and last in config.target_layer_ids:
+        return [
+            f"target layer {last} is the target's last layer: Hugging Face's hidden_states[{last + 1}] (z-lab's loop) is "
+            "its final-normed output, not the raw layer output the drafter trained on (engines may differ too); train with "
+            "target.layer_ids below it for a drafter every client serves as it trained"
+        ]
+    return []
 
 
 def serving_commands(out: Path, config: DrafterModelConfig, target: str, chat_kwargs: dict, client: str = "all") -> dict[str, str]:
