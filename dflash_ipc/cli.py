@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from dflash_ipc.bench.drafter_serve import drafter_serve_command
 from dflash_ipc.bench.drafter_step_cli import drafter_step_cmd
 from dflash_ipc.bench.gen_decode_cli import gen_decode_cmd
 from dflash_ipc.cli_options import choice_option, int_option, json_option, set_option
@@ -30,6 +31,7 @@ def bench() -> None:
 
 bench.add_command(drafter_step_cmd)
 bench.add_command(gen_decode_cmd)
+bench.add_command(drafter_serve_command())
 
 
 @bench.command("transport")
@@ -506,6 +508,32 @@ def eval_cmd(config_path, drafter_dir, prompts_path, suite, set_values, as_json,
     if as_json or not suite:
         click.echo(json.dumps(report) if as_json else json.dumps(report, indent=2))
     sys.exit(0 if ok else 1)
+
+
+@main.command("export")
+@click.option("--from", "source", required=True, type=click.Path(file_okay=False), help="A run directory, or one checkpoints/step-N.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the export (files 0644).")
+@choice_option("--for", "client", choices=("all", "vllm", "sglang", "zlab"), help="Serving client ('all': one layout all read).")
+@click.option("--device", default="cpu", show_default=True, help="Where to rebuild the drafter (the target's embedding and head are read).")
+@json_option()
+def export_cmd(source: str, out_dir: str, client: str, device: str, as_json: bool) -> None:
+    """Export a run's newest complete checkpoint for a serving engine; print the command that serves it."""
+    from dflash_ipc.drafter.export_run import export_checkpoint
+
+    _check_device_option("--device", device, "cpu", "cpu")
+    try:
+        res = export_checkpoint(source, out_dir, client, device)
+    except (ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    if as_json:
+        click.echo(json.dumps(res.to_json()))
+        return
+    for note in res.notes:
+        click.echo(f"note: {note}", err=True)
+    click.echo(f"exported step {res.step} ({res.checkpoint}) for {client} -> {res.out}\n")
+    for cmd in res.commands.values():
+        click.echo(cmd + "\n")
 
 
 @main.command("export-untrained")

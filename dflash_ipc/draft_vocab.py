@@ -12,7 +12,7 @@ Who writes and reads it::
     up -> probe: corpus tokenized -> RUN_DIR/draft_vocab.json   (kept as it is when it exists: a resumed
                                                                  run drafts over the same tokens)
     drafter (every rank, every node) reads RUN_DIR/draft_vocab.json -> the head's rows
-    export: draft_vocab.safetensors (``draft_token_ids``) + ``dflash_config.draft_vocab_size`` -> eval
+    export: lm_head.weight (the rows) + d2t (row + d2t[row] = target id) + draft_vocab_size -> eval, vLLM
 
 Each node's probe chooses from the same data with the same rule (count, then id), so nodes agree
 without sending the list around.
@@ -30,7 +30,7 @@ import torch
 from dflash_ipc.fsutil import write_text_atomic
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
-#: the export's file and tensor name (loaders that do not know them share the target's full head)
+#: the draft rows of exports written before they travelled as lm_head + d2t (still read by eval)
 EXPORT_FILE = "draft_vocab.safetensors"
 EXPORT_TENSOR = "draft_token_ids"
 

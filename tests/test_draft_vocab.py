@@ -146,6 +146,7 @@ def test_labels_outside_the_head_carry_no_loss_and_count_as_misses(weighting):
 
 
 def test_the_export_carries_its_rows_and_eval_drafts_over_them_losslessly(tmp_path):
+    from safetensors import safe_open
     from test_eval import TINY
 
     from dflash_ipc.cli import main
@@ -166,8 +167,12 @@ def test_the_export_carries_its_rows_and_eval_drafts_over_them_losslessly(tmp_pa
     ids = tuple(range(0, 400, 2))
     model = drafter_for_target(cfg, hf, layer_ids, vocab - 1, "cpu", DraftVocab(ids, vocab, 0.5, 10))
     out = export_drafter(model, tmp_path / "d")
-    assert (out / EXPORT_FILE).is_file()
-    assert json.loads((out / "config.json").read_text())["dflash_config"]["draft_vocab_size"] == 200
+    with safe_open(str(out / "model.safetensors"), "pt") as st:  # vLLM's EAGLE-3 layout: row + d2t[row] = target id
+        assert (torch.arange(200) + st.get_tensor("d2t")).tolist() == list(ids)
+        torch.testing.assert_close(st.get_tensor("lm_head.weight"), model.lm_head_weight)
+    assert not (out / EXPORT_FILE).exists()
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["dflash_config"]["draft_vocab_size"] == conf["draft_vocab_size"] == 200
     assert read_export(out).draft_vocab_size == 200
     back = load_exported_drafter(out, *target_head_weights(cfg.target, hf, "cpu", torch.float32))
     assert back.draft_token_ids.tolist() == list(ids)
@@ -181,12 +186,21 @@ def test_the_export_carries_its_rows_and_eval_drafts_over_them_losslessly(tmp_pa
     # a full-vocabulary export into the same directory leaves no stale rows behind
     whole = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, draft_vocab_size=0))
     export_drafter(drafter_for_target(whole, hf, layer_ids, vocab - 1, "cpu"), out)
-    assert not (out / EXPORT_FILE).exists() and read_export(out).draft_vocab_size == 0
-    # the rows' file lost: refused by name before any model is built
-    export_drafter(model, out)
-    (out / EXPORT_FILE).unlink()
-    with pytest.raises(ValueError, match=EXPORT_FILE):
-        read_export(out)
+    with safe_open(str(out / "model.safetensors"), "pt") as st:
+        assert "d2t" not in st.keys() and read_export(out).draft_vocab_size == 0
+    # an older export's rows file is still read
+    from safetensors.torch import save_file
+
+    old_layout = export_drafter(model, tmp_path / "old", client="sglang")  # no d2t: then config says the whole head
+    conf = json.loads((old_layout / "config.json").read_text())
+    conf["dflash_config"]["draft_vocab_size"] = 200
+    (old_layout / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match="no d2t"):  # rows named nowhere: refused by name before any model is built
+        read_export(old_layout)
+    save_file({"draft_token_ids": torch.tensor(ids)}, str(old_layout / EXPORT_FILE))
+    assert load_exported_drafter(old_layout, *target_head_weights(cfg.target, hf, "cpu", torch.float32)).draft_token_ids.tolist() == list(
+        ids
+    )
 
 
 # --------------------------------------------------------------------------- a real run, in one process

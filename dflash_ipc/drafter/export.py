@@ -18,16 +18,42 @@ from dflash_ipc.drafter.safetensors_stream import write_safetensors
 EXPORT_WEIGHTS_FILE = "model.safetensors"
 
 
-def drafter_hf_config(config: DrafterModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+#: the serving clients an export is laid out for; "all": one directory every one of them reads
+CLIENTS = ("all", "vllm", "sglang", "zlab")
+#: the project's own modeling code, written beside the weights for ``trust_remote_code`` loaders
+MODELING_FILE = "modeling_dflash_ipc.py"
+MODEL_CLASS = "DFlashIpcDraftModel"
+#: the reduced head in vLLM's EAGLE-3 layout: ``lm_head.weight`` [N, H] and ``d2t`` [N]
+#: (draft row i drafts target id ``i + d2t[i]``)
+HEAD_TENSOR, D2T_TENSOR = "lm_head.weight", "d2t"
+EXPORT_MODE = 0o644  # an export is read by serving engines, often as another user
+
+
+def _check_client(client: str) -> None:
+    if client not in CLIENTS:
+        raise ValueError(f"unknown export client {client!r}: one of {', '.join(CLIENTS)}")
+
+
+def carries_reduced_head(config: DrafterModelConfig, client: str = "all") -> bool:
+    """Whether an export for ``client`` carries the drafter's own head rows (+ d2t): every layout but
+    SGLang's, whose DFlash loader skips both and drafts over the target's whole head."""
+    return bool(config.draft_vocab_size) and client != "sglang"
+
+
+def drafter_hf_config(config: DrafterModelConfig, dtype: torch.dtype, client: str = "all") -> dict[str, Any]:
     """The ``config.json`` of an exported drafter (see :func:`export_drafter`)."""
+    _check_client(client)
     any_sliding = SLIDING in config.layer_types
     weights_dtype = dtype_name(dtype)
+    reduced = carries_reduced_head(config, client)
     dflash_config: dict[str, Any] = {
         "block_size": config.block_size,
         "mask_token_id": config.mask_token_id,
         "target_layer_ids": list(config.target_layer_ids),
     }
-    if config.draft_vocab_size:
+    if config.num_target_layers:
+        dflash_config["num_target_layers"] = config.num_target_layers
+    if reduced:
         dflash_config["draft_vocab_size"] = config.draft_vocab_size
     out: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
@@ -54,70 +80,107 @@ def drafter_hf_config(config: DrafterModelConfig, dtype: torch.dtype) -> dict[st
         "tie_word_embeddings": False,
         "block_size": config.block_size,
         "dflash_config": dflash_config,
-        # vLLM's aux-hidden-state ids are "captured before layer i" = DFlash's "output of
-        # layer i-1", hence +1 (vLLM derives the same from dflash_config.target_layer_ids).
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        # what the drafter serves with: `method` and `num_speculative_tokens` of vLLM's --speculative-config
+        # (SGLang's --speculative-num-draft-tokens is the block size)
+        "method": "dflash",
+        "num_speculative_tokens": config.block_size - 1,
         "dtype": weights_dtype,
         "torch_dtype": weights_dtype,
     }
+    if client in ("all", "vllm"):
+        # vLLM's aux-hidden-state ids are "captured before layer i" = DFlash's "output of
+        # layer i-1", hence +1 (vLLM derives the same from dflash_config.target_layer_ids).
+        out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config.target_layer_ids]
+    if reduced:  # vLLM reads the head's size from the top level
+        out["draft_vocab_size"] = config.draft_vocab_size
+    if client in ("all", "zlab"):
+        out["auto_map"] = {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{MODEL_CLASS}"}
     if config.num_target_layers:
         out["num_target_layers"] = config.num_target_layers
     return out
 
 
+def _export_tensors(model: DFlashDrafter, client: str) -> dict[str, torch.Tensor]:
+    tensors = dict(model.state_dict())
+    if carries_reduced_head(model.config, client):
+        ids = model.draft_token_ids.detach().to(torch.int64)
+        tensors[HEAD_TENSOR] = model.lm_head_weight.detach()
+        tensors[D2T_TENSOR] = (ids - torch.arange(ids.numel(), device=ids.device)).cpu()
+    return tensors
+
+
 def export_drafter(
-    model: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None, chat_template_kwargs: dict | None = None
+    model: DFlashDrafter,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    chat_template_kwargs: dict | None = None,
+    client: str = "all",
 ) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` for the SGLang / vLLM DFlash loaders.
+    """Write ``config.json`` + ``model.safetensors`` for the serving engines' DFlash loaders (``client``:
+    one of :data:`CLIENTS`; "all" writes the union, which every one of them reads).
 
     Layout, chosen after reading ``sglang: python/sglang/srt/models/dflash.py`` (``DFlashDraftModel``,
-    ``load_weights``), ``sglang: python/sglang/srt/speculative/dflash_utils.py``
+    ``load_weights``: unknown names are skipped), ``sglang: python/sglang/srt/speculative/dflash_utils.py``
     (``parse_dflash_draft_config``, ``get_dflash_layer_types``,
     ``get_dflash_attention_sliding_window_size``), ``vllm: vllm/model_executor/models/qwen3_dflash.py``
-    (``DFlashQwen3Model`` / ``DFlashQwen3ForCausalLM.load_weights``, ``_resolve_layer_attention``),
-    vLLM's ``eagle3_utils.get_eagle3_aux_layers_from_config`` and SpecForge
-    ``specforge/modeling/draft/dflash.py``:
+    (``DFlashQwen3Model`` / ``DFlashQwen3ForCausalLM.load_weights``, ``_resolve_layer_attention``,
+    ``compute_logits``: ``lm_head`` + ``d2t``), vLLM's ``eagle3_utils.get_eagle3_aux_layers_from_config``,
+    z-lab ``dflash`` 0.1.0 ``dflash/model.py`` and SpecForge ``specforge/modeling/draft/dflash.py``:
 
     * ``config.json``: a Qwen3 config (``model_type: "qwen3"``) with
       ``architectures: ["DFlashDraftModel"]``, ``num_hidden_layers``, ``layer_types``,
       ``use_sliding_window`` / ``sliding_window`` (HF semantics: the window counts the current
       token), ``rope_parameters`` (+ legacy ``rope_theta``), top-level ``block_size`` and
-      ``num_target_layers``, ``dflash_config: {block_size, mask_token_id, target_layer_ids}``
-      and ``eagle_aux_hidden_state_layer_ids = target_layer_ids + 1``. No ``is_causal``: both
-      loaders then default to causal in-block attention for sliding layers and bidirectional
-      for full layers, which is what this drafter trains.
+      ``num_target_layers``, ``dflash_config: {block_size, mask_token_id, target_layer_ids,
+      num_target_layers}`` (target layer ids count as z-lab and SGLang count them: the output of
+      layer i, ``hidden_states[i + 1]``), ``method`` / ``num_speculative_tokens`` (block - 1), and
+      for vLLM ``eagle_aux_hidden_state_layer_ids = target_layer_ids + 1``. No ``is_causal``: every
+      loader then defaults to causal in-block attention for sliding layers and bidirectional for
+      full layers, which is what this drafter trains.
     * ``model.safetensors``: unprefixed names ``layers.N.self_attn.{q,k,v,o}_proj.weight``,
       ``layers.N.self_attn.{q,k}_norm.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
       ``layers.N.{input,post_attention}_layernorm.weight``, ``fc.weight``,
       ``hidden_norm.weight``, ``norm.weight``. SGLang stacks q/k/v and gate/up itself; vLLM
-      adds the ``model.`` prefix itself.
-    * No ``embed_tokens`` / ``lm_head``: SGLang's DFlash model has neither ("uses the target
-      model's embedding/lm_head"), and vLLM's ``load_weights`` treats both as optional and
-      shares the target's when they are absent.
-
+      adds the ``model.`` prefix itself. No ``embed_tokens``: every engine shares the target's.
+    * A drafter trained over a draft vocabulary (``drafter.draft_vocab_size``) carries its head in
+      vLLM's EAGLE-3 layout: ``lm_head.weight`` (the N target rows it drafts over), ``d2t``
+      (``target id = row + d2t[row]``) and top-level ``draft_vocab_size``; vLLM and the export's
+      own modeling code draft over those rows. SGLang's loader and z-lab's ``DFlashDraftModel``
+      skip both tensors and draft over the target's whole head (lossless, not the saving); the
+      ``sglang`` layout leaves them out, and eval then drafts over the whole head as SGLang does.
+    * ``all`` and ``zlab``: ``modeling_dflash_ipc.py`` (the project's own, :mod:`.hf_modeling`) and
+      ``auto_map``, for ``AutoModel.from_pretrained(EXPORT, trust_remote_code=True)``.
     * ``chat_template_kwargs``: the ``[chat_template] kwargs`` the training data was rendered with
       (``{}``: none), for eval's check and the serving request; loaders ignore the key.
-    * A drafter trained over a draft vocabulary (``drafter.draft_vocab_size``) also writes
-      ``draft_vocab.safetensors`` (``draft_token_ids``: the target ids of its head's rows, ascending)
-      and ``dflash_config.draft_vocab_size``. ``dflash-ipc eval`` drafts over those rows; SGLang's and
-      vLLM's DFlash loaders read neither and draft over the target's whole head.
 
-    Note: vLLM needs its V2 model runner for drafters that mix sliding and full layers.
+    Every file is written 0644. Note: vLLM needs its V2 model runner for drafters that mix sliding
+    and full layers.
     """
+    _check_client(client)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or model.dtype
-    write_safetensors(out / EXPORT_WEIGHTS_FILE, model.state_dict(), {"format": "pt"}, dtype=dtype)  # bounded host memory
+    weights = out / EXPORT_WEIGHTS_FILE
+    tensors = _export_tensors(model, client)
+    if all(t.is_floating_point() for t in tensors.values()):
+        write_safetensors(weights, tensors, {"format": "pt"}, dtype=dtype)  # bounded host memory
+    else:  # d2t stays int64: cast the weights one by one (on their device)
+        write_safetensors(weights, {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, {"format": "pt"})
     vocab_file = out / DRAFT_VOCAB_EXPORT_FILE
-    if model.draft_token_ids is not None:
-        from safetensors.torch import save_file
-
-        save_file({DRAFT_VOCAB_TENSOR: model.draft_token_ids.detach().cpu().contiguous()}, str(vocab_file), {"format": "pt"})
-    elif vocab_file.exists():
-        vocab_file.unlink()  # an earlier export into the same directory drafted over other rows
-    cfg = drafter_hf_config(model.config, dtype)
+    if vocab_file.exists():
+        vocab_file.unlink()  # an export of an earlier layout: the rows now travel as lm_head + d2t
+    modeling = out / MODELING_FILE
+    if client in ("all", "zlab"):
+        modeling.write_text(Path(__file__).with_name("hf_modeling.py").read_text())
+    elif modeling.exists():
+        modeling.unlink()
+    cfg = drafter_hf_config(model.config, dtype, client)
     cfg[CHAT_TEMPLATE_KWARGS_KEY] = dict(chat_template_kwargs or {})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(EXPORT_MODE)
     return out
 
 
@@ -206,6 +269,9 @@ def load_exported_drafter(
         state = load_file(str(weights), device=str(device) if device is not None else "cpu")
     except SafetensorError as e:
         raise ValueError(f"{weights}: not a readable safetensors file ({e}); export the drafter again") from None
+    # the head rows are the target's own (frozen): rebuilt from lm_head_weight by their ids (d2t)
+    state.pop(HEAD_TENSOR, None)
+    state.pop(D2T_TENSOR, None)
     dtype = next(iter(state.values())).dtype if state else torch.float32
     model = DFlashDrafter(cfg, embed_weight, lm_head_weight, attention=attention, device=device, init_seed=0, draft_token_ids=ids).to(dtype)
     try:
@@ -216,21 +282,31 @@ def load_exported_drafter(
 
 
 def read_export_draft_vocab(path: Path, cfg: DrafterModelConfig) -> torch.Tensor | None:
-    """The export's draft vocabulary (``draft_vocab.safetensors``), None when it drafts over the whole vocabulary."""
+    """The target ids the export's head rows draft over (``d2t`` in model.safetensors, or an older
+    export's ``draft_vocab.safetensors``), None when it drafts over the whole vocabulary."""
     if not cfg.draft_vocab_size:
         return None
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
-    f = path / DRAFT_VOCAB_EXPORT_FILE
+    weights = path / EXPORT_WEIGHTS_FILE
     try:
-        ids = load_file(str(f))[DRAFT_VOCAB_TENSOR]
-    except FileNotFoundError:
-        raise ValueError(
-            f"{f}: not found; config.json's dflash_config.draft_vocab_size is {cfg.draft_vocab_size}: export the drafter again"
-        ) from None
-    except (SafetensorError, KeyError) as e:
-        raise ValueError(f"{f}: no readable {DRAFT_VOCAB_TENSOR} ({type(e).__name__}: {e}); export the drafter again") from None
+        with safe_open(str(weights), framework="pt") as f:
+            d2t = f.get_tensor(D2T_TENSOR) if D2T_TENSOR in f.keys() else None
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{weights}: not a readable safetensors file ({e}); export the drafter again") from None
+    if d2t is not None:
+        f, ids = weights, torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64)
+    else:
+        f = path / DRAFT_VOCAB_EXPORT_FILE
+        try:
+            ids = load_file(str(f))[DRAFT_VOCAB_TENSOR]
+        except FileNotFoundError:
+            raise ValueError(
+                f"{weights}: no {D2T_TENSOR}; config.json's draft_vocab_size is {cfg.draft_vocab_size}: export the drafter again"
+            ) from None
+        except (SafetensorError, KeyError) as e:
+            raise ValueError(f"{f}: no readable {DRAFT_VOCAB_TENSOR} ({type(e).__name__}: {e}); export the drafter again") from None
     if tuple(ids.shape) != (cfg.draft_vocab_size,):
-        raise ValueError(f"{f}: {DRAFT_VOCAB_TENSOR} has shape {tuple(ids.shape)}, config.json says {cfg.draft_vocab_size} tokens")
+        raise ValueError(f"{f}: the draft rows' ids have shape {tuple(ids.shape)}, config.json says {cfg.draft_vocab_size} tokens")
     return ids.to(torch.int64)

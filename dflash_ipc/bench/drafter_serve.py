@@ -1,0 +1,185 @@
+"""The drafter's serving-time step, reduced head vs the target's whole head (``dflash-ipc bench drafter-serve``).
+
+One step of a served drafter, as z-lab's loop and the engines run it: the context tokens the last
+verification kept (``--new-ctx``, about τ) projected and appended to the cached context (``--ctx``
+tokens), one block of ``block_size`` tokens through the layers, then the head on the block's
+``block_size - 1`` draft positions and the greedy pick. Heads, on the same body:
+
+* ``whole``: the target's head, ``[V, H]`` logits, argmax (what SGLang and z-lab's class serve);
+* ``reduced``: the drafter's own ``N`` rows, argmax over them, ``d2t`` maps the row to a target id;
+* ``reduced-scatter``: the ``N`` rows' logits scattered into a ``-inf`` ``[V]`` row, then argmax
+  (vLLM's ``DFlashQwen3ForCausalLM.compute_logits``: its sampler takes full-vocabulary logits).
+
+Random bf16 weights of the export's own modeling code (:mod:`dflash_ipc.drafter.hf_modeling`) at the
+given shapes (default: a 5-layer drafter at Qwen3.6-27B's widths and 248,320-token vocabulary, 32,768
+draft rows). Each (batch, head) cell: ``--warmup`` untimed steps, then the median of ``--steps``
+CUDA-event-timed steps (wall clock on a CPU). Ratios are against ``whole`` at the same batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+HEADS = ("whole", "reduced", "reduced-scatter")
+
+
+@dataclass
+class ServeShape:
+    hidden_size: int = 5120
+    intermediate_size: int = 17408
+    num_layers: int = 5
+    num_heads: int = 40
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    vocab_size: int = 248_320
+    draft_vocab_size: int = 32_768
+    num_target_layers: int = 64
+    capture_layers: int = 5
+    block_size: int = 16
+    ctx: int = 1024
+    new_ctx: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0 < self.draft_vocab_size < self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in (0, vocab_size = {self.vocab_size}); got {self.draft_vocab_size}")
+        if self.block_size < 2 or self.new_ctx < 1 or self.ctx < self.new_ctx:
+            raise ValueError("block_size >= 2, new_ctx >= 1 and ctx >= new_ctx")
+
+
+def _hf_config(s: ServeShape, reduced: bool):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        vocab_size=s.vocab_size,
+        max_position_embeddings=s.ctx + 4 * s.block_size,
+        layer_types=["full_attention"] * s.num_layers,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7},
+        draft_vocab_size=s.draft_vocab_size if reduced else 0,
+        dflash_config={"block_size": s.block_size, "mask_token_id": 0, "target_layer_ids": list(range(s.capture_layers))},
+    )
+
+
+def _timer(device):
+    import torch
+
+    if device.type == "cuda":
+
+        def run(fn) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        return run
+
+    def run_cpu(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return run_cpu
+
+
+def _step(model, whole, head: str, pos, noise, new, cache, keep: int):
+    """One served step: the body on one block over the cached context, then ``head``'s greedy pick."""
+    import torch
+
+    from dflash_ipc.drafter.hf_modeling import crop_cache
+
+    with torch.inference_mode():
+        h = model(pos, noise, new, past_key_values=cache, use_cache=True)[:, 1:]
+        crop_cache(cache, keep)  # the next step's context: only what verification keeps
+        if head == "whole":
+            return whole(h).argmax(-1)
+        if head == "reduced":
+            row = model.lm_head(h).argmax(-1)
+            return row + model.d2t[row]
+        return model.compute_logits(h, whole).argmax(-1)
+
+
+def run_drafter_serve_bench(shape: ServeShape, batches: list[int], *, device: str = "cuda", steps: int = 20, warmup: int = 5) -> dict:
+    import torch
+    from transformers import DynamicCache
+
+    from dflash_ipc.drafter.hf_modeling import DFlashIpcDraftModel, crop_cache
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = DFlashIpcDraftModel(_hf_config(shape, reduced=True)).to(dtype).eval()
+        whole = torch.nn.Linear(shape.hidden_size, shape.vocab_size, bias=False).to(dtype)
+        ids = torch.sort(torch.randperm(shape.vocab_size)[: shape.draft_vocab_size]).values
+    model.d2t.copy_(ids - torch.arange(shape.draft_vocab_size, device=dev))
+    timer, rows = _timer(dev), []
+    k, s, b_size = shape.capture_layers, shape, shape.block_size
+    for b in batches:
+        cache = DynamicCache(config=model.config)
+        noise = torch.randn(b, b_size, s.hidden_size, device=dev, dtype=dtype)
+        with torch.inference_mode():  # the cached context: one step's worth, its block cropped away
+            prefill = torch.randn(b, s.ctx - s.new_ctx, k * s.hidden_size, device=dev, dtype=dtype)
+            model(torch.arange(s.ctx - s.new_ctx + b_size, device=dev).expand(b, -1), noise, prefill, past_key_values=cache, use_cache=True)
+            crop_cache(cache, s.ctx - s.new_ctx)
+        new = torch.randn(b, s.new_ctx, k * s.hidden_size, device=dev, dtype=dtype)
+        pos = torch.arange(s.ctx - s.new_ctx, s.ctx + b_size, device=dev).expand(b, -1)
+        for head in HEADS:
+            step = functools.partial(_step, model, whole, head, pos, noise, new, cache, s.ctx - s.new_ctx)
+            for _ in range(warmup):
+                timer(step)
+            times = [timer(step) for _ in range(steps)]
+            rows.append({"batch": b, "head": head, "ms": round(1e3 * statistics.median(times), 4)})
+    base = {r["batch"]: r["ms"] for r in rows if r["head"] == "whole"}
+    for r in rows:
+        r["vs_whole"] = round(r["ms"] / base[r["batch"]], 4)
+    return {"shape": asdict(shape), "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "steps": steps, "rows": rows}
+
+
+def drafter_serve_command():
+    """``dflash-ipc bench drafter-serve`` (click imported here: the bench module stays importable without it)."""
+    import json
+
+    import click
+
+    from dflash_ipc.cli_options import int_option, json_option
+
+    @click.command("drafter-serve")
+    @click.option("--batches", default="1,32", show_default=True, help="Comma-separated batch sizes (sequences drafted at once).")
+    @click.option("--device", default="cuda", show_default=True)
+    @int_option("--steps", minimum=1, default=20, help="Timed steps per cell (median).")
+    @int_option("--warmup", minimum=0, default=5, help="Untimed steps per cell.")
+    @click.option("--shape", "overrides", multiple=True, help="FIELD=INT of the drafter's shape (ServeShape), e.g. vocab_size=1024.")
+    @json_option()
+    def cmd(batches, device, steps, warmup, overrides, as_json):
+        """Time one served drafter step (one block), reduced head vs the target's whole head."""
+        fields = {}
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if key not in ServeShape.__dataclass_fields__ or not value.lstrip("-").isdigit():
+                raise click.BadParameter(
+                    f"{item!r}: FIELD=INT, FIELD one of {', '.join(ServeShape.__dataclass_fields__)}", param_hint="--shape"
+                )
+            fields[key] = int(value)
+        try:
+            shape = ServeShape(**fields)
+            sizes = [int(x) for x in batches.split(",") if x.strip()]
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+        result = run_drafter_serve_bench(shape, sizes, device=device, steps=steps, warmup=warmup)
+        if as_json:
+            click.echo(json.dumps(result))
+            return
+        for r in result["rows"]:
+            click.echo(f"batch {r['batch']:>3}  {r['head']:<16} {r['ms']:>10.3f} ms  x{r['vs_whole']:.3f} of whole")
+
+    return cmd
