@@ -34,7 +34,7 @@ def trained(tmp_path_factory, tiny_llama):
     from loop_harness import InprocRun, small_config
 
     from dflash_ipc.data.builtin_corpus import builtin_conversations
-    from dflash_ipc.data.gen import GenOptions, run_gen_data
+    from dflash_ipc.datagen.gen import GenOptions, run_gen_data
     from dflash_ipc.runtime.probe import plan_data
 
     tmp = tmp_path_factory.mktemp("export")

@@ -59,7 +59,7 @@ from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.node_spec import read_node_spec
-from dflash_ipc.runtime.fence import Fence
+from dflash_ipc.fence import Fence
 from dflash_ipc.target_spec.heads import decoder_stack_shapes, read_decoder_stack, target_head_weights
 from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 from dflash_ipc.transport.slots import SlotViews
@@ -203,7 +203,7 @@ class DrafterCore:
     ):
         self.cfg = cfg
         self.run_dir = run_dir
-        # Every write to the run directory is fenced: refused once a newer `up` owns it (runtime.fence).
+        # Every write to the run directory is fenced: refused once a newer `up` owns it (dflash_ipc.fence).
         self.fence = fence or Fence.none()
         self.world = world
         self.device = device

@@ -54,7 +54,7 @@ from typing import Any, TextIO
 
 import setproctitle
 
-from dflash_ipc.runtime.fence import Fence, FencedOut
+from dflash_ipc.fence import Fence, FencedOut
 from dflash_ipc.runtime.heartbeat import HeartbeatSender
 from dflash_ipc.runtime.launch import read_key, remove_supervisor_sockets, set_parent_death_signal
 

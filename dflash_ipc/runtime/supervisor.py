@@ -294,7 +294,7 @@ class Supervisor:
             env = dict(base_env)
             key_fd = key_pipe(self._auth.key)
             argv = child_argv(ch.role, parent, key_fd) + ["--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
-            argv += ["--generation", self.dir_lock.own_fence().argv_value]  # its writes there are fenced (runtime.fence)
+            argv += ["--generation", self.dir_lock.own_fence().argv_value]  # its writes there are fenced (dflash_ipc.fence)
             argv += self._control.child_argv
             if self.forward_only:
                 argv += ["--forward-only", str(self.forward_only)]
