@@ -77,8 +77,8 @@ from dflash_ipc.drafter.ckpt_verify import (  # noqa: F401 - the errors, re-expo
     verify_files,
 )
 from dflash_ipc.drafter.safetensors_stream import write_safetensors
-from dflash_ipc.ledger import BatchId, BatchLedger  # noqa: F401 - re-exported for the checkpoint's readers
 from dflash_ipc.fence import Fence
+from dflash_ipc.ledger import BatchId, BatchLedger  # noqa: F401 - re-exported for the checkpoint's readers
 
 log = logging.getLogger(__name__)
 

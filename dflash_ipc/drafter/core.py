@@ -57,9 +57,9 @@ from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acc
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, num_parameters
 from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
 from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.fence import Fence
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.node_spec import read_node_spec
-from dflash_ipc.fence import Fence
 from dflash_ipc.target_spec.heads import decoder_stack_shapes, read_decoder_stack, target_head_weights
 from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 from dflash_ipc.transport.slots import SlotViews
