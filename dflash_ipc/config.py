@@ -178,6 +178,9 @@ class TransportConfig:
     max_outstanding_per_drafter: int = 3
     # Batches a drafter keeps copied out of the rings, ready to train on.
     drafter_prefetch: int = 1
+    # The drafter trains on a ring's slot where it lies instead of copying it out: "auto" for a cuda-ipc
+    # ring on the drafter's own GPU, true also for cpu-shm rings with a CPU drafter, false never (transport/dataplane.py).
+    drafter_in_place: bool | Literal["auto"] = "auto"
     # Extra slot capacity in tokens above the token budget (0: exactly data.token_budget).
     slot_tokens: int = 0
 
