@@ -126,3 +126,22 @@ def test_in_place_ce_passes_match_the_out_of_place_ones(dtype):
     ref = L._ce_chunk_grad(logits, lse, coef, labels, w, dtype)
     got = L._ce_chunk_grad_in_place(logits.clone(), lse, coef, labels, w, dtype)
     torch.testing.assert_close(got.float(), ref.float(), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+def test_bench_random_targets_have_the_models_widths_and_an_unknown_one_is_refused():
+    from dflash_ipc.bench.drafter_step import RANDOM_TARGETS, build_bench_drafter
+    from dflash_ipc.target.hf_config import text_config
+
+    widths = {name: text_config(make()) for name, make in RANDOM_TARGETS.items()}
+    assert (widths["qwen3-8b"].hidden_size, widths["qwen3-8b"].vocab_size) == (4096, 151936)
+    c = widths["qwen3.6-27b"]
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size) == (5120, 17408, 64, 248320)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (24, 4, 256)
+    with pytest.raises(ValueError, match="unknown target shape"):
+        build_bench_drafter(load_config_default(), torch.device("cpu"), random_target=True, shape="llama-70b")
+
+
+def load_config_default():
+    from dflash_ipc.config import DFlashConfig
+
+    return DFlashConfig()
