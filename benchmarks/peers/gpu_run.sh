@@ -7,7 +7,7 @@
 #   bash benchmarks/peers/gpu_run.sh
 # Knobs: PLAN (the pieces in order, default below), LENGTHS (fixed | mixed, for the trainer pieces), TOTAL_S,
 # IPC_LEVERS (on | off), OUT, WORK. A second call can take what the first skipped, e.g.
-#   PLAN="sf-27b ipc-27b" bash benchmarks/peers/gpu_run.sh
+#   PLAN="sf-smollm2 ipc-smollm2 sf-27b ipc-27b" bash benchmarks/peers/gpu_run.sh
 #   LENGTHS=mixed PLAN="sf-8b ipc-8b" bash benchmarks/peers/gpu_run.sh
 set -u
 T0=$(date +%s)
@@ -18,9 +18,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 export PROJ=$(pwd) OUT=${OUT:-/tmp/gpu-run} WORK=${WORK:-/root/peer-bench} SITE=${SITE:-/tmp/site}
 export WHL=${WHL:-$PROJ/.whl-peers} LENGTHS=${LENGTHS:-fixed} IPC_LEVERS=${IPC_LEVERS:-on}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-PLAN=${PLAN:-"setup profile-8b profile-27b sf-8b ipc-8b sf-smollm2 ipc-smollm2 sf-27b ipc-27b"}
+PLAN=${PLAN:-"profile-8b profile-27b sf-8b ipc-8b sf-smollm2 ipc-smollm2 sf-27b ipc-27b"}
+case " $PLAN " in *" setup "*) ;; *) PLAN="setup $PLAN" ;; esac  # a fresh machine: the wheels first, always
 mkdir -p "$OUT" "$WORK"
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}  # the wheels (setup installs them there)
+export PYTHONPATH=$SITE:$PROJ${PYTHONPATH:+:$PYTHONPATH}  # the wheels (setup installs them there) and this checkout
 
 # seconds each piece needs (estimates from the earlier H200 results, compile warm-ups included); skipped below that
 declare -A NEED=([setup]=30 [profile-8b]=50 [profile-27b]=70 [sf-8b]=70 [ipc-8b]=200 [sf-smollm2]=50 [ipc-smollm2]=140
@@ -46,8 +47,16 @@ piece() {  # the command of one piece, run under its timeout
         --out "$OUT/drafter-step-$shape.json" ;;
     sf-*) SKIP_SETUP=1 STAGE=specforge SHAPES=$(shape_of "$1") SF_STEPS=${SF_STEPS:-12} SF_WARMUP=${SF_WARMUP:-4} \
             BUDGET_S=$2 bash "$HERE/run.sh" ;;
-    ipc-*) SKIP_SETUP=1 STAGE=ipc SHAPES=$(shape_of "$1") IPC_BENCH=${IPC_BENCH:-cuda-ipc} IPC_STEPS=${IPC_STEPS:-12} \
-             BUDGET_S=$2 bash "$HERE/run.sh" ;;
+    ipc-*)
+      local t=$(date +%s) shape; shape=$(shape_of "$1")
+      SKIP_SETUP=1 STAGE=ipc SHAPES=$shape IPC_BENCH=${IPC_BENCH:-cuda-ipc} IPC_STEPS=${IPC_STEPS:-12} BUDGET_S=$2 bash "$HERE/run.sh"
+      # a failed parity run with the new options on: once more without in-place slots and the automatic chunk,
+      # so the comparison still gets a figure (its row says which options it ran with)
+      if [ "$IPC_LEVERS" = on ] && tail -n 4 "$OUT/results.jsonl" 2>/dev/null | grep "\"shape\": \"$shape\"" | grep -q '"error"'; then
+        echo "== $shape: a run with the new options failed; parity again with transport.drafter_in_place=false drafter.anchor_chunk=1024"
+        SKIP_SETUP=1 STAGE=ipc SHAPES=$shape IPC_VARIANTS=parity IPC_BENCH=${IPC_BENCH:-cuda-ipc} IPC_STEPS=${IPC_STEPS:-12} \
+          IPC_SET="transport.drafter_in_place=false drafter.anchor_chunk=1024" BUDGET_S=$(( $2 - $(date +%s) + t )) bash "$HERE/run.sh"
+      fi ;;
     *) echo "unknown piece $1" ; return 2 ;;
   esac
 }
