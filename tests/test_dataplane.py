@@ -391,3 +391,16 @@ def test_a_slot_read_in_place_is_the_rings_memory_and_goes_back_only_after_the_s
 def test_in_place_setting_is_checked():
     with pytest.raises(ValueError, match="in_place must be"):
         reads_in_place([], "yes")
+
+
+def test_slots_read_in_place_across_real_processes_keep_every_byte():
+    # producer and consumer processes over a real shared-memory ring; two slots, each overwritten the
+    # instant it returns: a slot handed back before its reads were done would fail the verification
+    from dflash_ipc.bench import gpu_ring as bg
+
+    layout = SlotLayout(num_planes=2, hidden_size=64, max_tokens=128, max_seqs=4, plane_dtype="float32")
+    sc = bg.scenario(
+        "in-place", "cpu-shm", -1, -1, layout, num_slots=2, iters=60, warmup=0, depth=2, sizes="random", verify="full", in_place=True
+    )
+    (r,) = bg.run_scenarios([sc], timeout=120)
+    assert (r["slots"], r["errors"], r["stray_frees"]) == (60, 0, 0)
