@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU call on one H200 (at most TOTAL_S seconds, default 530): the drafter step by op class at Qwen3-8B and
+# One GPU call on one H200 (at most TOTAL_S seconds, default 530): a check that same-GPU ring slots read in place
+# keep every byte (ring-in-place; on failure the trainer pieces copy slots out), the drafter step by op class at Qwen3-8B and
 # Qwen3.6-27B widths, then dflash-ipc against SpecForge 0.2.0 (run.sh) at Qwen3-8B 4,096 anchors (parity and
 # native), then SmolLM2-135M, then the Qwen3.6-27B slice, each piece only while the time left covers its estimate
 # (the measurements in results-h200-2026-12-03.jsonl), each under its own hard timeout. Logs and JSON under $OUT;
@@ -18,16 +19,16 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 export PROJ=$(pwd) OUT=${OUT:-/tmp/gpu-run} WORK=${WORK:-/root/peer-bench} SITE=${SITE:-/tmp/site}
 export WHL=${WHL:-$PROJ/.whl-peers} LENGTHS=${LENGTHS:-fixed} IPC_LEVERS=${IPC_LEVERS:-on}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-PLAN=${PLAN:-"profile-8b profile-27b sf-8b ipc-8b sf-smollm2 ipc-smollm2 sf-27b ipc-27b"}
+PLAN=${PLAN:-"ring-in-place profile-8b profile-27b sf-8b ipc-8b sf-smollm2 ipc-smollm2 sf-27b ipc-27b"}
 case " $PLAN " in *" setup "*) ;; *) PLAN="setup $PLAN" ;; esac  # a fresh machine: the wheels first, always
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=$SITE:$PROJ${PYTHONPATH:+:$PYTHONPATH}  # the wheels (setup installs them there) and this checkout
 
 # seconds each piece needs (estimates from the earlier H200 results, compile warm-ups included); skipped below that
-declare -A NEED=([setup]=30 [profile-8b]=50 [profile-27b]=70 [sf-8b]=70 [ipc-8b]=200 [sf-smollm2]=50 [ipc-smollm2]=140
+declare -A NEED=([setup]=30 [ring-in-place]=25 [profile-8b]=50 [profile-27b]=70 [sf-8b]=70 [ipc-8b]=200 [sf-smollm2]=50 [ipc-smollm2]=140
                  [sf-27b]=90 [ipc-27b]=200)
 # hard cap per piece (its timeout), never beyond the time left
-declare -A CAP=([setup]=150 [profile-8b]=120 [profile-27b]=150 [sf-8b]=120 [ipc-8b]=330 [sf-smollm2]=90 [ipc-smollm2]=240
+declare -A CAP=([setup]=150 [ring-in-place]=90 [profile-8b]=120 [profile-27b]=150 [sf-8b]=120 [ipc-8b]=330 [sf-smollm2]=90 [ipc-smollm2]=240
                 [sf-27b]=160 [ipc-27b]=300)
 
 drafter_cfg() {  # a config of the shape for `bench drafter-step` (--random-target: no checkpoint is read)
@@ -38,6 +39,12 @@ drafter_cfg() {  # a config of the shape for `bench drafter-step` (--random-targ
 piece() {  # the command of one piece, run under its timeout
   case $1 in
     setup) STAGE=setup bash "$HERE/run.sh" ;;
+    ring-in-place)  # same-GPU slots read in place, every byte verified under races; a failure turns it off below
+      python3 -c 'import json, sys; from dflash_ipc.bench.gpu_ring import in_place_check
+rs = in_place_check("cuda-ipc", 0)
+print("\n".join(json.dumps({k: r.get(k) for k in ("name", "copy_mode", "slots", "iters", "errors", "stray_frees", "ok")}) for r in rs))
+sys.exit(0 if all(r["ok"] and r["copy_mode"] == "same-device" for r in rs) else 1)' || { touch "$OUT/in-place-failed"; return 1; }
+      ;;
     profile-8b | profile-27b)
       local shape=qwen3-8b; [ "$1" = profile-27b ] && shape=qwen3.6-27b
       drafter_cfg "$shape"
@@ -49,6 +56,9 @@ piece() {  # the command of one piece, run under its timeout
             BUDGET_S=$2 bash "$HERE/run.sh" ;;
     ipc-*)
       local t=$(date +%s) shape; shape=$(shape_of "$1")
+      if [ -f "$OUT/in-place-failed" ]; then  # the ring check above failed: copy slots out as before
+        export IPC_SET="transport.drafter_in_place=false${IPC_SET:+ $IPC_SET}"; echo "== in-place reads off (ring-in-place failed)"
+      fi
       SKIP_SETUP=1 STAGE=ipc SHAPES=$shape IPC_BENCH=${IPC_BENCH:-cuda-ipc} IPC_STEPS=${IPC_STEPS:-12} BUDGET_S=$2 bash "$HERE/run.sh"
       # a failed parity run with the new options on: once more without in-place slots and the automatic chunk,
       # so the comparison still gets a figure (its row says which options it ran with)

@@ -477,3 +477,19 @@ def run_scenarios(scenarios: list[Scenario], *, env: dict | None = None, timeout
             }
         )
     return out
+
+
+def in_place_check(backend: str = "cuda-ipc", device: int = 0, timeout: float = 80.0) -> list[dict]:
+    """Slots read in place on the producer's own device, every byte verified: two slots overwritten the
+    instant either returns, then fills that land after their SlotReady. Returns the two results;
+    ``ok`` says each kept every byte and returned every slot once."""
+    layout = SlotLayout(num_planes=3, hidden_size=512, max_tokens=2048, max_seqs=16, plane_dtype="bfloat16")
+    opts = dict(warmup=0, depth=2, sizes="random", verify="full", in_place=True)
+    scenarios = [
+        scenario("in-place race", backend, device, device, layout, num_slots=2, iters=300, **opts),
+        scenario("in-place delayed", backend, device, device, layout, num_slots=3, iters=150, producer_delay_us=300, **opts),
+    ]
+    results = run_scenarios(scenarios, timeout=timeout)
+    for r in results:
+        r["ok"] = r["errors"] == 0 and r["stray_frees"] == 0 and r["slots"] == r["iters"]
+    return results
