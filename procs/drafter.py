@@ -20,7 +20,7 @@ from dflash_ipc.drafter.distributed import destroy_distributed, init_distributed
 from dflash_ipc.drafter.loop import DrafterLoop
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.child import ChildContext, run_child
-from dflash_ipc.transport.dataplane import ConsumerDataPlane
+from dflash_ipc.transport.dataplane import ConsumerDataPlane, reads_in_place
 from dflash_ipc.transport.factory import open_consumer_ring
 
 
@@ -65,8 +65,12 @@ def drafter_main(child: ChildContext) -> int:
         child.closing.callback(rings[-1].close)
     socks.connect_peers(start.target_endpoints, "target")
     slot_bytes = max(r.layout.slot_bytes for r in rings)
-    buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(cfg.transport.drafter_prefetch + 1)]
-    plane = ConsumerDataPlane(rank, rings, buffers, socks.send_to_peer, child.rejects)
+    in_place = reads_in_place(rings, cfg.transport.drafter_in_place)
+    n_buffers = 0 if all(in_place) else cfg.transport.drafter_prefetch + 1  # slots read in place need no local copy
+    buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(n_buffers)]
+    plane = ConsumerDataPlane(rank, rings, buffers, socks.send_to_peer, child.rejects, in_place=cfg.transport.drafter_in_place)
+    if any(in_place):
+        log.info("reading %d of %d rings in place (transport.drafter_in_place)", sum(in_place), len(rings))
     handshake.send_ready(socks.dealer, "drafter", rank, socks.auth)
     child.start_heartbeats(cfg.run.heartbeat_interval_s)
     memory = lambda: liveness.host_memory_text(proc, gpu_memory_text(device))  # noqa: E731

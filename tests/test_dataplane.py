@@ -21,7 +21,7 @@ from dflash_ipc.control.protocol import (
     SlotReady,
 )
 from dflash_ipc.control.ring_descriptor import RingDescriptor
-from dflash_ipc.transport.dataplane import ConsumerDataPlane, ProducerDataPlane
+from dflash_ipc.transport.dataplane import IN_PLACE, ConsumerDataPlane, ProducerDataPlane, reads_in_place
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
 from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
@@ -178,8 +178,9 @@ def wiring_factory():
         w.close()
 
 
-def test_many_batches_flow_and_every_slot_verifies(wiring_factory):
-    w = wiring_factory(num_consumers=2, ring_slots=4, max_outstanding=2)
+@pytest.mark.parametrize("in_place", [False, True], ids=["copy-out", "in-place"])
+def test_many_batches_flow_and_every_slot_verifies(wiring_factory, in_place):
+    w = wiring_factory(num_consumers=2, ring_slots=4, max_outstanding=2, in_place=in_place)
     n_batches = 300
     for _ in range(20 * n_batches):
         if w.next_index >= n_batches and w.producer.waiting == 0:
@@ -202,6 +203,7 @@ def test_many_batches_flow_and_every_slot_verifies(wiring_factory):
         assert w.stream_log[c.rank][-1] == "EndOfData"
     assert w.prod_rejects.total == 0 and all(r.total == 0 for r in w.cons_rejects)
     assert max(w.max_outstanding_seen) <= 2
+    assert all((c.bytes_copied == 0) == in_place for c in w.consumers)
 
 
 def test_consumer_keeps_a_bounded_number_of_handoff_samples(wiring_factory):
@@ -360,3 +362,45 @@ def test_forged_data_plane_messages_change_nothing_and_are_counted(wiring_factor
     assert all(x.drained() for x in w.consumers) and sorted(w.seen) == list(range(20)) and set(w.seen.values()) == {1}
     c.handle(wire(EndOfData(producer=0, batches_sent=c.received[0])), sender=0)  # a second one
     assert c.rejects.by_kind["duplicate_end_of_data"] == 1
+
+
+def test_a_slot_read_in_place_is_the_rings_memory_and_goes_back_only_after_the_step(wiring_factory):
+    w = wiring_factory(num_consumers=1, ring_slots=3, max_outstanding=2, in_place=True)
+    cons = w.consumers[0]
+    assert cons.reads_in_place == [True] and reads_in_place(cons.rings, "auto") == [False]  # auto: cuda-ipc only
+    w.produce(10)
+    w.produce(10)
+    w.producer.dispatch()
+    w.deliver()
+    assert cons.pump() == 2 and len(cons.ready) == 2
+    b = cons.take()
+    assert b.buffer_index == IN_PLACE and b.copy_s == 0.0
+    slot = cons.rings[0].slot(b.msg.slot)
+    for t in (b.views.planes, b.views.token_ids):  # the step reads the shared slot itself
+        assert slot.data_ptr() <= t.data_ptr() < slot.data_ptr() + slot.numel()
+    assert torch.equal(b.views.planes, expected(0)["planes"])
+    w.deliver()
+    assert w.producer.slot_free_received == 0 and b.msg.slot in w.producer.table.held_by(0)  # in use: still ours
+    assert cons.outstanding == 2
+    cons.release(b)
+    w.deliver()
+    assert w.producer.slot_free_received == 1 and b.msg.slot not in w.producer.table.held_by(0)
+    assert cons.outstanding == 1 and cons.bytes_copied == 0 and cons.free_buffers == [0, 1]
+
+
+def test_in_place_setting_is_checked():
+    with pytest.raises(ValueError, match="in_place must be"):
+        reads_in_place([], "yes")
+
+
+def test_slots_read_in_place_across_real_processes_keep_every_byte():
+    # producer and consumer processes over a real shared-memory ring; two slots, each overwritten the
+    # instant it returns: a slot handed back before its reads were done would fail the verification
+    from dflash_ipc.bench import gpu_ring as bg
+
+    layout = SlotLayout(num_planes=2, hidden_size=64, max_tokens=128, max_seqs=4, plane_dtype="float32")
+    sc = bg.scenario(
+        "in-place", "cpu-shm", -1, -1, layout, num_slots=2, iters=60, warmup=0, depth=2, sizes="random", verify="full", in_place=True
+    )
+    (r,) = bg.run_scenarios([sc], timeout=120)
+    assert (r["slots"], r["errors"], r["stray_frees"]) == (60, 0, 0)

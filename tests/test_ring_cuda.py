@@ -122,6 +122,17 @@ def test_cuda_ipc_integrity_and_race(where, expandable):
     print([(r["name"], r["copy_mode"], r["slots"], r["errors"]) for r in results])
 
 
+def test_cuda_ipc_slots_read_in_place_on_the_same_gpu_keep_every_byte():
+    # the drafter's same-GPU path: no copy, the slot returned only after an event behind its reads;
+    # race (two slots, overwritten the instant one returns) and delayed fills (SlotReady before the data)
+    scenarios = [
+        dataclasses.replace(s, in_place=True) for s in (_integrity("cuda-ipc", 0, iters=300), _race("cuda-ipc", 0), _delayed("cuda-ipc", 0))
+    ]
+    results = bg.run_scenarios(scenarios, timeout=120)
+    _check(results)
+    assert all(r["copy_mode"] == "same-device" for r in results)
+
+
 def test_cuda_ipc_push_copies_from_the_ring_gpu():
     """DFLASH_IPC_CUDA_COPY=push: the copy runs on the ring's GPU (the fallback path)."""
     cd = _consumer_device("other")

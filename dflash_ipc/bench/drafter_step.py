@@ -6,7 +6,8 @@
   model folder's config and LM head (``target.model_path``) or ``target.spec``, as training builds it
   (:func:`~dflash_ipc.drafter.core.build_drafter`); ``--random-target``: SmolLM2-135M's shapes
   (:func:`~dflash_ipc.target_spec.hf_config.smollm2_135m_config`) with random heads, for a machine
-  without the checkpoint.
+  without the checkpoint; ``--target-shape`` picks Qwen3-8B's or Qwen3.6-27B's widths instead
+  (:data:`RANDOM_TARGETS`).
 * **Batches**: ``--batches`` synthetic packed batches like the targets send: ``--tokens`` tokens
   (default ``data.token_budget``) of documents whose lengths are drawn uniformly around
   ``--doc-len``, each document's last ``--supervised`` share under the loss mask (a chat answer
@@ -21,7 +22,9 @@
 * **Variants** (``--variants``, comma-separated, the first is the baseline of every ratio): ``base``
   (the config as it is), ``eager`` (both compile options off), ``compile`` (``drafter.compile``),
   ``ce-compile`` (``training.ce_compile``), ``ce-chunk-N`` (``training.ce_chunk_tokens = N``),
-  ``anchor-chunk-N`` (``drafter.anchor_chunk = N``); ``+`` joins several (``compile+ce-chunk-8192``).
+  ``anchor-chunk-N`` (``drafter.anchor_chunk = N``), ``anchor-chunk-auto`` (the chunk
+  :mod:`~dflash_ipc.drafter.memory_plan` picks for this GPU, the drafter alone on it); ``+`` joins
+  several (``compile+ce-chunk-8192``).
   Each builds a fresh drafter (same seed, same weights), warms up on every batch (compiles, autotuning),
   then times ``--steps`` steps over the batches in turn. ``loss_step0`` (the loss of the first step,
   before any update: the same weights, batch and anchors in every variant) shows each option keeps
@@ -45,6 +48,7 @@ from typing import Any
 
 import torch
 
+from dflash_ipc.bench.mps import mps_status
 from dflash_ipc.bench.op_profile import format_table, profile_classes
 from dflash_ipc.config import DFlashConfig, load_config
 from dflash_ipc.config.fields import FieldError
@@ -53,9 +57,10 @@ from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.draft_vocab import DraftVocab
 from dflash_ipc.drafter.core import build_drafter, drafter_for_target
 from dflash_ipc.drafter.loss import compute_loss
+from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
 from dflash_ipc.drafter.model import DFlashDrafter
 from dflash_ipc.drafter.trainer import DrafterTrainer
-from dflash_ipc.target_spec.hf_config import resolve_layer_ids, smollm2_135m_config, target_vocab_size
+from dflash_ipc.target_spec.hf_config import make_hf_config, qwen36_27b_spec, resolve_layer_ids, smollm2_135m_config, target_vocab_size
 from dflash_ipc.transport.slots import SlotViews
 
 __all__ = ["PHASES", "SCOPES", "variant_overrides", "synthetic_batches", "run_drafter_step_bench"]
@@ -94,13 +99,16 @@ def variant_overrides(name: str) -> dict[str, dict[str, Any]]:
             out["training"]["ce_compile"] = True
         elif part.startswith("ce-chunk-"):
             out["training"]["ce_chunk_tokens"] = _number(part, "ce-chunk-")
+        elif part == "anchor-chunk-auto":
+            out["drafter"]["anchor_chunk"] = "auto"
         elif part.startswith("anchor-chunk-"):
             out["drafter"]["anchor_chunk"] = _number(part, "anchor-chunk-")
         elif part.startswith("draft-vocab-"):
             out["drafter"]["draft_vocab_size"] = _number(part, "draft-vocab-")
         else:
             raise ValueError(
-                f"unknown variant {part!r}; use base, eager, compile, ce-compile, ce-chunk-N, anchor-chunk-N, draft-vocab-N, joined by '+'"
+                f"unknown variant {part!r}; use base, eager, compile, ce-compile, ce-chunk-N, anchor-chunk-N, "
+                "anchor-chunk-auto, draft-vocab-N, joined by '+'"
             )
     return out
 
@@ -120,13 +128,33 @@ def variant_config(cfg: DFlashConfig, name: str) -> DFlashConfig:
 # --------------------------------------------------------------------------- model and batches
 
 
-def build_bench_drafter(cfg: DFlashConfig, device: torch.device, random_target: bool) -> DFlashDrafter:
-    """The config's drafter as training builds it; ``random_target``: over SmolLM2-135M's shapes, random heads.
+def _qwen3_8b_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+#: ``--target-shape``: the transformers config of a random target at a model's widths
+RANDOM_TARGETS: dict[str, Callable[[], Any]] = {
+    "smollm2-135m": smollm2_135m_config,
+    "qwen3-8b": _qwen3_8b_config,
+    "qwen3.6-27b": lambda: make_hf_config(qwen36_27b_spec()),
+}
+
+
+def build_bench_drafter(cfg: DFlashConfig, device: torch.device, random_target: bool, shape: str = "smollm2-135m") -> DFlashDrafter:
+    """The config's drafter as training builds it; ``random_target``: over ``shape``'s widths (:data:`RANDOM_TARGETS`), random heads.
     With ``drafter.draft_vocab_size`` the head keeps the lowest ids as a stand-in for the run's choice:
     a step's cost depends on the head's size, not on which rows it holds."""
     if not random_target:
         return build_drafter(cfg, device, log_mask_token=False, draft_vocab=_stand_in_vocab(cfg, None))
-    hf = smollm2_135m_config()
+    if shape not in RANDOM_TARGETS:
+        raise ValueError(f"unknown target shape {shape!r}; use one of {', '.join(RANDOM_TARGETS)}")
+    hf = RANDOM_TARGETS[shape]()
     layer_ids = resolve_layer_ids(cfg.target, int(hf.num_hidden_layers))
     # Any id does for timing; a real run picks an unused one (data.tokenizer.choose_mask_token).
     mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else int(hf.vocab_size) - 1
@@ -212,11 +240,12 @@ class _Clock:
 class StepRunner:
     """One variant's drafter, trainer and generator; :meth:`step` runs and times one training step."""
 
-    def __init__(self, cfg: DFlashConfig, device: torch.device, random_target: bool):
-        self.cfg = cfg
-        self.model = build_bench_drafter(cfg, device, random_target)
+    def __init__(self, cfg: DFlashConfig, device: torch.device, random_target: bool, shape: str = "smollm2-135m"):
+        self.model = build_bench_drafter(cfg, device, random_target, shape)
         self.trainer = DrafterTrainer(self.model, cfg.training, total_steps=max(1, cfg.training.max_steps or 10_000))
         self.trainer.allocate_optimizer_state()
+        # "auto": the chunk for this GPU with the drafter alone on it (the bench runs no target)
+        self.cfg, self.anchor_chunk_why = resolve_anchor_chunk(cfg, self.model, device, target_need=0)
         self.generator = torch.Generator(device=device)
         self.reseed()
         self._clock: _Clock | None = None
@@ -325,6 +354,7 @@ def run_drafter_step_bench(
     doc_len: int = 0,
     supervised: float = 0.7,
     random_target: bool = False,
+    target_shape: str = "smollm2-135m",
     profile: bool = False,
     device: str = "",
     echo: Callable[[str], None] = _echo,
@@ -344,7 +374,8 @@ def run_drafter_step_bench(
     out: dict[str, Any] = {
         "config": config_path,
         "device": str(dev),
-        "target": "smollm2-135m shapes, random" if random_target else (cfg.target.model_path or "target.spec"),
+        "target": f"{target_shape} shapes, random" if random_target else (cfg.target.model_path or "target.spec"),
+        "mps": mps_status(),
         "batch": {"batches": n_batches, "tokens": tokens, "doc_len": doc_len, "supervised": supervised},
         "variants": {},
         "profile": {},
@@ -353,13 +384,16 @@ def run_drafter_step_bench(
     for name in variants:
         vcfg = variant_config(cfg, name)
         t0 = time.perf_counter()
-        runner = StepRunner(vcfg, dev, random_target)
+        runner = StepRunner(vcfg, dev, random_target, target_shape)
+        if runner.anchor_chunk_why:
+            echo(runner.anchor_chunk_why)
         if not batches:
             batches = synthetic_batches(runner.model, cfg, n_batches, tokens, doc_len, supervised, seed=cfg.run.seed)
             out["batch"]["documents"] = [int(b.seq_lens.numel()) for b in batches]
         echo(f"{name}: drafter built in {time.perf_counter() - t0:.1f}s; warm-up on {len(batches)} batches, then {steps} timed steps")
         res = time_variant(runner, batches, steps, echo)
         res["overrides"] = variant_overrides(name)
+        res["anchor_chunk"] = runner.cfg.drafter.anchor_chunk
         out["variants"][name] = res
         m = res["median_s"]
         echo(

@@ -19,7 +19,14 @@ from dflash_ipc.config import ConfigError
 @click.option("--tokens", type=click.IntRange(0), default=0, help="Tokens per batch (0: data.token_budget).")
 @click.option("--doc-len", type=click.IntRange(0), default=0, help="Mean document length (0: data.max_seq_len / 4).")
 @click.option("--supervised", type=click.FloatRange(0.05, 1.0), default=0.7, show_default=True, help="Loss-masked share of each document.")
-@click.option("--random-target", is_flag=True, help="SmolLM2-135M's shapes with random heads instead of the config's target.")
+@click.option("--random-target", is_flag=True, help="A random target's shapes and heads (--target-shape) instead of the config's target.")
+@click.option(
+    "--target-shape",
+    type=click.Choice(["smollm2-135m", "qwen3-8b", "qwen3.6-27b"]),
+    default="smollm2-135m",
+    show_default=True,
+    help="With --random-target: whose widths.",
+)
 @click.option("--profile", is_flag=True, help="One more step per variant under torch.profiler, by op class.")
 @click.option("--device", default="", help="Default: topology.drafters[0].")
 @click.option(

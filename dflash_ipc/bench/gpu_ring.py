@@ -142,7 +142,9 @@ def scenario(name: str, backend: str, producer_device: int, consumer_device: int
     arrives before the data is written (the consumer must order its copy on the GPU).
     ``fill="none"``: the producer writes nothing (and nothing is verified): transport alone.
     mode "lockstep": one slot in flight (handoff latency). ``early_return`` (a negative
-    control) returns each slot right after enqueueing its copy: the verifier must see it."""
+    control) returns each slot right after enqueueing its copy: the verifier must see it.
+    ``in_place``: the consumer verifies each slot where it lies and returns it once an event
+    after its reads completed (the drafter's same-GPU path, transport/dataplane.py)."""
     if options.get("fill") == "none":
         options["verify"] = "none"
     if "producer_delay_us" in options:
@@ -307,6 +309,15 @@ def _consume(sc: Scenario, conn) -> None:
         d = dsts[k]
         n, b = m.n_tokens, m.n_seqs
         i0 = time.perf_counter_ns()
+        if sc.in_place:
+            views = ring.read_in_place(m.slot, n, b)  # the current stream waits on the producer's event
+            if verify != "none":
+                verify_slot(views, layout, m.seq, base, err, verify)
+            ticket = ring.reads_done(m.slot)  # the slot goes back once the reads above are done
+            issue_ns.append(time.perf_counter_ns() - i0)
+            item = (ticket, m.slot, m.seq, sum(x for _, x in layout.used_ranges(n, b)), m.committed_ns)
+            inflight.append(item)
+            continue
         if cuda and ring.backend != "nccl":
             ticket = ring.copy_out(m.slot, n, b, d, after=dst_free[k])
         else:
@@ -481,3 +492,19 @@ def run_scenarios(scenarios: list[Scenario], *, env: dict | None = None, timeout
             }
         )
     return out
+
+
+def in_place_check(backend: str = "cuda-ipc", device: int = 0, timeout: float = 80.0) -> list[dict]:
+    """Slots read in place on the producer's own device, every byte verified: two slots overwritten the
+    instant either returns, then fills that land after their SlotReady. Returns the two results;
+    ``ok`` says each kept every byte and returned every slot once."""
+    layout = SlotLayout(num_planes=3, hidden_size=512, max_tokens=2048, max_seqs=16, plane_dtype="bfloat16")
+    opts = dict(warmup=0, depth=2, sizes="random", verify="full", in_place=True)
+    scenarios = [
+        scenario("in-place race", backend, device, device, layout, num_slots=2, iters=300, **opts),
+        scenario("in-place delayed", backend, device, device, layout, num_slots=3, iters=150, producer_delay_us=300, **opts),
+    ]
+    results = run_scenarios(scenarios, timeout=timeout)
+    for r in results:
+        r["ok"] = r["errors"] == 0 and r["stray_frees"] == 0 and r["slots"] == r["iters"]
+    return results

@@ -50,6 +50,7 @@ class Scenario(Struct):
     seed: int = 0
     producer_delay_us: float = 0.0
     fill: str = "pattern"
+    in_place: bool = False  # the consumer reads each slot where it lies (read_in_place / reads_done), no copy
 
     def __post_init__(self) -> None:
         for name, allowed in (("mode", MODES), ("sizes", SIZES), ("verify", VERIFY), ("fill", FILLS)):

@@ -69,6 +69,7 @@ from pathlib import Path
 
 import psutil
 
+from dflash_ipc.bench.mps import mps_status
 from dflash_ipc.bench.topology import Profile, best_split
 from dflash_ipc.config import ConfigError, load_config
 from dflash_ipc.control.stats import DrafterStats, TargetStats
@@ -492,7 +493,7 @@ def _run_one_variant(
 def summarize_variants(config_path: str, steps: int, peak_tflops: float, results: dict, sets: Sequence[str] = ()) -> dict:
     """The summary over the variants' results: ratios, topology advice. A failed variant (an
     ``error``: an exception, or an ``up`` that exited non-zero) is listed but enters no figure."""
-    summary: dict = {"config": config_path, "steps": steps, "peak_tflops": peak_tflops, "variants": results}
+    summary: dict = {"config": config_path, "steps": steps, "peak_tflops": peak_tflops, "mps": mps_status(), "variants": results}
     failed = sorted(k for k, v in results.items() if "error" in v)
     if failed:
         summary["failed_variants"] = failed

@@ -26,9 +26,10 @@ class DrafterConfig:
     """Anchors (block starts) sampled per document, SpecForge's per-sample budget."""
     max_anchors_per_batch: int = 0
     """Cap on a batch's anchors: a uniform subset of them; 0: no cap."""
-    anchor_chunk: int = 0
+    anchor_chunk: int | Literal["auto"] = 0
     """Anchors per drafter forward+backward inside one optimizer step (gradient accumulation over anchor chunks:
-    memory follows the chunk, not the anchor count); 0: all anchors at once."""
+    memory follows the chunk, not the anchor count); 0: all anchors at once; "auto": the most this GPU fits beside
+    a target sharing it, chosen at the drafter's start (drafter/memory_plan.py)."""
     anchor_budget: Literal["fixed", "follow-wait"] = "fixed"
     """How many anchors each batch trains on. "fixed": ``max_anchors_per_batch``, always. "follow-wait": starts at
     ``max_anchors_per_batch``; every ``anchor_window`` steps moves it by one ``anchor_chunk``, up while the drafter
@@ -90,7 +91,11 @@ class DrafterConfig:
         require(2 <= self.block_size <= 64, "block_size", "must be between 2 and 64")
         require(self.num_anchors >= 1, "num_anchors", "must be >= 1")
         require(self.max_anchors_per_batch >= 0, "max_anchors_per_batch", "must be >= 0 (0 = no cap)")
-        require(self.anchor_chunk >= 0, "anchor_chunk", "must be >= 0 (0 = all anchors in one forward)")
+        require(
+            self.anchor_chunk == "auto" or self.anchor_chunk >= 0,
+            "anchor_chunk",
+            'must be "auto" (the most this GPU fits) or >= 0 (0 = all anchors in one forward)',
+        )
         self._check_anchor_budget()
         require(self.noise_std >= 0, "noise_std", "must be >= 0")
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -112,7 +117,7 @@ class DrafterConfig:
         if self.anchor_budget != "follow-wait":
             return
         require(
-            self.anchor_chunk > 0,
+            self.anchor_chunk != "auto" and self.anchor_chunk > 0,
             "anchor_budget",
             "follow-wait moves the budget one drafter.anchor_chunk at a time: set drafter.anchor_chunk > 0 "
             "(the anchors one forward holds, e.g. 2048)",

@@ -25,6 +25,9 @@ class TransportConfig:
     """Credits: at most this many slots outstanding at one drafter (held or queued), from all targets."""
     drafter_prefetch: int = 1
     """Batches a drafter keeps copied out of the rings, ready to train on (1..64; each is a slot-sized buffer)."""
+    drafter_in_place: bool | Literal["auto"] = "auto"
+    """The drafter trains on a ring's slot where it lies instead of copying it out: "auto" for a cuda-ipc ring on the
+    drafter's own GPU, true also for cpu-shm rings with a CPU drafter, false never (transport/dataplane.py)."""
     slot_tokens: int = 0
     """Extra slot capacity in tokens above ``data.token_budget`` (0: exactly the token budget)."""
 

@@ -54,6 +54,7 @@ from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
 from dflash_ipc.drafter.init_from_target import apply_init, plan_init
 from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
+from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, num_parameters
 from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
 from dflash_ipc.drafter.trainer import DrafterTrainer
@@ -210,6 +211,10 @@ class DrafterCore:
         dtype = dtype_from_name(cfg.drafter.dtype)
         self.model = build_drafter(cfg, device, log_mask_token=world.is_main, draft_vocab=run_draft_vocab(cfg, run_dir))
         self.trainer = DrafterTrainer(self.model, cfg.training, compute_dtype=dtype, world=world, total_steps=max(1, total_steps))
+        # drafter.anchor_chunk "auto" becomes this GPU's chunk here; the run's config hash keeps "auto"
+        self.cfg, why = resolve_anchor_chunk(cfg, self.model, device)
+        if why:
+            log.info("%s", why)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(cfg.run.seed * 1000 + world.rank)
         self.ledger = BatchLedger()

@@ -88,7 +88,7 @@ class DrafterLoop:
 
     def wait(self) -> None:
         w0 = time.perf_counter()
-        if self.plane.copying:
+        if self.plane.copying or self.plane.returning:
             self.plane.wait_for_copy()
         else:
             self.io.wait(20)

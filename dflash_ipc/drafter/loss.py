@@ -77,9 +77,28 @@ def _ce_chunk_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
     return lse, lse - logits.gather(1, labels[:, None]).squeeze(1), logits.argmax(dim=-1)
 
 
+def _ce_chunk_stats_in_place(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_ce_chunk_stats` with one fp32 ``[rows, vocab]`` buffer: the logits' fp32 copy (the logits
+    themselves when they are fp32: consumed) becomes ``exp(logits - max)`` in place, where
+    ``torch.logsumexp`` allocates that block again."""
+    x = logits.float()
+    pred = x.argmax(dim=-1)
+    picked = x.gather(1, labels[:, None]).squeeze(1)
+    top = x.amax(dim=-1, keepdim=True)
+    lse = x.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
+    return lse, lse - picked, pred
+
+
 def _ce_chunk_grad(logits, lse, coef, labels, w, dtype: torch.dtype) -> torch.Tensor:
     """d(sum_w CE)/d(logits) of one chunk, ``softmax * coef - onehot(labels) * w``, computed in fp32, given in ``dtype``."""
     g = torch.exp(logits.float() - lse[:, None]) * coef[:, None]
+    return g.scatter_add_(1, labels[:, None], -w[:, None]).to(dtype)
+
+
+def _ce_chunk_grad_in_place(logits, lse, coef, labels, w, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_ce_chunk_grad` in one fp32 buffer (the logits' copy, or the fp32 logits themselves: consumed),
+    where the out-of-place form allocates three."""
+    g = logits.float().sub_(lse[:, None]).exp_().mul_(coef[:, None])
     return g.scatter_add_(1, labels[:, None], -w[:, None]).to(dtype)
 
 
@@ -91,8 +110,11 @@ def _compiled_ce_chunk():
     return torch.compile(_ce_chunk_stats, dynamic=True), torch.compile(_ce_chunk_grad, dynamic=True)
 
 
-def _ce_chunk_fns(compiled: bool):
-    return _compiled_ce_chunk() if compiled else (_ce_chunk_stats, _ce_chunk_grad)
+def _ce_chunk_fns(compiled: bool, in_place: bool):
+    """(stats, grad) of a chunk: compiled (fused kernels), or eager, in place when the logits are not read again."""
+    if compiled:
+        return _compiled_ce_chunk()
+    return (_ce_chunk_stats_in_place, _ce_chunk_grad_in_place) if in_place else (_ce_chunk_stats, _ce_chunk_grad)
 
 
 class _ChunkedLMLoss(torch.autograd.Function):
@@ -110,7 +132,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
         ce = torch.empty(r, dtype=torch.float32, device=dev)
         kl = torch.zeros(r, dtype=torch.float32, device=dev)
         pred = torch.empty(r, dtype=torch.int64, device=dev)
-        stats = _ce_chunk_fns(compiled and target_hidden is None)[0]
+        # with KL the logits are read again after the stats: out of place
+        stats = _ce_chunk_fns(compiled and target_hidden is None, in_place=target_hidden is None)[0]
         for s in range(0, r, chunk):
             e = min(r, s + chunk)
             logits = F.linear(hidden[s:e], weight)
@@ -144,7 +167,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         with_kl = target_hidden is not None and klw != 0.0
         # fp32 while the KL term or the head's gradient still needs it; else straight in the GEMM's dtype
         g_dtype = torch.float32 if with_kl or want_w else weight.dtype
-        chunk_grad = _ce_chunk_fns(ctx.compiled and not with_kl)[1]
+        chunk_grad = _ce_chunk_fns(ctx.compiled and not with_kl, in_place=True)[1]
         for s in range(0, r, chunk):
             e = min(r, s + chunk)
             w = row_w[s:e] * g_total
@@ -282,6 +305,147 @@ def _empty_output(model: DFlashDrafter, bs: int, dev: torch.device) -> LossOutpu
     )
 
 
+@dataclass
+class _Batch:
+    """A batch made ready for the drafter (:func:`_prepare`): its anchors, labels, weights and context."""
+
+    planes: torch.Tensor
+    k: int
+    token_ids: torch.Tensor
+    seq_lens: torch.Tensor
+    doc: object  # blocks.DocIndex
+    anchors: torch.Tensor
+    anchor_doc: torch.Tensor
+    lab: BlockLabels
+    in_head: torch.Tensor  # [N, block_size]: the slot's label is one the head can draft
+    weight_sum: torch.Tensor
+    context: torch.Tensor
+    use_kl: bool
+
+
+def _check_batch(model: DFlashDrafter, planes: torch.Tensor, drafter_cfg: DrafterConfig, training_cfg: TrainingConfig) -> int:
+    """The number of context planes ``k``, once the batch and the configs agree with the model."""
+    mcfg = model.config
+    if drafter_cfg.block_size != mcfg.block_size:
+        raise ValueError(f"drafter_cfg.block_size {drafter_cfg.block_size} != model block_size {mcfg.block_size}")
+    if not isinstance(drafter_cfg.anchor_chunk, int):
+        raise ValueError(
+            f"drafter.anchor_chunk = {drafter_cfg.anchor_chunk!r} is chosen per device before the first step "
+            "(dflash_ipc.drafter.memory_plan.resolve_anchor_chunk)"
+        )
+    k = mcfg.num_context_planes
+    if planes.dim() != 3 or planes.shape[0] not in (k, k + 1):
+        raise ValueError(f"planes must be [k or k+1, n, H] with k={k} context planes, got {tuple(planes.shape)}")
+    if training_cfg.kl_weight > 0 and planes.shape[0] != k + 1:
+        raise ValueError(
+            "training.kl_weight > 0 needs the target's last hidden state as an extra plane (target.capture_last_hidden = true)"
+        )
+    return k
+
+
+def _weight_sum(lab: BlockLabels, training_cfg: TrainingConfig, dev: torch.device) -> torch.Tensor:
+    """The loss's divisor for this batch (D-PACE "weights": 0 here, the chunks add theirs)."""
+    if training_cfg.loss_weighting != "dpace":
+        return lab.weights.reshape(-1)[lab.valid.reshape(-1).nonzero().squeeze(1)].sum()
+    if training_cfg.dpace_normalizer == "blocks":
+        return lab.valid.any(dim=1).sum().to(torch.float32)
+    return torch.zeros((), dtype=torch.float32, device=dev)
+
+
+def _prepare(model, views, drafter_cfg, training_cfg, generator, anchors) -> _Batch | None:
+    """Anchors (sampled, or given), block labels and weights, the context; None without any anchor."""
+    planes = views.planes
+    k = _check_batch(model, planes, drafter_cfg, training_cfg)
+    bs, n = model.config.block_size, planes.shape[1]
+    token_ids = views.token_ids.to(torch.int64)
+    loss_mask = views.loss_mask.bool()
+    seq_lens = views.seq_lens
+    doc = document_index(seq_lens, n)
+    if anchors is None:
+        anchors, anchor_doc = sample_anchors(
+            loss_mask, seq_lens, drafter_cfg.num_anchors, bs, generator, doc=doc, max_per_batch=drafter_cfg.max_anchors_per_batch
+        )
+    else:
+        anchors, anchor_doc = anchors[0].to(torch.int64), anchors[1].to(torch.int64)
+    if anchors.numel() == 0:
+        return None
+    lab = block_labels(token_ids, loss_mask, anchors, doc.doc_end[anchor_doc], bs, training_cfg.loss_gamma)
+    # With a draft vocabulary a label outside it cannot be drafted: no loss (its weight is 0), and a miss.
+    in_head = lab.valid if model.draft_index is None else lab.valid & (model.draft_index[lab.labels.clamp(min=0)] >= 0)
+    if model.draft_index is not None:
+        lab = lab._replace(weights=lab.weights * in_head)
+    weight_sum = _weight_sum(lab, training_cfg, planes.device)
+    context = concat_context(planes[:k], drafter_cfg.noise_std, generator)
+    use_kl = training_cfg.kl_weight > 0
+    return _Batch(planes, k, token_ids, seq_lens, doc, anchors, anchor_doc, lab, in_head, weight_sum, context, use_kl)
+
+
+class _ChunkOut(NamedTuple):
+    res: ChunkedLossResult
+    rows: torch.Tensor  # the chunk's valid slots, flat
+    labels: torch.Tensor  # their labels (target ids)
+    part: BlockLabels
+    num_queries: int
+
+
+def _chunk_loss(model: DFlashDrafter, b: _Batch, s: int, e: int, training_cfg: TrainingConfig) -> _ChunkOut:
+    """Anchors ``[s, e)``: block layout, masks, the drafter's forward, the chunked CE (+ KL) of their valid slots."""
+    bs, mcfg = model.config.block_size, model.config
+    part = BlockLabels(*(t[s:e] for t in b.lab))
+    layout = build_block_layout(b.seq_lens, b.anchors[s:e], b.anchor_doc[s:e], bs, block_valid=part.valid.any(dim=1), doc=b.doc)
+    masks = build_attention_masks(layout, mcfg.layer_types, mcfg.sliding_window, model.attention_backend(b.context.device))
+    block_ids = model.block_input_ids(b.token_ids[b.anchors[s:e]])
+    hidden = model(b.context, layout.context_position_ids, block_ids, layout.block_position_ids, masks)
+    rows = part.valid.reshape(-1).nonzero().squeeze(1)
+    labels = part.labels.reshape(-1)[rows]
+    head_rows = b.in_head[s:e].reshape(-1)[rows]
+    target_hidden = b.planes[b.k][part.label_pos.reshape(-1)[rows] - 1] if b.use_kl else None
+    dpace = training_cfg.loss_weighting == "dpace"
+    res = chunked_lm_loss(
+        hidden[rows],
+        model.lm_head_weight,
+        labels if model.draft_index is None else model.draft_index[labels].clamp(min=0),
+        part.weights.reshape(-1)[rows],
+        training_cfg.ce_chunk_tokens,
+        target_hidden=target_hidden,
+        kl_weight=training_cfg.kl_weight,
+        reweight=_dpace_reweight(part.valid, rows, training_cfg.dpace_alpha, head_rows) if dpace else None,
+        compiled=training_cfg.ce_compile,
+    )
+    return _ChunkOut(res, rows, labels, part, layout.num_queries)
+
+
+class _Tally:
+    """The step's metrics, summed over anchor chunks."""
+
+    def __init__(self, bs: int, dev: torch.device, per_block: bool):
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.correct, self.count = torch.zeros(bs, **f32), torch.zeros(bs, **f32)
+        self.ce_sum, self.kl_sum = torch.zeros((), **f32), torch.zeros((), **f32)
+        self.accept_len_sum, self.accept_blocks = torch.zeros((), **f32), torch.zeros((), **f32)
+        self.num_queries = 0
+        self.block_accept: list[torch.Tensor] | None = [] if per_block else None
+
+    def add(self, out: _ChunkOut, model: DFlashDrafter) -> None:
+        res, rows, labels, part = out.res, out.rows, out.labels, out.part
+        dev, bs = rows.device, model.config.block_size
+        pred = res.pred if model.draft_token_ids is None else model.draft_token_ids[res.pred]
+        slot = rows % bs
+        self.correct.index_add_(0, slot, (pred == labels).to(torch.float32))
+        self.count.index_add_(0, slot, torch.ones(rows.numel(), dtype=torch.float32, device=dev))
+        hit = torch.zeros(part.valid.numel(), dtype=torch.bool, device=dev)
+        hit[rows] = pred == labels
+        counted = part.valid[:, 1]  # blocks whose first draft slot has a label (every sampled anchor's)
+        lengths = block_acceptance_lengths(hit.view_as(part.valid), part.valid)
+        self.accept_len_sum += (lengths * counted).sum().to(torch.float32)
+        self.accept_blocks += counted.sum().to(torch.float32)
+        if self.block_accept is not None:
+            self.block_accept.append(lengths)
+        self.ce_sum += res.ce_sum
+        self.kl_sum += res.kl_sum
+        self.num_queries += out.num_queries
+
+
 def compute_loss(
     model: DFlashDrafter,
     views: SlotViews,
@@ -318,117 +482,38 @@ def compute_loss(
     asked of SpecForge) or the sum of the D-PACE weights (``"weights"``: SpecForge's first
     integration); either is a sum over blocks, so the trainer's all-reduce makes it the global one.
     """
-    mcfg = model.config
-    bs = mcfg.block_size
-    if drafter_cfg.block_size != bs:
-        raise ValueError(f"drafter_cfg.block_size {drafter_cfg.block_size} != model block_size {bs}")
-    planes = views.planes
-    k = mcfg.num_context_planes
-    if planes.dim() != 3 or planes.shape[0] not in (k, k + 1):
-        raise ValueError(f"planes must be [k or k+1, n, H] with k={k} context planes, got {tuple(planes.shape)}")
-    use_kl = training_cfg.kl_weight > 0
-    if use_kl and planes.shape[0] != k + 1:
-        raise ValueError(
-            "training.kl_weight > 0 needs the target's last hidden state as an extra plane (target.capture_last_hidden = true)"
-        )
-    n = planes.shape[1]
-    dev = planes.device
-    token_ids = views.token_ids.to(torch.int64)
-    loss_mask = views.loss_mask.bool()
-    seq_lens = views.seq_lens
-
-    doc = document_index(seq_lens, n)
-    if anchors is None:
-        anchors, anchor_doc = sample_anchors(
-            loss_mask, seq_lens, drafter_cfg.num_anchors, bs, generator, doc=doc, max_per_batch=drafter_cfg.max_anchors_per_batch
-        )
-    else:
-        anchors, anchor_doc = anchors[0].to(torch.int64), anchors[1].to(torch.int64)
-    if anchors.numel() == 0:
+    bs, dev = model.config.block_size, views.planes.device
+    b = _prepare(model, views, drafter_cfg, training_cfg, generator, anchors)
+    if b is None:
         return _empty_output(model, bs, dev)
-    lab = block_labels(token_ids, loss_mask, anchors, doc.doc_end[anchor_doc], bs, training_cfg.loss_gamma)
-    # With a draft vocabulary a label outside it cannot be drafted: no loss (its weight is 0), and a miss.
-    in_head = lab.valid if model.draft_index is None else lab.valid & (model.draft_index[lab.labels.clamp(min=0)] >= 0)
-    if model.draft_index is not None:
-        lab = lab._replace(weights=lab.weights * in_head)
-    dpace = training_cfg.loss_weighting == "dpace"
-    if not dpace:
-        weight_sum = lab.weights.reshape(-1)[lab.valid.reshape(-1).nonzero().squeeze(1)].sum()
-    elif training_cfg.dpace_normalizer == "blocks":
-        weight_sum = lab.valid.any(dim=1).sum().to(torch.float32)
-    else:
-        weight_sum = torch.zeros((), dtype=torch.float32, device=dev)  # the chunks' D-PACE weights, added below
-    context = concat_context(planes[:k], drafter_cfg.noise_std, generator)
-    backend = model.attention_backend(dev)
-
-    n_anchors = anchors.numel()
+    n_anchors = b.anchors.numel()
     chunk = drafter_cfg.anchor_chunk if drafter_cfg.anchor_chunk > 0 else n_anchors
-    correct = torch.zeros(bs, dtype=torch.float32, device=dev)
-    count = torch.zeros(bs, dtype=torch.float32, device=dev)
-    ce_sum = torch.zeros((), dtype=torch.float32, device=dev)
-    accept_len_sum = torch.zeros((), dtype=torch.float32, device=dev)
-    accept_blocks = torch.zeros((), dtype=torch.float32, device=dev)
-    kl_sum = torch.zeros((), dtype=torch.float32, device=dev)
+    tally = _Tally(bs, dev, per_block)
+    weight_sum = b.weight_sum
     kept: list[torch.Tensor] = []
-    block_accept: list[torch.Tensor] = []
-    num_queries = 0
     for s in range(0, n_anchors, chunk):
         e = min(n_anchors, s + chunk)
-        part = BlockLabels(*(t[s:e] for t in lab))
-        layout = build_block_layout(seq_lens, anchors[s:e], anchor_doc[s:e], bs, block_valid=part.valid.any(dim=1), doc=doc)
-        masks = build_attention_masks(layout, mcfg.layer_types, mcfg.sliding_window, backend)
-        hidden = model(
-            context, layout.context_position_ids, model.block_input_ids(token_ids[anchors[s:e]]), layout.block_position_ids, masks
-        )
-        rows = part.valid.reshape(-1).nonzero().squeeze(1)
-        labels = part.labels.reshape(-1)[rows]
-        head_rows = in_head[s:e].reshape(-1)[rows]
-        target_hidden = planes[k][part.label_pos.reshape(-1)[rows] - 1] if use_kl else None
-        res = chunked_lm_loss(
-            hidden[rows],
-            model.lm_head_weight,
-            labels if model.draft_index is None else model.draft_index[labels].clamp(min=0),
-            part.weights.reshape(-1)[rows],
-            training_cfg.ce_chunk_tokens,
-            target_hidden=target_hidden,
-            kl_weight=training_cfg.kl_weight,
-            reweight=_dpace_reweight(part.valid, rows, training_cfg.dpace_alpha, head_rows) if dpace else None,
-            compiled=training_cfg.ce_compile,
-        )
-        if dpace and training_cfg.dpace_normalizer == "weights":
-            weight_sum += res.row_weights.sum()
-        pred = res.pred if model.draft_token_ids is None else model.draft_token_ids[res.pred]
-        slot = rows % bs
-        correct.index_add_(0, slot, (pred == labels).to(torch.float32))
-        count.index_add_(0, slot, torch.ones(rows.numel(), dtype=torch.float32, device=dev))
-        hit = torch.zeros(part.valid.numel(), dtype=torch.bool, device=dev)
-        hit[rows] = pred == labels
-        counted = part.valid[:, 1]  # blocks whose first draft slot has a label (every sampled anchor's)
-        lengths = block_acceptance_lengths(hit.view_as(part.valid), part.valid)
-        accept_len_sum += (lengths * counted).sum().to(torch.float32)
-        if per_block:
-            block_accept.append(lengths)
-        accept_blocks += counted.sum().to(torch.float32)
-        ce_sum += res.ce_sum
-        kl_sum += res.kl_sum
-        num_queries += layout.num_queries
+        out = _chunk_loss(model, b, s, e, training_cfg)
+        if training_cfg.loss_weighting == "dpace" and training_cfg.dpace_normalizer == "weights":
+            weight_sum = weight_sum + out.res.row_weights.sum()
+        tally.add(out, model)
         if e < n_anchors and accumulate is not None:
-            accumulate(res.loss_sum)
-            del hidden, masks, layout, res
+            accumulate(out.res.loss_sum)
+            del out
         else:
-            kept.append(res.loss_sum)
+            kept.append(out.res.loss_sum)
     return LossOutput(
         loss_sum=kept[0] if len(kept) == 1 else torch.stack(kept).sum(),
         weight_sum=weight_sum,
-        correct_per_pos=correct,
-        count_per_pos=count,
+        correct_per_pos=tally.correct,
+        count_per_pos=tally.count,
         num_blocks=n_anchors,
-        num_query_tokens=num_queries,
-        ce_sum=ce_sum,
-        kl_sum=kl_sum,
-        accept_len_sum=accept_len_sum,
-        accept_blocks=accept_blocks,
-        block_accept=torch.cat(block_accept) if per_block else None,
+        num_query_tokens=tally.num_queries,
+        ce_sum=tally.ce_sum,
+        kl_sum=tally.kl_sum,
+        accept_len_sum=tally.accept_len_sum,
+        accept_blocks=tally.accept_blocks,
+        block_accept=torch.cat(tally.block_accept) if per_block else None,
     )
 
 

@@ -1,7 +1,8 @@
 """``cpu-shm`` rings: the ring is one POSIX shared-memory segment (:mod:`dflash_ipc.transport.shm`).
 
 The producer's packer writes straight into the shared slot; a consumer's ``copy_out`` is a
-host copy of the used ranges, complete when it returns.
+host copy of the used ranges, complete when it returns. A CPU consumer may instead read the slot in
+place (``read_in_place``; its reads are done when the step returns).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dflash_ipc.transport.ring import (
 )
 from dflash_ipc.transport.shm import create_shm_tensor, open_shm_tensor, unlink_shm
 from dflash_ipc.transport.shm_names import shm_name
-from dflash_ipc.transport.slots import SlotLayout
+from dflash_ipc.transport.slots import SlotLayout, SlotViews
 
 
 class CpuShmProducerRing(InPlaceStaging, SlotRingBase):
@@ -59,6 +60,18 @@ class CpuShmConsumerRing(SlotRingBase):
 
     def copy_out(self, index: int, n_tokens: int, n_seqs: int, dst: torch.Tensor) -> CopyTicket:
         self.layout.copy_used(dst, self.slot(index), n_tokens, n_seqs)
+        return DoneTicket()
+
+    can_read_in_place = True
+
+    def read_in_place(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews:
+        """Views of the slot itself (the producer wrote it before its SlotReady)."""
+        self.layout.check_counts(n_tokens, n_seqs)
+        return self.views(index, n_tokens, n_seqs)
+
+    def reads_done(self, index: int) -> CopyTicket:
+        """Host reads are over when the step returns."""
+        self._check_index(index)
         return DoneTicket()
 
     def close(self) -> None:

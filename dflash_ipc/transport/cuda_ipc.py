@@ -58,7 +58,7 @@ from dflash_ipc.transport.ring import (
     describe,
     layout_from_descriptor,
 )
-from dflash_ipc.transport.slots import SlotLayout
+from dflash_ipc.transport.slots import SlotLayout, SlotViews
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +246,26 @@ class CudaIpcConsumerRing(SlotRingBase):
                     stack.enter_context(torch.cuda.stream(ls))
                 self.layout.copy_used(dst, src, n_tokens, n_seqs, non_blocking=True)
         return CudaCopyTicket.recorded_on(ls, index)
+
+    @property
+    def can_read_in_place(self) -> bool:
+        """The ring lives on the consumer's GPU: its slots are read where they are."""
+        return self.copy_mode == "same-device"
+
+    def read_in_place(self, index: int, n_tokens: int, n_seqs: int) -> SlotViews:
+        """Views of slot ``index`` itself; work enqueued afterwards on the consumer's current stream runs
+        after the producer's writes (a same-device wait on the slot's interprocess event). Return the slot
+        only once :meth:`reads_done`'s ticket is done."""
+        if not self.can_read_in_place:
+            raise RuntimeError(f"ring on {self.ring_device}, consumer on {self.local_device}: copy it out instead")
+        self.layout.check_counts(n_tokens, n_seqs)
+        torch.cuda.current_stream(self.local_device).wait_event(self._events[index])
+        return self.views(index, n_tokens, n_seqs)
+
+    def reads_done(self, index: int) -> CudaCopyTicket:
+        """A ticket for everything enqueued on the consumer's current stream so far (the step's reads of the slot)."""
+        self._check_index(index)
+        return CudaCopyTicket.recorded_on(torch.cuda.current_stream(self.local_device), index)
 
     def close(self) -> None:
         """Drop this process's mappings (idempotent); call before the producer closes."""

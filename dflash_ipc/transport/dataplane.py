@@ -10,11 +10,21 @@ Producer side (per target)::
                                    dispatch(): router.choose() ─▶ SlotReady ─▶ READY(d)
     SlotFree(slot, d) ─▶ SlotTable.release ─▶ FREE        Load(d) ─▶ router.on_report
 
-Consumer side (per drafter)::
+Consumer side (per drafter), copying out (the default)::
 
     SlotReady ─▶ held ── free local buffer? copy_out ─▶ copying ── ticket done ─▶ SlotFree
                                                                    └─▶ ready ─▶ take() ─▶ in use
     release(buffer) ─▶ buffer free again                      (every change: Load to all)
+
+reading in place (``in_place``: a ring whose slot the consumer's device reads directly, e.g. a
+cuda-ipc ring on the drafter's own GPU; ``ConsumerRing.read_in_place``)::
+
+    SlotReady ─▶ held ── read_in_place (the step's stream waits on the producer's event) ─▶ ready
+                 ─▶ take() ─▶ in use (the step reads the slot itself: no copy, no local buffer)
+    release(batch) ─▶ returning (ticket: an event after the step's last read) ── done ─▶ SlotFree
+
+The slot stays the consumer's until the device has finished every read of it (the ticket, not
+merely the host's return from the step), so the producer never overwrites a slot being trained on.
 
 Nothing is taken on trust. ``handle(msg, sender)`` is given the rank of the authenticated
 sender (``channels.PeerAuth``; None in the key-less benchmark): a message that names another
@@ -221,10 +231,14 @@ class ProducerDataPlane:
         }
 
 
+#: ``ReceivedBatch.buffer_index`` of a batch read in place: the ring's slot, no local buffer
+IN_PLACE = -1
+
+
 @dataclass
 class ReceivedBatch:
     msg: SlotReady
-    buffer_index: int
+    buffer_index: int  # IN_PLACE: the views are the slot itself
     views: SlotViews
     received_ns: int
     copied_ns: int
@@ -240,8 +254,21 @@ class _Copying:
     received_ns: int
 
 
+def reads_in_place(rings: list[ConsumerRing], setting: bool | str) -> list[bool]:
+    """Per ring, whether its slots are read in place (``transport.drafter_in_place``): "auto" for cuda-ipc
+    rings on the consumer's own GPU, True for every ring that can (a cpu-shm ring with a CPU consumer too),
+    False never."""
+    if setting not in (True, False, "auto"):
+        raise ValueError(f"in_place must be true, false or 'auto', got {setting!r}")
+    can = [bool(getattr(r, "can_read_in_place", False)) for r in rings]
+    if setting == "auto":
+        return [c and r.backend == "cuda-ipc" for c, r in zip(can, rings)]
+    return [c and bool(setting) for c in can]
+
+
 class ConsumerDataPlane:
-    """A drafter's side: hold slots, copy out into local buffers, return slots at once."""
+    """A drafter's side: hold slots, copy out into local buffers and return slots at once, or (``in_place``,
+    rings that can) hand the slot itself to the step and return it once the step's reads are done."""
 
     def __init__(
         self,
@@ -251,6 +278,7 @@ class ConsumerDataPlane:
         send: Send,
         rejects: RejectCounter,
         handoff_samples: int = HANDOFF_SAMPLES,
+        in_place: bool | str = False,
     ):
         self.rank = rank
         self.rings = rings
@@ -272,10 +300,12 @@ class ConsumerDataPlane:
         self.bytes_copied = 0
         self.slots_done = [0] * self.num_producers
         self._held_keys: set[tuple[int, int]] = set()
+        self.reads_in_place = reads_in_place(rings, in_place)
+        self.returning: list[tuple[SlotReady, CopyTicket]] = []  # in-place slots whose reads are still running
 
     @property
     def outstanding(self) -> int:
-        return len(self.held) + len(self.copying) + len(self.ready) + self.in_use
+        return len(self.held) + len(self.copying) + len(self.ready) + self.in_use + len(self.returning)
 
     def handle(self, msg: Message, sender: int | None = None) -> None:
         now = time.monotonic_ns()
@@ -330,12 +360,22 @@ class ConsumerDataPlane:
             self.rejects.reject("unexpected_type", f"{type(msg).__name__} at a consumer")
 
     def pump(self) -> int:
-        """Start copies into free buffers, finish completed ones; returns batches made ready."""
-        while self.held and self.free_buffers:
-            msg, received_ns = self.held.popleft()
-            buf = self.free_buffers.pop(0)
-            ticket = self.rings[msg.producer].copy_out(msg.slot, msg.n_tokens, msg.n_seqs, self.buffers[buf])
-            self.copying.append(_Copying(msg, buf, ticket, time.perf_counter(), received_ns))
+        """Hand held slots over in arrival order: read in place (ready at once) or copied into a free
+        buffer; finish completed copies; return in-place slots whose reads are done. Returns batches made ready."""
+        made = 0
+        while self.held:
+            msg, received_ns = self.held[0]
+            if self.reads_in_place[msg.producer]:
+                self.held.popleft()
+                self._ready_in_place(msg, received_ns)
+                made += 1
+            elif self.free_buffers:
+                self.held.popleft()
+                buf = self.free_buffers.pop(0)
+                ticket = self.rings[msg.producer].copy_out(msg.slot, msg.n_tokens, msg.n_seqs, self.buffers[buf])
+                self.copying.append(_Copying(msg, buf, ticket, time.perf_counter(), received_ns))
+            else:
+                break
         finished = 0
         still = []
         for c in self.copying:
@@ -345,15 +385,34 @@ class ConsumerDataPlane:
             else:
                 still.append(c)
         self.copying = still
-        if finished:
+        returned = self._return_read_slots()
+        if finished or returned:
             self._report_load()
-        return finished
+        return finished + made
+
+    def _ready_in_place(self, msg: SlotReady, received_ns: int) -> None:
+        """A slot of an in-place ring: its views (the step's stream ordered after the producer's writes), ready."""
+        views = self.rings[msg.producer].read_in_place(msg.slot, msg.n_tokens, msg.n_seqs)
+        self.slots_done[msg.producer] += 1
+        self.ready.append(ReceivedBatch(msg, IN_PLACE, views, received_ns, time.monotonic_ns(), 0.0))
+
+    def _return_read_slots(self) -> int:
+        """SlotFree for every in-place slot whose reads have completed on the device."""
+        done, still = [], []
+        for entry in self.returning:
+            (done if entry[1].done() else still).append(entry)
+        self.returning = still
+        for msg, _ in done:
+            self._slot_free(msg)
+        return len(done)
 
     def wait_for_copy(self) -> None:
-        """Block until the oldest copy in flight completed (a GPU copy takes well under a
-        millisecond per 256 MiB: sleeping on the sockets instead would idle the link)."""
+        """Block until the oldest copy in flight (else the oldest in-place slot's reads) completed (a GPU
+        copy takes well under a millisecond per 256 MiB: sleeping on the sockets instead would idle the link)."""
         if self.copying:
             self.copying[0].ticket.wait()
+        elif self.returning:
+            self.returning[0][1].wait()
 
     def _finish(self, c: _Copying) -> None:
         msg = c.msg
@@ -361,11 +420,14 @@ class ConsumerDataPlane:
         self.copy_seconds += copy_s
         ring = self.rings[msg.producer]
         self.bytes_copied += sum(n for _, n in ring.layout.used_ranges(msg.n_tokens, msg.n_seqs))
-        self._held_keys.discard((msg.producer, msg.slot))
         self.slots_done[msg.producer] += 1
         views = ring.layout.views(self.buffers[c.buffer_index], msg.n_tokens, msg.n_seqs)
         self.ready.append(ReceivedBatch(msg, c.buffer_index, views, c.received_ns, time.monotonic_ns(), copy_s))
         # The slot goes back only now: the copy out of it has completed.
+        self._slot_free(msg)
+
+    def _slot_free(self, msg: SlotReady) -> None:
+        self._held_keys.discard((msg.producer, msg.slot))
         self._send(
             msg.producer,
             SlotFree(
@@ -380,8 +442,15 @@ class ConsumerDataPlane:
         return self.ready.popleft()
 
     def release(self, batch: ReceivedBatch) -> None:
+        """The step is done with ``batch`` (its work enqueued): a local buffer is free again; a slot read in
+        place goes back once the device has finished reading it (at once when it already has)."""
         self.in_use -= 1
-        self.free_buffers.append(batch.buffer_index)
+        if batch.buffer_index == IN_PLACE:
+            msg = batch.msg
+            self.returning.append((msg, self.rings[msg.producer].reads_done(msg.slot)))
+            self._return_read_slots()
+        else:
+            self.free_buffers.append(batch.buffer_index)
         self._report_load()
 
     def _report_load(self) -> None:
@@ -390,8 +459,8 @@ class ConsumerDataPlane:
             self._send(p, msg)
 
     def all_ended(self) -> bool:
-        """Every producer said it is done and everything it sent has been copied out."""
-        return all(self.ended) and not self.held and not self.copying
+        """Every producer said it is done and everything it sent has been copied out (or read in place and returned)."""
+        return all(self.ended) and not self.held and not self.copying and not self.returning
 
     def drained(self) -> bool:
         return self.all_ended() and not self.ready
