@@ -130,7 +130,7 @@ def test_in_place_ce_passes_match_the_out_of_place_ones(dtype):
 
 def test_bench_random_targets_have_the_models_widths_and_an_unknown_one_is_refused():
     from dflash_ipc.bench.drafter_step import RANDOM_TARGETS, build_bench_drafter
-    from dflash_ipc.target.hf_config import text_config
+    from dflash_ipc.target_spec.hf_config import text_config
 
     widths = {name: text_config(make()) for name, make in RANDOM_TARGETS.items()}
     assert (widths["qwen3-8b"].hidden_size, widths["qwen3-8b"].vocab_size) == (4096, 151936)

@@ -60,7 +60,7 @@ SHAPES = {
         config=_QWEN3_8B,
         drafter=dict(block_size=16, gamma=7.0, batch=8),  # 8 x 2048 = 16,384 tokens/step (bench-9b-x2 token_budget)
     ),
-    # config: the arguments of dflash_ipc.target.hf_config.qwen36_27b_spec (the product's own 27B spec)
+    # config: the arguments of dflash_ipc.target_spec.hf_config.qwen36_27b_spec (the product's own 27B spec)
     "qwen3.6-27b": dict(arch="qwen3_5", config=dict(num_layers=16), drafter=dict(block_size=16, gamma=7.0, batch=4)),
     "qwen3.6-27b-full": dict(arch="qwen3_5", config=dict(num_layers=64), drafter=dict(block_size=16, gamma=7.0, batch=4)),
     "tiny-llama": dict(
@@ -96,7 +96,7 @@ SHAPES = {
         ),
         drafter=dict(block_size=16, gamma=7.0, batch=2),
     ),  # fmt: skip
-    # config: dflash_ipc.target.hf_config.tiny_spec's arguments (6 layers: linear, linear, full x 2)
+    # config: dflash_ipc.target_spec.hf_config.tiny_spec's arguments (6 layers: linear, linear, full x 2)
     "tiny-qwen3.5": dict(arch="qwen3_5", config=dict(tiny=True, vocab_size=2048), drafter=dict(block_size=16, gamma=7.0, batch=2)),
 }
 
@@ -105,7 +105,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen
 
 def qwen3_5_spec(shape: str) -> dict:
     """The dflash-ipc ``target.spec`` of a ``qwen3_5`` shape (the dflash-ipc side builds it itself, random)."""
-    from dflash_ipc.target.hf_config import qwen36_27b_spec, tiny_spec
+    from dflash_ipc.target_spec.hf_config import qwen36_27b_spec, tiny_spec
 
     c = SHAPES[shape]["config"]
     return tiny_spec(c["vocab_size"]) if c.get("tiny") else qwen36_27b_spec(c["num_layers"])

@@ -139,7 +139,7 @@ def target_need_bytes(cfg, device) -> int:
     from dflash_ipc.devices import dtype_from_name
     from dflash_ipc.drafter.model import DrafterModelConfig
     from dflash_ipc.runtime import resources
-    from dflash_ipc.target.hf_config import load_hf_config, resolve_layer_ids, text_config
+    from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 
     place = str(torch.device(device))
     if place not in [str(torch.device(d)) for d in cfg.topology.targets]:
