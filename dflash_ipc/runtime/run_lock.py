@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_ipc.runtime import fence
+from dflash_ipc import fence
 
 if TYPE_CHECKING:
     from dflash_ipc.runtime.nodes import NodeSpec
