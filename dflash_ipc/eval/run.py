@@ -150,19 +150,9 @@ def run_suite(
     from dflash_ipc.data.tokenizer import check_target_tokenizer, config_tokenizer
     from dflash_ipc.drafter.export import read_export
 
-    if workers < 1 or speed_prompts < 1:
-        raise ValueError(f"--workers and --speed-prompts must be >= 1 (got {workers}, {speed_prompts})")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {temperature}, {top_p})")
-    if temperature == 0 and top_p != 1:
-        raise ValueError("--top-p needs --temperature > 0 (T = 0 decodes greedily)")
+    _check_suite_options(sets, workers, speed_prompts, temperature, top_p)
     names = [name for name, _ in sets]
-    if not sets or len(set(names)) != len(names):
-        raise ValueError(f"eval sets need distinct names (got {names}): name them NAME=PATH")
-    tdevs = [d.strip() for d in (target_device or cfg.topology.targets[0]).split(",") if d.strip()]
-    if len(tdevs) > 1 and drafter_device:
-        raise ValueError("--drafter-device with several --target-device entries: each worker's drafter runs on its target's device")
-    ddevs = tdevs if len(tdevs) > 1 else [drafter_device or cfg.topology.drafters[0]]
+    tdevs, ddevs = _suite_devices(cfg, target_device, drafter_device)
     cfg = _with_quantization(cfg, target_quantization or cfg.target.quantization, dtype, tdevs)
     read_export(drafter_dir)  # a damaged export is named now, not after the target is loaded
     check_template_kwargs(cfg, drafter_dir, echo)
@@ -173,12 +163,81 @@ def run_suite(
     for s, (_, source) in enumerate(sets):
         prompts = _read_set(cfg, source, n, options)
         items.append([_Item((s, i), render_prompt(tokenizer, p, cfg.data.max_seq_len), p) for i, p in enumerate(prompts)])
-    flat = [it for group in items for it in group]
     job = _Job(cfg.to_dict(), cfg.source, str(drafter_dir), max_new, block_size, dtype, temperature, top_p, seed)
+    decoded = _decode_suite(job, items, names, tdevs, ddevs, workers, speed_prompts, echo)
+    decoder = decoded.decoder
+    reports = {}
+    for s, name in enumerate(names):
+        rep = _set_report(
+            [r for r in decoded.results if r[0][0] == s],
+            [r for r in decoded.speed if r[0][0] == s],
+            decoder.block_size,
+            items[s],
+            sets[s][1],
+        )
+        rep["speed_measured"] = decoded.measured
+        _add_lossless_check(rep, name, temperature, echo)
+        reports[name] = rep
+    return {
+        "sets": reports,
+        "workers": decoded.workers,
+        "dtype": dtype,
+        "target_device": ",".join(tdevs),
+        "drafter_device": ",".join(ddevs),
+        "drafter": str(drafter_dir),
+        "cache_rollback": decoder.rollback,
+        "max_new": max_new,
+        "chat_template_kwargs": cfg.chat_template.kwargs,
+        "mask_token_id": decoder.mask_token_id,
+        "humaneval_as": humaneval_as,
+        "mt_bench_turns": mt_bench_turns,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+        "baseline": "plain greedy decoding" if temperature == 0 else f"plain sampling at T={temperature:g}, top-p {top_p:g}",
+    }
+
+
+def _check_suite_options(sets: list[tuple[str, str | None]], workers: int, speed_prompts: int, temperature: float, top_p: float) -> None:
+    if workers < 1 or speed_prompts < 1:
+        raise ValueError(f"--workers and --speed-prompts must be >= 1 (got {workers}, {speed_prompts})")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {temperature}, {top_p})")
+    if temperature == 0 and top_p != 1:
+        raise ValueError("--top-p needs --temperature > 0 (T = 0 decodes greedily)")
+    names = [name for name, _ in sets]
+    if not sets or len(set(names)) != len(names):
+        raise ValueError(f"eval sets need distinct names (got {names}): name them NAME=PATH")
+
+
+def _suite_devices(cfg: DFlashConfig, target_device: str | None, drafter_device: str | None) -> tuple[list[str], list[str]]:
+    """The targets' devices (comma-separated, one worker group each) and the drafters': one per target when
+    there are several, else ``drafter_device`` or the config's first drafter."""
+    tdevs = [d.strip() for d in (target_device or cfg.topology.targets[0]).split(",") if d.strip()]
+    if len(tdevs) > 1 and drafter_device:
+        raise ValueError("--drafter-device with several --target-device entries: each worker's drafter runs on its target's device")
+    return tdevs, (tdevs if len(tdevs) > 1 else [drafter_device or cfg.topology.drafters[0]])
+
+
+class _Decoded(NamedTuple):
+    """What :func:`_decode_suite` decoded: every prompt's result, the prompts timed alone, how the speed was
+    measured, the number of workers, and the (closed) decoder that describes the run."""
+
+    results: list[tuple]
+    speed: list[tuple]
+    measured: str
+    workers: int
+    decoder: _Decoder
+
+
+def _decode_suite(job: _Job, items: list[list[_Item]], names: list[str], tdevs, ddevs, workers: int, speed_prompts: int, echo) -> _Decoded:
+    """Every prompt decoded both ways: in this process when one worker is asked for; else the first
+    ``speed_prompts`` of each set alone here (the speed figures), then all of them in worker processes."""
+    flat = [it for group in items for it in group]
     total = min(workers * len(tdevs), len(flat))
     decoder = _Decoder(job, tdevs[0], ddevs[0])
     try:
-        decoder.describe(echo, len(flat), [name for name, _ in sets])
+        decoder.describe(echo, len(flat), names)
         if total == 1:
             speed = results = decoder.decode(flat, echo, names)
             measured = "every prompt, decoded one at a time in one process"
@@ -195,40 +254,20 @@ def run_suite(
         with ProcessPoolExecutor(total, mp_context=_worker_context(tdevs + ddevs)) as pool:
             futures = [pool.submit(_worker, job, tdevs[w % len(tdevs)], ddevs[w % len(ddevs)], shards[w], threads) for w in range(total)]
             results = sorted((r for f in futures for r in f.result()), key=lambda r: r[0])
-    reports = {}
-    for s, name in enumerate(names):
-        rep = _set_report(
-            [r for r in results if r[0][0] == s], [r for r in speed if r[0][0] == s], decoder.block_size, items[s], sets[s][1]
+    return _Decoded(results, speed, measured, total, decoder)
+
+
+def _add_lossless_check(rep: dict, name: str, temperature: float, echo) -> None:
+    """Greedy: the outputs must equal plain greedy decoding token for token. Sampled outputs differ from
+    any one reference run by design: the check is distributional."""
+    if temperature > 0:
+        rep.update(
+            lossless=None, mismatched_prompts=[], lossless_check=f"distributional at T={temperature:g} (not compared token by token)"
         )
-        rep["speed_measured"] = measured
-        if temperature > 0:
-            # sampled outputs differ from any one reference run by design: the check is distributional
-            rep.update(
-                lossless=None, mismatched_prompts=[], lossless_check=f"distributional at T={temperature:g} (not compared token by token)"
-            )
-            echo(f"eval {name}: tau {rep['tau']:.2f} at T={temperature:g}")
-        else:
-            rep["lossless_check"] = "token-exact against greedy decoding"
-            echo(f"eval {name}: {rep['prompts'] - len(rep['mismatched_prompts'])}/{rep['prompts']} equal greedy")
-        reports[name] = rep
-    return {
-        "sets": reports,
-        "workers": total,
-        "dtype": dtype,
-        "target_device": ",".join(tdevs),
-        "drafter_device": ",".join(ddevs),
-        "drafter": str(drafter_dir),
-        "cache_rollback": decoder.rollback,
-        "max_new": max_new,
-        "chat_template_kwargs": cfg.chat_template.kwargs,
-        "mask_token_id": decoder.mask_token_id,
-        "humaneval_as": humaneval_as,
-        "mt_bench_turns": mt_bench_turns,
-        "temperature": temperature,
-        "top_p": top_p,
-        "seed": seed,
-        "baseline": "plain greedy decoding" if temperature == 0 else f"plain sampling at T={temperature:g}, top-p {top_p:g}",
-    }
+        echo(f"eval {name}: tau {rep['tau']:.2f} at T={temperature:g}")
+    else:
+        rep["lossless_check"] = "token-exact against greedy decoding"
+        echo(f"eval {name}: {rep['prompts'] - len(rep['mismatched_prompts'])}/{rep['prompts']} equal greedy")
 
 
 def check_template_kwargs(cfg: DFlashConfig, drafter_dir: str, echo) -> None:
