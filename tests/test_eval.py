@@ -255,7 +255,7 @@ def test_export_untrained_matches_the_trained_layout_and_evals_lossless(tmp_path
     out = tmp_path / "untrained"
     r = CliRunner().invoke(main, ["export-untrained", "--config", str(TINY), "--out", str(out)])
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash_ipc.py"]
     conf = json.loads((out / "config.json").read_text())
     assert conf["dflash_config"]["block_size"] == cfg.drafter.block_size
     assert conf["num_hidden_layers"] == cfg.drafter.num_layers

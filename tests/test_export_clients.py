@@ -94,13 +94,24 @@ def _eval_tau(cfg, export: Path) -> dict:
 
 
 def _zlab_decode(draft, lm, prompts, stops) -> tuple[list[list[int]], list[int]]:
-    """z-lab's loop on every prompt: (outputs, acceptance lengths of every step)."""
+    """z-lab's loop on every prompt: (outputs, tokens of every step), cut at MAX_NEW tokens as eval cuts.
+
+    z-lab's loop drafts a shorter block where the budget ends inside one (full layers see the whole
+    block, so its drafts there differ); eval drafts whole blocks and cuts. Given a block more budget,
+    z-lab's loop drafts whole blocks up to MAX_NEW too, and its steps are counted up to there."""
     zl._cuda_time = time.perf_counter  # z-lab times with torch.cuda.synchronize(); none on a CPU
     outputs, lengths = [], []
     for p in prompts:
-        z = zl.dflash_generate(draft, lm, torch.tensor([p]), MAX_NEW, stops, temperature=0.0, return_stats=True)
-        outputs.append(z.output_ids[0, len(p) :].tolist())
-        lengths += z.acceptance_lengths
+        budget = MAX_NEW + draft.block_size
+        z = zl.dflash_generate(draft, lm, torch.tensor([p]), budget, stops, temperature=0.0, return_stats=True)
+        out = z.output_ids[0, len(p) :].tolist()[:MAX_NEW]
+        outputs.append(out)
+        left = len(out) - 1  # the first token comes from the prefill, the rest from the steps
+        for n in z.acceptance_lengths:
+            if left <= 0:
+                break
+            lengths.append(min(n, left))
+            left -= n
     return outputs, lengths
 
 
@@ -211,7 +222,8 @@ def test_speculators_converts_and_loads_the_export_with_the_ids_it_expects(train
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
 
     cfg, _, outs = trained
-    src = outs["all"][0]
+    # its converter reads z-lab's whole-head layout (it sizes the head to the vocabulary): the sglang one here
+    src = outs["sglang"][0]
     conf = json.loads((src / "config.json").read_text())
     DFlashConverter().convert(src, tmp_path / "spec", base_model=cfg.target.model_path, validate=True)
     sc = DFlashSpeculatorConfig.from_pretrained(tmp_path / "spec")

@@ -31,9 +31,9 @@ class ServeShape:
     hidden_size: int = 5120
     intermediate_size: int = 17408
     num_layers: int = 5
-    num_heads: int = 40
-    num_kv_heads: int = 8
-    head_dim: int = 128
+    num_heads: int = 24  # Qwen3.6-27B's attention: 24 q / 4 kv heads of 256
+    num_kv_heads: int = 4
+    head_dim: int = 256
     vocab_size: int = 248_320
     draft_vocab_size: int = 32_768
     num_target_layers: int = 64

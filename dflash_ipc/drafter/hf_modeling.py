@@ -185,14 +185,15 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
         ctx, done = self._context(out.hidden_states), n0  # positions [done - ctx_len, done) await the drafter
         self.acceptance_lengths = []
         while len(tokens) < max_new_tokens and tokens[-1] not in stops:
-            width = min(self.block_size, max_new_tokens - len(tokens) + 1)
+            # a whole block even where the budget ends inside it (cut below): full layers see the whole
+            # block, so a shorter one would draft other tokens than the drafter trained on
+            width = self.block_size
             block = torch.full((1, width), self.mask_token_id, dtype=torch.long, device=dev)
             block[0, 0] = tokens[-1]
-            if width > 1:
-                pos = torch.arange(done - ctx.shape[1], done + width, device=dev)[None]
-                h = self(pos, embed(block), ctx, past_key_values=d_cache, use_cache=True)
-                crop_cache(d_cache, done)
-                block[0, 1:] = self.compute_logits(h[:, 1:], head).argmax(-1)[0]
+            pos = torch.arange(done - ctx.shape[1], done + width, device=dev)[None]
+            h = self(pos, embed(block), ctx, past_key_values=d_cache, use_cache=True)
+            crop_cache(d_cache, done)
+            block[0, 1:] = self.compute_logits(h[:, 1:], head).argmax(-1)[0]
             pos = torch.arange(done, done + width, device=dev)[None]
             out = target(block, position_ids=pos, past_key_values=t_cache, use_cache=True, output_hidden_states=True)
             verdict = out.logits[0].argmax(-1)
