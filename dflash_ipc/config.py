@@ -51,7 +51,19 @@ class RunConfig:
     # One path component: the default run dir is runs/<name> and must stay inside runs/.
     name: str = "dflash"
     run_dir: str = ""  # empty: runs/<name> relative to the working directory
+    # Fixes the drafter's initialisation, the data plan (order, mix draws) and anchor sampling on every rank.
     seed: int = 0
+    # false: each batch goes to the least-busy drafter, so which rank trains which batch (with that rank's anchor
+    # sampling) follows the timing, and two runs of one seed differ from step 1. true: batches are dealt round-robin in
+    # plan order (control/router.py, deal_by_plan), each drafter trains its own in that order, credits still bound every
+    # queue, and torch uses its deterministic algorithms where it has them (warning where not; on CUDA with
+    # CUBLAS_WORKSPACE_CONFIG=:4096:8): one seed repeats its per-step losses bit for bit. Cost: a drafter waits for its
+    # own next batch instead of taking any that is ready, and a target sends first-in first-out. Measured on CPU
+    # (configs/tiny-cpu.toml, 40 steps, deterministic and not side by side, 3 pairs on 2 busy cores): 0.98x the
+    # tokens/s (0.90-1.06 per pair, within the machine's noise). Still not repeated: a run stopped and resumed
+    # (deterministic from its checkpoint, but not the uninterrupted run's steps), training.max_seconds (the clock picks
+    # the last step), when held-out tau is measured, another machine, thread count, device or library build.
+    deterministic: bool = False
     handshake_timeout_s: float = 120.0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 60.0

@@ -66,7 +66,7 @@ def drafter_main(child: ChildContext) -> int:
     socks.connect_peers(start.target_endpoints, "target")
     slot_bytes = max(r.layout.slot_bytes for r in rings)
     buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(cfg.transport.drafter_prefetch + 1)]
-    plane = ConsumerDataPlane(rank, rings, buffers, socks.send_to_peer, child.rejects)
+    plane = ConsumerDataPlane(rank, rings, buffers, socks.send_to_peer, child.rejects, deterministic=cfg.run.deterministic)
     handshake.send_ready(socks.dealer, "drafter", rank, socks.auth)
     child.start_heartbeats(cfg.run.heartbeat_interval_s)
     memory = lambda: liveness.host_memory_text(proc, gpu_memory_text(device))  # noqa: E731
