@@ -51,7 +51,7 @@ case "${STEP:?STEP=stash|data|train|eval}" in
     (cd /root/smollm2 && sha256sum -c "$OLDPWD/.big/p2/sha256.txt") || exit 1
     . tools/gpu_setup.sh
     if [ ! -f /root/models/smollm2/config.json ]; then
-      python3 tools/smollm2_to_hf.py --gguf /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/models/smollm2 2>&1 | tail -n 3
+      python3 tools/convert_smollm2_gguf.py --gguf /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/models/smollm2 2>&1 | tail -n 3
     fi
     [ "$STEP" = model ] && exit 0
     # BUDGET_S (the call's own limit, less ~10 s): generation gets what the join, convert and setup left, less the

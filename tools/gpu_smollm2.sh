@@ -64,7 +64,7 @@ echo "out=$OUT work=$W base=$BASE budget=${BUDGET_S}s max_steps=$MAX_STEPS"
 # -- 1. GGUF -> Hugging Face folder (skipped when already there, and in a dry run: the tiny random target)
 if [ -n "$MODEL" ] && [ ! -f "$MODEL/config.json" ]; then
   stage "convert"
-  timeout $(( $(left) - 420 )) python3 tools/smollm2_to_hf.py --gguf /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out "$MODEL" 2>&1 \
+  timeout $(( $(left) - 420 )) python3 tools/convert_smollm2_gguf.py --gguf /root/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out "$MODEL" 2>&1 \
     | tee "$OUT/convert.log" || { echo "convert failed"; exit 1; }
 fi
 MODEL_OV=(); [ -n "$MODEL" ] && MODEL_OV=("target.model_path=\"$MODEL\"")
