@@ -10,6 +10,7 @@ the same seed must repeat its losses under whatever load the other runs make.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def test_same_seed_gives_the_same_losses_and_another_seed_does_not(tmp_path):
                     proc.kill()
                     proc.wait()
             out.close()
+    output = (tmp_path / "a.out").read_text()
+    assert len(re.findall(r"data: \d+ samples", output)) == 1, output  # the data summary, said once (not also as a log line)
     a, b, other = (losses(runs[n][1]) for n in ("a", "b", "other"))
     assert len(a) == STEPS
     assert a == b  # bit for bit

@@ -200,7 +200,8 @@ def _check_names_a_model(cfg: DFlashConfig) -> None:
         _fail(
             cfg.source,
             "target.spec",
-            "the config names no target model: set target.model_path (a Hugging Face checkpoint directory) or "
+            "the config names no target model, so it can only preview its batch plan "
+            f"(dflash-ipc plan --config {cfg.source}); to train, set target.model_path (a Hugging Face checkpoint directory) or "
             "target.spec (a random-weight Qwen3.5 shape; configs/tiny-cpu.toml has a small one to start from)",
         )
 
