@@ -457,12 +457,10 @@ class Supervisor:
                         )
                     for c in liveness.wait_for_exits(drafters, max(5.0, cfg.run.teardown_grace_s)):
                         self.echo(f"[up] {c.name} finished but is still running after run.teardown_grace_s; stopping it")
-                    self._set_ended()
+                    self.state, self.end_reason = progress.run_end(self.stop_requested, self._summary)
                     self._write_status()
                     self._close_progress()
-                    self.echo(
-                        finished_summary(self.run_dir, self._summary, time.time() - self.started_unix, stopped=self.state == "stopped")
-                    )
+                    self.echo(finished_summary(self.run_dir, self._summary, time.time() - self.started_unix, self.state == "stopped"))
                     return EXIT_OK
             if now >= next_status:
                 next_status = now + 1.0
@@ -540,15 +538,6 @@ class Supervisor:
                 log.warning("%s did not stop within %.0f s of SIGTERM: SIGKILL", ch.name, grace)
                 ch.popen.kill()
                 ch.popen.wait()
-
-    def _set_ended(self) -> None:
-        """Every drafter sent Done: FINISHED (its own end: max_steps, max_seconds, data exhausted), or
-        STOPPED when a signal asked for it (the step it stopped at, resumable)."""
-        lead = self._lead_drafter()
-        if self.stop_requested:
-            self.state, self.end_reason = "stopped", f"{self.stop_requested} at step {lead.work.step if lead else 0}"
-        else:
-            self.state, self.end_reason = "finished", self._summary.reason if self._summary else None
 
     def _failure_text(self, what: str, ch: Child | None = None) -> str:
         return liveness.failure_text(what, self.children, self.run_dir / "logs", ch)
