@@ -11,7 +11,7 @@ import click
 from dflash_ipc.bench.drafter_serve import drafter_serve_command
 from dflash_ipc.bench.drafter_step_cli import drafter_step_cmd
 from dflash_ipc.bench.gen_decode_cli import gen_decode_cmd
-from dflash_ipc.cli_options import choice_option, int_option, json_option, set_option
+from dflash_ipc.cli_options import choice_option, config_option, int_option, json_option, set_option
 from dflash_ipc.config import ConfigError, blame_sets
 from dflash_ipc.control.ring_descriptor import BACKENDS
 from dflash_ipc.eval.prompts import HUMANEVAL_AS, MT_BENCH_TURNS
@@ -77,6 +77,10 @@ def bench_transport_cmd(
     from dflash_ipc.bench.transport import BenchArgs, run_transport_bench
 
     gpu = backend != "cpu-shm"
+    given = {
+        "--producer-device": producer_device,
+        "--consumer-device": consumer_device if consumer_device not in (None, "other", "same") else None,
+    }
     producer_device = producer_device or ("cuda:0" if gpu else "cpu")
     if consumer_device in (None, "other"):
         consumer_device = "cuda:1" if gpu else "cpu"
@@ -84,6 +88,13 @@ def bench_transport_cmd(
         consumer_device = producer_device
     if slow_consumer is not None and not 0 <= slow_consumer < consumers:
         raise click.BadParameter(f"must be a consumer rank in [0, {consumers})", param_hint="--slow-consumer")
+    # Before a directory or process exists: a GPU backend on a machine without one is a one-line refusal.
+    for option, device in (("--producer-device", producer_device), ("--consumer-device", consumer_device)):
+        _check_device_option(option, given[option], device, f"--backend {backend}")
+    if gpu and not (producer_device.startswith("cuda:") or consumer_device.startswith("cuda:")):
+        raise click.BadParameter(
+            f"{backend} moves data from or to a CUDA device; give a cuda:N device, or --backend cpu-shm", param_hint="--backend"
+        )
     if slow_ms is None:
         slow_ms = max(5.0, slot_mib / 64 * 40.0) if slow_consumer is not None else 0.0
     args = BenchArgs(
@@ -128,7 +139,7 @@ def bench_gpu_ring_cmd(out_path: str | None, quick: bool, as_json: bool) -> None
 
 
 @bench.command("pipeline")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@config_option(help="Run configuration (TOML) every variant starts from.")
 @int_option("--steps", minimum=3, default=8, help="Optimizer steps per pipeline variant.")
 @click.option(
     "--variants",
@@ -206,7 +217,7 @@ def _check_device_option(option: str, value: str | None, default: str, default_f
 
 
 @main.command("check-config")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@config_option(help="Run configuration (TOML) to validate.")
 @click.option("--file-only", is_flag=True, help="Check the file alone, not the model, devices and data files it names on this machine.")
 @set_option()
 def check_config(config_path: str, file_only: bool, set_values: tuple[str, ...]) -> None:
@@ -224,7 +235,7 @@ def check_config(config_path: str, file_only: bool, set_values: tuple[str, ...])
 
 
 @main.command("up")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Run configuration (TOML).")
+@config_option()
 @click.option("--run-dir", default=None, help="Run directory (default: run.run_dir or runs/<run.name>).")
 @click.option(
     "--max-steps", type=click.IntRange(0), default=None, help="Override training.max_steps (0: train until the data is exhausted)."
@@ -339,6 +350,7 @@ def up(
 @click.option("--watch", is_flag=True, help="Refresh every second until interrupted.")
 def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
     """What every process of a run is doing (live, or the last snapshot after it ended)."""
+    import os
     import time
     from pathlib import Path
 
@@ -349,7 +361,10 @@ def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
         try:
             snap = read_status(Path(run_dir))
         except StatusUnavailable as e:
-            click.echo(f"error: {e}", err=True)
+            if as_json:  # a script reading --json gets JSON either way
+                click.echo(json.dumps({"error": str(e), "run_dir": os.fsencode(run_dir).decode("utf-8", "backslashreplace")}))
+            else:
+                click.echo(f"error: {e}", err=True)
             sys.exit(1)
         if as_json:
             out = render_status(snap, "json", indent=None)
@@ -365,14 +380,19 @@ def status(run_dir: str, as_json: bool, prometheus: bool, watch: bool) -> None:
         time.sleep(1.0)
 
 
+# A node's GPUs: every split of N is scored and printed, so N stays a size a node has.
+MAX_TOPOLOGY_GPUS = 1024
+
+
 @main.command("plan")
-@click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False))
+@config_option(required=False, help="Run configuration (TOML): its batch plan.")
 @click.option(
     "--topology",
     "n_gpus",
-    type=click.IntRange(2),
+    type=click.IntRange(2, MAX_TOPOLOGY_GPUS),
     default=None,
-    help="Instead: the target:drafter split of this many GPUs with the most tokens/s (needs --profile).",
+    help=f"Instead: the target:drafter split of this many GPUs of one node (2..{MAX_TOPOLOGY_GPUS}) with the most tokens/s "
+    "(needs --profile).",
 )
 @click.option(
     "--profile",
@@ -416,7 +436,7 @@ def _plan_topology(n_gpus: int | None, profile_path: str | None, as_json: bool) 
 
 
 @main.command("eval")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@config_option(help="Run configuration (TOML): its target, tokenizer and drafter settings.")
 @click.option(
     "--drafter",
     "drafter_dir",
@@ -489,6 +509,10 @@ def eval_cmd(config_path, drafter_dir, prompts_path, suite, set_values, as_json,
     _check_device_option("--target-device", target_device, cfg.topology.targets[0], f"topology.targets[0] of {config_path}")
     if drafter_device or len([d for d in (target_device or "").split(",") if d.strip()]) <= 1:  # else: each target's own device
         _check_device_option("--drafter-device", drafter_device, cfg.topology.drafters[0], f"topology.drafters[0] of {config_path}")
+    if not any(d.strip().startswith("cuda") for d in (target_device or cfg.topology.targets[0]).split(",")):
+        from dflash_ipc.target.fast_path import quiet_kernel_advice_on_cpu
+
+        quiet_kernel_advice_on_cpu()
 
     def echo(line: str) -> None:
         click.echo(line, err=True)
@@ -537,7 +561,7 @@ def export_cmd(source: str, out_dir: str, client: str, device: str, as_json: boo
 
 
 @main.command("export-untrained")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@config_option(help="Run configuration (TOML): the drafter to build and the target it reads.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for config.json + model.safetensors.")
 @click.option("--device", default="cpu", show_default=True, help="Where to build it (the target's embedding and LM head are read).")
 @set_option()
@@ -558,7 +582,7 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str, set_values
 
 
 @main.command("gen-data")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@config_option(help="Run configuration (TOML): the target that writes the answers.")
 @click.option(
     "--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output JSONL (appended to; held-out split beside it)."
 )

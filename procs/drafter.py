@@ -68,7 +68,15 @@ def drafter_main(child: ChildContext) -> int:
     in_place = reads_in_place(rings, cfg.transport.drafter_in_place)
     n_buffers = 0 if all(in_place) else cfg.transport.drafter_prefetch + 1  # slots read in place need no local copy
     buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(n_buffers)]
-    plane = ConsumerDataPlane(rank, rings, buffers, socks.send_to_peer, child.rejects, in_place=cfg.transport.drafter_in_place)
+    plane = ConsumerDataPlane(
+        rank,
+        rings,
+        buffers,
+        socks.send_to_peer,
+        child.rejects,
+        in_place=cfg.transport.drafter_in_place,
+        deterministic=cfg.run.deterministic,
+    )
     if any(in_place):
         log.info("reading %d of %d rings in place (transport.drafter_in_place)", sum(in_place), len(rings))
     handshake.send_ready(socks.dealer, "drafter", rank, socks.auth)

@@ -63,8 +63,9 @@ def target_main(child: ChildContext) -> int:
     )
     socks.connect_peers(start.drafter_endpoints, "drafter")
     plane = ProducerDataPlane(
-        rank, ring, max(1, len(socks.pushes)), cfg.transport.max_outstanding_per_drafter, socks.send_to_peer, child.rejects
-    )
+        rank, ring, max(1, len(socks.pushes)), cfg.transport.max_outstanding_per_drafter, socks.send_to_peer, child.rejects,
+        deterministic=cfg.run.deterministic,
+    )  # fmt: skip
     handshake.send_ready(socks.dealer, "target", rank, socks.auth)
     child.start_heartbeats(cfg.run.heartbeat_interval_s)
     TargetLoop(core, ring, plane, child, heartbeat_interval_s=cfg.run.heartbeat_interval_s, forward_only=child.args.forward_only).run()

@@ -7,7 +7,7 @@ cores), so this script lifts that device check in its own process and changes no
         --suite synth=W/synth.holdout.jsonl,builtin=W/builtin.holdout.jsonl,everyday=configs/eval/everyday.jsonl \\
         --n 6 --max-new 64 --quantization fp8 --dtype bfloat16 > out.json
 
-``--model``: the target checkpoint (and tokenizer), e.g. the converted SmolLM2 folder, in place of the
+``--model``: the target checkpoint (and tokenizer), e.g. ``tools/convert_smollm2_gguf.py``'s output, in place of the
 config's ``target.model_path`` (default: the config's target). Prints eval's JSON report on stdout, its progress on stderr.
 """
 

@@ -185,6 +185,23 @@ def test_summary_after_resume_rates_only_this_sessions_steps(tmp_path):
     assert "trained on 3000 target tokens in 5.0 s: 600 tokens/s; wall 9.0 s" in one, one
 
 
+def test_a_short_runs_summary_counts_the_steps_it_had(tmp_path):
+    """4 steps: "mean of all 4", never "first 10 ... last 10"; 25 steps: the first and last 10."""
+    import json
+
+    from dflash_ipc.runtime.progress import finished_summary
+
+    def summary_line(n: int) -> str:
+        recs = [{"step": s, "loss": float(s), "tokens": 100, "elapsed_s": 0.5 * s} for s in range(1, n + 1)]
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return finished_summary(tmp_path, _summary(tokens=100 * n, train_s=0.5 * n), wall_s=9.0).splitlines()[1]
+
+    assert summary_line(4) == "  steps 4, loss 1.0000 -> 4.0000 (mean of all 4 2.5000)"
+    assert summary_line(25) == "  steps 25, loss 1.0000 -> 25.0000 (mean of first 10 5.5000, last 10 20.5000)"
+    stopped = finished_summary(tmp_path, _summary(tokens=100, train_s=0.5), wall_s=1.0, stopped=True)
+    assert stopped.startswith("[up] stopped (") and "resume with --resume" in stopped.splitlines()[0]
+
+
 def test_the_checkpoint_resumed_from_and_why_are_in_ups_output():
     """A fallback from a damaged ``latest`` is said by the supervisor, not only in drafter-0's log:
     drafter 0's Hello carries its ResumePoint (notes included) over the wire."""

@@ -280,7 +280,7 @@ def test_prometheus_parses_with_one_sample_per_process(status):
     inflight = fams["dflash_ipc_process_inflight_to_drafter"]["samples"]
     assert len(inflight) == 2 * 3 and {s["drafter"] for s, _ in inflight} == {"0", "1", "2"}
     state = {s["state"]: v for s, v in fams["dflash_ipc_state"]["samples"]}
-    assert state == {"preparing": 0, "starting": 0, "running": 1, "stopping": 0, "finished": 0, "failed": 0, "lost": 0}
+    assert state == {"preparing": 0, "starting": 0, "running": 1, "stopping": 0, "finished": 0, "stopped": 0, "failed": 0, "lost": 0}
     assert fams["dflash_ipc_step"]["samples"] == [({}, 1234.0)]
     assert [s.value for s in lib["dflash_ipc_step"].samples] == [1234.0]
     busy = {s["rank"]: v for s, v in fams["dflash_ipc_process_busy_ratio"]["samples"] if s["role"] == "target"}
@@ -483,3 +483,55 @@ def test_status_json_of_a_dead_supervisor_reads_lost(status, tmp_path):
     write_text_atomic(run_dir / "status.json", json.dumps(to_wire(alive)))
     r = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60)
     assert json.loads(r.stdout.splitlines()[-1])["state"] == "running"
+
+
+def _row(text: str, name: str) -> list[str]:
+    return next(line.split() for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_stopped_run_says_stopped_with_its_step_and_a_failed_one_why(status):
+    stopped = edit(status, lambda w: w.update(state="stopped", end_reason="SIGINT at step 23", updated_unix=NOW - 5))
+    text = sv.render_table(stopped, now=NOW)
+    assert "STOPPED" in text and "FINISHED" not in text and "ended    SIGINT at step 23" in text
+    assert "ran 1h02m" in text and "ended 5.0s ago" in text and "STALE" not in text
+    failed = edit(status, lambda w: w.update(state="failed", end_reason="drafter-1 (pid 7) exit code 1"))
+    assert "why      drafter-1 (pid 7) exit code 1" in sv.render_table(failed, now=NOW)
+    finished = edit(status, lambda w: w.update(state="finished", end_reason="max_steps 40"))
+    assert "FINISHED" in sv.render_table(finished, now=NOW) and "ended    max_steps 40" in sv.render_table(finished, now=NOW)
+
+
+def test_a_live_run_is_as_old_as_its_start_not_its_last_snapshot(status):
+    """A snapshot written when the run began preparing, read 4 s later: up 4.0s, not "up 0.0s updated 4.0s ago"."""
+    preparing = edit(status, lambda w: w.update(state="preparing", started_unix=NOW - 4, updated_unix=NOW - 4))
+    text = sv.render_table(preparing, now=NOW)
+    assert "PREPARING" in text and "up 4.0s" in text and "up 0.0s" not in text
+
+
+def test_exited_processes_show_no_live_fields(status):
+    """Even a snapshot that still carries an exited target's slots and heartbeat (an older supervisor's)."""
+
+    def change(w):
+        w.update(state="finished")
+        w["processes"][0].update(exit_code=0, state="exited")  # target0, its live figures left in
+        w["processes"][2].update(exit_code=0, state="exited")  # drafter0
+
+    text = sv.render_table(edit(status, change), now=NOW)
+    target0, drafter0 = _row(text, "target0"), _row(text, "drafter0")
+    assert target0[3:6] == ["exited", "0", "-"] and target0.count("-") >= 6, target0  # no UP, HB, TOK/S, WORK, GPU, RSS, B/W
+    assert "1/1/1/1" not in " ".join(target0) and "0.4s" not in " ".join(target0)
+    assert "s1234" in drafter0 and "2.346" in drafter0  # a drafter's last step and loss stay
+    live = _row(text, "target1")
+    assert "1/1/1/1" in " ".join(live)
+
+
+def test_an_exited_childs_status_line_has_no_live_fields():
+    """liveness.process_status: what the supervisor writes for a child that exited."""
+    from types import SimpleNamespace
+
+    from dflash_ipc.runtime.liveness import process_status
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    ch = SimpleNamespace(role="target", rank=0, device="cpu", popen=done, stats=None, done=None, started=NOW - 10, last_beat=1.0)
+    p = process_status(ch, NOW, 50.0)
+    assert p.state == "exited" and p.exit_code == 0 and p.heartbeat_age_s is None and p.slots is None and p.rss_bytes is None

@@ -268,10 +268,17 @@ def test_status_after_the_run_reads_status_json(shared_run):
     assert up.returncode == 0
     snap = json.loads(status_cli(up.run_dir, "--json"))
     decode_status(snap)  # every field present and well typed
-    assert snap["state"] == "finished"
+    assert snap["state"] == "finished" and snap["end_reason"] == f"max_steps {FULL_STEPS}"
     assert snap["totals"]["step"] == FULL_STEPS
     assert sorted((p["role"], p["rank"]) for p in snap["processes"]) == [("drafter", 0), ("drafter", 1), ("target", 0), ("target", 1)]
     assert all(p["exit_code"] == 0 for p in snap["processes"]), snap["processes"]
+    # exited: nothing live is left (no heartbeat age, slots, queue, memory), drafters keep their last step
+    for p in snap["processes"]:
+        assert p["state"] == "exited" and p["heartbeat_age_s"] is None and p["slots"] is None and p["rss_bytes"] is None, p
+        assert p["inflight_per_drafter"] is None and p["queue_depth"] is None and p["busy_pct"] is None, p
+    assert {p["step"] for p in snap["processes"] if p["role"] == "drafter"} == {FULL_STEPS}
+    table = status_cli(up.run_dir)
+    assert "FINISHED" in table and f"ended    max_steps {FULL_STEPS}" in table and "exited 0" in table, table
 
 
 # --------------------------------------------------------------------------- 2 + 3. live status and metrics, Ctrl-C, resume
@@ -310,6 +317,7 @@ def stopped_and_resumed(work, started):
     live_prom = status_cli(run_dir, "--prometheus")
     os.killpg(first.proc.pid, signal.SIGINT)
     first_code = first.wait()
+    first_status = (status_cli(run_dir, "--json"), status_cli(run_dir))
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
         after: OSError | None = None
@@ -338,6 +346,7 @@ def stopped_and_resumed(work, started):
         ckpt1=ckpt1,
         ledger1=ledger1,
         first_target_logs=first_target_logs,
+        first_status=first_status,
     )
 
 
@@ -365,6 +374,18 @@ def test_status_while_running(stopped_and_resumed):
         assert [int(by_proc["dflash_ipc_process_pid"][(role, rank)])] == pids[f"{role}-{rank}"]
     (step,) = [s.value for s in fams["dflash_ipc_process_step"].samples if s.labels["role"] == "drafter" and s.labels["rank"] == "0"]
     assert step >= 1
+
+
+def test_a_stopped_run_reads_stopped_at_its_step_not_finished(stopped_and_resumed):
+    r = stopped_and_resumed
+    snap_json, table = r["first_status"]
+    snap = json.loads(snap_json)
+    decode_status(snap)
+    stop_step = r["first_metrics"][-1]["step"]
+    assert snap["state"] == "stopped" and snap["end_reason"] == f"SIGINT at step {stop_step}", snap
+    assert all(p["state"] == "exited" and p["heartbeat_age_s"] is None for p in snap["processes"]), snap["processes"]
+    assert "STOPPED" in table and f"ended    SIGINT at step {stop_step}" in table and "FINISHED" not in table, table
+    assert "[up] stopped (" in r["first"].output and "resume with --resume" in r["first"].output
 
 
 def test_ctrl_c_checkpoints_and_resume_consumes_every_batch_once(stopped_and_resumed):
@@ -463,6 +484,8 @@ def test_handshake_timeout_names_the_setting_and_leaves_no_process(work, started
     assert "handshake timed out" in out and "run.handshake_timeout_s" in out, out
     assert "fork server" not in out, out  # exec: every child a new Python
     assert len(up.child_pids()) == 4
+    snap = json.loads(status_cli(work / "hs", "--json"))
+    assert snap["state"] == "failed" and "handshake timed out" in snap["end_reason"], snap
     assert_no_leftovers(up)
 
 

@@ -7,12 +7,12 @@ import sys
 
 import click
 
-from dflash_ipc.cli_options import int_option, json_option, set_option
+from dflash_ipc.cli_options import config_option, int_option, json_option, set_option
 from dflash_ipc.config import ConfigError
 
 
 @click.command("drafter-step")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@config_option(help="Run configuration (TOML): its drafter, target and data.")
 @click.option("--variants", default="base", show_default=True, help="Comma-separated; the first is the baseline (bench/drafter_step.py).")
 @int_option("--steps", minimum=1, default=10, help="Timed steps per variant.")
 @int_option("--batches", "n_batches", minimum=1, default=3, help="Synthetic batches (each its own shape).")

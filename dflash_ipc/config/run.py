@@ -49,6 +49,17 @@ class RunConfig:
     seed: int = 0
     """Seeds the batch order, the drafter's initial weights and its noise; ``--resume`` refuses a changed seed
     (the ledger names batches in this order). 0 .. 2**32 - 1."""
+    deterministic: bool = False
+    """false: each batch goes to the least-busy drafter, so which rank trains which batch (with that rank's anchor
+    sampling) follows the timing, and two runs of one seed differ from step 1. true: batches are dealt round-robin in
+    plan order (control/router.py, deal_by_plan), each drafter trains its own in that order, credits still bound every
+    queue, and torch uses its deterministic algorithms where it has them (warning where not; on CUDA with
+    CUBLAS_WORKSPACE_CONFIG=:4096:8): one seed repeats its per-step losses bit for bit. Cost: a drafter waits for its
+    own next batch instead of taking any that is ready, and a target sends first-in first-out; measured on the CPU
+    (configs/tiny-cpu.toml, 40 steps, 3 pairs side by side on 2 busy cores) 0.98x the tokens/s (0.90-1.06 per pair,
+    within the machine's noise). Still not repeated: a run stopped and resumed (deterministic from its checkpoint, but
+    not the uninterrupted run's steps), training.max_seconds (the clock picks the last step), when held-out tau is
+    measured, another machine, thread count, device or library build."""
     handshake_timeout_s: float = 120.0
     """Seconds every process has to load its model and report ready before the group is torn down."""
     heartbeat_interval_s: float = 1.0

@@ -14,9 +14,47 @@ Credits bound every queue: we never send to a drafter whose estimate has reached
 ``max_outstanding``. When every drafter is full, the slot waits in the producer's ring
 (state FILLING → READY only once routed), so nothing ever grows without bound and nothing
 is staged in host RAM. Ties break round-robin, starting after the last drafter chosen.
+
+``run.deterministic`` replaces the choice by timing with :func:`deal_by_plan`: the node's
+training batches, in plan order, dealt round-robin to its drafters, each batch with its ordinal
+on its drafter (the order the drafter trains them in). The producer then sends first-in
+first-out, and a pair's credit (slots of this producer a drafter holds) bounds each queue: a
+drafter waiting for its next ordinal from one producer is never kept full by another's slots.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+
+
+def deal_by_plan(
+    epoch_sizes: Sequence[int],
+    num_shards: int,
+    node_shards: Collection[int],
+    shard: int,
+    consumed: Callable[[tuple[int, int, int]], bool],
+    num_consumers: int,
+) -> dict[tuple[int, int, int], tuple[int, int]]:
+    """The deterministic deal of ``shard``'s batches: batch id (epoch, shard, index) -> (drafter, ordinal).
+
+    The node's batches (plan index j of epoch e is shard j % num_shards's batch j // num_shards),
+    in (epoch, j) order and without those ``consumed`` (the ledger of a resumed run), go to
+    drafters 0, 1, ..., num_consumers - 1, 0, 1, ...; a batch's ordinal is how many the same
+    drafter gets before it. Every target of a node computes the same deal from the same plan."""
+    if num_consumers < 1:
+        raise ValueError("need at least one consumer")
+    out: dict[tuple[int, int, int], tuple[int, int]] = {}
+    n = 0
+    for epoch, size in enumerate(epoch_sizes):
+        for j in range(size):
+            s = j % num_shards
+            bid = (epoch, s, j // num_shards)
+            if s not in node_shards or consumed(bid):
+                continue
+            if s == shard:
+                out[bid] = (n % num_consumers, n // num_consumers)
+            n += 1
+    return out
 
 
 class LeastBusyRouter:

@@ -22,9 +22,12 @@ from typing import Any, ClassVar
 from dflash_ipc.control.wire import Struct, from_wire
 
 SCHEMA_VERSION = 1
-# "lost": status.json says the run is live, but its supervisor process is gone (killed); set by
-# the reader (ops.status_client), never written by a supervisor.
-RUN_STATES = ("preparing", "starting", "running", "stopping", "finished", "failed", "lost")
+# Ended runs: "finished" (max_steps, max_seconds or the data exhausted), "stopped" (a signal: SIGTERM,
+# SIGINT; resumable), "failed" (a process died, hung or was refused). "lost": status.json says the run is
+# live, but its supervisor process is gone (killed); set by the reader (ops.status_client), never written
+# by a supervisor.
+RUN_STATES = ("preparing", "starting", "running", "stopping", "finished", "stopped", "failed", "lost")
+ENDED_STATES = ("finished", "stopped", "failed", "lost")
 LIVE_STATES = ("preparing", "starting", "running", "stopping")
 ROLES = ("target", "drafter")
 SLOT_STATES = ("free", "filling", "ready", "copying")
@@ -161,6 +164,8 @@ class StatusSnapshot(Struct):
     node: NodeStatus | None = None  # None: a single-node run
     # messages the supervisor itself refused (bad frames, unknown or unauthenticated peers), by kind
     supervisor_rejected_by_kind: dict[str, int] = field(default_factory=dict)
+    # An ended run: why ("max_steps 40", "data exhausted", "SIGINT at step 23", the failure's first line)
+    end_reason: str | None = None
 
     def __post_init__(self) -> None:
         if any(n < 0 for n in self.supervisor_rejected_by_kind.values()):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from dflash_ipc.control.protocol import to_wire
-from dflash_ipc.control.status import SLOT_STATES, ProcessStatus, StatusSnapshot
+from dflash_ipc.control.status import ENDED_STATES, SLOT_STATES, ProcessStatus, StatusSnapshot
 
 FORMATS = ("table", "json", "prometheus")
 TABLE_WIDTH = 100
@@ -108,6 +108,8 @@ def _fit(text: str, width: int) -> str:
 
 
 def _work(p: ProcessStatus) -> str:
+    if p.exit_code is not None:  # exited: its last step (drafters), nothing live
+        return f"s{p.step}" if p.step is not None else "-"
     if p.slots is not None:
         text = "/".join(str(getattr(p.slots, k)) for k in SLOT_STATES)
         if p.inflight_per_drafter is not None:
@@ -150,20 +152,26 @@ def _busy_wait(p: ProcessStatus) -> str:
     return f"{f(b)}/{f(w)}"
 
 
+def _live(cell: Callable[[ProcessStatus], str]) -> Callable[[ProcessStatus], str]:
+    """A cell that describes a running process: "-" once it exited (a snapshot written by an older
+    supervisor may still carry the figures of its last heartbeat)."""
+    return lambda p: "-" if p.exit_code is not None else cell(p)
+
+
 # (header, max width, right-aligned, cell function)
 _COLUMNS: list[tuple[str, int, bool, Callable[[ProcessStatus], str]]] = [
     ("PROC", 9, False, lambda p: p.name),
     ("PID", 7, True, lambda p: "-" if p.pid is None else str(p.pid)),
     ("DEVICE", 7, False, lambda p: p.device),
-    ("STATE", 8, False, lambda p: p.state),
-    ("UP", 6, True, lambda p: fmt_duration(p.uptime_s)),
-    ("HB", 6, True, lambda p: fmt_duration(p.heartbeat_age_s)),
-    ("TOK/S", 5, True, lambda p: fmt_rate(p.tokens_per_s)),
+    ("STATE", 8, False, lambda p: p.state if p.exit_code is None else f"exited {p.exit_code}"),
+    ("UP", 6, True, _live(lambda p: fmt_duration(p.uptime_s))),
+    ("HB", 6, True, _live(lambda p: fmt_duration(p.heartbeat_age_s))),
+    ("TOK/S", 5, True, _live(lambda p: fmt_rate(p.tokens_per_s))),
     ("WORK", 12, False, _work),
     ("LOSS", 6, True, lambda p: fmt_loss(p.loss)),
-    ("GPU MEM", 10, True, _gpu),
-    ("RSS", 5, True, lambda p: fmt_bytes(p.rss_bytes)),
-    ("B/W%", 7, True, _busy_wait),
+    ("GPU MEM", 10, True, _live(_gpu)),
+    ("RSS", 5, True, _live(lambda p: fmt_bytes(p.rss_bytes))),
+    ("B/W%", 7, True, _live(_busy_wait)),
 ]
 
 LEGEND = (
@@ -188,18 +196,25 @@ def render_table(
     state = status.state
     updated = status.updated_unix
     age = max(0.0, now - updated)
+    ended = state in ENDED_STATES
     head = [f"dflash-ipc  {state.upper()}"]
-    if age > stale_after_s and state not in ("finished", "failed", "lost"):
+    if age > stale_after_s and not ended:
         head.append("STALE")
     head.append(f"pid {status.supervisor_pid}")
-    head.append(f"up {fmt_duration(max(0.0, updated - status.started_unix))}")
-    head.append(f"updated {fmt_duration(age)} ago")
+    if ended:  # how long it ran, and when it ended
+        head.append(f"ran {fmt_duration(max(0.0, updated - status.started_unix))}")
+        head.append(f"ended {fmt_duration(age)} ago")
+    else:  # a live run: its age now (a snapshot of a run still preparing may be seconds old)
+        head.append(f"up {fmt_duration(max(0.0, now - status.started_unix))}")
+        head.append(f"updated {fmt_duration(age)} ago")
     head_text = "  ".join(head)
     config = status.config
     config_in_head = bool(config) and len(head_text) + len("  config ") + len(config) <= width
     if config_in_head:
         head_text += f"  config {config}"
     lines.append(_fit(head_text, width))
+    if ended and status.end_reason:
+        lines.append(_fit(f"{'why' if state == 'failed' else 'ended':<8} {status.end_reason}", width))
     lines.append(_fit(f"run dir  {status.run_dir}", width))
     if status.node is not None:
         n = status.node

@@ -139,6 +139,17 @@ def cap_compile_workers(threads: int) -> None:
     inductor_config.compile_threads = threads
 
 
+def use_deterministic_torch(device) -> None:
+    """run.deterministic: torch's deterministic algorithms where it has them (a warning where it has
+    none), before the first CUDA kernel: cuBLAS reads its workspace setting when it starts."""
+    import torch
+
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def place_process(device_name: str, cpus: str | None, processes_on_host: int):
     """Bind this process to its device and its CPU share; returns the torch device."""
     import torch
@@ -440,6 +451,8 @@ def run_child(
     try:
         cap_compile_workers(placement.compile_threads)  # before anything compiles
         device = place_process(placement.device, args.cpus, placement.processes_on_host)
+        if getattr(getattr(placement.config, "run", None), "deterministic", False):
+            use_deterministic_torch(device)
         log.info("TorchInductor compile workers capped at %d", placement.compile_threads)
         rejects = RejectCounter(f"{role}-{args.rank}", log)
         socks = ChildSockets(

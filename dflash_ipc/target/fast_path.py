@@ -3,6 +3,7 @@ causal-conv1d, hub kernels) or on transformers' slow torch fallbacks, read from 
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -14,6 +15,23 @@ _ROLE_NAMES = {
     "causal_conv1d_fn": ("causal_conv1d_fn",),
     "causal_conv1d_update": ("causal_conv1d_update", "torch_causal_conv1d_update"),
 }
+
+
+# transformers' logger that advises installing the GPU kernels when a fallback runs.
+KERNEL_ADVICE_LOGGER = "transformers.integrations.hub_kernels"
+
+
+class _NoKernelAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is falling back to its reference PyTorch implementation" not in record.getMessage()
+
+
+def quiet_kernel_advice_on_cpu() -> None:
+    """A target on the CPU: drop transformers' advice to install flash-linear-attention / causal-conv1d.
+    Both are CUDA kernels: on the CPU the torch fallback is the only path, and the advice cannot be followed."""
+    logger = logging.getLogger(KERNEL_ADVICE_LOGGER)
+    if not any(isinstance(f, _NoKernelAdvice) for f in logger.filters):
+        logger.addFilter(_NoKernelAdvice())
 
 
 def resolve_impl(fn: Any) -> Any:

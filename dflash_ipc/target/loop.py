@@ -78,8 +78,9 @@ class TargetLoop:
             if self.forward_only:
                 self.plane.table.abort_filling(done.slot)
                 continue
+            route = self.core.route_of(done.wire_id, done.holdout_pass_batches)
             self.plane.enqueue(
-                done.slot, done.wire_id, b.bucket, b.n_tokens, b.batch_size, {"padded_len": b.padded_len}, done.holdout_pass_batches
+                done.slot, done.wire_id, b.bucket, b.n_tokens, b.batch_size, {"padded_len": b.padded_len}, done.holdout_pass_batches, route
             )
 
     def dispatch(self) -> None:

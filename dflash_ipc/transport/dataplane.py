@@ -91,11 +91,26 @@ class _Filled:
     meta: dict
     filled_ns: int
     holdout_pass_batches: int = 0  # > 0: a held-out batch, for consumer 0 only
+    route: tuple[int, int] | None = None  # run.deterministic: (consumer, ordinal) from the deal
 
 
 class ProducerDataPlane:
-    def __init__(self, rank: int, ring: ProducerRing, num_consumers: int, max_outstanding: int, send: Send, rejects: RejectCounter):
+    """``deterministic`` (run.deterministic): every training batch goes to the consumer its
+    ``route`` names (``control.router.deal_by_plan``), first in first out, when that consumer holds
+    fewer than ``max_outstanding`` of this producer's slots; its ordinal travels as ``meta["order"]``."""
+
+    def __init__(
+        self,
+        rank: int,
+        ring: ProducerRing,
+        num_consumers: int,
+        max_outstanding: int,
+        send: Send,
+        rejects: RejectCounter,
+        deterministic: bool = False,
+    ):
         self.rank = rank
+        self.deterministic = deterministic
         self.ring = ring
         ring.attach_consumers(num_consumers)
         self.table = SlotTable(ring.num_slots)
@@ -116,23 +131,44 @@ class ProducerDataPlane:
         return self.table.acquire()
 
     def enqueue(
-        self, slot: int, batch_id: list, bucket: int, n_tokens: int, n_seqs: int, meta: dict | None = None, holdout_pass_batches: int = 0
+        self,
+        slot: int,
+        batch_id: list,
+        bucket: int,
+        n_tokens: int,
+        n_seqs: int,
+        meta: dict | None = None,
+        holdout_pass_batches: int = 0,
+        route: tuple[int, int] | None = None,
     ) -> None:
         """A slot is filled (packing completed): route it as soon as a drafter has credit.
 
         ``holdout_pass_batches`` > 0 marks a held-out batch: it goes to consumer 0 (the drafter that
         writes metrics) and to no other, so it never meets another rank's collective."""
-        filled = _Filled(slot, list(batch_id), bucket, n_tokens, n_seqs, meta or {}, time.monotonic_ns(), holdout_pass_batches)
+        if self.deterministic and not holdout_pass_batches:
+            if route is None or not 0 <= route[0] < self.router.num_consumers:
+                raise ValueError(f"batch {batch_id}: run.deterministic needs its drafter from the deal (got {route})")
+            meta = {**(meta or {}), "order": int(route[1])}
+        filled = _Filled(slot, list(batch_id), bucket, n_tokens, n_seqs, meta or {}, time.monotonic_ns(), holdout_pass_batches, route)
         self._waiting.append(filled)
+
+    def _pair_credit(self, consumer: int) -> bool:
+        return self.router.alive[consumer] and len(self.table.held_by(consumer)) < self.router.max_outstanding
+
+    def _next_consumer(self) -> int | None:
+        head = self._waiting[0]
+        if self.deterministic:
+            consumer = 0 if head.holdout_pass_batches else head.route[0]
+            return consumer if self._pair_credit(consumer) else None
+        if head.holdout_pass_batches:
+            return 0 if self.router.has_credit(0) else None
+        return self.router.choose()
 
     def dispatch(self) -> int:
         sent = 0
         while self._waiting:
             loads = tuple(self.router.inflight())
-            if self._waiting[0].holdout_pass_batches:
-                consumer = 0 if self.router.has_credit(0) else None
-            else:
-                consumer = self.router.choose()
+            consumer = self._next_consumer()
             if consumer is None:
                 break
             self.routing_log.append(RoutingDecision(consumer, loads))
@@ -268,7 +304,14 @@ def reads_in_place(rings: list[ConsumerRing], setting: bool | str) -> list[bool]
 
 class ConsumerDataPlane:
     """A drafter's side: hold slots, copy out into local buffers and return slots at once, or (``in_place``,
-    rings that can) hand the slot itself to the step and return it once the step's reads are done."""
+    rings that can) hand the slot itself to the step and return it once the step's reads are done.
+
+    ``deterministic`` (run.deterministic): training batches are copied out, and so taken, in the
+    order of their ``meta["order"]`` (0, 1, 2, ... from the deal), whatever order they arrived
+    in; a producer's slots are still copied in the order they arrived (``transport.p2p`` matches
+    sends to receives by order), and held-out batches go whenever a buffer is free. A training
+    SlotReady without a fresh ordinal is refused (``bad_order``). A slot read in place waits, in this
+    mode, until no copy is in flight, so batches still become ready in their order."""
 
     def __init__(
         self,
@@ -279,8 +322,12 @@ class ConsumerDataPlane:
         rejects: RejectCounter,
         handoff_samples: int = HANDOFF_SAMPLES,
         in_place: bool | str = False,
+        deterministic: bool = False,
     ):
         self.rank = rank
+        self.deterministic = deterministic
+        self.next_order = 0  # deterministic: the ordinal of the next training batch to copy out
+        self._held_orders: set[int] = set()
         self.rings = rings
         self.buffers = buffers
         self._send = send
@@ -335,6 +382,12 @@ class ConsumerDataPlane:
                     "bad_seq", f"slot_ready seq {msg.seq} from producer {msg.producer}, expected {self.received[msg.producer]}"
                 )
                 return
+            if self.deterministic and not msg.holdout:
+                order = msg.meta.get("order") if isinstance(msg.meta, dict) else None
+                if type(order) is not int or order < self.next_order or order in self._held_orders:
+                    self.rejects.reject("bad_order", f"slot_ready order {order!r} from producer {msg.producer}, next {self.next_order}")
+                    return
+                self._held_orders.add(order)
             self._held_keys.add(key)
             self.received[msg.producer] += 1
             if msg.sent_ns and len(self.handoff_ns) < self.handoff_samples:
@@ -360,26 +413,35 @@ class ConsumerDataPlane:
             self.rejects.reject("unexpected_type", f"{type(msg).__name__} at a consumer")
 
     def pump(self) -> int:
-        """Hand held slots over in arrival order: read in place (ready at once) or copied into a free
-        buffer; finish completed copies; return in-place slots whose reads are done. Returns batches made ready."""
+        """Hand held slots over (in arrival order, or in plan order when ``deterministic``): read in place
+        (ready at once) or copied into a free buffer; finish completed copies; return in-place slots whose
+        reads are done. Returns batches made ready."""
         made = 0
         while self.held:
-            msg, received_ns = self.held[0]
-            if self.reads_in_place[msg.producer]:
-                self.held.popleft()
+            i = self._next_in_order() if self.deterministic else 0
+            if i is None:
+                break
+            msg, received_ns = self.held[i]
+            in_place = self.reads_in_place[msg.producer]
+            if not in_place and not self.free_buffers:
+                break
+            if in_place and self.deterministic and self.copying:
+                break  # ready in order: the copies before it first
+            del self.held[i]
+            if self.deterministic and not msg.holdout:
+                self._held_orders.discard(msg.meta["order"])
+                self.next_order = msg.meta["order"] + 1
+            if in_place:
                 self._ready_in_place(msg, received_ns)
                 made += 1
-            elif self.free_buffers:
-                self.held.popleft()
+            else:
                 buf = self.free_buffers.pop(0)
                 ticket = self.rings[msg.producer].copy_out(msg.slot, msg.n_tokens, msg.n_seqs, self.buffers[buf])
                 self.copying.append(_Copying(msg, buf, ticket, time.perf_counter(), received_ns))
-            else:
-                break
         finished = 0
         still = []
         for c in self.copying:
-            if c.ticket.done():
+            if c.ticket.done() and not (self.deterministic and still):  # deterministic: ready in the order copied
                 self._finish(c)
                 finished += 1
             else:
@@ -405,6 +467,21 @@ class ConsumerDataPlane:
         for msg, _ in done:
             self._slot_free(msg)
         return len(done)
+
+    def _next_in_order(self) -> int | None:
+        """Deterministic: the index in ``held`` of the next slot to copy out: a producer's oldest slot,
+        if it is held-out or the next training ordinal. Once every producer ended, the lowest ordinal
+        left (a gap means a producer sent less than the deal: nothing may stay held)."""
+        heads: dict[int, int] = {}
+        for i, (msg, _) in enumerate(self.held):
+            if msg.producer in heads:
+                continue
+            heads[msg.producer] = i
+            if msg.holdout or msg.meta["order"] == self.next_order:
+                return i
+        if all(self.ended):
+            return min(heads.values(), key=lambda i: self.held[i][0].meta.get("order", -1))
+        return None
 
     def wait_for_copy(self) -> None:
         """Block until the oldest copy in flight (else the oldest in-place slot's reads) completed (a GPU

