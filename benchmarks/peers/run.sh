@@ -17,7 +17,7 @@
 # BUDGET_S (570), SITE (/tmp/site: the wheels' --target), PROJ (.: the dflash-ipc checkout), WHL (PROJ/.whl-peers), SEQ (2048), IPC_DEVICE (cuda:0).
 # CPU smoke (tiny shapes): SHAPES=tiny-llama SEQ=256 IPC_DEVICE=cpu IPC_STEPS=4 \
 #   SF_ARGS="--attention sdpa --num-anchors 16 --device cpu" SF_STEPS=3 SF_WARMUP=1 bash benchmarks/peers/run.sh
-# Results: $OUT/results.jsonl (one JSON line per measurement), $OUT/<stage>.log, $OUT/ipc-variants.jsonl;
+# Results: $RESULTS_DIR/results.jsonl (one JSON line per measurement), $RESULTS_DIR/<stage>.log, $RESULTS_DIR/ipc-variants.jsonl;
 # a table at the end (summarize.py).
 set -u
 T0=$(date +%s)
@@ -28,11 +28,11 @@ PROJ=$(cd "${PROJ:-.}" 2>/dev/null && pwd || echo "")
 WHL=${WHL:-${PROJ:+$PROJ/.whl-peers}}
 WORK=${WORK:-/root/peer-bench}
 SITE=${SITE:-/tmp/site}  # where the wheels are installed (--target)
-OUT=${OUT:-/tmp/peers-out}
+RESULTS_DIR=${RESULTS_DIR:-/tmp/peers-out}
 SHAPES=${SHAPES:-"smollm2 qwen3-8b"}
 STAGE=${STAGE:-all}
 LENGTHS=${LENGTHS:-fixed}
-mkdir -p "$OUT" "$WORK"
+mkdir -p "$RESULTS_DIR" "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stamp() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
@@ -49,7 +49,7 @@ setup() {
   fi
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
   if [ -n "$PROJ" ]; then  # dflash-ipc importable, dflash_ipc.procs included (as tools/gpu_setup.sh does)
-    if ! (cd "$PROJ" && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1); then
+    if ! (cd "$PROJ" && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$RESULTS_DIR/install.log" 2>&1); then
       echo "editable install failed (install.log): dflash_ipc.procs by a link"
       ln -sfn ../procs "$PROJ/dflash_ipc/procs"
       export PYTHONPATH=$PYTHONPATH:$PROJ
@@ -82,7 +82,7 @@ specforge_stage() {
         --warmup "${SF_WARMUP:-5}" --seq-len "${SEQ:-2048}" --lengths "$LENGTHS" ${SF_ARGS:-} --out "$WORK/sf-$shape.json" 2>&1 \
         | grep -v "Warning\|warnings.warn" | tail -n 12
     fi
-    [ -s "$WORK/sf-$shape.json" ] && cat "$WORK/sf-$shape.json" >> "$OUT/results.jsonl" && rm -f "$WORK/sf-$shape.json"
+    [ -s "$WORK/sf-$shape.json" ] && cat "$WORK/sf-$shape.json" >> "$RESULTS_DIR/results.jsonl" && rm -f "$WORK/sf-$shape.json"
   done
 }
 
@@ -106,10 +106,10 @@ ipc_stage() {
         --device "${IPC_DEVICE:-cuda:0}" --seq-len "${SEQ:-2048}" --lengths "$LENGTHS" --levers "${IPC_LEVERS:-on}" ${IPC_SET:+--set $IPC_SET}
       stamp "dflash-ipc bench pipeline $shape/$variant ($steps steps, ${IPC_BENCH:-forward-only,cuda-ipc})"
       (cd "$PROJ" && timeout -s INT $(( $(left) - 10 )) python3 -m dflash_ipc.cli bench pipeline --config "$cfg" --steps "$steps" \
-        --variants "${IPC_BENCH:-forward-only,cuda-ipc}" --out "$OUT/ipc-variants.jsonl" --json 2>"$WORK/ipc-$shape-$variant-$LENGTHS.err" \
+        --variants "${IPC_BENCH:-forward-only,cuda-ipc}" --out "$RESULTS_DIR/ipc-variants.jsonl" --json 2>"$WORK/ipc-$shape-$variant-$LENGTHS.err" \
         | tail -1 > "$WORK/ipc-$shape-$variant-$LENGTHS.json")
       echo "bench rc $?"; grep -E "FAILED|Error|error:" "$WORK/ipc-$shape-$variant-$LENGTHS.err" | tail -5
-      python3 - "$WORK/ipc-$shape-$variant-$LENGTHS.json" "$shape" "$variant${IPC_SET:+ +${IPC_SET// /,}}" "$cfg" "$LENGTHS" "${IPC_LEVERS:-on}" >> "$OUT/results.jsonl" <<'PY'
+      python3 - "$WORK/ipc-$shape-$variant-$LENGTHS.json" "$shape" "$variant${IPC_SET:+ +${IPC_SET// /,}}" "$cfg" "$LENGTHS" "${IPC_LEVERS:-on}" >> "$RESULTS_DIR/results.jsonl" <<'PY'
 import json, sys, tomllib
 path, shape, variant, cfg_path, lengths, levers = sys.argv[1:7]
 cfg = tomllib.load(open(cfg_path, "rb"))
@@ -128,7 +128,7 @@ PY
       tail -c 1500 "$WORK/ipc-$shape-$variant-$LENGTHS.err"
     done
   done
-  cat "$WORK"/ipc-*.err > "$OUT/ipc-stderr.log" 2>/dev/null
+  cat "$WORK"/ipc-*.err > "$RESULTS_DIR/ipc-stderr.log" 2>/dev/null
 }
 
 zlab_stage() {  # z-lab's decoder on a dflash-ipc export: tiny shapes, CPU (see README)
@@ -139,22 +139,22 @@ zlab_stage() {  # z-lab's decoder on a dflash-ipc export: tiny shapes, CPU (see 
     --device cpu --seq-len 256 --out "$W/tiny.toml"
   (cd "$PROJ" && python3 -m dflash_ipc.cli export-untrained --config "$W/tiny.toml" --out "$W/export") | tail -1
   python3 "$HERE/zlab_check.py" --target "$W/tiny-llama" --drafter "$W/export" --max-new 32 --prompts 2 2>/dev/null \
-    | grep '^{' >> "$OUT/results.jsonl"
+    | grep '^{' >> "$RESULTS_DIR/results.jsonl"
 }
 
 if [ "${SKIP_SETUP:-0}" = 1 ]; then  # a caller that ran setup already (gpu_run.sh)
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 else
-  setup > "$OUT/setup.log" 2>&1; rc=$?; cat "$OUT/setup.log"; [ $rc -eq 0 ] || { echo "setup failed"; exit 1; }
+  setup > "$RESULTS_DIR/setup.log" 2>&1; rc=$?; cat "$RESULTS_DIR/setup.log"; [ $rc -eq 0 ] || { echo "setup failed"; exit 1; }
 fi
 case $STAGE in
   setup) ;;
   none) ;;
-  specforge) specforge_stage 2>&1 | tee "$OUT/specforge.log" ;;
-  ipc) ipc_stage 2>&1 | tee "$OUT/ipc.log" ;;
-  zlab) zlab_stage 2>&1 | tee "$OUT/zlab.log" ;;
-  all) specforge_stage 2>&1 | tee "$OUT/specforge.log"; ipc_stage 2>&1 | tee "$OUT/ipc.log" ;;
+  specforge) specforge_stage 2>&1 | tee "$RESULTS_DIR/specforge.log" ;;
+  ipc) ipc_stage 2>&1 | tee "$RESULTS_DIR/ipc.log" ;;
+  zlab) zlab_stage 2>&1 | tee "$RESULTS_DIR/zlab.log" ;;
+  all) specforge_stage 2>&1 | tee "$RESULTS_DIR/specforge.log"; ipc_stage 2>&1 | tee "$RESULTS_DIR/ipc.log" ;;
   *) echo "unknown STAGE=$STAGE (setup, specforge, ipc, zlab, all)"; exit 2 ;;
 esac
-[ -s "$OUT/results.jsonl" ] && python3 "$HERE/summarize.py" "$OUT/results.jsonl"
+[ -s "$RESULTS_DIR/results.jsonl" ] && python3 "$HERE/summarize.py" "$RESULTS_DIR/results.jsonl"
 stamp "done"
