@@ -18,7 +18,7 @@ from test_child import FakeSupervisor, _wait_for, role_processes
 
 from dflash_ipc.control.protocol import Heartbeat
 from dflash_ipc.runtime import liveness
-from dflash_ipc.runtime.supervisor import Child
+from dflash_ipc.runtime.children import Child
 
 INTERVAL_S = 0.1
 HEARTBEAT_TIMEOUT_S = 0.5  # 5 intervals; the busy loop runs 3x as long

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_ipc.config import ConfigError, load_config
-from dflash_ipc.drafter.core import build_drafter
+from dflash_ipc.drafter.build import build_drafter
 from dflash_ipc.drafter.init_from_target import drafter_layer_shapes, nearest_plane, plan_init
 from dflash_ipc.runtime.preflight import check_environment
 from dflash_ipc.target_spec.heads import decoder_stack_shapes

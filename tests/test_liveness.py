@@ -10,8 +10,8 @@ import time
 import psutil
 import pytest
 
+from dflash_ipc.runtime.children import Child
 from dflash_ipc.runtime.liveness import exited_child, host_memory_text, silent_child
-from dflash_ipc.runtime.supervisor import Child
 
 
 def _proc(code: int | None) -> subprocess.Popen:

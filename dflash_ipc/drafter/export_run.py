@@ -65,7 +65,7 @@ def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", dev
     import torch
 
     from dflash_ipc.config import ConfigError, config_from_dict
-    from dflash_ipc.drafter.core import build_drafter, run_draft_vocab
+    from dflash_ipc.drafter.build import build_drafter, run_draft_vocab
     from dflash_ipc.drafter.export import export_drafter
 
     if client not in CLIENTS:

@@ -11,7 +11,7 @@ Run states (the supervisor's own state machine)::
                                        a step boundary, checkpoint, Done ─▶ Shutdown targets ─▶ STOPPED, exit 0
       a child exits unexpectedly,
       sends Dead, misses heartbeats,
-      or its loop stalls            ─▶ FAILED: teardown (Shutdown, SIGTERM, SIGKILL after
+      or its loop stalls            ─▶ FAILED: teardown (runtime.children: Shutdown, SIGTERM, SIGKILL after
                                        run.teardown_grace_s), sweep shared memory, exit 1 naming the
                                        process, its exit code or signal, and the tail of its log;
                                        with --max-restarts K: restart the group from the last
@@ -44,7 +44,6 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -56,7 +55,7 @@ from dflash_ipc.control.channels import PeerAuth
 from dflash_ipc.control.handshake import HandshakeError
 from dflash_ipc.control.plane import ControlSpec, SupervisorSockets
 from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown, to_wire
-from dflash_ipc.control.stats import DrafterStats, DrafterSummary, TargetStats
+from dflash_ipc.control.stats import DrafterStats, DrafterSummary
 from dflash_ipc.control.status import ENDED_STATES, SCHEMA_VERSION, StatusSnapshot, Totals
 from dflash_ipc.drafter.ckpt_layout import latest_committed_step
 from dflash_ipc.fsutil import write_text_atomic
@@ -64,7 +63,8 @@ from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests
 from dflash_ipc.runtime import liveness, progress
-from dflash_ipc.runtime.forkserver import ForkedProcess, ForkServer, launcher_for, popen_with
+from dflash_ipc.runtime.children import Child, teardown
+from dflash_ipc.runtime.forkserver import ForkServer, launcher_for, popen_with
 from dflash_ipc.runtime.launch import child_argv, child_env, key_pipe
 from dflash_ipc.runtime.nodes import NodeGroup, NodeSpec, SingleNode, drafter_envs, join_node_group, write_node_spec
 from dflash_ipc.runtime.probe import run_probe
@@ -78,31 +78,6 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-UNREAPABLE_AFTER_S = 10.0  # a SIGKILLed child not reaped by then is reported and left: `up` still exits
-
-
-@dataclass
-class Child:
-    role: str
-    rank: int
-    device: str
-    popen: subprocess.Popen | ForkedProcess | None = None
-    started: float = 0.0
-    last_beat: float | None = None
-    loop_age_s: float = 0.0  # the last heartbeat's: seconds since the child's loop last progressed
-    stats: TargetStats | DrafterStats | None = None  # the latest heartbeat's figures (after Done: the final ones)
-    done: Done | None = None
-    dead_error: str | None = None
-    dead_at: float = 0.0  # when it failed, by its Dead report: the first failure of a group is its cause
-    unreaped: bool = False  # SIGKILLed and still not reaped (state D, a frozen cgroup): reported, left behind
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}-{self.rank}"
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.role, self.rank)
 
 
 class StoppedDuringStart(RuntimeError):
@@ -534,38 +509,10 @@ class Supervisor:
     # ------------------------------------------------------------------ teardown
 
     def _teardown(self, router: zmq.Socket) -> None:
-        alive = [c for c in self.children if c.popen and c.popen.poll() is None]
-        if not alive:
-            return
-        for ch in alive:
-            if liveness.is_stopped(ch.popen):  # a stopped process cannot clean up: Shutdown and SIGTERM would only wait
-                log.warning("%s is stopped (state T): SIGKILL", ch.name)
-                ch.popen.kill()
-        for ch in alive:
+        def send_shutdown(ch: Child) -> None:
             self._send(router, ch, Shutdown(reason="teardown"))
-        grace = self.cfg.run.teardown_grace_s
-        # Before the handshake ended a child may still be importing or loading and read no
-        # Shutdown: SIGTERM (a flag once its handler is in, else exit) at once.
-        deadline = time.monotonic() + (min(grace, 5.0) if self._handshake_done else 0.0)
-        while time.monotonic() < deadline and any(c.popen.poll() is None for c in alive):
-            time.sleep(0.05)
-        for ch in alive:
-            if ch.popen.poll() is None:
-                ch.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(c.popen.poll() is None for c in alive):
-            time.sleep(0.05)
-        for ch in alive:
-            if ch.popen.poll() is None:
-                log.warning("%s did not stop within %.0f s of SIGTERM: SIGKILL", ch.name, grace)
-                ch.popen.kill()
-        for ch in alive:
-            if ch.popen.poll() is None and not liveness.reap_after_kill(ch.popen, UNREAPABLE_AFTER_S):
-                ch.unreaped = True
-                self.echo(
-                    f"[up] {ch.name} (pid {ch.popen.pid}) survived SIGKILL for {UNREAPABLE_AFTER_S:g} s "
-                    f"(uninterruptible sleep, state D, or a frozen cgroup?): left behind; it dies once it wakes"
-                )
+
+        teardown(self.children, send_shutdown, self.cfg.run.teardown_grace_s, self._handshake_done, self.echo)
 
     def _failure_text(self, what: str, ch: Child | None = None) -> str:
         return liveness.failure_text(what, self.children, self.run_dir / "logs", ch)

@@ -1,0 +1,30 @@
+"""The `dflash-ipc` command line: a thin layer over the library.
+
+``main`` is the group; each command lives with its kind: ``cli.training`` (check-config, plan, up,
+status), ``cli.drafters`` (eval, export, export-untrained), ``cli.gen_data``, ``cli.bench`` (the bench
+group), ``ops.systemd_cli`` (the systemd group); ``cli.common`` holds what they share.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from dflash_ipc.cli.bench import bench
+from dflash_ipc.cli.drafters import eval_cmd, export_cmd, export_untrained_cmd
+from dflash_ipc.cli.gen_data import gen_data_cmd
+from dflash_ipc.cli.training import check_config, plan, status, up
+from dflash_ipc.ops.systemd_cli import systemd_group
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def main(verbose: bool) -> None:
+    """Train DFlash drafters at the speed of the target model."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+for command in (bench, check_config, up, status, plan, eval_cmd, export_cmd, export_untrained_cmd, gen_data_cmd):
+    main.add_command(command)
+main.add_command(systemd_group, "systemd")
