@@ -20,6 +20,7 @@ from dflash_ipc.drafter.distributed import destroy_distributed, init_distributed
 from dflash_ipc.drafter.loop import DrafterLoop
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.child import ChildContext, run_child
+from dflash_ipc.runtime.resources import target_need_bytes
 from dflash_ipc.transport.dataplane import ConsumerDataPlane, reads_in_place
 from dflash_ipc.transport.factory import open_consumer_ring
 
@@ -44,7 +45,9 @@ def drafter_main(child: ChildContext) -> int:
     child.closing.callback(destroy_distributed)
     plan = json.loads((run_dir / "plan.json").read_text())
     total_steps = cfg.training.max_steps or max(1, -(-plan["n_batches_total"] // world.world_size))
-    core = DrafterCore(cfg, run_dir, world, device, total_steps, child.args.resume, fence=child.fence)
+    # drafter.anchor_chunk = "auto": the chunk is sized around what a target sharing this GPU needs
+    target_need = target_need_bytes(cfg, device) if cfg.drafter.anchor_chunk == "auto" else None
+    core = DrafterCore(cfg, run_dir, world, device, total_steps, child.args.resume, fence=child.fence, target_need=target_need)
     child.closing.callback(core.close)
     log.info(
         "drafter %d/%d on %s: %.2fM trainable params, step %d; %s",

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dflash_ipc.config import DataConfig
+from dflash_ipc.config.fields import FieldError
 from dflash_ipc.data import corpus as data_mod
 from dflash_ipc.data.builtin_corpus import builtin_conversations, stdlib_doc_entries
 from dflash_ipc.data.corpus import load_corpus
@@ -318,8 +319,12 @@ def test_builtin_corpus_is_real_docs_and_deterministic(tok, tmp_path):
 
 
 def test_unknown_builtin_corpus(tok):
+    with pytest.raises(FieldError, match=r"'builtin:nope' is no built-in corpus; the built-in ones: builtin:stdlib-docs"):
+        DataConfig(paths=["builtin:nope"])  # refused with the config, before any corpus is read
+    cfg = DataConfig()
+    cfg.paths = ["builtin:nope"]  # past the config (a dict built by hand): the corpus still refuses it
     with pytest.raises(DataError, match="unknown built-in corpus"):
-        load_corpus(DataConfig(paths=["builtin:nope"]), tok, None)
+        load_corpus(cfg, tok, None)
 
 
 def test_tokenizer_asset_regenerates_a_loadable_1024_id_tokenizer(tmp_path):

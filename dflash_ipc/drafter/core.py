@@ -126,6 +126,7 @@ class DrafterCore:
         total_steps: int,
         resume: bool,
         fence: Fence | None = None,
+        target_need: int | None = None,
     ):
         self.cfg = cfg
         self.run_dir = run_dir
@@ -137,7 +138,7 @@ class DrafterCore:
         self.model = build_drafter(cfg, device, log_mask_token=world.is_main, draft_vocab=run_draft_vocab(cfg, run_dir))
         self.trainer = DrafterTrainer(self.model, cfg.training, compute_dtype=dtype, world=world, total_steps=max(1, total_steps))
         # drafter.anchor_chunk "auto" becomes this GPU's chunk here; the run's config hash keeps "auto"
-        self.cfg, why = resolve_anchor_chunk(cfg, self.model, device)
+        self.cfg, why = resolve_anchor_chunk(cfg, self.model, device, target_need)
         if why:
             log.info("%s", why)
         self.generator = torch.Generator(device=device)

@@ -12,7 +12,7 @@ Pure: :func:`choose_anchor_chunk` takes the widths and the memory figures as num
 * the device's free memory now, less what this drafter will still allocate (its AdamW state is made
   in the warm-up), and
 * the device's total memory, less a co-located target's certain needs (weights, captured planes, ring
-  slots, one layer's forward activations: :func:`target_need_bytes`) and this drafter's fixed state,
+  slots, one layer's forward activations: ``runtime.resources.target_need_bytes``) and this drafter's fixed state,
 
 less a reserve (CUDA contexts, allocator fragmentation). The second term holds when the drafter measures
 before the target beside it has loaded its weights (the drafter warms up while the targets load); the
@@ -129,32 +129,6 @@ def drafter_widths(model, cfg) -> DrafterWidths:
     )
 
 
-def target_need_bytes(cfg, device) -> int:
-    """A target's certain needs on ``device`` when one shares it (0 otherwise): the preflight's weights,
-    planes and ring (:func:`dflash_ipc.runtime.resources.estimate`), plus one decoder layer's forward
-    activations over a batch."""
-    import torch
-
-    from dflash_ipc.data.tokenizer import load_tokenizer
-    from dflash_ipc.devices import dtype_from_name
-    from dflash_ipc.drafter.model import DrafterModelConfig
-    from dflash_ipc.runtime import resources
-    from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
-
-    place = str(torch.device(device))
-    if place not in [str(torch.device(d)) for d in cfg.topology.targets]:
-        return 0
-    hf = load_hf_config(cfg.target, vocab_size=len(load_tokenizer(cfg.target.tokenizer)))
-    tc = text_config(hf)
-    layer_ids = resolve_layer_ids(cfg.target, int(tc.num_hidden_layers))
-    shape = DrafterModelConfig.from_configs(cfg.drafter, hf, layer_ids, 0)
-    needs = resources.estimate(cfg, hf, layer_ids, shape, cfg.transport.backend)
-    held = sum(n.nbytes for n in needs if n.place == place and n.what.startswith("target-"))
-    tokens = cfg.data.token_budget + cfg.transport.slot_tokens
-    layer = tokens * (3 * int(tc.intermediate_size) + 8 * int(tc.hidden_size)) * dtype_from_name(cfg.target.dtype).itemsize
-    return held + layer
-
-
 def drafter_fixed_bytes(model) -> int:
     """The drafter's fixed state: its parameters in the compute dtype, and per trainable parameter an
     fp32 master, gradient and two AdamW moments (:mod:`dflash_ipc.drafter.trainer`)."""
@@ -167,7 +141,8 @@ def drafter_fixed_bytes(model) -> int:
 def resolve_anchor_chunk(cfg, model, device, target_need: int | None = None) -> tuple[object, str]:
     """``cfg`` with ``drafter.anchor_chunk = "auto"`` replaced by the chunk this device fits, and a
     line saying why (``cfg`` unchanged and "" for a set chunk). CPU: all anchors in one forward.
-    ``target_need``: the bytes a target beside the drafter needs (default: :func:`target_need_bytes`)."""
+    ``target_need``: the bytes a target beside the drafter needs (the process shell measures it with
+    ``runtime.resources.target_need_bytes``; None: no target shares the device)."""
     import torch
 
     d = cfg.drafter
@@ -182,7 +157,7 @@ def resolve_anchor_chunk(cfg, model, device, target_need: int | None = None) -> 
         free, total = torch.cuda.mem_get_info(device)
         fixed = drafter_fixed_bytes(model)
         pending = fixed - torch.cuda.memory_allocated(device)
-        target = target_need_bytes(cfg, device) if target_need is None else int(target_need)
+        target = int(target_need or 0)
         budget = device_budget(int(free), int(total), pending, fixed, target)
         chunk = choose_anchor_chunk(w, anchors, budget)
         gib = 2**30

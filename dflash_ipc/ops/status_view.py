@@ -192,6 +192,24 @@ def render_table(
     """A compact human-readable table: a run header, one line per process, totals, then
     warnings (exit codes, stale heartbeats, rejected messages). No line exceeds ``width``."""
     now = time.time() if now is None else now
+    procs = status.sorted_processes()
+    lines = _header_lines(status, now, width, stale_after_s)
+    lines.append("")
+    lines.extend(_process_lines(procs, width))
+    lines.append("")
+    lines.extend(_total_lines(status, procs, width))
+    warnings = _warnings(status, procs, heartbeat_warn_s)
+    if warnings:
+        lines.append("")
+        lines.extend(_fit(f"! {w}", width) for w in warnings)
+    if legend and procs:
+        lines.append("")
+        lines.extend(_fit(x, width) for x in LEGEND)
+    return "\n".join(lines) + "\n"
+
+
+def _header_lines(status: StatusSnapshot, now: float, width: int, stale_after_s: float) -> list[str]:
+    """The run's state, age, pid and config; why it ended; its run directory and node."""
     lines: list[str] = []
     state = status.state
     updated = status.updated_unix
@@ -222,9 +240,11 @@ def render_table(
         lines.append(_fit(f"node     {n.node_rank} of {n.nnodes} (drafter group {n.master})  group step {group}", width))
     if config and not config_in_head:
         lines.append(_fit(f"config   {config}", width))
-    lines.append("")
+    return lines
 
-    procs = status.sorted_processes()
+
+def _process_lines(procs: list, width: int) -> list[str]:
+    """The column header and one row per process, each column as wide as its widest cell."""
     cells = [[_fit(fn(p), w) for (_, w, _, fn) in _COLUMNS] for p in procs]
     widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, (h, _, _, _) in enumerate(_COLUMNS)]
 
@@ -234,12 +254,15 @@ def render_table(
             out.append(text.rjust(w) if right else text.ljust(w))
         return " ".join(out).rstrip()
 
-    lines.append(fmt_row(h for (h, _, _, _) in _COLUMNS))
-    for row in cells:
-        lines.append(fmt_row(row))
+    lines = [fmt_row(h for (h, _, _, _) in _COLUMNS)]
+    lines.extend(fmt_row(row) for row in cells)
     if not procs:
         lines.append("(no processes)")
+    return lines
 
+
+def _total_lines(status: StatusSnapshot, procs: list, width: int) -> list[str]:
+    """TOTAL (rate, step, loss, memory, ETA) and TRAIN (anchors per batch, held-out tau)."""
     t = status.totals
     total = [f"TOTAL  {fmt_rate(t.tokens_per_s)} tok/s"]
     if t.max_steps:
@@ -251,8 +274,7 @@ def render_table(
     total.append(f"rss {fmt_bytes(t.pipeline_rss_bytes, long=True)}")
     if t.eta_s is not None:
         total.append(f"eta {fmt_duration(t.eta_s)}")
-    lines.append("")
-    lines.append(_fit("  ".join(total), width))
+    lines = [_fit("  ".join(total), width)]
     train = []
     anchors = sorted({p.anchors_per_batch for p in procs if p.anchors_per_batch})
     if anchors:  # one figure: every data-parallel rank moves its budget alike
@@ -262,9 +284,13 @@ def render_table(
         train.append(f"held-out tau {held_out[0]:.2f}")
     if train:
         lines.append(_fit("TRAIN  " + "  ".join(train), width))
+    return lines
 
+
+def _warnings(status: StatusSnapshot, procs: list, heartbeat_warn_s: float) -> list[str]:
+    """A lost supervisor, rejected messages, non-zero exits, stale heartbeats, non-finite losses."""
     warnings = []
-    if state == "lost":
+    if status.state == "lost":
         warnings.append(f"the supervisor (pid {status.supervisor_pid}) is gone: this run is not running (last snapshot shown)")
     if status.supervisor_rejected_by_kind:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(status.supervisor_rejected_by_kind.items()))
@@ -280,13 +306,7 @@ def render_table(
             warnings.append(f"{p.name} rejected {p.rejected_messages} control message(s)" + (f": {kinds}" if kinds else ""))
         if p.loss is not None and not math.isfinite(p.loss):
             warnings.append(f"{p.name} loss is {fmt_loss(p.loss)}")
-    if warnings:
-        lines.append("")
-        lines.extend(_fit(f"! {w}", width) for w in warnings)
-    if legend and procs:
-        lines.append("")
-        lines.extend(_fit(x, width) for x in LEGEND)
-    return "\n".join(lines) + "\n"
+    return warnings
 
 
 # --------------------------------------------------------------------------- json

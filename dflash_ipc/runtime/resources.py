@@ -280,3 +280,28 @@ def _refuse(cfg: DFlashConfig, needs: list[Need], headline: str, hint: str) -> N
     key, value = biggest[0].blamed_key()
     message = f"{headline} ({items}{more}); {key} = {value} sizes the largest: lower it{hint}"
     raise ConfigError.at(cfg.source, key, message)
+
+
+def target_need_bytes(cfg, device) -> int:
+    """A target's certain needs on ``device`` when one shares it (0 otherwise): the preflight's weights,
+    planes and ring (:func:`estimate`), plus one decoder layer's forward
+    activations over a batch."""
+    import torch
+
+    from dflash_ipc.data.tokenizer import load_tokenizer
+    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.drafter.model import DrafterModelConfig
+    from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
+
+    place = str(torch.device(device))
+    if place not in [str(torch.device(d)) for d in cfg.topology.targets]:
+        return 0
+    hf = load_hf_config(cfg.target, vocab_size=len(load_tokenizer(cfg.target.tokenizer)))
+    tc = text_config(hf)
+    layer_ids = resolve_layer_ids(cfg.target, int(tc.num_hidden_layers))
+    shape = DrafterModelConfig.from_configs(cfg.drafter, hf, layer_ids, 0)
+    needs = estimate(cfg, hf, layer_ids, shape, cfg.transport.backend)
+    held = sum(n.nbytes for n in needs if n.place == place and n.what.startswith("target-"))
+    tokens = cfg.data.token_budget + cfg.transport.slot_tokens
+    layer = tokens * (3 * int(tc.intermediate_size) + 8 * int(tc.hidden_size)) * dtype_from_name(cfg.target.dtype).itemsize
+    return held + layer

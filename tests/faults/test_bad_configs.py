@@ -363,7 +363,10 @@ def test_run_dir_with_checkpoints_needs_resume(tmp_path):
     with pytest.raises(ConfigError, match=r": --run-dir: .* already holds checkpoints; pass --resume"):
         validate_for_up(path, str(run_dir))
     assert _mode(run_dir) == 0o750
-    validate_for_up(path, str(run_dir), resume=True)
+    # --resume is the way in, and it checks what it would resume from: a `latest` naming no checkpoint is
+    # refused, never a silent start from step 0
+    with pytest.raises(ConfigError, match=r"--resume: no usable checkpoint .*/latest points at 'step-000001', which does not exist"):
+        validate_for_up(path, str(run_dir), resume=True)
 
 
 def test_run_dir_from_config_named_by_its_key(tmp_path):
