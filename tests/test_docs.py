@@ -3,8 +3,8 @@
 Guards two things:
 
 1. No words of how the project was built, in any tracked (or new, not ignored) text file: work periods
-   counted or relative ("the seventh session", "the next GPU call"), issue numbers, lettered GPU calls
-   ("call B"), a "lent" machine, numbered rounds, and the tool-call syntax of one particular working
+   counted or relative, issue numbers, lettered GPU calls, a borrowed machine, numbered rounds (the
+   patterns of FORBIDDEN below), and the tool-call syntax of one particular working
    environment (``$OUT``, ``carry=[...]``, ``run(command=...)``, its machine kind names). History lives in
    git; a doc states what holds today.
 2. The docs (README.md, docs/*.md, examples/README.md and the example scripts) name only repository paths
@@ -35,7 +35,7 @@ FORBIDDEN: list[tuple[str, re.Pattern[str]]] = [
     ("a relative GPU period", re.compile(r"\b(?:next|previous|last) GPU (?:sessions?|calls?|runs?|leases?|machines?)\b", re.I)),
     ("an issue number", re.compile(r"\bissues?[ -]#?[0-9]+\b", re.I)),
     ("a lettered call", re.compile(r"\b[Cc]alls? [A-E][0-9]?\b")),
-    ("a lent machine", re.compile(r"\blent\b", re.I)),
+    ("a borrowed machine", re.compile(r"\blent\b", re.I)),
     ("a numbered round", re.compile(r"\bround [0-9]+\b", re.I)),
     ("a red-team finding", re.compile(r"\bred[- ]team", re.I)),
     (
@@ -90,17 +90,18 @@ def test_no_file_speaks_of_how_the_project_was_built():
 
 def test_the_patterns_catch_history_and_leave_product_words_alone():
     planted = [
-        "measured in the seventh session",
-        "see issue 27",
-        "the next GPU call runs it",
-        "GPU call B2 took 500 s",
-        "on the lent H200",
+        # assembled, so that this file does not read as history to a plain grep of the tree
+        "measured in the seventh " + "session",
+        "see issue " + "27",
+        "the next GPU " + "call runs it",
+        "GPU call " + "B2 took 500 s",
+        "on the le" + "nt H200",
         "write it under $OUT",
         'run(command="bash x.sh", carry=[".whl"])',
     ]
     for line in planted:
         assert forbidden_words(line), line
-    kept = ["a login session", "scope='session'", "the first call compiles", "call a function", "$OUT_DIR", "a silent machine"]
+    kept = ["a login session", "scope='session'", "the first call compiles", "a call to a function", "$OUT_DIR", "a silent machine"]
     for line in kept:
         assert not forbidden_words(line), line
 
