@@ -86,10 +86,11 @@ def _read_owner(path: Path) -> dict:
     return owner if isinstance(owner, dict) else {}
 
 
-def _held(path: Path) -> bool:
-    """Whether some process holds ``path`` exclusively (a shared probe, released at once)."""
+def _held(path: Path, flags: int = os.O_NOFOLLOW) -> bool:
+    """Whether some process holds ``path`` exclusively (a shared probe, released at once); ``flags``
+    open it (``os.O_DIRECTORY`` for a directory)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
     except OSError:
         return False
     try:
@@ -143,19 +144,7 @@ def refuse_if_owned(directory: Path) -> None:
 
 def _dir_held(directory: Path) -> bool:
     """Whether a single-node supervisor holds the directory itself (its lock file may be deleted)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return False
+    return _held(directory, os.O_DIRECTORY)
 
 
 def _lock_dir(directory: Path, exclusive: bool, wait_s: float) -> int:
