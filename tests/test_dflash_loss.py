@@ -559,3 +559,57 @@ def test_a_batch_split_by_documents_gives_the_same_token_weighted_gradient():
     assert g_full.keys() == g_split.keys() and g_full
     for n in g_full:
         torch.testing.assert_close(g_split[n], g_full[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("with_kl", [False, True])
+@pytest.mark.parametrize("dpace", [False, True])
+def test_frozen_head_gradient_taken_in_forward_matches_reference(with_kl, dpace):
+    """The frozen head's path (each chunk's gradient taken while its logits exist, scaled by the row weights in
+    backward) against plain autograd through the whole logits, also when the row weights come after the last
+    chunk (D-PACE) and with the KL term."""
+    g = torch.Generator().manual_seed(1)
+    r, h, v = 41, 16, 60
+    base = torch.randn(r, h, generator=g)
+    w_head = torch.randn(v, h, generator=g)
+    labels = torch.randint(0, v, (r,), generator=g)
+    weights = torch.rand(r, generator=g)
+    th = torch.randn(r, h, generator=g) if with_kl else None
+    kl_w = 0.4 if with_kl else 0.0
+
+    def reweight(ce):
+        return torch.exp(-ce) + 0.5  # depends on the draft's own CE, a constant to the gradient
+
+    ref_h = base.clone().requires_grad_(True)
+    ref_weights = reweight(F.cross_entropy(base @ w_head.T, labels, reduction="none")) if dpace else weights
+    ref = reference_loss(ref_h, w_head, labels, ref_weights, th, kl_w)
+    (ref * 3.0).backward()  # a scale on the loss reaches the gradient
+    for chunk in (1, 9, 1000):
+        hh = base.clone().requires_grad_(True)
+        res = L.chunked_lm_loss(hh, w_head, labels, weights, chunk, target_hidden=th, kl_weight=kl_w, reweight=reweight if dpace else None)
+        (res.loss_sum * 3.0).backward()
+        torch.testing.assert_close(res.loss_sum, ref.detach(), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(hh.grad, ref_h.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res.row_weights, ref_weights.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_frozen_head_bf16_gradient_within_rounding_of_fp32():
+    """bf16 hidden and head, the frozen path: the gradient within bf16 rounding of the fp32 reference."""
+    g = torch.Generator().manual_seed(2)
+    r, h, v = 64, 32, 500
+    base = torch.randn(r, h, generator=g)
+    w_head = torch.randn(v, h, generator=g) * 0.3
+    labels = torch.randint(0, v, (r,), generator=g)
+    weights = torch.rand(r, generator=g)
+    ref_h = base.clone().requires_grad_(True)
+    reference_loss(ref_h, w_head, labels, weights, None, 0.0).backward()
+    hh = base.to(torch.bfloat16).requires_grad_(True)
+    L.chunked_lm_loss(hh, w_head.to(torch.bfloat16), labels, weights, 16).loss_sum.backward()
+    assert hh.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(hh.grad.float(), ref_h.grad, rtol=0.05, atol=0.02)
+
+
+def test_no_gradient_wanted_builds_no_graph():
+    hidden = torch.randn(6, 8, requires_grad=True)
+    with torch.no_grad():
+        res = L.chunked_lm_loss(hidden, torch.randn(11, 8), torch.arange(6), torch.ones(6), 4)
+    assert res.loss_sum.grad_fn is None

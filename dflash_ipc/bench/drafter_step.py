@@ -294,12 +294,12 @@ def gemm_flops(model: DFlashDrafter, context_tokens: int, queries: int, loss_row
     """The step's matmul FLOPs (trained weights, LM head), attention left out: each layer weight's forward
     (2 per multiply-add) and backward (twice that: input and weight gradients); the context projection
     ``fc``'s forward and weight gradient (its input, the target's planes, takes none); the frozen LM head
-    over the supervised rows: forward, the backward's recompute, the hidden-state gradient."""
+    over the supervised rows: forward and the hidden-state gradient (taken in the loss's forward, no recompute)."""
     c = model.config
     h, q_width, kv_width = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_layer = queries * h * (2 * q_width + 3 * c.intermediate_size) + (context_tokens + queries) * h * 2 * kv_width
     fc = context_tokens * c.num_context_planes * h * h
-    return 6.0 * c.num_layers * per_layer + 4.0 * fc, 6.0 * loss_rows * h * (c.draft_vocab_size or c.vocab_size)
+    return 6.0 * c.num_layers * per_layer + 4.0 * fc, 4.0 * loss_rows * h * (c.draft_vocab_size or c.vocab_size)
 
 
 def _graphs_compiled() -> int:

@@ -8,8 +8,9 @@ documents sit back to back; RoPE positions restart at 0 in each.
 One training step (:func:`compute_loss`): anchors, blocks and labels
 (:mod:`dflash_ipc.drafter.blocks`), attention masks (:mod:`dflash_ipc.drafter.masks`), the drafter
 forward, then the loss (:func:`chunked_lm_loss`): full-vocabulary cross-entropy through the frozen
-LM head, ``ce_chunk_tokens`` rows at a time, as a custom autograd function that recomputes
-each chunk's logits in backward, so neither pass holds more than one chunk of logits.
+LM head, ``ce_chunk_tokens`` rows at a time, as a custom autograd function that holds at most one
+chunk of logits: with the head frozen it takes each chunk's gradient while the chunk's logits exist
+(two head GEMMs per row); a trainable head recomputes them in backward (three).
 Optional KL to the target: ``KL(p_target || q_draft)`` per supervised slot, with
 ``p_target = softmax(lm_head(last_hidden[a_j + s - 1]))``: the target's own prediction of
 token ``a_j + s`` comes from its last hidden state one position earlier (causal LM), the
@@ -102,54 +103,108 @@ def _ce_chunk_grad_in_place(logits, lse, coef, labels, w, dtype: torch.dtype) ->
     return g.scatter_add_(1, labels[:, None], -w[:, None]).to(dtype)
 
 
+def _ce_chunk_stats_and_grad(logits: torch.Tensor, labels: torch.Tensor, scale: float):
+    """:func:`_ce_chunk_stats` and the gradient of one unit of row weight in the same pass over the chunk:
+    ``softmax * scale - onehot(labels)``, in the logits' dtype. Eager: one fp32 buffer, reused in place."""
+    x = logits.float()
+    pred = x.argmax(dim=-1)
+    picked = x.gather(1, labels[:, None]).squeeze(1)
+    top = x.amax(dim=-1, keepdim=True)
+    total = x.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    lse = total.log().add_(top).squeeze(1)
+    x.mul_(total.reciprocal_().mul_(scale))
+    g = x.scatter_add_(1, labels[:, None], torch.full_like(picked[:, None], -1.0))
+    return lse, lse - picked, pred, g.to(logits.dtype)
+
+
+def _ce_chunk_stats_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor, scale: float):
+    """:func:`_ce_chunk_stats_and_grad` written out of place, the form ``torch.compile`` fuses into two kernels."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, labels[:, None]).squeeze(1)
+    g = torch.exp(x - lse[:, None]) * scale
+    g = g.scatter_add(1, labels[:, None], torch.full_like(picked[:, None], -1.0))
+    return lse, lse - picked, x.argmax(dim=-1), g.to(logits.dtype)
+
+
 @functools.cache
 def _compiled_ce_chunk():
-    """:func:`_ce_chunk_stats` and :func:`_ce_chunk_grad` compiled once per process (``training.ce_compile``):
-    each chunk's fp32 passes over ``[rows, vocab]`` fused into a few kernels; dynamic shapes (the last
-    chunk of a batch is shorter, and every batch differs)."""
-    return torch.compile(_ce_chunk_stats, dynamic=True), torch.compile(_ce_chunk_grad, dynamic=True)
+    """:func:`_ce_chunk_stats`, :func:`_ce_chunk_grad` and :func:`_ce_chunk_stats_and_grad_fusable` compiled once per
+    process (``training.ce_compile``): each chunk's fp32 passes over ``[rows, vocab]`` fused into a few kernels;
+    dynamic shapes (the last chunk of a batch is shorter, and every batch differs)."""
+    return (
+        torch.compile(_ce_chunk_stats, dynamic=True),
+        torch.compile(_ce_chunk_grad, dynamic=True),
+        torch.compile(_ce_chunk_stats_and_grad_fusable, dynamic=True),
+    )
 
 
 def _ce_chunk_fns(compiled: bool, in_place: bool):
-    """(stats, grad) of a chunk: compiled (fused kernels), or eager, in place when the logits are not read again."""
+    """(stats, grad, stats-and-grad) of a chunk: compiled (fused kernels), or eager, in place when the logits are
+    not read again."""
     if compiled:
         return _compiled_ce_chunk()
-    return (_ce_chunk_stats_in_place, _ce_chunk_grad_in_place) if in_place else (_ce_chunk_stats, _ce_chunk_grad)
+    if in_place:
+        return _ce_chunk_stats_in_place, _ce_chunk_grad_in_place, _ce_chunk_stats_and_grad
+    return _ce_chunk_stats, _ce_chunk_grad, _ce_chunk_stats_and_grad_fusable
 
 
 class _ChunkedLMLoss(torch.autograd.Function):
-    """Weighted CE (+ KL to target logits) over the full vocabulary, chunk by chunk.
+    """Weighted CE (+ KL to target logits) over the full vocabulary, chunk by chunk; at most one
+    ``[chunk, vocab]`` block of logits (two with KL) exists at any time.
 
-    Forward keeps only the per-row log-sum-exp; backward recomputes each chunk's logits, so
-    at most one ``[chunk, vocab]`` block of logits (two with KL) exists at any time.
+    Two ways to the gradient of ``hidden``, chosen in forward:
+
+    - **frozen head** (``grad_in_forward``: ``hidden`` needs a gradient, the head does not): each chunk's
+      gradient of one unit of row weight, ``(softmax * (1 + kl) - onehot - kl * p_target) @ W``, is taken
+      while its logits exist, and kept (``[rows, H]``, the size of ``hidden``); backward only scales it by
+      the row weights (D-PACE's come after the last chunk: the gradient is linear in them). Two head GEMMs
+      per chunk instead of three, one pass over the logits instead of two.
+    - **trainable head** (or no gradient wanted): forward keeps the per-row log-sum-exp; backward
+      recomputes each chunk's logits for both gradients.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_w, target_hidden, kl_weight, chunk, reweight, compiled):
+    def forward(ctx, hidden, weight, labels, row_w, target_hidden, kl_weight, chunk, reweight, compiled, grad_in_forward):
         r = hidden.shape[0]
         dev = hidden.device
         lse = torch.empty(r, dtype=torch.float32, device=dev)
         ce = torch.empty(r, dtype=torch.float32, device=dev)
         kl = torch.zeros(r, dtype=torch.float32, device=dev)
         pred = torch.empty(r, dtype=torch.int64, device=dev)
-        # with KL the logits are read again after the stats: out of place
-        stats = _ce_chunk_fns(compiled and target_hidden is None, in_place=target_hidden is None)[0]
+        unit_grad = torch.empty_like(hidden) if grad_in_forward else None
+        with_kl = target_hidden is not None
+        # with KL the logits are read again after the stats: out of place, and eager
+        fns = _ce_chunk_fns(compiled and not with_kl, in_place=not with_kl)
         for s in range(0, r, chunk):
             e = min(r, s + chunk)
             logits = F.linear(hidden[s:e], weight)
-            if target_hidden is not None:
+            if with_kl:
                 logits = logits.float()  # cast once: the KL term below reads it too
-            lse[s:e], ce[s:e], pred[s:e] = stats(logits, labels[s:e])
-            if target_hidden is not None:
+            if grad_in_forward:
+                lse[s:e], ce[s:e], pred[s:e], g = fns[2](logits, labels[s:e], 1.0 + kl_weight)
+            else:
+                lse[s:e], ce[s:e], pred[s:e] = fns[0](logits, labels[s:e])
+            if with_kl:
                 t_logp = F.log_softmax(F.linear(target_hidden[s:e], weight).float(), dim=-1)
                 kl[s:e] = (t_logp.exp() * (t_logp - (logits - lse[s:e, None]))).sum(-1)
+                if grad_in_forward:
+                    g = g.float().sub_(t_logp.exp_().mul_(kl_weight)).to(weight.dtype)
+                del t_logp
             del logits
+            if grad_in_forward:
+                unit_grad[s:e] = (g @ weight).to(hidden.dtype)
+                del g
         if reweight is not None:
             row_w = reweight(ce).to(torch.float32)
         ce_sum = (ce * row_w).sum()
         kl_sum = (kl * row_w).sum()
         total = ce_sum + kl_weight * kl_sum
-        ctx.save_for_backward(hidden, weight, labels, row_w, lse, target_hidden)
+        if grad_in_forward:
+            ctx.save_for_backward(unit_grad, row_w)
+        else:
+            ctx.save_for_backward(hidden, weight, labels, row_w, lse, target_hidden)
+        ctx.grad_in_forward = bool(grad_in_forward)
         ctx.kl_weight = float(kl_weight)
         ctx.chunk = int(chunk)
         ctx.compiled = bool(compiled)
@@ -158,6 +213,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_total, _g_ce, _g_kl, _g_pred, _g_row_w):
+        if ctx.grad_in_forward:
+            unit_grad, row_w = ctx.saved_tensors
+            grad_h = (unit_grad.float() * (row_w * g_total)[:, None]).to(unit_grad.dtype)
+            return grad_h, None, None, None, None, None, None, None, None, None
         hidden, weight, labels, row_w, lse, target_hidden = ctx.saved_tensors
         klw, chunk = ctx.kl_weight, ctx.chunk
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -182,7 +241,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 grad_w += g.t() @ hidden[s:e].float()
         if want_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 class ChunkedLossResult(NamedTuple):
@@ -222,8 +281,19 @@ def chunked_lm_loss(
     weight = lm_head_weight.to(hidden.dtype)
     row_w = row_weights.to(torch.float32)
     th = target_hidden.to(hidden.dtype) if (target_hidden is not None and kl_weight > 0) else None
+    # the frozen head's path needs to know now whether a backward will come: decided here, outside the Function
+    grad_in_forward = torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
     total, ce_sum, kl_sum, pred, row_w = _ChunkedLMLoss.apply(
-        hidden, weight, labels.to(torch.int64), row_w, th, float(kl_weight), int(chunk_rows), reweight, bool(compiled)
+        hidden,
+        weight,
+        labels.to(torch.int64),
+        row_w,
+        th,
+        float(kl_weight),
+        int(chunk_rows),
+        reweight,
+        bool(compiled),
+        grad_in_forward,
     )
     return ChunkedLossResult(total, ce_sum, kl_sum, pred, row_w)
 
