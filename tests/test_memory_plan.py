@@ -15,6 +15,7 @@ import torch
 from test_dflash_loss import packed_views, tiny_model
 
 from dflash_ipc.config import ConfigError, DrafterConfig, TrainingConfig, load_config
+from dflash_ipc.drafter import chunked_ce as CE
 from dflash_ipc.drafter import loss as L
 from dflash_ipc.drafter import memory_plan as M
 
@@ -117,14 +118,14 @@ def test_in_place_ce_passes_match_the_out_of_place_ones(dtype):
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(37, 301, generator=g) * 4).to(dtype)
     labels = torch.randint(0, 301, (37,), generator=g)
-    lse, ce, pred = L._ce_chunk_stats(logits, labels)
-    lse2, ce2, pred2 = L._ce_chunk_stats_in_place(logits.clone(), labels)
+    lse, ce, pred = CE._ce_chunk_stats(logits, labels)
+    lse2, ce2, pred2 = CE._ce_chunk_stats_in_place(logits.clone(), labels)
     torch.testing.assert_close(lse2, lse, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ce2, ce, rtol=1e-6, atol=1e-5)
     assert torch.equal(pred2, pred)
     coef, w = torch.rand(37, generator=g), torch.rand(37, generator=g)
-    ref = L._ce_chunk_grad(logits, lse, coef, labels, w, dtype)
-    got = L._ce_chunk_grad_in_place(logits.clone(), lse, coef, labels, w, dtype)
+    ref = CE._ce_chunk_grad(logits, lse, coef, labels, w, dtype)
+    got = CE._ce_chunk_grad_in_place(logits.clone(), lse, coef, labels, w, dtype)
     torch.testing.assert_close(got.float(), ref.float(), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
 
 
