@@ -30,8 +30,9 @@ MFU counting rule (matmul FLOPs, a multiply-add = 2 FLOPs, over the step time an
   drafter processes sharing the GPU). drafter MFU = drafter FLOPs / the drafter step's time: SpecForge's
   drafter step runs alone on the GPU after the target's forward; dflash-ipc's (``drafter_step_split_s``) runs
   beside the target process on the same GPU, so it is the drafter's rate while sharing it.
-* Both trainers at the same shape, lengths and anchors per step count the same FLOPs per step (the same target
-  layers and the same drafter), so their combined-MFU ratio equals their tokens/s ratio.
+* Both trainers at the same shape and anchors per step on fixed-length documents count the same FLOPs per step
+  (the same target layers, the same tokens, the same drafter), so their combined-MFU ratio equals their
+  tokens/s ratio; the MFU adds how far each is from the GPU's peak.
 * ``mixed`` lengths: ``anchors_per_step`` is a cap (short documents hold fewer anchors), so the drafter's
   count and the MFU are upper bounds, printed with a leading "<".
 
