@@ -118,7 +118,8 @@ anchors = min(cfg["data"]["token_budget"], docs * min(cfg["drafter"]["num_anchor
 if cfg["drafter"].get("max_anchors_per_batch"):
     anchors = min(anchors, cfg["drafter"]["max_anchors_per_batch"])
 tag = {"trainer": "dflash-ipc", "shape": shape, "variant": variant, "lengths": lengths, "levers": levers,
-       "anchors_per_step": anchors, "drafter_cfg": cfg["drafter"]}
+       "anchors_per_step": anchors, "drafter_cfg": cfg["drafter"],
+       "tokens_per_step": cfg["data"]["token_budget"], "seq_len": cfg["data"]["max_seq_len"]}  # mixed: at most
 try:
     r = json.loads(open(path).read())
 except Exception as e:  # a run cut short: its variants are in ipc-variants.jsonl
