@@ -285,15 +285,20 @@ def reference_loss(hidden, w_head, labels, weights, target_hidden=None, kl_weigh
     return total
 
 
+def loss_case(seed: int, rows: int, hidden: int, vocab: int, with_kl: bool):
+    """Random hidden states, head, labels, row weights and (with KL) the target's hidden states of one loss case."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(rows, hidden, generator=g)
+    w_head = torch.randn(vocab, hidden, generator=g)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    weights = torch.rand(rows, generator=g)
+    th = torch.randn(rows, hidden, generator=g) if with_kl else None
+    return base, w_head, labels, weights, th
+
+
 @pytest.mark.parametrize("with_kl", [False, True])
 def test_chunked_loss_matches_unchunked_values_and_gradients(with_kl):
-    g = torch.Generator().manual_seed(0)
-    r, h, v = 37, 16, 50
-    base = torch.randn(r, h, generator=g)
-    w_head = torch.randn(v, h, generator=g)
-    labels = torch.randint(0, v, (r,), generator=g)
-    weights = torch.rand(r, generator=g)
-    th = torch.randn(r, h, generator=g) if with_kl else None
+    base, w_head, labels, weights, th = loss_case(0, 37, 16, 50, with_kl)
     kl_w = 0.7 if with_kl else 0.0
 
     ref_h = base.clone().requires_grad_(True)
@@ -567,13 +572,7 @@ def test_frozen_head_gradient_taken_in_forward_matches_reference(with_kl, dpace)
     """The frozen head's path (each chunk's gradient taken while its logits exist, scaled by the row weights in
     backward) against plain autograd through the whole logits, also when the row weights come after the last
     chunk (D-PACE) and with the KL term."""
-    g = torch.Generator().manual_seed(1)
-    r, h, v = 41, 16, 60
-    base = torch.randn(r, h, generator=g)
-    w_head = torch.randn(v, h, generator=g)
-    labels = torch.randint(0, v, (r,), generator=g)
-    weights = torch.rand(r, generator=g)
-    th = torch.randn(r, h, generator=g) if with_kl else None
+    base, w_head, labels, weights, th = loss_case(1, 41, 16, 60, with_kl)
     kl_w = 0.4 if with_kl else 0.0
 
     def reweight(ce):
