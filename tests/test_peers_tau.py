@@ -255,3 +255,14 @@ def test_a_specforge_trained_drafter_converts_and_decodes_losslessly_in_eval(tmp
     held = rep["sets"]["held"]
     assert held["lossless"] is True and held["prompts"] == 1 and 1.0 <= held["tau"] <= 4
     assert rep["mask_token_id"] == train["drafter"]["mask_token_id"]
+
+
+def test_the_seconds_a_resumed_dflash_ipc_run_trained_add_up_over_its_invocations(tmp_path):
+    table = _load("tau_table")
+    rows = [{"step": i + 1, "tokens": 100, "elapsed_s": 2.0 * (i + 1), "loss": 1.0} for i in range(5)]  # 10 s, then stopped
+    rows += [{"step": 6 + i, "tokens": 100, "elapsed_s": 3.0 * (i + 1), "loss": 1.0} for i in range(4)]  # resumed: 12 s
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"holdout_step": 9, "tau_holdout": 2.0}\n')
+    got = table.ipc_run_summary(tmp_path)
+    assert got["steps"] == 9 and got["trained_s"] == 22.0 and got["tokens"] == 900
+    with pytest.raises(ValueError, match="not a dflash-ipc run directory"):
+        table.ipc_run_summary(tmp_path / "nothing")

@@ -25,8 +25,9 @@
 # done), TRAIN_S (120: the dflash-ipc run's training.max_seconds; SpecForge then trains as many seconds as that run
 # recorded), IPC_RUN (a dflash-ipc run directory trained before, e.g. runs/smollm2-1gpu-synth: reused, not
 # trained), TAU_SET (--set items for both trainers and eval, space-separated), SF_TAU_ARGS (more
-# specforge_tau.py flags), EVAL_N (16 prompts per set), EVAL_MAX_NEW (128), EVAL_WORKERS (4 per drafter; the two
-# evals run at once). CPU: TAU_CONFIG=tiny TRAIN_S=5 EVAL_N=2 EVAL_MAX_NEW=16 EVAL_WORKERS=1 STAGE=tau SKIP_SETUP=1 ...
+# specforge_tau.py flags), EVAL_N (16 prompts per set), EVAL_MAX_NEW (128), EVAL_WORKERS (4 per drafter), TAU_EVAL
+# ("ipc specforge": the drafters to decode in this call, at once; "none": train only). CPU: TAU_CONFIG=tiny TRAIN_S=5
+# EVAL_N=2 EVAL_MAX_NEW=16 EVAL_WORKERS=1 STAGE=tau SKIP_SETUP=1 bash benchmarks/peers/run.sh (python3: the venv's)
 # Results: $RESULTS_DIR/results.jsonl (one JSON line per measurement), $RESULTS_DIR/<stage>.log, $RESULTS_DIR/ipc-variants.jsonl;
 # a table at the end (summarize.py).
 set -u
@@ -172,7 +173,7 @@ tau_stage() {  # τ at equal training seconds on one config's data: dflash-ipc's
   fi
   sets=(--set "data.cache_dir=\"$W/data-cache\"")  # both tokenize the records once, into one cache
   for s in ${TAU_SET:-}; do sets+=(--set "$s"); done
-  run=${IPC_RUN:-$W/ipc-run}
+  run=$(cd "$PROJ" && realpath -m "${IPC_RUN:-$W/ipc-run}")
   if [ -s "$run/export/drafter/config.json" ]; then
     stamp "tau: the dflash-ipc drafter of $run (trained before)"
   else
@@ -190,15 +191,17 @@ tau_stage() {  # τ at equal training seconds on one config's data: dflash-ipc's
   fi
   [ -s "$W/specforge/train.json" ] || { echo "no SpecForge drafter ($W/specforge.log)"; return 1; }
   stamp "tau: eval --suite $suite, both drafters at once (${EVAL_N:-16} prompts per set, max-new ${EVAL_MAX_NEW:-128})"
-  for who in ipc specforge; do
+  for who in ${TAU_EVAL:-ipc specforge}; do
     [ "$who" = ipc ] && d=$run/export/drafter || d=$W/specforge/export
     [ -s "$W/eval-$who.json" ] && continue
+    [ "$(left)" -lt 60 ] && { stamp "budget: skip eval $who"; continue; }
     (cd "$PROJ" && timeout -s INT $(( $(left) - 5 )) python3 -m dflash_ipc.cli eval --config "$cfg" "${sets[@]}" --drafter "$d" \
       --suite "$suite" --n "${EVAL_N:-16}" --max-new "${EVAL_MAX_NEW:-128}" --workers "${EVAL_WORKERS:-4}" --json \
       > "$W/eval-$who.part" 2> "$W/eval-$who.log"; echo "eval $who rc $? (1: not lossless)"
       grep -q '^{' "$W/eval-$who.part" && mv "$W/eval-$who.part" "$W/eval-$who.json" || tail -n 5 "$W/eval-$who.log") &
   done
   wait
+  for who in ipc specforge; do [ -s "$W/eval-$who.json" ] || { echo "no eval of the $who drafter yet: run again"; return 0; }; done
   python3 "$HERE/tau_table.py" --ipc-eval "$W/eval-ipc.json" --sf-eval "$W/eval-specforge.json" --ipc-run "$run" \
     --sf-train "$W/specforge/train.json" --json-out "$RESULTS_DIR/tau.json"
 }

@@ -30,8 +30,9 @@ def last_json_line(path: str | Path) -> dict:
 
 
 def ipc_run_summary(run_dir: str | Path) -> dict:
-    """Steps, training seconds and tokens of a dflash-ipc run from its ``metrics.jsonl`` (seconds: the last
-    step's ``elapsed_s``, counted from the first step as ``training.max_seconds`` counts them)."""
+    """Steps, training seconds and tokens of a dflash-ipc run from its ``metrics.jsonl``. Seconds as
+    ``training.max_seconds`` counts them: each invocation's ``elapsed_s`` runs from its first step, so a resumed
+    run (``elapsed_s`` starting over) adds the last value of every invocation."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{path}: not found; {run_dir} is not a dflash-ipc run directory that trained")
@@ -39,7 +40,12 @@ def ipc_run_summary(run_dir: str | Path) -> dict:
     steps = [r for r in rows if r.get("elapsed_s") is not None and "tokens" in r]
     if not steps:
         raise ValueError(f"{path}: no training steps recorded")
-    trained_s = float(steps[-1]["elapsed_s"])
+    trained_s, before = 0.0, 0.0
+    for r in steps:
+        if float(r["elapsed_s"]) < before:  # a resumed invocation's clock starts over
+            trained_s += before
+        before = float(r["elapsed_s"])
+    trained_s += before
     tokens = sum(int(r["tokens"]) for r in steps)
     return {
         "steps": int(steps[-1]["step"]),
