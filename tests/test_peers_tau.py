@@ -211,16 +211,17 @@ def test_fitted_cosine_is_the_one_specforge_builds_for_that_length(tau):
     assert max(lrs) == pytest.approx(1e-3, rel=1e-4) and lrs[-1] < 2e-4  # warmed up, then down the cosine
 
 
-def _tiny_chain(tmp: Path) -> Path:
-    """A tiny real-checkpoint target, random-token records with gen-data's token_ids and a held-out file, a config."""
+def _tiny_chain(tmp: Path, data: str = "") -> Path:
+    """A tiny real-checkpoint target, random-token records with gen-data's token_ids and a held-out file, a config
+    (``data``: its [data] paths and batching instead of the one file)."""
     _load("make_target").main(["--shape", "tiny-llama", "--out", str(tmp / "target"), "--device", "cpu"])
     make_data = _load("make_data")
     make_data.main(["--out", str(tmp / "data.jsonl"), "--n", "12", "--len", "60"])
     make_data.main(["--out", str(tmp / "held.jsonl"), "--n", "2", "--len", "20", "--seed", "1"])
+    data = data or f'paths = ["{tmp / "data.jsonl"}"]\nmax_seq_len = 128\nbucket_edges = [128]\ntoken_budget = 256\nmax_batch_size = 4\n'
     cfg = tmp / "tiny.toml"
     cfg.write_text(
-        f'[topology]\ntargets = ["cpu"]\ndrafters = ["cpu"]\n[transport]\nbackend = "cpu-shm"\n'
-        f'[data]\npaths = ["{tmp / "data.jsonl"}"]\nmax_seq_len = 128\nbucket_edges = [128]\ntoken_budget = 256\nmax_batch_size = 4\n'
+        f'[topology]\ntargets = ["cpu"]\ndrafters = ["cpu"]\n[transport]\nbackend = "cpu-shm"\n[data]\n{data}'
         f'[target]\nmodel_path = "{tmp / "target"}"\ndtype = "float32"\n'
         '[drafter]\nnum_layers = 2\nlayer_types = ["sliding_attention", "full_attention"]\nsliding_window = 16\nblock_size = 4\n'
         'num_anchors = 16\ndtype = "float32"\nattention = "sdpa"\n[training]\nlr = 1e-3\nloss_gamma = 4.0\n'
@@ -266,3 +267,28 @@ def test_the_seconds_a_resumed_dflash_ipc_run_trained_add_up_over_its_invocation
     assert got["steps"] == 9 and got["trained_s"] == 22.0 and got["tokens"] == 900
     with pytest.raises(ValueError, match="not a dflash-ipc run directory"):
         table.ipc_run_summary(tmp_path / "nothing")
+
+
+def test_specforge_epoch_holds_the_records_tokens_and_masks_of_dflash_ipcs_epoch(tmp_path, tau):
+    from dflash_ipc.config import load_config
+    from dflash_ipc.data.corpus import load_corpus
+    from dflash_ipc.data.plan import plan_epoch
+    from dflash_ipc.data.tokenizer import config_tokenizer
+
+    make_data = _load("make_data")
+    make_data.main(["--out", str(tmp_path / "more.jsonl"), "--n", "30", "--lengths", "mixed", "--seq-len", "120", "--seed", "2"])
+    paths = json.dumps([str(tmp_path / "data.jsonl"), str(tmp_path / "more.jsonl")])
+    mix = f"paths = {paths}\nweights = [1.0, 3.0]\nmax_seq_len = 128\nbucket_edges = [32, 64, 128]\ntoken_budget = 256\nnum_epochs = 2\n"
+    cfg = load_config(_tiny_chain(tmp_path, data=mix))
+    tok = config_tokenizer(cfg)
+    corpus = load_corpus(cfg.data, tok, tmp_path / "cache")
+    planned = plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, 0, 1, 0, sources=corpus.sources)  # dflash-ipc's epoch 0
+    want = sorted((tuple(corpus.sample(i)[0].tolist()), tuple(corpus.sample(i)[1].tolist())) for b in planned for i in b.sample_indices)
+    got, epochs = [], set()
+    for epoch, ids, attn, loss_mask, real in tau.planned_batches(cfg, corpus, 0, 1024, 64):
+        epochs.add(epoch)
+        if epoch == 0:
+            assert ids.shape[0] * ids.shape[1] <= 1024 and int(attn.sum()) == real
+            assert not bool(loss_mask[attn == 0].any())  # padding is never supervised
+            got += [(tuple(i[a > 0].tolist()), tuple(m[a > 0].tolist())) for i, m, a in zip(ids, loss_mask, attn)]
+    assert got and sorted(got) == want and epochs == {0, 1}
