@@ -7,6 +7,7 @@ SpecForge's code skip without it (its wheel: benchmarks/peers/README.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -285,7 +286,8 @@ def test_specforge_epoch_holds_the_records_tokens_and_masks_of_dflash_ipcs_epoch
     planned = plan_epoch(corpus.lengths, cfg.data, cfg.run.seed, 0, 1, 0, sources=corpus.sources)  # dflash-ipc's epoch 0
     want = sorted((tuple(corpus.sample(i)[0].tolist()), tuple(corpus.sample(i)[1].tolist())) for b in planned for i in b.sample_indices)
     got, epochs = [], set()
-    for epoch, ids, attn, loss_mask, real in tau.planned_batches(cfg, corpus, 0, 1024, 64):
+    spec = dataclasses.replace(cfg.data, token_budget=1024, max_batch_size=64)  # SpecForge's own step size
+    for epoch, ids, attn, loss_mask, real in tau.planned_batches(spec, cfg.run.seed, corpus, 0):
         epochs.add(epoch)
         if epoch == 0:
             assert ids.shape[0] * ids.shape[1] <= 1024 and int(attn.sum()) == real

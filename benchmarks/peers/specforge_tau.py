@@ -255,13 +255,13 @@ class Capture:
         return torch.cat(self.target.capture(input_ids), dim=-1)
 
 
-def planned_batches(cfg, corpus, pad_id: int, token_budget: int, max_batch_size: int):
-    """``(epoch, input_ids, attention_mask, loss_mask, real tokens)`` of dflash-ipc's plan, epoch after epoch."""
+def planned_batches(data, seed: int, corpus, pad_id: int):
+    """``(epoch, input_ids, attention_mask, loss_mask, real tokens)`` of dflash-ipc's plan of ``data`` (a
+    DataConfig: its mix, buckets, token budget and batch size) with the run's ``seed``, epoch after epoch."""
     from dflash_ipc.data.plan import plan_epoch
 
-    data = dataclasses.replace(cfg.data, token_budget=token_budget, max_batch_size=max_batch_size)
     for epoch in range(data.num_epochs):
-        for pb in plan_epoch(corpus.lengths, data, cfg.run.seed, epoch, 1, 0, sources=corpus.sources):
+        for pb in plan_epoch(corpus.lengths, data, seed, epoch, 1, 0, sources=corpus.sources):
             ids, mask, lens = corpus.collate(list(pb.sample_indices), pad_id, pb.padded_len)
             attn = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).to(torch.long)
             yield epoch, ids, attn, mask.to(torch.long), int(lens.sum())
@@ -391,19 +391,25 @@ def main(argv=None) -> dict:
     if args.dtype == "auto":
         args.dtype = "bfloat16" if device.type == "cuda" else "float32"
     attention = args.attention if args.attention != "auto" else ("flex_attention" if device.type == "cuda" else "sdpa")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    start_specforge(device_type)
-
-    from specforge.distributed import destroy_distributed
-
     from dflash_ipc.config import load_config
     from dflash_ipc.data.corpus import load_corpus
     from dflash_ipc.data.tokenizer import config_tokenizer
     from dflash_ipc.devices import dtype_from_name
     from dflash_ipc.target_spec.heads import target_head_weights
 
+    # a bad config or batching is refused before SpecForge's process group starts
     cfg = load_config(args.config, sets=args.sets)
+    budget = args.token_budget or cfg.data.token_budget
+    try:
+        data = dataclasses.replace(cfg.data, token_budget=budget, max_batch_size=args.max_batch_size or cfg.data.max_batch_size)
+    except ValueError as e:
+        raise ValueError(f"--token-budget {budget} / --max-batch-size: {e}") from None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start_specforge(device_type)
+
+    from specforge.distributed import destroy_distributed
+
     torch.manual_seed(cfg.run.seed)
     tokenizer = config_tokenizer(cfg)
     corpus = load_corpus(cfg.data, tokenizer, Path(cfg.data.cache_dir) if cfg.data.cache_dir else out / "data")
@@ -414,8 +420,7 @@ def main(argv=None) -> dict:
     del embed, head
     capture = Capture(cfg, args.target_forward, shape.target_layer_ids, len(tokenizer), device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    budget = args.token_budget or cfg.data.token_budget
-    batches = planned_batches(cfg, corpus, pad_id, budget, args.max_batch_size or cfg.data.max_batch_size)
+    batches = planned_batches(data, cfg.run.seed, corpus, pad_id)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     run = train(step, capture, batches, args, device, cfg.training.max_steps)
@@ -451,4 +456,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError) as e:  # a bad config, data file, run directory or drafter: named in the message
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
