@@ -7,7 +7,9 @@
 #   STAGE=ipc SHAPES=qwen3-8b bash benchmarks/peers/run.sh       # ~410 s
 # Stages: setup (wheels, imports, what the image lacks), specforge (SpecForge 0.2.0's DFlash step behind an
 # in-process HF target), ipc (dflash-ipc's `bench pipeline`, target and drafter sharing cuda:0), zlab (z-lab's
-# decoder on a dflash-ipc export, CPU-sized), all (specforge then ipc: more than one call's 600 s at both shapes).
+# decoder on a dflash-ipc export, CPU-sized), all (specforge then ipc: more than one call's 600 s at both shapes),
+# tau (τ at equal training seconds on real data: dflash-ipc's run and SpecForge's step, both drafters decoded by
+# `dflash-ipc eval --suite`; README.md "τ per GPU-minute"; results to $RESULTS_DIR/tau.json, not results.jsonl).
 # Every stage runs setup first (seconds) and makes what it needs, so each call stands alone on a fresh machine;
 # WORK (/root/peer-bench) keeps the random checkpoints across calls while the machine stays warm.
 # Knobs: SHAPES ("smollm2 qwen3-8b"; also qwen3.6-27b), LENGTHS (fixed | mixed: shapes.doc_lengths), SF_STEPS (20),
@@ -17,6 +19,15 @@
 # BUDGET_S (570), SITE (/tmp/site: the wheels' --target), PROJ (.: the dflash-ipc checkout), WHL (PROJ/.whl-peers), SEQ (2048), IPC_DEVICE (cuda:0).
 # CPU smoke (tiny shapes): SHAPES=tiny-llama SEQ=256 IPC_DEVICE=cpu IPC_STEPS=4 \
 #   SF_ARGS="--attention sdpa --num-anchors 16 --device cpu" SF_STEPS=3 SF_WARMUP=1 bash benchmarks/peers/run.sh
+# tau knobs: TAU_CONFIG (configs/smollm2-1gpu-synth.toml: its model and gen-data files must exist; "tiny": a tiny
+# random Llama, random-token records and a held-out file made in TAU_DIR, for a CPU run), TAU_SUITE (eval's
+# --suite; default the example's four sets), TAU_DIR ($WORK/tau; every part there resumes: a rerun skips what is
+# done), TRAIN_S (120: the dflash-ipc run's training.max_seconds; SpecForge then trains as many seconds as that run
+# recorded), IPC_RUN (a dflash-ipc run directory trained before, e.g. runs/smollm2-1gpu-synth: reused, not
+# trained), TAU_SET (--set items for both trainers and eval, space-separated), SF_TAU_ARGS (more
+# specforge_tau.py flags), EVAL_N (16 prompts per set), EVAL_MAX_NEW (128), EVAL_WORKERS (4 per drafter), TAU_EVAL
+# ("ipc specforge": the drafters to decode in this call, at once; "none": train only). CPU: TAU_CONFIG=tiny TRAIN_S=5
+# EVAL_N=2 EVAL_MAX_NEW=16 EVAL_WORKERS=1 STAGE=tau SKIP_SETUP=1 bash benchmarks/peers/run.sh (python3: the venv's)
 # Results: $RESULTS_DIR/results.jsonl (one JSON line per measurement), $RESULTS_DIR/<stage>.log, $RESULTS_DIR/ipc-variants.jsonl;
 # a table at the end (summarize.py).
 set -u
@@ -143,6 +154,58 @@ zlab_stage() {  # z-lab's decoder on a dflash-ipc export: tiny shapes, CPU (see 
     | grep '^{' >> "$RESULTS_DIR/results.jsonl"
 }
 
+tau_tiny() {  # a tiny real-data stand-in for the CPU: random Llama + word-level tokenizer, random-token records
+  python3 "$HERE/make_target.py" --shape tiny-llama --out "$1/tiny-llama" --device cpu | tail -1
+  python3 "$HERE/make_data.py" --out "$1/data.jsonl" --n 64 --len 200
+  python3 "$HERE/make_data.py" --out "$1/data.holdout.jsonl" --n 8 --len 60 --seed 1
+  python3 "$HERE/gen_ipc_config.py" --shape tiny-llama --variant native --model "$1/tiny-llama" --data "$1/data.jsonl" \
+    --device cpu --seq-len 256 --out "$1/tiny.toml" --set training.export_on_finish=true
+}
+
+tau_stage() {  # τ at equal training seconds on one config's data: dflash-ipc's run, then SpecForge's step (README)
+  [ -n "$PROJ" ] || { echo "PROJ: no dflash-ipc checkout"; return 1; }
+  W=${TAU_DIR:-$WORK/tau}; mkdir -p "$W"; W=$(cd "$W" && pwd)
+  cfg=${TAU_CONFIG:-configs/smollm2-1gpu-synth.toml}
+  suite=${TAU_SUITE:-synth=data/smollm2-synth.holdout.jsonl,builtin=data/smollm2-builtin.holdout.jsonl,humaneval,everyday=configs/eval/everyday.jsonl}
+  if [ "$cfg" = tiny ]; then
+    [ -s "$W/tiny.toml" ] || tau_tiny "$W" || return 1
+    cfg=$W/tiny.toml suite=${TAU_SUITE:-synth=$W/data.holdout.jsonl,everyday=configs/eval/everyday.jsonl}
+  fi
+  sets=(--set "data.cache_dir=\"$W/data-cache\"")  # both tokenize the records once, into one cache
+  for s in ${TAU_SET:-}; do sets+=(--set "$s"); done
+  run=$(cd "$PROJ" && realpath -m "${IPC_RUN:-$W/ipc-run}")
+  if [ -s "$run/export/drafter/config.json" ]; then
+    stamp "tau: the dflash-ipc drafter of $run (trained before)"
+  else
+    stamp "tau: dflash-ipc up --config $cfg, ${TRAIN_S:-120} s of training steps -> $run"
+    (cd "$PROJ" && timeout -s INT $(( $(left) - 10 )) python3 -m dflash_ipc.cli up --config "$cfg" "${sets[@]}" \
+      --set "training.max_seconds=${TRAIN_S:-120}" --run-dir "$run" --resume) > "$W/ipc-up.log" 2>&1
+    echo "up rc $?"; grep -A6 "^\[up\] finished\|^\[up\] stopped" "$W/ipc-up.log" || tail -n 15 "$W/ipc-up.log"
+  fi
+  [ -s "$run/export/drafter/config.json" ] || { echo "no dflash-ipc export in $run/export/drafter ($W/ipc-up.log)"; return 1; }
+  if [ ! -s "$W/specforge/train.json" ]; then
+    stamp "tau: SpecForge's step for as many seconds as $run trained"
+    (cd "$PROJ" && timeout -s INT $(( $(left) - 10 )) python3 "$HERE/specforge_tau.py" --config "$cfg" "${sets[@]}" \
+      --train-s-from "$run" --out "$W/specforge" ${SF_TAU_ARGS:-}) > "$W/specforge.log" 2>&1
+    echo "specforge rc $?"; grep "^\[specforge\]\|Error" "$W/specforge.log" | tail -n 8
+  fi
+  [ -s "$W/specforge/train.json" ] || { echo "no SpecForge drafter ($W/specforge.log)"; return 1; }
+  stamp "tau: eval --suite $suite, both drafters at once (${EVAL_N:-16} prompts per set, max-new ${EVAL_MAX_NEW:-128})"
+  for who in ${TAU_EVAL:-ipc specforge}; do
+    [ "$who" = ipc ] && d=$run/export/drafter || d=$W/specforge/export
+    [ -s "$W/eval-$who.json" ] && continue
+    [ "$(left)" -lt 60 ] && { stamp "budget: skip eval $who"; continue; }
+    (cd "$PROJ" && timeout -s INT $(( $(left) - 5 )) python3 -m dflash_ipc.cli eval --config "$cfg" "${sets[@]}" --drafter "$d" \
+      --suite "$suite" --n "${EVAL_N:-16}" --max-new "${EVAL_MAX_NEW:-128}" --workers "${EVAL_WORKERS:-4}" --json \
+      > "$W/eval-$who.part" 2> "$W/eval-$who.log"; echo "eval $who rc $? (1: not lossless)"
+      grep -q '^{' "$W/eval-$who.part" && mv "$W/eval-$who.part" "$W/eval-$who.json" || tail -n 5 "$W/eval-$who.log") &
+  done
+  wait
+  for who in ipc specforge; do [ -s "$W/eval-$who.json" ] || { echo "no eval of the $who drafter yet: run again"; return 0; }; done
+  python3 "$HERE/tau_table.py" --ipc-eval "$W/eval-ipc.json" --sf-eval "$W/eval-specforge.json" --ipc-run "$run" \
+    --sf-train "$W/specforge/train.json" --json-out "$RESULTS_DIR/tau.json"
+}
+
 if [ "${SKIP_SETUP:-0}" = 1 ]; then  # a caller that ran setup already (gpu_run.sh)
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 else
@@ -154,8 +217,9 @@ case $STAGE in
   specforge) specforge_stage 2>&1 | tee "$RESULTS_DIR/specforge.log" ;;
   ipc) ipc_stage 2>&1 | tee "$RESULTS_DIR/ipc.log" ;;
   zlab) zlab_stage 2>&1 | tee "$RESULTS_DIR/zlab.log" ;;
+  tau) tau_stage 2>&1 | tee "$RESULTS_DIR/tau.log" ;;
   all) specforge_stage 2>&1 | tee "$RESULTS_DIR/specforge.log"; ipc_stage 2>&1 | tee "$RESULTS_DIR/ipc.log" ;;
-  *) echo "unknown STAGE=$STAGE (setup, specforge, ipc, zlab, all)"; exit 2 ;;
+  *) echo "unknown STAGE=$STAGE (setup, specforge, ipc, zlab, tau, all)"; exit 2 ;;
 esac
 [ -s "$RESULTS_DIR/results.jsonl" ] && python3 "$HERE/summarize.py" "$RESULTS_DIR/results.jsonl"
 stamp "done"
