@@ -193,6 +193,13 @@ def shared_forkserver(pytestconfig: pytest.Config) -> Iterator[str | None]:
     if SHARED_FORKSERVER_ENV in os.environ:
         yield os.environ[SHARED_FORKSERVER_ENV] or None
         return
+    # Inductor sets TORCHINDUCTOR_CACHE_DIR in os.environ the first time it looks for its cache (importing
+    # some test modules does, an in-process torch.compile does): set after the server started, every later
+    # `up` of this worker would refuse the server (its preload read another value) and preload its own.
+    with contextlib.suppress(ImportError):
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        cache_dir()
     try:
         server = ForkServer.start_shared(up_preload(), child_env())
     except RuntimeError as e:  # e.g. a GPU host where a preloaded module initializes CUDA: each up starts its own launcher

@@ -27,6 +27,10 @@ def checkpoint_steps(run: InprocRun) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in (run.run_dir / "checkpoints").glob("step-*"))
 
 
+# The runs to the data's end: 60 samples, 13 batches over 2 target shards (the harness's 120: 25)
+FEW_SAMPLES = {"builtin_samples": 60}
+
+
 @pytest.fixture
 def inproc(tmp_path):
     runs = []
@@ -41,7 +45,7 @@ def inproc(tmp_path):
 
 
 def test_end_of_data_reaches_the_drafter_once_per_target_after_its_last_batch_and_every_batch_trains_once(tmp_path, inproc):
-    run = inproc(small_config(tmp_path, targets=2))
+    run = inproc(small_config(tmp_path, targets=2, data=FEW_SAMPLES))
     summary = run.run()
     assert summary.reason == "data exhausted"
     trained = [tuple(i) for i in run.drafter_core.trained_ids]
@@ -77,7 +81,7 @@ def test_a_shutdown_stops_at_the_step_boundary_and_checkpoints_what_was_trained(
 def test_a_resumed_run_repeats_no_consumed_batch_and_skips_none(tmp_path, inproc):
     """Stop at step 3 (its checkpoint's ledger: those 3 batches), resume in the same run directory:
     the targets skip exactly the ledger, and the two runs together train every planned batch once."""
-    cfg = small_config(tmp_path, targets=2, training={"max_steps": 100, "export_on_finish": False})
+    cfg = small_config(tmp_path, targets=2, data=FEW_SAMPLES, training={"max_steps": 100, "export_on_finish": False})
     first = inproc(cfg)
 
     def stop_after_three(r: InprocRun) -> None:
@@ -144,8 +148,9 @@ def test_checkpoints_every_n_steps_and_at_max_steps_never_twice(tmp_path, inproc
 
 
 def test_held_out_passes_reach_drafter_0_are_scored_and_never_trained_on(tmp_path, inproc):
-    holdout = holdout_file(tmp_path, 120)  # conversations the training data (the first 120) does not hold
-    cfg = small_config(tmp_path, targets=2, data={"holdout_paths": [str(holdout)]}, training={"holdout_every": 3, "holdout_batches": 2})
+    holdout = holdout_file(tmp_path, 120)  # conversations the training data (the first 60) does not hold
+    data = FEW_SAMPLES | {"holdout_paths": [str(holdout)]}
+    cfg = small_config(tmp_path, targets=2, data=data, training={"holdout_every": 3, "holdout_batches": 2})
     run = inproc(cfg)
     run.run()
     trained = sorted(tuple(i) for i in run.drafter_core.trained_ids)

@@ -475,7 +475,7 @@ def test_bad_config_is_refused_before_anything_starts(tmp_path, section, key, va
 def test_handshake_timeout_names_the_setting_and_leaves_no_process(work, started):
     # exec: each child imports torch for seconds, longer than the 0.5 s timeout (forked children can be
     # ready within it); this is also the run of `up` on the launcher that CUDA topologies use
-    cfg = write_config(work / "hs.toml", run__handshake_timeout_s=0.5, run__teardown_grace_s=1.0, run__launcher="exec")
+    cfg = write_config(work / "hs.toml", run__handshake_timeout_s=0.5, run__teardown_grace_s=0.1, run__launcher="exec")
     up = Up(cfg, work / "hs")
     started.append(up)
     code = up.wait()

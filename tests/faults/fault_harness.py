@@ -53,7 +53,7 @@ def write_config(path: Path, **sections: dict) -> Path:
 class Up:
     """One `dflash-ipc up` supervisor; its output goes to a file (never blocks it)."""
 
-    def __init__(self, config: Path, run_dir: Path, *extra: str, name: str = "up"):
+    def __init__(self, config: Path, run_dir: Path, *extra: str, name: str = "up", env: dict[str, str] | None = None):
         self.run_dir = run_dir
         self.out_path = run_dir.parent / f"{run_dir.name}.{name}.out"
         self._out = open(self.out_path, "wb")  # noqa: SIM115 (closed in close())
@@ -62,6 +62,7 @@ class Up:
             stdout=self._out,
             stderr=subprocess.STDOUT,
             cwd=run_dir.parent,
+            env=env,
         )
 
     @property

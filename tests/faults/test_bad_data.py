@@ -44,6 +44,9 @@ def deep(depth: int) -> str:
         deep(50_000),  # a bare array, nested
         '{"conversations": [{"role": "user", "content": "hi", "meta": ' + deep(100_000) + "}]}",
     ],
+    # short ids: pytest puts the test's id in PYTEST_CURRENT_TEST, and a 200 kB variable makes every
+    # process the test starts (the worker's shared fork server, when this test comes first) fail with E2BIG
+    ids=["text", "bare-array", "conversation-meta"],
 )
 def test_deeply_nested_json_is_a_bad_line(tmp_path, tok, nested):
     path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD), nested, json.dumps(GOOD)])

@@ -31,6 +31,7 @@ from fault_harness import CLI, Up, report, write_config
 
 from dflash_ipc.drafter.checkpoint import BatchLedger, read_latest_pointer, save_checkpoint
 from dflash_ipc.fence import Fence, FencedOut, generation_file
+from dflash_ipc.runtime.forkserver import SHARED_FORKSERVER_ENV
 from dflash_ipc.runtime.run_lock import LOCK_FILE, RunDirBusy, RunDirLock, refuse_if_owned
 
 
@@ -178,10 +179,11 @@ def test_a_second_up_after_the_lock_file_was_deleted_is_refused(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.own_forkserver  # the product's chain: the supervisor's own fork server dies with it
-def test_a_stopped_child_of_a_killed_supervisor_never_touches_the_resumed_run(tmp_path, monkeypatch):
+def test_a_stopped_child_of_a_killed_supervisor_never_touches_the_resumed_run(tmp_path, monkeypatch, shared_forkserver):
     """Sentinel off (the fence alone): SIGSTOP both drafters at step 5, SIGKILL the supervisor,
-    `up --resume`; at its step 4 past the resume SIGCONT the old drafters. They write nothing:
-    the new run's checkpoints, ``latest`` and metrics stay its own, and it finishes."""
+    `up --resume`; at its step 5 past the resume SIGCONT the old drafters. They write nothing:
+    the new run's checkpoints, ``latest`` and metrics stay its own, and it finishes. The resumed
+    run forks from the worker's shared fork server (where its children come from is not asserted)."""
     monkeypatch.setenv("DFLASH_IPC_DEBUG_NO_SENTINEL", "1")
     cfg = write_config(tmp_path / "c.toml", data={"builtin_samples": 600}, training={"checkpoint_every": 2, "keep_checkpoints": 3})
     run_dir = tmp_path / "run"
@@ -196,7 +198,8 @@ def test_a_stopped_child_of_a_killed_supervisor_never_touches_the_resumed_run(tm
         a.proc.kill()
         a.proc.wait()
         resumed_at = int(read_latest_pointer(ckpts).split("-")[1])
-        b = Up(cfg, run_dir, "--resume", name="b")
+        shared = {SHARED_FORKSERVER_ENV: shared_forkserver} if shared_forkserver else {}
+        b = Up(cfg, run_dir, "--resume", name="b", env={**os.environ, **shared})
         try:
             b.wait_until(lambda: _max_step(run_dir) >= resumed_at + 5, f"step {resumed_at + 5}")
             for pid in old:

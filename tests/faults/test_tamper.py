@@ -66,7 +66,7 @@ def trained(tmp_path_factory) -> Path:
     """A finished run: checkpoints at steps 4, 8 and 12 written by the real drafter."""
     base = tmp_path_factory.mktemp("trained")
     data = base / "train.jsonl"
-    data.write_text("\n".join(data_lines(240)) + "\n")
+    data.write_text("\n".join(data_lines(160)) + "\n")
     config = write_toml(base / "ck4.toml", config_raw("train.jsonl"))
     proc = up(config, base / "run")
     assert proc.returncode == 0, proc.stdout[-3000:]
