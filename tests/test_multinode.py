@@ -237,8 +237,8 @@ def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the
     is killed; `up --resume` on both nodes (launched by the torchrun-style variables alone)
     continues from the shared checkpoint to the data's end: identical weights on both ranks, no batch of the checkpoint
     trained again, the final ledger = the plan (every epoch, each shard's batches once)."""
-    # 3 epochs (30 steps): the kill (about step 3) and the hang (about step 7) land far from the data's end
-    epochs = 3
+    # 2 epochs (20 steps): the kill (about step 3) and the hang (about step 7) land far from the data's end
+    epochs = 2
     config = write_config(tmp_path / "two-nodes.toml", num_epochs=epochs, checkpoint_every=2)
     shared = tmp_path / "shared"
     n0, n1 = nodes = run_both(tmp_path, config, shared, "--max-restarts", "1", envs=(shared_forks(shared_forkserver), None))

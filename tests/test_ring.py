@@ -315,20 +315,32 @@ def test_killed_producer_leaves_segment_and_sweep_removes_it(run_id):
 
 # --------------------------------------------------------------------------- the ring harness on CPU
 
+HARNESS_LAYOUT = SlotLayout(num_planes=2, hidden_size=32, max_tokens=64, max_seqs=4, plane_dtype="bfloat16")
+# random batch sizes (edges included), three slots reused 20 times each, every byte verified
+RANDOM_SIZES = {"num_slots": 3, "iters": 60, "warmup": 0, "depth": 2, "sizes": "random", "verify": "full", "seed": 7}
 
-def test_ring_harness_two_processes_typed_messages_on_cpu():
+
+@pytest.fixture(scope="module")
+def ring_harness() -> dict[str, list[tuple[gpu_wire.Scenario, dict]]]:
+    """The scenarios of both backends in one run of the harness (one spawned producer, one spawned
+    consumer, each importing torch once), by backend: (scenario, its result) in order."""
+    scs = {
+        backend: [
+            gpu_ring.scenario(f"{name} random", backend, -1, -1, HARNESS_LAYOUT, **RANDOM_SIZES),
+            gpu_ring.handoff_scenario(backend, -1, -1, iters=20),
+        ]
+        for backend, name in (("cpu-shm", "cpu"), ("nccl", "cpu nccl"))
+    }
+    results = iter(gpu_ring.run_scenarios([sc for group in scs.values() for sc in group], timeout=240))
+    return {backend: [(sc, next(results)) for sc in group] for backend, group in scs.items()}
+
+
+def test_ring_harness_two_processes_typed_messages_on_cpu(ring_harness):
     """The GPU harness (bench gpu-ring, tests/test_ring_cuda.py) on cpu-shm rings (device -1): two
     spawned processes, the descriptor and every message typed msgpack over pipes, every byte verified."""
-    layout = SlotLayout(num_planes=2, hidden_size=32, max_tokens=64, max_seqs=4, plane_dtype="bfloat16")
-    scs = [
-        gpu_ring.scenario(
-            "cpu random", "cpu-shm", -1, -1, layout, num_slots=3, iters=60, warmup=0, depth=2, sizes="random", verify="full", seed=7
-        ),
-        gpu_ring.handoff_scenario("cpu-shm", -1, -1, iters=20),
-    ]
-    results = gpu_ring.run_scenarios(scs, timeout=240)
-    assert [r["name"] for r in results] == ["cpu random", "handoff cpu-shm cuda:-1->cuda:-1"]
-    for r, sc in zip(results, scs, strict=True):
+    runs = ring_harness["cpu-shm"]
+    assert [r["name"] for _, r in runs] == ["cpu random", "handoff cpu-shm cuda:-1->cuda:-1"]
+    for sc, r in runs:
         assert r["slots"] == sc.iters and r["errors"] == 0 and r["stray_frees"] == 0, r
         assert r["copy_mode"] == "cpu-shm" and r["bytes"] > 0, r
     # the harness's frames are validated like control-plane messages
@@ -343,21 +355,15 @@ def test_ring_harness_two_processes_typed_messages_on_cpu():
     with pytest.raises(protocol.ProtocolError, match="undecodable"):
         gpu_wire.unpack(b"\xc1", gpu_wire.SlotFilled)
     with pytest.raises(ValueError, match="verify='none'"):
-        gpu_wire.Scenario("x", "cpu-shm", -1, -1, layout.to_wire(), fill="none")
+        gpu_wire.Scenario("x", "cpu-shm", -1, -1, HARNESS_LAYOUT.to_wire(), fill="none")
 
 
-def test_ring_harness_nccl_backend_over_gloo_on_cpu():
+def test_ring_harness_nccl_backend_over_gloo_on_cpu(ring_harness):
     """The ``nccl`` ring on CPU (gloo, the same code path): two spawned processes, a two-rank pair
     group from the producer's store, random batch sizes (edges included), three slots reused 20
     times each, every byte verified after the receive completed; then the one-in-flight handoff."""
-    layout = SlotLayout(num_planes=2, hidden_size=32, max_tokens=64, max_seqs=4, plane_dtype="bfloat16")
-    scs = [
-        gpu_ring.scenario(
-            "cpu nccl random", "nccl", -1, -1, layout, num_slots=3, iters=60, warmup=0, depth=2, sizes="random", verify="full", seed=7
-        ),
-        gpu_ring.handoff_scenario("nccl", -1, -1, iters=20),
-    ]
-    results = gpu_ring.run_scenarios(scs, timeout=240)
-    for r, sc in zip(results, scs, strict=True):
+    runs = ring_harness["nccl"]
+    assert [r["name"] for _, r in runs] == ["cpu nccl random", "handoff nccl cuda:-1->cuda:-1"]
+    for sc, r in runs:
         assert r["slots"] == sc.iters and r["errors"] == 0 and r["stray_frees"] == 0, r
         assert r["copy_mode"] == "nccl" and r["bytes"] > 0, r

@@ -75,9 +75,19 @@ def run_ids(monkeypatch):
 # --------------------------------------------------------------------------- bench: run_ring
 
 
-def test_run_ring_two_by_two_verified_and_routed_least_busy(short_tmp, run_ids):
+@pytest.fixture(scope="module")
+def bench_launcher() -> Iterator[ForkServer]:
+    """The fork server bench transport forks its CPU ring processes from (preloaded once for the
+    module: run_ring starts one of its own without it, as the CLI test's bench does)."""
+    launcher = bench_transport.ring_launcher(bench_transport.BenchArgs())
+    assert launcher is not None
+    yield launcher
+    launcher.close()
+
+
+def test_run_ring_two_by_two_verified_and_routed_least_busy(short_tmp, run_ids, bench_launcher):
     args = bench_transport.BenchArgs(backend="cpu-shm", producers=2, consumers=2, slots=4, slot_mib=1, seconds=1.5)
-    res = bench_transport.run_ring(args, 1 << 20, args.seconds)
+    res = bench_transport.run_ring(args, 1 << 20, args.seconds, bench_launcher)
     assert len(run_ids) == 1
     assert list_run_shm(run_ids[0]) == []  # no segment of this run survives
     summ = res["summaries"]
@@ -106,10 +116,10 @@ def test_run_ring_two_by_two_verified_and_routed_least_busy(short_tmp, run_ids):
     assert sum(summ[("consumer", c)].slots for c in range(2)) == sum(summ[("producer", p)].batches for p in range(2))
 
 
-def test_run_ring_child_failure_is_named(short_tmp, run_ids):
+def test_run_ring_child_failure_is_named(short_tmp, run_ids, bench_launcher):
     args = bench_transport.BenchArgs(backend="carrier-pigeon", producers=1, consumers=1, slots=2, slot_mib=0.01, seconds=0.5)
     with pytest.raises(HandshakeError, match=r"producer-0 failed during the handshake: ValueError: unknown transport backend"):
-        bench_transport.run_ring(args, 1 << 14, args.seconds)
+        bench_transport.run_ring(args, 1 << 14, args.seconds, bench_launcher)
     assert list_run_shm(run_ids[0]) == []
 
 
@@ -354,15 +364,6 @@ def test_handshake_ignores_garbage_and_strangers(coordinator):
 def _spawn_bench(launcher: ForkServer, module: str, argv: list[str], log: Path) -> ForkedProcess:
     with open(log, "w") as f:
         return launcher.popen([sys.executable, "-m", module, *argv], stdout=f, stderr=subprocess.STDOUT)
-
-
-@pytest.fixture
-def bench_launcher() -> Iterator[ForkServer]:
-    """The fork server bench transport forks its CPU ring processes from (preloaded once)."""
-    launcher = bench_transport.ring_launcher(bench_transport.BenchArgs())
-    assert launcher is not None
-    yield launcher
-    launcher.close()
 
 
 def test_malformed_frames_into_running_processes_are_counted(short_tmp, bench_launcher):
