@@ -328,10 +328,10 @@ def process_group_rank(rank: int, port: int, backend: str = "gloo", timeout_s: f
         torch.distributed.destroy_process_group()
 
 
-# test_up's runs: configs/tiny-cpu.toml made smaller (300 samples, 256-token sequences: 59 batches
-# over 2 target shards, ~30 steps to exhaust the data), every step of a run not a checkpoint.
+# test_up's runs: configs/tiny-cpu.toml made smaller (300 samples of <= 128 tokens in 512-token batches:
+# 69 batches over 2 target shards, ~35 steps to exhaust the data), every step of a run not a checkpoint.
 SMALL_RUN = {
-    "data": {"builtin_samples": 300, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024},
+    "data": {"builtin_samples": 300, "max_seq_len": 128, "bucket_edges": [64, 128], "token_budget": 512},
     "run": {"teardown_grace_s": 3.0},
     "training": {"checkpoint_every": 0, "max_steps": 0},
 }

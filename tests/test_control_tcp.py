@@ -139,7 +139,7 @@ def tcp_run(tmp_path_factory):
     raw = tiny_cpu_config(
         run={"control": "tcp", "control_host": "127.0.0.1", "teardown_grace_s": 3.0},
         topology={"targets": ["cpu"], "drafters": ["cpu", "cpu"]},
-        data={"builtin_samples": 120, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024},
+        data={"builtin_samples": 120, "max_seq_len": 128, "bucket_edges": [64, 128], "token_budget": 512},
         transport={"backend": "nccl"},
         training={"checkpoint_every": 0, "max_steps": 0, "checkpoint_on_finish": True, "export_on_finish": False},
     )

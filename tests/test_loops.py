@@ -166,12 +166,12 @@ def test_held_out_passes_reach_drafter_0_are_scored_and_never_trained_on(tmp_pat
 def test_the_anchor_budget_moves_on_the_wait_the_loop_measures(tmp_path, inproc):
     """The loop times its own waits and hands them to each step: replaying the recorded (wait_s,
     step_s) through a fresh AnchorBudget gives exactly the anchors every step trained on. The
-    target is paced slow (forwarding every 10th round, 50 ms per empty drafter round), so the
+    target is paced slow (forwarding every 10th round, 20 ms per empty drafter round), so the
     drafter waits far above the 20% target and the budget grows."""
     follow = {"anchor_budget": "follow-wait", "anchor_chunk": 8, "max_anchors_per_batch": 8, "max_anchors_auto": 24, "anchor_window": 2}
     cfg = small_config(tmp_path, targets=1, drafter=follow, transport={"ring_slots": 2}, training={"max_steps": 9})
     run = inproc(cfg)
-    run.drafter_io.wait_s = 0.05
+    run.drafter_io.wait_s = 0.02
     run.run(target_every=10)
     recs = metrics(run)
     d = cfg.drafter

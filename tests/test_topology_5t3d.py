@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow
 def test_five_targets_three_drafters_route_and_train_in_step(tmp_path):
     raw = tiny_cpu_config(
         topology={"targets": ["cpu"] * 5, "drafters": ["cpu"] * 3},
-        data={"builtin_samples": 300, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024},
-        drafter={"sliding_window": 128},
+        data={"builtin_samples": 300, "max_seq_len": 128, "bucket_edges": [64, 128], "token_budget": 512},
+        drafter={"sliding_window": 64},  # half the sequence length, as the default has it
     )
     cfg = write_toml(tmp_path / "5t3d.toml", raw)
     run = tmp_path / "run"

@@ -1,8 +1,8 @@
 """`dflash-ipc up` end to end: real processes, real sockets, real shared memory (CPU only).
 
 Every run uses a smaller copy of configs/tiny-cpu.toml (conftest.SMALL_RUN: same model; 300
-samples, 256-token sequences: 59 batches over 2 target shards, ~30 steps to exhaust the data; 150
-samples for the Ctrl-C-and-resume run). Runs that several tests read are fixtures: the full run is
+samples of <= 128 tokens in 512-token batches: 69 batches over 2 target shards, ~35 steps to exhaust
+the data; 150 samples for the Ctrl-C-and-resume run). Runs that several tests read are fixtures: the full run is
 the session's shared run (test_progress and test_tensorboard read it too); the others are
 module-scoped.
 No assertion depends on timing; timeouts are safety nets only.
@@ -219,7 +219,7 @@ def test_full_run_trains_checkpoints_and_exports(shared_run):
     assert set(anchors) <= {32, 48, 64} and all(abs(b - a) in (0, 16) for a, b in zip(anchors, anchors[1:])), anchors
     moves = [(str(a), str(b)) for a, b in zip(anchors, anchors[1:]) if a != b]
     drafter_log = (run_dir / "logs" / "drafter-0.log").read_text()
-    assert "warm-up: one forward+backward on a dummy 1024-token batch" in drafter_log  # conftest.shared_run warms up
+    assert "warm-up: one forward+backward on a dummy 512-token batch" in drafter_log  # conftest.shared_run warms up
     logged = re.findall(r"anchors per batch (\d+) -> (\d+): wait \d+% over the last 2 steps", drafter_log)
     assert logged[: len(moves)] == moves and len(logged) - len(moves) in (0, 1), (logged, moves)  # + 1: a move after the last step
 
@@ -287,7 +287,7 @@ def test_status_after_the_run_reads_status_json(shared_run):
 @pytest.fixture(scope="module")
 def stopped_and_resumed(work, started):
     """Run until the data is exhausted, stop it with a Ctrl-C once step 3 is logged, then
-    `up --resume` to the end. Half the module's samples (~15 steps to the data's end): the stop
+    `up --resume` to the end. Half the module's samples (~17 steps to the data's end): the stop
     still lands well before it, and the resumed run has half as far to go. The first run sets
     run.metrics_port and training.checkpoint_on_finish = false; while it trains, GET /metrics,
     `status --json | tail -1` and `status --prometheus` are read; the Ctrl-C is SIGINT to the whole

@@ -38,10 +38,11 @@ def report(line: str) -> None:
 
 
 def write_config(path: Path, **sections: dict) -> Path:
-    """configs/tiny-cpu.toml made small: 300 samples of <= 256 tokens (59 batches over 2 target
-    shards, ~30 steps), plus ``section={key: value}`` overrides."""
+    """configs/tiny-cpu.toml made small: 300 samples of <= 128 tokens in 512-token batches (69 batches
+    over 2 target shards, ~35 steps; a step costs ~40% less CPU than with 256 and 1,024), plus
+    ``section={key: value}`` overrides."""
     raw = tiny_cpu_config(
-        data={"builtin_samples": 300, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024},
+        data={"builtin_samples": 300, "max_seq_len": 128, "bucket_edges": [64, 128], "token_budget": 512},
         run={"teardown_grace_s": 3.0},
         training={"checkpoint_every": 0, "max_steps": 0},
     )

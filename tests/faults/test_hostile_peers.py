@@ -39,9 +39,9 @@ def _plan_ids(run_dir) -> set[tuple[int, int, int]]:
 def test_hostile_frames_into_every_socket_are_counted_and_the_run_trains_every_batch_once(tmp_path):
     seed = 1515
     target_frames = 20000 if FULL else 10000
-    # 150 samples (15 steps, 30 batches): the frame budget is spent within the first step anyway, and
+    # 100 samples (10 steps, 20 batches): the frame budget is spent within the first step anyway, and
     # "every planned batch once" needs batches after the attack, not 30 steps of them
-    data = {"builtin_samples": 150}
+    data = {"builtin_samples": 100}
     cfg = write_config(tmp_path / "c.toml", data=data, training={"checkpoint_on_finish": True}, transport={"backend": "nccl"})
     run_dir = tmp_path / "run"
     up = Up(cfg, run_dir)
