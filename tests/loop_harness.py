@@ -36,9 +36,9 @@ from dflash_ipc.transport.dataplane import ConsumerDataPlane, ProducerDataPlane
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
 from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 
-# configs/tiny-cpu.toml made small: 120 samples of <= 256 tokens, 1,024-token batches
+# configs/tiny-cpu.toml made small: 120 samples of <= 128 tokens, 512-token batches
 SMALL = {
-    "data": {"builtin_samples": 120, "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024},
+    "data": {"builtin_samples": 120, "max_seq_len": 128, "bucket_edges": [64, 128], "token_budget": 512},
     "training": {"checkpoint_every": 0, "max_steps": 0},
     "drafter": {"warm_up": False},
 }

@@ -19,6 +19,8 @@ import zmq
 
 from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.protocol import Dead, Ready, Shutdown
+from dflash_ipc.runtime.forkserver import ForkServer
+from dflash_ipc.runtime.launch import child_env
 
 ROLE_SCRIPT = """
 import sys
@@ -78,19 +80,37 @@ class FakeSupervisor:
         self.ctx.term()
 
 
+class ForkedRole:
+    """A role process forked from the worker's shared fork server (``python -m demo_role``, from the
+    script's directory), its output in a file: the ``subprocess.Popen`` subset these tests use."""
+
+    def __init__(self, launcher: ForkServer, argv: list[str], out: Path):
+        with out.open("w") as f, contextlib.chdir(out.parent):  # the child's sys.path[0] is the request's cwd
+            self._proc = launcher.popen(argv, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
+        self.pid, self.stdout = self._proc.pid, out.open()
+        self.poll, self.wait, self.send_signal, self.kill = self._proc.poll, self._proc.wait, self._proc.send_signal, self._proc.kill
+
+
 @contextlib.contextmanager
-def role_processes(tmp_path: Path, script_text: str):
+def role_processes(tmp_path: Path, script_text: str, shared_forkserver: str | None = None):
     """A role script under run_child, a FakeSupervisor, and ``start(*args)`` for child processes
-    of it (killed, if still running, on the way out)."""
+    of it (killed, if still running, on the way out): forked from the worker's shared fork server
+    where there is one (its preload spares each child the import of torch), else new Pythons."""
     script = tmp_path / "demo_role.py"
     script.write_text(script_text)
     run_dir = tmp_path / "run"
     sup = FakeSupervisor(run_dir)
+    launcher = ForkServer.connect(shared_forkserver, child_env()) if shared_forkserver else None
     procs = []
 
-    def start(*args: str) -> subprocess.Popen:
-        argv = [sys.executable, str(script), "--run-dir", str(run_dir), "--rank", "0", *args]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    def start(*args: str) -> subprocess.Popen | ForkedRole:
+        options = ["--run-dir", str(run_dir), "--rank", "0", *args]
+        if launcher is not None:
+            procs.append(ForkedRole(launcher, [sys.executable, "-m", "demo_role", *options], tmp_path / f"child-{len(procs)}.out"))
+        else:
+            procs.append(
+                subprocess.Popen([sys.executable, str(script), *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            )
         return procs[-1]
 
     try:
@@ -101,12 +121,14 @@ def role_processes(tmp_path: Path, script_text: str):
                 p.kill()
             p.wait()
             p.stdout.close()
+        if launcher is not None:
+            launcher.close()
         sup.close()
 
 
 @pytest.fixture
-def role(tmp_path):
-    with role_processes(tmp_path, ROLE_SCRIPT) as (start, sup, run_dir):
+def role(tmp_path, shared_forkserver):
+    with role_processes(tmp_path, ROLE_SCRIPT, shared_forkserver) as (start, sup, run_dir):
         yield (lambda mode: start("--mode", mode)), sup, run_dir
 
 

@@ -144,20 +144,35 @@ def test_eval_cli_untrained_drafter_is_lossless(tiny, tmp_path):
     assert rep["dtype"] == "float32" and rep["cache_rollback"] == "recompute"
 
 
-def test_eval_on_the_cpu_does_not_advise_installing_gpu_kernels(tiny, tmp_path):
+def test_eval_on_the_cpu_does_not_advise_installing_gpu_kernels(tiny, tmp_path, shared_forkserver):
     """transformers advises flash-linear-attention / causal-conv1d when its GatedDeltaNet fallback runs;
-    both are CUDA kernels, so a CPU-only eval leaves that advice out. A fresh interpreter: transformers
-    says each warning once per process, so one said earlier in this one would hide the check."""
+    both are CUDA kernels, so a CPU-only eval leaves that advice out. Another process: transformers
+    says each warning once per process, so one said earlier in this one would hide the check. It is
+    forked from the worker's shared fork server where there is one (its preload imported torch and
+    transformers and ran no model, so it said nothing yet), else a new Python."""
     import subprocess
     import sys
+
+    from dflash_ipc.runtime.forkserver import ForkServer
+    from dflash_ipc.runtime.launch import child_env
 
     cfg, tok, *_ = tiny
     d = _drafter(cfg, tok, tmp_path / "drafter")
     argv = [sys.executable, "-m", "dflash_ipc.cli", "eval", "--config", str(TINY), "--drafter", str(d), "--n", "1", "--max-new", "8"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "tau" in r.stdout + r.stderr  # the eval ran through the target's GatedDeltaNet layers
-    assert "falling back to its reference PyTorch implementation" not in r.stdout + r.stderr
+    if shared_forkserver:
+        server = ForkServer.connect(shared_forkserver, child_env())
+        try:
+            with open(tmp_path / "eval.out", "w") as out:
+                code = server.popen(argv, env=child_env(), stdout=out, stderr=subprocess.STDOUT).wait(timeout=300)
+        finally:
+            server.close()
+        output = (tmp_path / "eval.out").read_text()
+    else:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        code, output = r.returncode, r.stdout + r.stderr
+    assert code == 0, output[-2000:]
+    assert "tau" in output  # the eval ran through the target's GatedDeltaNet layers
+    assert "falling back to its reference PyTorch implementation" not in output
 
 
 def test_eval_cli_refuses_an_fp8_target_on_cpu_before_loading_it(tiny, tmp_path):

@@ -45,13 +45,15 @@ def trained(tmp_path_factory, tiny_llama):
     target = {"model_path": str(tiny_llama), "spec": {}, "layer_ids": [0, 1, 2]}
     (tmp / "gen").mkdir()
     (tmp / "train").mkdir()
-    gen_cfg = small_config(tmp / "gen", targets=1, target=target, data={"paths": [str(questions)]})
+    # 256-token sequences in 1,024-token batches (loop_harness.SMALL's are 128 and 512): questions and answers whole
+    shape = {"max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024}
+    gen_cfg = small_config(tmp / "gen", targets=1, target=target, data={"paths": [str(questions)]} | shape)
     run_gen_data(gen_cfg, answers, GenOptions(batch_size=N_PROMPTS, max_new=MAX_NEW))
     cfg = small_config(
         tmp / "train",
         targets=1,
         target=target,
-        data={"paths": [str(answers)], "num_epochs": 100},
+        data={"paths": [str(answers)], "num_epochs": 100} | shape,
         drafter={"draft_vocab_size": DRAFT_ROWS},
         training={"max_steps": STEPS, "lr": 1e-2, "warmup_steps": 2},
     )

@@ -30,6 +30,7 @@ from dflash_ipc.runtime.forkserver import (
     up_preload,
     use_forkserver,
 )
+from dflash_ipc.runtime.launch import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.own_forkserver  # the product's own server lifecycle
@@ -181,8 +182,13 @@ def test_a_sigkilled_supervisor_takes_the_server_and_every_child_down(tmp_path):
         sup.stdout.close()
 
 
-def test_the_server_of_up_preloads_everything_and_never_initializes_cuda(tmp_path):
-    server = ForkServer.start(UP_PRELOAD, dict(os.environ))
+def test_the_server_of_up_preloads_everything_and_never_initializes_cuda(tmp_path, shared_forkserver):
+    # The worker's shared server is one (tests/conftest.py starts it as `up` starts its own; its HELLO is
+    # its READY, and a client is refused a module it did not preload): asked, not started again.
+    if shared_forkserver:
+        server = ForkServer.connect(shared_forkserver, child_env(), UP_PRELOAD)
+    else:
+        server = ForkServer.start(UP_PRELOAD, dict(os.environ))
     try:
         assert server.ready["cuda_initialized"] is False and server.ready["skipped"] == [], server.ready
     finally:

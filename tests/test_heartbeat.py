@@ -54,8 +54,8 @@ sys.exit(run_child("drafter", main_fn, place=lambda a: Placement("cpu", 1), pull
 
 
 @pytest.fixture
-def child(tmp_path):
-    with role_processes(tmp_path, ROLE_SCRIPT) as started:
+def child(tmp_path, shared_forkserver):
+    with role_processes(tmp_path, ROLE_SCRIPT, shared_forkserver) as started:
         yield started
 
 

@@ -27,7 +27,7 @@ def checkpoint_steps(run: InprocRun) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in (run.run_dir / "checkpoints").glob("step-*"))
 
 
-# The runs to the data's end: 60 samples, 13 batches over 2 target shards (the harness's 120: 25)
+# The runs to the data's end: 60 samples, 15 batches over 2 target shards (the harness's 120: twice as many)
 FEW_SAMPLES = {"builtin_samples": 60}
 
 

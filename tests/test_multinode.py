@@ -27,7 +27,6 @@ import pytest
 from conftest import tiny_cpu_config, write_toml
 
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, read_latest_pointer
-from dflash_ipc.runtime.forkserver import SHARED_FORKSERVER_ENV
 from dflash_ipc.transport.shm_names import list_run_shm, sweep_run_shm
 
 pytestmark = pytest.mark.slow
@@ -126,20 +125,14 @@ def run_both(
     *extra: str,
     tag: str = "",
     env_only: bool = False,
-    envs: tuple[dict[str, str] | None, ...] = (None, None),
 ) -> tuple[Node, Node]:
-    """Node 0 and node 1, each with ``envs[rank]`` added to its environment."""
+    """Node 0 and node 1 (their children fork from the pytest worker's shared fork server, as every `up`
+    of the suite does: hang_node finds them by pid)."""
     port = free_port_pair()
     return (
-        Node(tmp, config, 0, port, shared, *extra, tag=tag, env_only=env_only, env=envs[0]),
-        Node(tmp, config, 1, port, shared, *extra, tag=tag, env_only=env_only, env=envs[1]),
+        Node(tmp, config, 0, port, shared, *extra, tag=tag, env_only=env_only),
+        Node(tmp, config, 1, port, shared, *extra, tag=tag, env_only=env_only),
     )
-
-
-def shared_forks(path: str | None) -> dict[str, str] | None:
-    """The environment that makes a node's `up` fork from the pytest worker's shared fork server (a node
-    that is not SIGSTOPped: the one that is must have its children in its supervisor's process tree)."""
-    return {SHARED_FORKSERVER_ENV: path} if path else None
 
 
 def wait_training(nodes: tuple[Node, Node], shared: Path, min_step: int = 3, after: str | None = None) -> None:
@@ -163,6 +156,19 @@ def child_pids(node: Node) -> list[int]:
     return [int(p) for p in re.findall(r"@\S+ pid (\d+)", node.output)]
 
 
+def node_processes(node: Node) -> list[psutil.Process]:
+    """Every process of a node, its supervisor first: the supervisor's tree, and each child of its
+    latest group with its own (forked from the pytest worker's shared fork server, they are that
+    server's children, not in the supervisor's tree)."""
+    sup = psutil.Process(node.proc.pid)
+    procs = [sup, *sup.children(recursive=True)]
+    latest = [line for line in node.output.splitlines() if line.startswith("[up] started")][-1]
+    for pid in (int(p) for p in re.findall(r"@\S+ pid (\d+)", latest)):
+        child = psutil.Process(pid)  # alive: the node trains
+        procs += [p for p in (child, *child.children(recursive=True)) if p not in procs]
+    return procs
+
+
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -179,8 +185,7 @@ def hang_node(nodes: tuple[Node, Node], hung_rank: int) -> None:
     hung, other = nodes[hung_rank], nodes[1 - hung_rank]
     tree: list[psutil.Process] = []
     try:
-        sup = psutil.Process(hung.proc.pid)
-        tree = [sup, *sup.children(recursive=True)]
+        tree = node_processes(hung)
         told = len(other.output)  # what it said before the hang (an earlier failure, say) is not read as the report
         for p in tree:
             p.send_signal(signal.SIGSTOP)
@@ -225,11 +230,8 @@ def rank_records(*nodes: Node) -> list[dict]:
     return [json.loads(p.read_text()) for n in nodes for p in sorted((n.run_dir / "ranks").glob("rank-*.json"))]
 
 
-@pytest.mark.own_forkserver  # SIGSTOPs the hung node's supervisor and its process tree
 @pytest.mark.timeout(900)  # the safety nets of the three tests it holds (300 s each, pyproject)
-def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the_plan(
-    tmp_path: Path, shared_forkserver: str | None
-) -> None:
+def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the_plan(tmp_path: Path) -> None:
     """One two-node run through the multi-node paths (the hang of node 0, the store's, is
     tests/test_multinode_faults.py): --max-restarts 1, kill -9 of node 1's drafter: both nodes vote
     and restart from the shared checkpoint (generation 1); then all of node 1 hangs (SIGSTOP): no
@@ -241,7 +243,7 @@ def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the
     epochs = 2
     config = write_config(tmp_path / "two-nodes.toml", num_epochs=epochs, checkpoint_every=2)
     shared = tmp_path / "shared"
-    n0, n1 = nodes = run_both(tmp_path, config, shared, "--max-restarts", "1", envs=(shared_forks(shared_forkserver), None))
+    n0, n1 = nodes = run_both(tmp_path, config, shared, "--max-restarts", "1")
     try:
         wait_training(nodes, shared)
         first_victim = n1.drafter_pid()
@@ -272,9 +274,7 @@ def test_nodes_restart_together_then_a_hung_node_ends_the_run_then_resume_to_the
     ckpt = read_latest_pointer(shared / "checkpoints")
     ckpt_step = json.loads((shared / "checkpoints" / ckpt / "meta.json").read_text())["step"]
     before = json.loads((shared / "checkpoints" / ckpt / LEDGER_FILE).read_text())["ids"]  # retention may remove it later
-    # the resumed nodes stop nothing: both fork from the worker's shared server (no preload of their own)
-    forks = shared_forks(shared_forkserver)
-    r0, r1 = run_both(tmp_path, config, shared, "--resume", tag=".resume", env_only=True, envs=(forks, forks))
+    r0, r1 = run_both(tmp_path, config, shared, "--resume", tag=".resume", env_only=True)
     assert r0.wait() == 0, r0.output[-4000:]
     assert r1.wait() == 0, r1.output[-4000:]
     assert "node 0/2: all nodes joined" in r0.output and "node 1/2: all nodes joined" in r1.output

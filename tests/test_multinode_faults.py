@@ -15,18 +15,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_multinode import hang_node, run_both, shared_forks, wait_training, write_config
+from test_multinode import hang_node, run_both, wait_training, write_config
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.own_forkserver  # SIGSTOPs the hung node's supervisor and its process tree
 @pytest.mark.parametrize("hung_rank", [0], ids=["node0-the-store-hangs"])
-def test_a_hung_node_ends_the_run_on_the_other(tmp_path: Path, hung_rank: int, shared_forkserver: str | None) -> None:
+def test_a_hung_node_ends_the_run_on_the_other(tmp_path: Path, hung_rank: int) -> None:
     """Node 1 hanging is tested after a restart, in tests/test_multinode.py."""
     config = write_config(tmp_path / "two-nodes.toml", num_epochs=40, checkpoint_every=2, max_steps=400)
     shared = tmp_path / "shared"
-    nodes = run_both(tmp_path, config, shared, envs=(None, shared_forks(shared_forkserver)))
+    nodes = run_both(tmp_path, config, shared)
     try:
         wait_training(nodes, shared)
     except BaseException:

@@ -16,6 +16,7 @@ from conftest import write_toml
 from dflash_ipc.config import ConfigError, load_config
 from dflash_ipc.control.protocol import ProtocolError, from_wire, to_wire
 from dflash_ipc.runtime.forkserver import ForkServer
+from dflash_ipc.runtime.launch import child_env
 from dflash_ipc.runtime.preflight import check_machine
 from dflash_ipc.runtime.probe import ProbeError, ProbeFailed, ProbeResult, check_and_plan, run_isolated, run_probe
 
@@ -86,11 +87,13 @@ def test_crashed_probe_is_named_with_its_stderr(tmp_path):
     assert "FileNotFoundError" in msg and str(missing) in msg, msg
 
 
-def test_a_probe_forked_from_the_fork_server_answers_as_in_process_and_a_crash_keeps_its_stderr(tmp_path):
+def test_a_probe_forked_from_the_fork_server_answers_as_in_process_and_a_crash_keeps_its_stderr(tmp_path, shared_forkserver):
     """run.launcher = forkserver (the CPU default of `up`): the probe's stdout and stderr are pipes
-    handed to the forked child; its answer and a crash's message are those of a new Python's."""
+    handed to the forked child; its answer and a crash's message are those of a new Python's. The
+    server is the worker's shared one (its preload holds the probe's modules) where there is one."""
     cfg = tiny_cfg(tmp_path)
-    server = ForkServer.start(["dflash_ipc.runtime.probe"])
+    probe_module = ["dflash_ipc.runtime.probe"]
+    server = ForkServer.connect(shared_forkserver, child_env(), probe_module) if shared_forkserver else ForkServer.start(probe_module)
     try:
         forked = run_probe(cfg, tmp_path / "forked", 2, isolate=True, launcher=server)
         missing = tmp_path / "nowhere" / "config.json"

@@ -30,7 +30,7 @@ def test_five_targets_three_drafters_route_and_train_in_step(tmp_path):
     )
     cfg = write_toml(tmp_path / "5t3d.toml", raw)
     run = tmp_path / "run"
-    steps = 6
+    steps = 4
     proc = subprocess.run(
         [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(cfg), "--run-dir", str(run), "--max-steps", str(steps)],
         cwd=REPO,

@@ -48,7 +48,7 @@ def data_lines(n: int) -> list[str]:
 def config_raw(data: Path | str, **training) -> dict:
     """The tiny CPU config on ``data`` (relative: to the directory `up` runs in)."""
     raw = tiny_cpu_config(
-        data={"paths": [str(data)], "max_seq_len": 256, "bucket_edges": [64, 128, 256], "token_budget": 1024},
+        data={"paths": [str(data)], "max_seq_len": 128, "bucket_edges": [64, 128], "token_budget": 512},
         run={"teardown_grace_s": 3.0},
         training={"checkpoint_every": EVERY, "keep_checkpoints": 3, "max_steps": STEPS} | training,
     )
@@ -66,7 +66,7 @@ def trained(tmp_path_factory) -> Path:
     """A finished run: checkpoints at steps 4, 8 and 12 written by the real drafter."""
     base = tmp_path_factory.mktemp("trained")
     data = base / "train.jsonl"
-    data.write_text("\n".join(data_lines(160)) + "\n")
+    data.write_text("\n".join(data_lines(140)) + "\n")  # 32 batches: the data ends at step 16
     config = write_toml(base / "ck4.toml", config_raw("train.jsonl"))
     proc = up(config, base / "run")
     assert proc.returncode == 0, proc.stdout[-3000:]
