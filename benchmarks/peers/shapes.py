@@ -124,6 +124,59 @@ def hf_config(shape: str):
     return cfg
 
 
+def specforge_draft_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    rms_norm_eps: float,
+    rope_theta: float,
+    max_position_embeddings: int,
+    layer_types: list[str],
+    sliding_window: int,
+    block_size: int,
+    num_target_layers: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    attention: str,
+    initializer_range: float | None = None,
+):
+    """SpecForge's ``DFlashDraftModel`` config (a ``Qwen3Config`` with DFlash's fields): one builder for both
+    benches, the speed bench (from the target's config) and the tau bench (from dflash-ipc's drafter shape)."""
+    from transformers import Qwen3Config
+
+    sliding = "sliding_attention" in layer_types
+    extra = {} if initializer_range is None else {"initializer_range": initializer_range}
+    dcfg = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        rms_norm_eps=rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        layer_types=list(layer_types),
+        use_sliding_window=sliding,
+        sliding_window=sliding_window if sliding else None,
+        max_window_layers=num_layers,
+        **extra,
+    )
+    dcfg.architectures = ["DFlashDraftModel"]
+    dcfg.block_size = block_size
+    dcfg.num_target_layers = num_target_layers
+    dcfg.dflash_config = {"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id}
+    dcfg._attn_implementation = attention
+    return dcfg
+
+
 def vocab_size(shape: str) -> int:
     s = SHAPES[shape]
     return int(qwen3_5_spec(shape)["vocab_size"]) if s["arch"] == "qwen3_5" else int(s["config"]["vocab_size"])

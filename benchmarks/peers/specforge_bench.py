@@ -33,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from shapes import SHAPES, default_layer_ids, doc_lengths, hf_config  # noqa: E402
+from shapes import SHAPES, default_layer_ids, doc_lengths, hf_config, specforge_draft_config  # noqa: E402
 
 
 def _free_port() -> int:
@@ -97,7 +97,7 @@ def main(argv=None) -> dict:
     from specforge.training.backend import FSDPTrainingBackend, ParallelConfig
     from specforge.training.controller import TrainerCore
     from specforge.training.strategies.base import DFlashTrainStrategy
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     shape = SHAPES[args.shape]
     block = args.block_size or shape["drafter"]["block_size"]
@@ -127,30 +127,27 @@ def main(argv=None) -> dict:
         layer_types = ["sliding_attention"] * (args.draft_layers - 1) + ["full_attention"]
     else:
         layer_types = ["full_attention"] * args.draft_layers
-    sliding = "sliding_attention" in layer_types
     head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
-    dcfg = Qwen3Config(
+    rope = getattr(tcfg, "rope_parameters", None) or {}
+    dcfg = specforge_draft_config(
         vocab_size=tcfg.vocab_size,
         hidden_size=tcfg.hidden_size,
         intermediate_size=tcfg.intermediate_size,
-        num_hidden_layers=args.draft_layers,
+        num_layers=args.draft_layers,
         num_attention_heads=tcfg.num_attention_heads,
         num_key_value_heads=tcfg.num_key_value_heads,
         head_dim=head_dim,
         rms_norm_eps=tcfg.rms_norm_eps,
-        rope_theta=getattr(tcfg, "rope_theta", 1e6),
+        rope_theta=rope.get("rope_theta", getattr(tcfg, "rope_theta", 1e6)),
         max_position_embeddings=tcfg.max_position_embeddings,
-        tie_word_embeddings=False,
         layer_types=layer_types,
-        use_sliding_window=sliding,
-        sliding_window=2048 if sliding else None,
-        max_window_layers=args.draft_layers,
+        sliding_window=2048,
+        block_size=block,
+        num_target_layers=n_layers,
+        target_layer_ids=layer_ids,
+        mask_token_id=mask_token_id,
+        attention=args.attention,
     )
-    dcfg.architectures = ["DFlashDraftModel"]
-    dcfg.block_size = block
-    dcfg.num_target_layers = n_layers
-    dcfg.dflash_config = {"target_layer_ids": layer_ids, "mask_token_id": mask_token_id}
-    dcfg._attn_implementation = args.attention
     draft = DFlashDraftModel(dcfg).to(device=device, dtype=dtype)
     draft.mask_token_id = mask_token_id
 

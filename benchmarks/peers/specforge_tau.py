@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import shapes  # noqa: E402
 import specforge_export  # noqa: E402
 from tau_table import ipc_run_summary  # noqa: E402
 
@@ -119,35 +120,26 @@ def drafter_shape(cfg, tokenizer):
 
 def specforge_draft_config(shape, attention: str):
     """SpecForge's ``DFlashDraftModel`` config of dflash-ipc's drafter shape (the inverse of specforge_export)."""
-    from transformers import Qwen3Config
-
-    from dflash_ipc.drafter.model import SLIDING
-
-    sliding = SLIDING in shape.layer_types
-    dcfg = Qwen3Config(
+    return shapes.specforge_draft_config(
         vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
+        num_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
         head_dim=shape.head_dim,
         rms_norm_eps=shape.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        rope_theta=shape.rope_theta,
         max_position_embeddings=shape.max_position_embeddings,
-        initializer_range=shape.initializer_range,
-        tie_word_embeddings=False,
         layer_types=list(shape.layer_types),
-        use_sliding_window=sliding,
-        sliding_window=shape.sliding_window if sliding else None,
-        max_window_layers=shape.num_layers,
+        sliding_window=shape.sliding_window,
+        block_size=shape.block_size,
+        num_target_layers=shape.num_target_layers,
+        target_layer_ids=shape.target_layer_ids,
+        mask_token_id=shape.mask_token_id,
+        attention=attention,
+        initializer_range=shape.initializer_range,
     )
-    dcfg.architectures = ["DFlashDraftModel"]
-    dcfg.block_size = shape.block_size
-    dcfg.num_target_layers = shape.num_target_layers
-    dcfg.dflash_config = {"target_layer_ids": list(shape.target_layer_ids), "mask_token_id": shape.mask_token_id}
-    dcfg._attn_implementation = attention
-    return dcfg
 
 
 def _frozen_tables(embed: torch.Tensor, head: torch.Tensor):
