@@ -12,6 +12,9 @@ drafter.anchor_chunk "auto" (drafter/memory_plan.py) and the drafter reading sam
 (transport.drafter_in_place "auto"); ``off``: the earlier settings (SmolLM2 compiled, 8B without compile,
 anchor_chunk 1024 at parity, slots copied out).
 
+FP8 (``--fp8-linears``, run.sh's ``FP8_LINEARS``): ``drafter.fp8_linears``, the drafter's linears trained with
+FP8 matmuls through torchao ("rowwise" or "tensorwise"; default "none").
+
 Lengths (``--lengths``): ``fixed`` (every document ``--seq-len`` tokens) or ``mixed`` (shapes.doc_lengths);
 the data file must match (make_data.py --lengths). A Qwen3.5 shape's target is built from ``target.spec``
 (random weights), with the tokenizer make_target.py wrote in ``--model``.
@@ -46,6 +49,7 @@ def build(
     epochs: int,
     levers: str = "on",
     lengths: str = "fixed",
+    fp8_linears: str = "none",
 ) -> dict:
     s = SHAPES[shape]
     d = s["drafter"]
@@ -63,6 +67,8 @@ def build(
         "dtype": "bfloat16" if on_cuda else "float32",
         "attention": "auto",
     }
+    if fp8_linears != "none":
+        drafter["fp8_linears"] = fp8_linears
     training = {
         "lr": 6e-4,
         "betas": [0.9, 0.999],
@@ -155,11 +161,22 @@ def main(argv=None) -> None:
     p.add_argument("--epochs", type=int, default=50)
     p.add_argument("--levers", choices=["on", "off"], default="on", help="the speed options (module docstring)")
     p.add_argument("--lengths", choices=["fixed", "mixed"], default="fixed", help="the data's document lengths (make_data.py)")
+    p.add_argument("--fp8-linears", choices=["none", "rowwise", "tensorwise"], default="none", help="drafter.fp8_linears")
     p.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=JSON", help="overrides, e.g. drafter.anchor_chunk=0")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     cfg = build(
-        args.shape, args.variant, args.model, args.data, args.device, args.seq_len, args.batch, args.epochs, args.levers, args.lengths
+        args.shape,
+        args.variant,
+        args.model,
+        args.data,
+        args.device,
+        args.seq_len,
+        args.batch,
+        args.epochs,
+        args.levers,
+        args.lengths,
+        args.fp8_linears,
     )
     for item in args.set:
         key, value = item.split("=", 1)

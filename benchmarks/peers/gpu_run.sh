@@ -7,9 +7,13 @@
 # a compact table at the end. From the project's root, wheels in .whl-peers/ (README.md):
 #   bash benchmarks/peers/gpu_run.sh
 # Knobs: PLAN (the pieces in order, default below), LENGTHS (fixed | mixed, for the trainer pieces), TOTAL_S,
-# IPC_LEVERS (on | off), RESULTS_DIR, WORK. A second call can take what the first skipped, e.g.
+# IPC_LEVERS (on | off), FP8_LINEARS (rowwise | tensorwise: the ipc pieces' drafter.fp8_linears, torchao's wheel in
+# .whl-peers/; SpecForge's side unchanged), RESULTS_DIR, WORK. Pieces fp8-8b / fp8-27b (not in the default PLAN): the
+# drafter step compiled, bf16 against FP8 linears (FP8_LINEARS, default rowwise), in one bench. A second call can
+# take what the first skipped, e.g.
 #   PLAN="sf-smollm2 ipc-smollm2 sf-27b ipc-27b" bash benchmarks/peers/gpu_run.sh
 #   LENGTHS=mixed PLAN="sf-8b ipc-8b" bash benchmarks/peers/gpu_run.sh
+#   PLAN="fp8-8b fp8-27b" bash benchmarks/peers/gpu_run.sh; FP8_LINEARS=rowwise PLAN="ipc-8b ipc-27b" bash benchmarks/peers/gpu_run.sh
 set -u
 T0=$(date +%s)
 TOTAL_S=${TOTAL_S:-530}
@@ -26,10 +30,10 @@ export PYTHONPATH=$SITE:$PROJ${PYTHONPATH:+:$PYTHONPATH}  # the wheels (setup in
 
 # seconds each piece needs (estimates from the earlier H200 results, compile warm-ups included); skipped below that
 declare -A NEED=([setup]=30 [ring-in-place]=25 [profile-8b]=50 [profile-27b]=70 [sf-8b]=70 [ipc-8b]=200 [sf-smollm2]=50 [ipc-smollm2]=140
-                 [sf-27b]=90 [ipc-27b]=200)
+                 [sf-27b]=90 [ipc-27b]=200 [fp8-8b]=150 [fp8-27b]=180)
 # hard cap per piece (its timeout), never beyond the time left
 declare -A CAP=([setup]=150 [ring-in-place]=90 [profile-8b]=120 [profile-27b]=150 [sf-8b]=120 [ipc-8b]=330 [sf-smollm2]=90 [ipc-smollm2]=240
-                [sf-27b]=160 [ipc-27b]=300)
+                [sf-27b]=160 [ipc-27b]=300 [fp8-8b]=260 [fp8-27b]=300)
 
 drafter_cfg() {  # a config of the shape for `bench drafter-step` (--random-target: no checkpoint is read)
   python3 "$HERE/gen_ipc_config.py" --shape "$1" --variant parity --model "$WORK/$1" --data "$WORK/none.jsonl" \
@@ -52,6 +56,12 @@ sys.exit(0 if all(r["ok"] and r["copy_mode"] == "same-device" for r in rs) else 
       python3 -m dflash_ipc.cli bench drafter-step --config "$WORK/step-$shape.toml" --random-target --target-shape "$shape" \
         --variants eager --steps 2 --batches 1 --doc-len 2048 --supervised 0.7 --profile --device cuda:0 \
         --out "$RESULTS_DIR/drafter-step-$shape.json" ;;
+    fp8-8b | fp8-27b)  # the compiled step, bf16 then FP8 linears, same weights and batches (ratios: bf16 / fp8)
+      local shape=qwen3-8b; [ "$1" = fp8-27b ] && shape=qwen3.6-27b
+      drafter_cfg "$shape"
+      python3 -m dflash_ipc.cli bench drafter-step --config "$WORK/step-$shape.toml" --random-target --target-shape "$shape" \
+        --variants "compile,compile+fp8-${FP8_LINEARS:-rowwise}" --steps 4 --batches 2 --doc-len 2048 --supervised 0.7 --profile \
+        --device cuda:0 --out "$RESULTS_DIR/drafter-step-fp8-$shape.json" ;;
     sf-*) SKIP_SETUP=1 STAGE=specforge SHAPES=$(shape_of "$1") SF_STEPS=${SF_STEPS:-12} SF_WARMUP=${SF_WARMUP:-4} \
             BUDGET_S=$2 bash "$HERE/run.sh" ;;
     ipc-*)
@@ -100,6 +110,7 @@ for path in sorted(glob.glob(os.path.join(out, "drafter-step-*.json"))):
         print(f"drafter step {os.path.basename(path)[13:-5]} {name}: {m['step']:.3f} s (prep {m['prep']:.3f}, forward {m['forward']:.3f}, "
               f"loss {m['loss']:.3f}, backward {m['backward']:.3f}, optimizer {m['optimizer']:.3f}); "
               f"{v['blocks_per_batch']:.0f} anchors, chunk {v.get('anchor_chunk')}; {v['gemm_tflops_per_s']} TFLOP/s of matmuls; "
+              f"FP8 linears {v.get('fp8_linear_layers', 0)}; loss_step0 {v['loss_step0']:.5f}; "
               f"head {v['lm_head_share_of_gemm_flops']:.0%} of matmul FLOPs; mps {r.get('mps', {}).get('active')}")
         classes = r.get("profile", {}).get(name, {}).get("classes", {})
         if classes:

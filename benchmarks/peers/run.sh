@@ -16,6 +16,7 @@
 # SF_WARMUP (5), SF_ARGS (more specforge_bench.py flags), IPC_VARIANTS ("parity native"), IPC_LEVERS (on | off:
 # gen_ipc_config.py), IPC_STEPS (30 SmolLM2 / 20 8B and 27B), IPC_BENCH (forward-only,cuda-ipc),
 # IPC_SET (gen_ipc_config.py --set overrides, e.g. "drafter.anchor_chunk=0 training.ce_chunk_tokens=16384"),
+# FP8_LINEARS (rowwise | tensorwise: dflash-ipc's drafter.fp8_linears, torchao's wheel in WHL; SpecForge unchanged),
 # BUDGET_S (570), SITE (/tmp/site: the wheels' --target), PROJ (.: the dflash-ipc checkout), WHL (PROJ/.whl-peers), SEQ (2048), IPC_DEVICE (cuda:0).
 # CPU smoke (tiny shapes): SHAPES=tiny-llama SEQ=256 IPC_DEVICE=cpu IPC_STEPS=4 \
 #   SF_ARGS="--attention sdpa --num-anchors 16 --device cpu" SF_STEPS=3 SF_WARMUP=1 bash benchmarks/peers/run.sh
@@ -72,7 +73,7 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "cud
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 have = {m: importlib.util.find_spec(m) is not None for m in
         ("specforge", "dflash", "dflash_ipc", "zmq", "setproctitle", "accelerate", "pydantic", "datasets", "sglang", "vllm",
-         "fla", "flash_attn", "yunchang", "wandb", "openai", "hs_connectors", "speculators")}
+         "fla", "flash_attn", "yunchang", "wandb", "openai", "hs_connectors", "speculators", "torchao")}
 print("importable:", " ".join(f"{k}={'y' if v else 'n'}" for k, v in have.items()))
 import specforge.algorithms.common.dflash_family_model, specforge.training.backend, specforge.optimizer  # noqa: E401,F401
 print("specforge DFlash training path imports OK")
@@ -114,13 +115,14 @@ ipc_stage() {
       [ "$(left)" -lt 90 ] && { stamp "budget: skip ipc $shape/$variant"; continue; }
       cfg="$WORK/$shape-$variant-$LENGTHS.toml"
       python3 "$HERE/gen_ipc_config.py" --shape "$shape" --variant "$variant" --model "$WORK/$shape" --data "$data" --out "$cfg" \
-        --device "${IPC_DEVICE:-cuda:0}" --seq-len "${SEQ:-2048}" --lengths "$LENGTHS" --levers "${IPC_LEVERS:-on}" ${IPC_SET:+--set $IPC_SET}
+        --device "${IPC_DEVICE:-cuda:0}" --seq-len "${SEQ:-2048}" --lengths "$LENGTHS" --levers "${IPC_LEVERS:-on}" \
+        --fp8-linears "${FP8_LINEARS:-none}" ${IPC_SET:+--set $IPC_SET}
       stamp "dflash-ipc bench pipeline $shape/$variant ($steps steps, ${IPC_BENCH:-forward-only,cuda-ipc})"
       (cd "$PROJ" && timeout -s INT $(( $(left) - 10 )) python3 -m dflash_ipc.cli bench pipeline --config "$cfg" --steps "$steps" \
         --variants "${IPC_BENCH:-forward-only,cuda-ipc}" --out "$RESULTS_DIR/ipc-variants.jsonl" --json 2>"$WORK/ipc-$shape-$variant-$LENGTHS.err" \
         | tail -1 > "$WORK/ipc-$shape-$variant-$LENGTHS.json")
       echo "bench rc $?"; grep -E "FAILED|Error|error:" "$WORK/ipc-$shape-$variant-$LENGTHS.err" | tail -5
-      python3 - "$WORK/ipc-$shape-$variant-$LENGTHS.json" "$shape" "$variant${IPC_SET:+ +${IPC_SET// /,}}" "$cfg" "$LENGTHS" "${IPC_LEVERS:-on}" >> "$RESULTS_DIR/results.jsonl" <<'PY'
+      python3 - "$WORK/ipc-$shape-$variant-$LENGTHS.json" "$shape" "$variant${FP8_LINEARS:+ +fp8-$FP8_LINEARS}${IPC_SET:+ +${IPC_SET// /,}}" "$cfg" "$LENGTHS" "${IPC_LEVERS:-on}" >> "$RESULTS_DIR/results.jsonl" <<'PY'
 import json, sys, tomllib
 path, shape, variant, cfg_path, lengths, levers = sys.argv[1:7]
 cfg = tomllib.load(open(cfg_path, "rb"))

@@ -23,8 +23,9 @@
   (the config as it is), ``eager`` (both compile options off), ``compile`` (``drafter.compile``),
   ``ce-compile`` (``training.ce_compile``), ``ce-chunk-N`` (``training.ce_chunk_tokens = N``),
   ``anchor-chunk-N`` (``drafter.anchor_chunk = N``), ``anchor-chunk-auto`` (the chunk
-  :mod:`~dflash_ipc.drafter.memory_plan` picks for this GPU, the drafter alone on it); ``+`` joins
-  several (``compile+ce-chunk-8192``).
+  :mod:`~dflash_ipc.drafter.memory_plan` picks for this GPU, the drafter alone on it), ``fp8-R``
+  (``drafter.fp8_linears = R``: ``fp8-rowwise``, ``fp8-tensorwise``, ``fp8-none``); ``+`` joins
+  several (``compile+ce-chunk-8192``, ``compile+fp8-rowwise``).
   Each builds a fresh drafter (same seed, same weights), warms up on every batch (compiles, autotuning),
   then times ``--steps`` steps over the batches in turn. ``loss_step0`` (the loss of the first step,
   before any update: the same weights, batch and anchors in every variant) shows each option keeps
@@ -56,6 +57,7 @@ from dflash_ipc.data.tokenizer import load_tokenizer
 from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.draft_vocab import DraftVocab
 from dflash_ipc.drafter.build import build_drafter, drafter_for_target
+from dflash_ipc.drafter.fp8_linears import fp8_linear_names
 from dflash_ipc.drafter.loss import compute_loss
 from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
 from dflash_ipc.drafter.model import DFlashDrafter
@@ -105,10 +107,12 @@ def variant_overrides(name: str) -> dict[str, dict[str, Any]]:
             out["drafter"]["anchor_chunk"] = _number(part, "anchor-chunk-")
         elif part.startswith("draft-vocab-"):
             out["drafter"]["draft_vocab_size"] = _number(part, "draft-vocab-")
+        elif part.startswith("fp8-"):
+            out["drafter"]["fp8_linears"] = part.removeprefix("fp8-")  # the config's check names the recipes
         else:
             raise ValueError(
                 f"unknown variant {part!r}; use base, eager, compile, ce-compile, ce-chunk-N, anchor-chunk-N, "
-                "anchor-chunk-auto, draft-vocab-N, joined by '+'"
+                "anchor-chunk-auto, draft-vocab-N, fp8-rowwise, fp8-tensorwise, fp8-none, joined by '+'"
             )
     return out
 
@@ -394,12 +398,13 @@ def run_drafter_step_bench(
         res = time_variant(runner, batches, steps, echo)
         res["overrides"] = variant_overrides(name)
         res["anchor_chunk"] = runner.cfg.drafter.anchor_chunk
+        res["fp8_linear_layers"] = len(fp8_linear_names(runner.model))
         out["variants"][name] = res
         m = res["median_s"]
         echo(
             f"{name}: step {m['step'] * 1e3:.1f} ms (prep {m['prep'] * 1e3:.1f}, forward {m['forward'] * 1e3:.1f}, "
             f"loss {m['loss'] * 1e3:.1f}, backward {m['backward'] * 1e3:.1f}, optimizer {m['optimizer'] * 1e3:.1f}); "
-            f"{res['gemm_tflops_per_s']} TFLOP/s of matmuls; loss_step0 {res['loss_step0']:.6f}; "
+            f"{res['gemm_tflops_per_s']} TFLOP/s of matmuls; FP8 linears {res['fp8_linear_layers']}; loss_step0 {res['loss_step0']:.6f}; "
             f"graphs compiled while timed: {res['graphs_compiled_timed']}"
         )
         if profile:

@@ -11,6 +11,9 @@ from typing import Literal
 
 from dflash_ipc.config.fields import require
 
+#: ``drafter.fp8_linears``: "none", or one of torchao's float8 training recipes by name
+FP8_LINEARS_RECIPES = ("none", "rowwise", "tensorwise")
+
 
 @dataclass
 class DrafterConfig:
@@ -63,6 +66,14 @@ class DrafterConfig:
     on CUDA, sdpa on the CPU."""
     compile: bool = False
     """torch.compile each layer's norms, projections, RoPE and SwiGLU (dynamic shapes; attention as set above)."""
+    fp8_linears: Literal["none", "rowwise", "tensorwise"] = "none"
+    """The drafter's trainable linear layers (fc, q/k/v/o, gate/up/down) with FP8 matmuls, through torchao's float8
+    training recipe of this name: "rowwise" (a scale per row, e4m3 throughout) or "tensorwise" (one scale per
+    tensor); "none": all in ``dtype``. Only layers whose widths are multiples of 16 and large enough to gain convert
+    (torchao's size thresholds: at Qwen3-8B widths all but k/v); the drafter logs how many. Weights, optimizer,
+    checkpoints and the export stay as without it (a checkpoint loads either way). Needs torchao (``pip install
+    'dflash-ipc[fp8]'``) and a CUDA GPU of compute capability >= 8.9, and pays with ``compile`` on (the casts fuse
+    there). The CPU runs it too, with FP8 rounding and no speed-up (the tests use it)."""
     mask_token_id: int = -1
     """Token id of the masked block positions; -1: a reserved or unused id of the tokenizer, never a stop token."""
     init_from_target: list[int] = field(default_factory=list)
@@ -107,6 +118,12 @@ class DrafterConfig:
             f"must be a multiple of drafter.num_key_value_heads ({kv_heads}); got {heads}",
         )
         require(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE (got {self.head_dim})")
+        require(
+            self.fp8_linears in FP8_LINEARS_RECIPES,
+            "fp8_linears",
+            f"must be one of {', '.join(repr(r) for r in FP8_LINEARS_RECIPES)} (got {self.fp8_linears!r}); "
+            '"none" trains the linears in drafter.dtype',
+        )
         require(self.mask_token_id >= -1, "mask_token_id", "must be a token id >= 0, or -1 for the tokenizer's mask token")
 
     def _check_anchor_budget(self) -> None:

@@ -1,7 +1,8 @@
 """Building a drafter: freshly initialised (seeded by run.seed) over the target's frozen embedding and LM
 head, its layers optionally copied from the target (``drafter.init_from_target``), over the run's draft
-vocabulary when it has one; and the untrained export (eval's floor). What training starts from, and what
-benches and the export rebuild."""
+vocabulary when it has one, its trainable linears in FP8 with ``drafter.fp8_linears`` (before anything
+compiles or the trainer takes the parameters); and the untrained export (eval's floor). What training starts
+from, and what benches and the export rebuild (the export without FP8: it only reads the weights)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dflash_ipc.data.tokenizer import choose_mask_token, load_tokenizer
 from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, read_draft_vocab
 from dflash_ipc.drafter.export import export_drafter
+from dflash_ipc.drafter.fp8_linears import convert_fp8_linears
 from dflash_ipc.drafter.init_from_target import apply_init, plan_init
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.target_spec.heads import decoder_stack_shapes, read_decoder_stack, target_head_weights
@@ -75,7 +77,22 @@ def drafter_for_target(
         log.info("%s", draft_vocab.describe())
     if cfg.drafter.init_from_target:
         start_from_target(model, cfg, device, dtype)
+    if cfg.drafter.fp8_linears != "none":
+        use_fp8_linears(model, cfg)
     return model
+
+
+def use_fp8_linears(model: DFlashDrafter, cfg: DFlashConfig) -> None:
+    """``drafter.fp8_linears``: the trainable linears to torchao's float8 training, said in the log (how many)."""
+    conversion = convert_fp8_linears(model, cfg.drafter.fp8_linears)
+    log.info("%s", conversion.describe())
+    if not conversion.converted:
+        log.warning("drafter.fp8_linears = %r: no linear layer of this drafter is large enough to gain from FP8", cfg.drafter.fp8_linears)
+    elif model.device.type == "cuda" and not cfg.drafter.compile:
+        log.warning(
+            "drafter.fp8_linears without drafter.compile: every float8 cast and scale runs as a kernel of its own, "
+            "which can cost more than the FP8 GEMMs save; set drafter.compile = true"
+        )
 
 
 def start_from_target(model: DFlashDrafter, cfg: DFlashConfig, device: torch.device | str, dtype: torch.dtype) -> None:
@@ -90,6 +107,7 @@ def start_from_target(model: DFlashDrafter, cfg: DFlashConfig, device: torch.dev
 def export_untrained(cfg: DFlashConfig, out_dir: Path, device: torch.device | str = "cpu") -> Path:
     """Export the drafter exactly as step 0 of `up` initialises it: eval's untrained floor (tau ~ 1).
     Over the whole vocabulary: an untrained head drafts nothing the target accepts either way, and the
-    floor needs no run directory."""
-    model = build_drafter(dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, draft_vocab_size=0)), device)
+    floor needs no run directory. Without FP8: the weights are the same, and the export needs no torchao."""
+    drafter = dataclasses.replace(cfg.drafter, draft_vocab_size=0, fp8_linears="none")
+    model = build_drafter(dataclasses.replace(cfg, drafter=drafter), device)
     return export_drafter(model, out_dir, chat_template_kwargs=cfg.chat_template.kwargs)

@@ -78,8 +78,9 @@ def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", dev
         cfg = config_from_dict(raw, source=f"{ckpt.path}/meta.json")
     except ConfigError as e:
         raise ValueError(str(e)) from None
-    # the weights come from the checkpoint: no start from the target's layers
-    cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, init_from_target=[]))
+    # the weights come from the checkpoint: no start from the target's layers; FP8 matmuls are a training
+    # option (same weights, same names): the export builds a plain drafter and needs no torchao
+    cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, init_from_target=[], fp8_linears="none"))
     model = build_drafter(cfg, device, log_mask_token=False, draft_vocab=run_draft_vocab(cfg, run_dir))
     try:
         model.load_state_dict({k: v.to(torch.device(device)) for k, v in ckpt.model_state.items()}, strict=True)

@@ -108,6 +108,7 @@ def check_machine(cfg: DFlashConfig) -> None:
     uses_cuda = any(d.startswith("cuda:") for d in (*cfg.topology.targets, *cfg.topology.drafters))
     check_devices(cfg.topology, visible_cuda_devices() if uses_cuda else 0, cfg.source)
     check_quantization_devices(cfg.source, cfg.target.quantization, cfg.target.dtype, cfg.topology.targets)
+    check_fp8_linears(cfg.source, cfg.drafter.fp8_linears, cfg.topology.drafters)
     _check_model(cfg)
 
 
@@ -169,6 +170,19 @@ def check_quantization_devices(source: str, quantization: str, dtype: str, devic
         problem = fp8_device_problem(dev, dtype_from_name(dtype))
         if problem:
             _fail(source, key, f'"{quantization}" on topology.targets[{i}] = {dev!r}: {problem}; set target.quantization = "none"')
+
+
+def check_fp8_linears(source: str, recipe: str, devices: list[str]) -> None:
+    """``drafter.fp8_linears`` only with torchao importable and on drafter devices that run FP8 GEMMs (CUDA of
+    capability >= 8.9, or the CPU: no speed-up there, the same numerics)."""
+    if recipe == "none":
+        return
+    from dflash_ipc.drafter.fp8_linears import fp8_linears_problem
+
+    for i, dev in enumerate(devices):
+        if problem := fp8_linears_problem(dev):
+            where = f'"{recipe}" on topology.drafters[{i}] = {dev!r}'
+            _fail(source, "drafter.fp8_linears", f'{where}: {problem}; or set drafter.fp8_linears = "none"')
 
 
 # --------------------------------------------------------------------------- data

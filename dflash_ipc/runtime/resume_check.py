@@ -49,6 +49,7 @@ MAY_CHANGE = (
     "drafter.attention",
     "drafter.flex_tile",  # retired (it changed the attention's tiles, not its result): checkpoints that hold it resume
     "drafter.anchor_chunk",
+    "drafter.fp8_linears",  # the same weights and names either way: only the matmuls' precision differs
     "training.max_steps",
     "training.max_seconds",
     "training.checkpoint_every",
