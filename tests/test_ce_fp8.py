@@ -18,15 +18,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_cpu_config, write_toml
 from test_dflash_loss import loss_case, packed_views, reference_loss, tiny_model
 from test_draft_vocab import reduced_twin
 
-from dflash_ipc.config import ConfigError, DFlashConfig, TrainingConfig
+from dflash_ipc.config import ConfigError, DFlashConfig, TrainingConfig, load_config
 from dflash_ipc.drafter import loss as L
 from dflash_ipc.drafter.fp8_head import Fp8Head, fp8_head_bytes
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.fp8 import E4M3, E4M3_MAX, quantize_rows
-from dflash_ipc.runtime.preflight import check_ce_fp8_devices
+from dflash_ipc.runtime.preflight import check_ce_fp8_devices, check_machine
 
 E4M3_REL = 2.0**-4  # half an e4m3 ulp, relative
 E4M3_SUB = 2.0**-10  # half the smallest e4m3 subnormal, in units of the scale
@@ -273,15 +274,22 @@ def test_the_bench_times_ce_fp8_as_a_variant():
 # --------------------------------------------------------------------------- the device check
 
 
-def test_ce_fp8_is_refused_on_a_gpu_older_than_8_9_naming_the_key(monkeypatch):
+def test_ce_fp8_is_refused_on_a_gpu_older_than_8_9_naming_the_key(monkeypatch, tmp_path):
+    """The preflight's machine check (the probe runs it before any process starts) on an A100 stand-in: torch's
+    CUDA queries answer as one would."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    path = write_toml(
+        tmp_path / "run.toml",
+        tiny_cpu_config(topology={"targets": ["cuda:0"], "drafters": ["cuda:0"]}, transport={"backend": "auto"}, training={"ce_fp8": True}),
+    )
     with pytest.raises(ConfigError) as ei:
-        check_ce_fp8_devices("run.toml", True, ["cpu", "cuda:0"])
+        check_machine(load_config(path))
     msg = str(ei.value)
-    assert ei.value.key == "training.ce_fp8" and msg.startswith("run.toml: training.ce_fp8:")
-    assert "topology.drafters[1] = 'cuda:0'" in msg and "8.0" in msg and "A100" in msg and "training.ce_fp8 = false" in msg
+    assert ei.value.key == "training.ce_fp8" and msg.startswith(f"{path}: training.ce_fp8:")
+    assert "topology.drafters[0] = 'cuda:0'" in msg and "8.0" in msg and "A100" in msg and "training.ce_fp8 = false" in msg
     check_ce_fp8_devices("run.toml", False, ["cuda:0"])  # off: nothing to check
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_ce_fp8_devices("run.toml", True, ["cuda:0", "cpu"])  # Hopper, and the CPU (slow, for tests)
