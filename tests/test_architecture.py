@@ -276,6 +276,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "devices",
                 "draft_vocab",
                 "fence",
+                "fp8",
                 "fsutil",
                 "ledger",
                 "target_spec",

@@ -107,6 +107,19 @@ def test_auto_is_a_config_value_refused_with_follow_wait_and_resolved_on_cpu(tmp
     assert M.resolve_anchor_chunk(resolved, model, "cpu") == (resolved, "")
 
 
+def test_the_fp8_head_copies_count_in_the_drafters_fixed_state():
+    """``training.ce_fp8``: two e4m3 copies of the head (~0.6 GB each at Qwen3-8B's), planned before the first
+    step makes them, and exactly what it makes."""
+    from dflash_ipc.drafter.fp8_head import fp8_head_bytes
+
+    model, _ = tiny_model(["full_attention"])
+    plain = M.drafter_fixed_bytes(model)
+    planned = M.drafter_fixed_bytes(model, ce_fp8=True)
+    assert planned - plain == fp8_head_bytes(*model.lm_head_weight.shape) == model.fp8_head().nbytes
+    assert M.drafter_fixed_bytes(model) == plain  # made, they are still no parameter or buffer
+    assert 1.2e9 < fp8_head_bytes(151936, 4096) < 1.3e9 and 2.5e9 < fp8_head_bytes(248320, 5120) < 2.6e9
+
+
 def test_compute_loss_refuses_an_unresolved_auto_chunk():
     model, dc = tiny_model(["full_attention"])
     with pytest.raises(ValueError, match="resolve_anchor_chunk"):

@@ -80,3 +80,18 @@ def test_gpu_memory_measured_on_cuda_0():
     hf, ids, shape = shapes(big)
     with pytest.raises(ConfigError, match=r"^gpu\.toml: drafter\.num_layers: cuda:0 would hold at least .* but has .* free"):
         check_memory(big, hf, ids, shape)
+
+
+def test_the_fp8_head_copies_count_in_the_drafters_memory():
+    """``training.ce_fp8``: the drafter's estimate grows by the head's two e4m3 copies (one byte per element each)."""
+    plain = load_config(TINY_CPU)
+    raw = plain.to_dict()
+    raw["training"]["ce_fp8"] = True
+    hf, ids, shape = shapes(plain)
+
+    def drafter_bytes(cfg) -> dict[str, int]:
+        return {n.what: n.nbytes for n in resources.estimate(cfg, hf, ids, shape, "cpu-shm") if n.what.startswith("drafter-")}
+
+    before, after = drafter_bytes(plain), drafter_bytes(config_from_dict(raw))
+    assert before and before.keys() == after.keys()
+    assert all(after[k] - before[k] == 2 * shape.vocab_size * shape.hidden_size for k in before)

@@ -14,6 +14,8 @@ anchor_chunk 1024 at parity, slots copied out).
 
 FP8 (``--fp8-linears``, run.sh's ``FP8_LINEARS``): ``drafter.fp8_linears``, the drafter's linears trained with
 FP8 matmuls through torchao ("rowwise" or "tensorwise"; default "none").
+FP8 loss head (``--ce-fp8``, default on when the environment has ``CE_FP8=1``): training.ce_fp8, the frozen
+head's two GEMMs in the chunked CE in e4m3.
 
 Lengths (``--lengths``): ``fixed`` (every document ``--seq-len`` tokens) or ``mixed`` (shapes.doc_lengths);
 the data file must match (make_data.py --lengths). A Qwen3.5 shape's target is built from ``target.spec``
@@ -162,6 +164,7 @@ def main(argv=None) -> None:
     p.add_argument("--levers", choices=["on", "off"], default="on", help="the speed options (module docstring)")
     p.add_argument("--lengths", choices=["fixed", "mixed"], default="fixed", help="the data's document lengths (make_data.py)")
     p.add_argument("--fp8-linears", choices=["none", "rowwise", "tensorwise"], default="none", help="drafter.fp8_linears")
+    p.add_argument("--ce-fp8", action="store_true", default=os.environ.get("CE_FP8") == "1", help="training.ce_fp8 (env CE_FP8=1)")
     p.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=JSON", help="overrides, e.g. drafter.anchor_chunk=0")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -178,6 +181,8 @@ def main(argv=None) -> None:
         args.lengths,
         args.fp8_linears,
     )
+    if args.ce_fp8:
+        cfg["training"]["ce_fp8"] = True
     for item in args.set:
         key, value = item.split("=", 1)
         section, field = key.split(".", 1)

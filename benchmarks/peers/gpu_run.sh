@@ -14,6 +14,9 @@
 #   PLAN="sf-smollm2 ipc-smollm2 sf-27b ipc-27b" bash benchmarks/peers/gpu_run.sh
 #   LENGTHS=mixed PLAN="sf-8b ipc-8b" bash benchmarks/peers/gpu_run.sh
 #   PLAN="fp8-8b fp8-27b" bash benchmarks/peers/gpu_run.sh; FP8_LINEARS=rowwise PLAN="ipc-8b ipc-27b" bash benchmarks/peers/gpu_run.sh
+# CE_FP8=1: training.ce_fp8 (the CE's head GEMMs in e4m3) in the dflash-ipc pieces (their rows carry +training.ce_fp8=true),
+# and the drafter-step profiles time it beside bf16 (variants eager,eager+ce-fp8), e.g.
+#   CE_FP8=1 PLAN="profile-8b profile-27b sf-8b ipc-8b" bash benchmarks/peers/gpu_run.sh
 set -u
 T0=$(date +%s)
 TOTAL_S=${TOTAL_S:-530}
@@ -23,6 +26,11 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 export PROJ=$(pwd) RESULTS_DIR=${RESULTS_DIR:-/tmp/gpu-run} WORK=${WORK:-/root/peer-bench} SITE=${SITE:-/tmp/site}
 export WHL=${WHL:-$PROJ/.whl-peers} LENGTHS=${LENGTHS:-fixed} IPC_LEVERS=${IPC_LEVERS:-on}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+CE_FP8_SET=""
+if [ "${CE_FP8:-0}" = 1 ]; then  # the FP8 loss head: beside bf16 in the drafter-step profiles, labelled in the trainer rows
+  export CE_FP8_STEP=",eager+ce-fp8"; CE_FP8_SET="training.ce_fp8=true"
+  case " ${IPC_SET:-} " in *" $CE_FP8_SET "*) ;; *) export IPC_SET="$CE_FP8_SET${IPC_SET:+ $IPC_SET}" ;; esac
+fi
 PLAN=${PLAN:-"ring-in-place profile-8b profile-27b sf-8b ipc-8b sf-smollm2 ipc-smollm2 sf-27b ipc-27b"}
 case " $PLAN " in *" setup "*) ;; *) PLAN="setup $PLAN" ;; esac  # a fresh machine: the wheels first, always
 mkdir -p "$RESULTS_DIR" "$WORK"
@@ -36,7 +44,7 @@ declare -A CAP=([setup]=150 [ring-in-place]=90 [profile-8b]=120 [profile-27b]=15
                 [sf-27b]=160 [ipc-27b]=300 [fp8-8b]=260 [fp8-27b]=300)
 
 drafter_cfg() {  # a config of the shape for `bench drafter-step` (--random-target: no checkpoint is read)
-  python3 "$HERE/gen_ipc_config.py" --shape "$1" --variant parity --model "$WORK/$1" --data "$WORK/none.jsonl" \
+  CE_FP8=0 python3 "$HERE/gen_ipc_config.py" --shape "$1" --variant parity --model "$WORK/$1" --data "$WORK/none.jsonl" \
     --out "$WORK/step-$1.toml" --levers "$IPC_LEVERS" > /dev/null
 }
 
@@ -54,7 +62,7 @@ sys.exit(0 if all(r["ok"] and r["copy_mode"] == "same-device" for r in rs) else 
       drafter_cfg "$shape"
       # eager: the op classes as they are; anchor_chunk "auto" picks the chunk for this GPU (the drafter alone on it)
       python3 -m dflash_ipc.cli bench drafter-step --config "$WORK/step-$shape.toml" --random-target --target-shape "$shape" \
-        --variants eager --steps 2 --batches 1 --doc-len 2048 --supervised 0.7 --profile --device cuda:0 \
+        --variants "eager${CE_FP8_STEP:-}" --steps 2 --batches 1 --doc-len 2048 --supervised 0.7 --profile --device cuda:0 \
         --out "$RESULTS_DIR/drafter-step-$shape.json" ;;
     fp8-8b | fp8-27b)  # the compiled step, bf16 then FP8 linears, same weights and batches (ratios: bf16 / fp8)
       local shape=qwen3-8b; [ "$1" = fp8-27b ] && shape=qwen3.6-27b
@@ -75,7 +83,7 @@ sys.exit(0 if all(r["ok"] and r["copy_mode"] == "same-device" for r in rs) else 
       if [ "$IPC_LEVERS" = on ] && tail -n 4 "$RESULTS_DIR/results.jsonl" 2>/dev/null | grep "\"shape\": \"$shape\"" | grep -q '"error"'; then
         echo "== $shape: a run with the new options failed; parity again with transport.drafter_in_place=false drafter.anchor_chunk=1024"
         SKIP_SETUP=1 STAGE=ipc SHAPES=$shape IPC_VARIANTS=parity IPC_BENCH=${IPC_BENCH:-cuda-ipc} IPC_STEPS=${IPC_STEPS:-12} \
-          IPC_SET="transport.drafter_in_place=false drafter.anchor_chunk=1024" BUDGET_S=$(( $2 - $(date +%s) + t )) bash "$HERE/run.sh"
+          IPC_SET="transport.drafter_in_place=false drafter.anchor_chunk=1024${CE_FP8_SET:+ $CE_FP8_SET}" BUDGET_S=$(( $2 - $(date +%s) + t )) bash "$HERE/run.sh"
       fi ;;
     *) echo "unknown piece $1" ; return 2 ;;
   esac
@@ -86,7 +94,7 @@ shape_of() { case ${1#*-} in 8b) echo qwen3-8b ;; 27b) echo qwen3.6-27b ;; *) ec
 # one piece, re-entered under `timeout` (its own process group: the timeout's signal reaches every child)
 if [ "${1:-}" = __piece ]; then piece "$2" "$3"; exit $?; fi
 
-stamp "plan: $PLAN (lengths $LENGTHS, levers $IPC_LEVERS, $TOTAL_S s)"
+stamp "plan: $PLAN (lengths $LENGTHS, levers $IPC_LEVERS, $TOTAL_S s)${IPC_SET:+; IPC_SET $IPC_SET}"
 nvidia-smi --query-gpu=name,memory.used,memory.total,compute_mode --format=csv,noheader 2>&1 | head -2
 for p in $PLAN; do
   need=${NEED[$p]:-60}

@@ -21,7 +21,7 @@
   synchronized wall times.
 * **Variants** (``--variants``, comma-separated, the first is the baseline of every ratio): ``base``
   (the config as it is), ``eager`` (both compile options off), ``compile`` (``drafter.compile``),
-  ``ce-compile`` (``training.ce_compile``), ``ce-chunk-N`` (``training.ce_chunk_tokens = N``),
+  ``ce-compile`` (``training.ce_compile``), ``ce-fp8`` (``training.ce_fp8``), ``ce-chunk-N`` (``training.ce_chunk_tokens = N``),
   ``anchor-chunk-N`` (``drafter.anchor_chunk = N``), ``anchor-chunk-auto`` (the chunk
   :mod:`~dflash_ipc.drafter.memory_plan` picks for this GPU, the drafter alone on it), ``fp8-R``
   (``drafter.fp8_linears = R``: ``fp8-rowwise``, ``fp8-tensorwise``, ``fp8-none``); ``+`` joins
@@ -99,6 +99,8 @@ def variant_overrides(name: str) -> dict[str, dict[str, Any]]:
             out["drafter"]["compile"] = True
         elif part == "ce-compile":
             out["training"]["ce_compile"] = True
+        elif part == "ce-fp8":
+            out["training"]["ce_fp8"] = True
         elif part.startswith("ce-chunk-"):
             out["training"]["ce_chunk_tokens"] = _number(part, "ce-chunk-")
         elif part == "anchor-chunk-auto":
@@ -111,7 +113,7 @@ def variant_overrides(name: str) -> dict[str, dict[str, Any]]:
             out["drafter"]["fp8_linears"] = part.removeprefix("fp8-")  # the config's check names the recipes
         else:
             raise ValueError(
-                f"unknown variant {part!r}; use base, eager, compile, ce-compile, ce-chunk-N, anchor-chunk-N, "
+                f"unknown variant {part!r}; use base, eager, compile, ce-compile, ce-fp8, ce-chunk-N, anchor-chunk-N, "
                 "anchor-chunk-auto, draft-vocab-N, fp8-rowwise, fp8-tensorwise, fp8-none, joined by '+'"
             )
     return out

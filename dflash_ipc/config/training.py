@@ -42,6 +42,10 @@ class TrainingConfig:
     """Tokens per chunk of the cross-entropy over the vocabulary (memory follows the chunk), >= 16."""
     ce_compile: bool = False
     """torch.compile each CE chunk's fp32 passes (cast, logsumexp, softmax grad) into fused kernels."""
+    ce_fp8: bool = False
+    """The frozen LM head's two GEMMs in the CE (logits, and the gradient to the drafter's hidden state) in FP8
+    (e4m3, row-wise scales; two e4m3 copies of the head, 2 x vocab x hidden bytes). Needs CUDA devices of compute
+    capability >= 8.9 (the CPU runs it slowly); the KL term's target distribution and held-out passes stay bf16."""
     kl_weight: float = 0.0
     """Weight of a KL term against the target's distribution (needs ``target.capture_last_hidden`` and
     ``drafter.draft_vocab_size = 0``); 0: cross-entropy only."""

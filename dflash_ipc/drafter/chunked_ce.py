@@ -4,6 +4,15 @@
 logits (two with KL). With the head frozen (the drafter's case) each chunk's gradient to the hidden state is
 taken while the chunk's logits exist, two head GEMMs per row; a trainable head recomputes the logits in backward
 (three). ``training.ce_compile`` runs each chunk's fp32 work after the GEMM through ``torch.compile``.
+
+``training.ce_fp8`` (a frozen head's gradient taken in forward): both head GEMMs in e4m3 with row-wise
+scales (:class:`~dflash_ipc.drafter.fp8_head.Fp8Head`): each chunk's hidden rows are quantized per row
+before ``logits = X @ W^T``, and its gradient rows before ``dX = G @ W``. The gradient's label entry
+(``softmax * scale - 1``, the one entry near -1) is taken out before that quantization and added back
+exactly as ``coef * W[label]``: left in, it would set every row's scale, and the rest of the row (the
+softmax's many small entries, whose sum is the larger part of ``dX``) would fall to e4m3's subnormals or
+to zero. Without a gradient (held-out passes) the logits stay the bf16 GEMM's, as eval decodes; so does
+the KL term's target distribution (a constant of the loss).
 """
 
 from __future__ import annotations
@@ -14,6 +23,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from dflash_ipc.drafter.fp8_head import Fp8Head, pad_columns
+from dflash_ipc.fp8 import E4M3, E4M3_MAX, quantize_rows
 
 __all__ = ["ChunkedLossResult", "chunked_lm_loss"]
 
@@ -74,26 +86,83 @@ def _ce_chunk_stats_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor,
     return lse, lse - picked, x.argmax(dim=-1), g.to(logits.dtype)
 
 
+def _quantize_padded(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` with zero columns up to ``width`` (the FP8 GEMM's alignment), quantized per row."""
+    return quantize_rows(pad_columns(x, width))
+
+
+def _split_label_quantized(g: torch.Tensor, labels: torch.Tensor, width: int):
+    """A chunk's fp32 gradient ``g`` (consumed) -> (``gq``, ``gs``: ``g`` without its label entries, padded to
+    ``width`` and quantized per row; ``coef`` [rows] fp32: the label entries)."""
+    coef = g.gather(1, labels[:, None]).squeeze(1)
+    gq, gs = _quantize_padded(g.scatter_(1, labels[:, None], 0.0), width)
+    return gq, gs, coef
+
+
+def _ce_chunk_stats_and_grad_fp8(logits: torch.Tensor, labels: torch.Tensor, scale: float, width: int):
+    """:func:`_ce_chunk_stats_and_grad` for the FP8 GEMM: the gradient of one unit of row weight split into its
+    label entries (``coef = softmax * scale - 1`` there, fp32) and the rest, ``softmax * scale`` (>= 0), padded
+    to ``width`` and quantized per row (``gq``, ``gs``). Eager: one fp32 buffer, reused in place."""
+    x = logits.float()
+    pred = x.argmax(dim=-1)
+    picked = x.gather(1, labels[:, None]).squeeze(1)
+    top = x.amax(dim=-1, keepdim=True)
+    total = x.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    lse = total.log().add_(top).squeeze(1)
+    x.mul_(total.reciprocal_().mul_(scale))
+    coef = x.gather(1, labels[:, None]).squeeze(1).sub_(1.0)
+    x.scatter_(1, labels[:, None], 0.0)
+    amax = x.amax(dim=-1, keepdim=True).clamp_min_(1e-12)
+    gq = pad_columns(x.mul_(E4M3_MAX / amax).clamp_(max=E4M3_MAX), width).to(E4M3)
+    return lse, lse - picked, pred, gq, amax.div_(E4M3_MAX), coef
+
+
+def _ce_chunk_stats_and_grad_fp8_fusable(logits: torch.Tensor, labels: torch.Tensor, scale: float, width: int):
+    """:func:`_ce_chunk_stats_and_grad_fp8` out of place, the form ``torch.compile`` fuses (the quantization too)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, labels[:, None]).squeeze(1)
+    rest = (torch.exp(x - lse[:, None]) * scale).scatter(1, labels[:, None], 0.0)
+    gq, gs = _quantize_padded(rest, width)
+    return lse, lse - picked, x.argmax(dim=-1), gq, gs, torch.exp(picked - lse) * scale - 1.0
+
+
+class _ChunkFns(NamedTuple):
+    """One chunk's work around the head GEMMs (:func:`_ce_chunk_fns`)."""
+
+    stats: Callable
+    grad: Callable
+    stats_and_grad: Callable
+    stats_and_grad_fp8: Callable
+    quantize: Callable  # the hidden rows before the FP8 GEMM
+
+
 @functools.cache
-def _compiled_ce_chunk():
-    """:func:`_ce_chunk_stats`, :func:`_ce_chunk_grad` and :func:`_ce_chunk_stats_and_grad_fusable` compiled once per
-    process (``training.ce_compile``): each chunk's fp32 passes over ``[rows, vocab]`` fused into a few kernels;
+def _compiled_ce_chunk() -> _ChunkFns:
+    """:func:`_ce_chunk_stats`, :func:`_ce_chunk_grad`, :func:`_ce_chunk_stats_and_grad_fusable` and the FP8
+    path's :func:`_ce_chunk_stats_and_grad_fp8_fusable` and :func:`_quantize_padded` compiled once per process
+    (``training.ce_compile``): each chunk's fp32 passes over ``[rows, vocab]`` fused into a few kernels;
     dynamic shapes (the last chunk of a batch is shorter, and every batch differs)."""
-    return (
+    return _ChunkFns(
         torch.compile(_ce_chunk_stats, dynamic=True),
         torch.compile(_ce_chunk_grad, dynamic=True),
         torch.compile(_ce_chunk_stats_and_grad_fusable, dynamic=True),
+        torch.compile(_ce_chunk_stats_and_grad_fp8_fusable, dynamic=True),
+        torch.compile(_quantize_padded, dynamic=True),
     )
 
 
-def _ce_chunk_fns(compiled: bool, in_place: bool):
-    """(stats, grad, stats-and-grad) of a chunk: compiled (fused kernels), or eager, in place when the logits are
-    not read again."""
+def _ce_chunk_fns(compiled: bool, in_place: bool) -> _ChunkFns:
+    """A chunk's work: compiled (fused kernels), or eager, in place when the logits are not read again."""
     if compiled:
         return _compiled_ce_chunk()
     if in_place:
-        return _ce_chunk_stats_in_place, _ce_chunk_grad_in_place, _ce_chunk_stats_and_grad
-    return _ce_chunk_stats, _ce_chunk_grad, _ce_chunk_stats_and_grad_fusable
+        return _ChunkFns(
+            _ce_chunk_stats_in_place, _ce_chunk_grad_in_place, _ce_chunk_stats_and_grad, _ce_chunk_stats_and_grad_fp8, _quantize_padded
+        )
+    return _ChunkFns(
+        _ce_chunk_stats, _ce_chunk_grad, _ce_chunk_stats_and_grad_fusable, _ce_chunk_stats_and_grad_fp8_fusable, _quantize_padded
+    )
 
 
 class _ChunkedLMLoss(torch.autograd.Function):
@@ -106,13 +175,14 @@ class _ChunkedLMLoss(torch.autograd.Function):
       gradient of one unit of row weight, ``(softmax * (1 + kl) - onehot - kl * p_target) @ W``, is taken
       while its logits exist, and kept (``[rows, H]``, the size of ``hidden``); backward only scales it by
       the row weights (D-PACE's come after the last chunk: the gradient is linear in them). Two head GEMMs
-      per chunk instead of three, one pass over the logits instead of two.
+      per chunk instead of three, one pass over the logits instead of two. With ``fp8_head`` both GEMMs
+      run in e4m3 (module docstring).
     - **trainable head** (or no gradient wanted): forward keeps the per-row log-sum-exp; backward
       recomputes each chunk's logits for both gradients.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_w, target_hidden, kl_weight, chunk, reweight, compiled, grad_in_forward):
+    def forward(ctx, hidden, weight, labels, row_w, target_hidden, kl_weight, chunk, reweight, compiled, grad_in_forward, fp8_head):
         r = hidden.shape[0]
         dev = hidden.device
         lse = torch.empty(r, dtype=torch.float32, device=dev)
@@ -121,27 +191,39 @@ class _ChunkedLMLoss(torch.autograd.Function):
         pred = torch.empty(r, dtype=torch.int64, device=dev)
         unit_grad = torch.empty_like(hidden) if grad_in_forward else None
         with_kl = target_hidden is not None
+        fp8 = fp8_head if grad_in_forward else None  # no gradient wanted: the bf16 logits eval sees
         # with KL the logits are read again after the stats: out of place, and eager
         fns = _ce_chunk_fns(compiled and not with_kl, in_place=not with_kl)
         for s in range(0, r, chunk):
             e = min(r, s + chunk)
-            logits = F.linear(hidden[s:e], weight)
+            lab = labels[s:e]
+            logits = F.linear(hidden[s:e], weight) if fp8 is None else fp8.logits(*fns.quantize(hidden[s:e], fp8.padded_hidden))
             if with_kl:
                 logits = logits.float()  # cast once: the KL term below reads it too
-            if grad_in_forward:
-                lse[s:e], ce[s:e], pred[s:e], g = fns[2](logits, labels[s:e], 1.0 + kl_weight)
+            g = split = None
+            if not grad_in_forward:
+                lse[s:e], ce[s:e], pred[s:e] = fns.stats(logits, lab)
+            elif fp8 is not None and not with_kl:
+                lse[s:e], ce[s:e], pred[s:e], *split = fns.stats_and_grad_fp8(logits, lab, 1.0 + kl_weight, fp8.padded_rows)
             else:
-                lse[s:e], ce[s:e], pred[s:e] = fns[0](logits, labels[s:e])
+                lse[s:e], ce[s:e], pred[s:e], g = fns.stats_and_grad(logits, lab, 1.0 + kl_weight)
             if with_kl:
                 t_logp = F.log_softmax(F.linear(target_hidden[s:e], weight).float(), dim=-1)
                 kl[s:e] = (t_logp.exp() * (t_logp - (logits - lse[s:e, None]))).sum(-1)
                 if grad_in_forward:
-                    g = g.float().sub_(t_logp.exp_().mul_(kl_weight)).to(weight.dtype)
+                    g = g.float().sub_(t_logp.exp_().mul_(kl_weight))
+                    if fp8 is None:
+                        g = g.to(weight.dtype)
+                    else:
+                        split, g = _split_label_quantized(g, lab, fp8.padded_rows), None
                 del t_logp
             del logits
-            if grad_in_forward:
+            if split is not None:  # the label entries exactly, the rest through the FP8 GEMM
+                gq, gs, coef = split
+                unit_grad[s:e] = (fp8.input_grad(gq, gs).float() + coef[:, None] * weight[lab].float()).to(hidden.dtype)
+            elif grad_in_forward:
                 unit_grad[s:e] = (g @ weight).to(hidden.dtype)
-                del g
+            del g, split
         if reweight is not None:
             row_w = reweight(ce).to(torch.float32)
         ce_sum = (ce * row_w).sum()
@@ -163,7 +245,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         if ctx.grad_in_forward:
             unit_grad, row_w = ctx.saved_tensors
             grad_h = (unit_grad.float() * (row_w * g_total)[:, None]).to(unit_grad.dtype)
-            return grad_h, None, None, None, None, None, None, None, None, None
+            return grad_h, None, None, None, None, None, None, None, None, None, None
         hidden, weight, labels, row_w, lse, target_hidden = ctx.saved_tensors
         klw, chunk = ctx.kl_weight, ctx.chunk
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -173,7 +255,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         with_kl = target_hidden is not None and klw != 0.0
         # fp32 while the KL term or the head's gradient still needs it; else straight in the GEMM's dtype
         g_dtype = torch.float32 if with_kl or want_w else weight.dtype
-        chunk_grad = _ce_chunk_fns(ctx.compiled and not with_kl, in_place=True)[1]
+        chunk_grad = _ce_chunk_fns(ctx.compiled and not with_kl, in_place=True).grad
         for s in range(0, r, chunk):
             e = min(r, s + chunk)
             w = row_w[s:e] * g_total
@@ -188,7 +270,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 grad_w += g.t() @ hidden[s:e].float()
         if want_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
 class ChunkedLossResult(NamedTuple):
@@ -210,6 +292,7 @@ def chunked_lm_loss(
     kl_weight: float = 0.0,
     reweight: Callable[[torch.Tensor], torch.Tensor] | None = None,
     compiled: bool = False,
+    fp8_head: Fp8Head | None = None,
 ) -> ChunkedLossResult:
     """Weighted full-vocabulary CE of ``lm_head(hidden)`` vs ``labels``, ``chunk_rows`` rows at a time.
 
@@ -221,10 +304,14 @@ def chunked_lm_loss(
     of ``row_weights``: weights that depend on the draft's own predictions (D-PACE) at no extra
     pass over the vocabulary; they are constants to the gradient (stop-gradient). ``compiled``
     (``training.ce_compile``): each chunk's fp32 work after the GEMM through ``torch.compile``
-    (without KL; the KL term stays eager).
+    (without KL; the KL term stays eager). ``fp8_head`` (``training.ce_fp8``): the e4m3 copies of
+    ``lm_head_weight``, for both GEMMs of the frozen head's path (module docstring); without a gradient
+    wanted, and for a trainable head, the bf16 GEMMs.
     """
     if chunk_rows < 1:
         raise ValueError("chunk_rows must be >= 1")
+    if fp8_head is not None and (fp8_head.rows, fp8_head.hidden) != tuple(lm_head_weight.shape):
+        raise ValueError(f"fp8_head is of a [{fp8_head.rows}, {fp8_head.hidden}] head, lm_head_weight is {list(lm_head_weight.shape)}")
     weight = lm_head_weight.to(hidden.dtype)
     row_w = row_weights.to(torch.float32)
     th = target_hidden.to(hidden.dtype) if (target_hidden is not None and kl_weight > 0) else None
@@ -241,5 +328,6 @@ def chunked_lm_loss(
         reweight,
         bool(compiled),
         grad_in_forward,
+        fp8_head,
     )
     return ChunkedLossResult(total, ce_sum, kl_sum, pred, row_w)

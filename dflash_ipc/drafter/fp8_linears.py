@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dflash_ipc.fp8 import fp8_device_problem
+
 __all__ = [
     "INSTALL_HINT",
     "RECIPES",
@@ -46,7 +48,6 @@ __all__ = [
 RECIPES = ("rowwise", "tensorwise")
 INSTALL_HINT = "pip install 'dflash-ipc[fp8]' (or pip install torchao)"
 _ALIGN = 16
-_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and newer
 
 
 def torchao_problem() -> str | None:
@@ -63,18 +64,9 @@ def fp8_linears_problem(device: torch.device | str) -> str | None:
     (CUDA below compute capability 8.9, no CUDA at all). None where it can, the CPU included."""
     if problem := torchao_problem():
         return problem
-    device = torch.device(device)
-    if device.type == "cpu":
+    if torch.device(device).type == "cpu":
         return None
-    if device.type != "cuda":
-        return f"FP8 GEMMs run on CUDA GPUs of compute capability >= 8.9 or on the CPU; {str(device)!r} is neither"
-    if not torch.cuda.is_available():
-        return f"FP8 GEMMs need a CUDA GPU of compute capability >= 8.9; no CUDA device is visible for {str(device)!r}"
-    cap = tuple(torch.cuda.get_device_capability(device))
-    if cap < _MIN_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
-        return f"FP8 GEMMs need compute capability >= 8.9 (Ada, Hopper or newer); {str(device)!r} ({name}) is {cap[0]}.{cap[1]}"
-    return None
+    return fp8_device_problem(device)
 
 
 def _too_small(recipe: str, out_features: int, in_features: int) -> bool:

@@ -250,6 +250,8 @@ def _chunk_loss(model: DFlashDrafter, b: _Batch, s: int, e: int, training_cfg: T
         kl_weight=training_cfg.kl_weight,
         reweight=_dpace_reweight(part.valid, rows, training_cfg.dpace_alpha, head_rows) if dpace else None,
         compiled=training_cfg.ce_compile,
+        # the e4m3 head serves the training step's GEMMs; a pass without a gradient keeps the bf16 logits
+        fp8_head=model.fp8_head() if training_cfg.ce_fp8 and torch.is_grad_enabled() else None,
     )
     return _ChunkOut(res, rows, labels, part, layout.num_queries)
 

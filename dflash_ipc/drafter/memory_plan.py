@@ -1,6 +1,7 @@
 """``drafter.anchor_chunk = "auto"``: the most anchors one drafter forward may hold on this GPU.
 
-A drafter step's memory is its fixed state (parameters, AdamW state, the frozen embedding and LM head),
+A drafter step's memory is its fixed state (parameters, AdamW state, the frozen embedding and LM head, and
+with ``training.ce_fp8`` the head's two e4m3 copies),
 what every anchor chunk shares (the packed context, the chunked CE's logits) and what grows with the
 anchors of one forward: every anchor is a block of ``block_size`` query tokens, and every query token
 keeps its activations in every drafter layer until the chunk's backward. Only that last part follows
@@ -129,13 +130,17 @@ def drafter_widths(model, cfg) -> DrafterWidths:
     )
 
 
-def drafter_fixed_bytes(model) -> int:
+def drafter_fixed_bytes(model, ce_fp8: bool = False) -> int:
     """The drafter's fixed state: its parameters in the compute dtype, and per trainable parameter an
-    fp32 master, gradient and two AdamW moments (:mod:`dflash_ipc.drafter.trainer`)."""
+    fp32 master, gradient and two AdamW moments (:mod:`dflash_ipc.drafter.trainer`); ``ce_fp8``
+    (``training.ce_fp8``): the head's e4m3 copies too, made at the first step (:mod:`~dflash_ipc.drafter.fp8_head`)."""
+    from dflash_ipc.drafter.fp8_head import fp8_head_bytes
+
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     trainable = sum(p.numel() for p in model.trainable_parameters())
-    return params + buffers + 16 * trainable
+    head = fp8_head_bytes(*model.lm_head_weight.shape) if ce_fp8 else 0
+    return params + buffers + 16 * trainable + head
 
 
 def resolve_anchor_chunk(cfg, model, device, target_need: int | None = None) -> tuple[object, str]:
@@ -155,7 +160,7 @@ def resolve_anchor_chunk(cfg, model, device, target_need: int | None = None) -> 
     else:
         w = drafter_widths(model, cfg)
         free, total = torch.cuda.mem_get_info(device)
-        fixed = drafter_fixed_bytes(model)
+        fixed = drafter_fixed_bytes(model, cfg.training.ce_fp8)
         pending = fixed - torch.cuda.memory_allocated(device)
         target = int(target_need or 0)
         budget = device_budget(int(free), int(total), pending, fixed, target)

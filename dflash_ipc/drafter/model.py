@@ -37,6 +37,8 @@ from torch import nn
 
 from dflash_ipc.config import DrafterConfig
 from dflash_ipc.devices import as_device, fill_normal_
+from dflash_ipc.drafter.fp8_head import Fp8Head
+from dflash_ipc.fp8 import fp8_device_problem
 from dflash_ipc.target_spec.hf_config import rope_theta, text_config
 
 try:  # flex_attention exists in every supported torch (>= 2.11); keep the import soft anyway.
@@ -425,6 +427,8 @@ class DFlashDrafter(nn.Module):
         if draft_token_ids is not None:
             self._keep_draft_rows(draft_token_ids.to(device=target, dtype=torch.int64))
         self.reset_parameters(int(torch.initial_seed()) if init_seed is None else init_seed)
+        # training.ce_fp8's e4m3 copies of the head: a plain attribute, so never state (module docstring of fp8_head)
+        self._fp8_head: Fp8Head | None = None
         self._register_state_dict_hook(_drop_frozen_from_state_dict)
         self.register_load_state_dict_post_hook(_frozen_not_missing)
 
@@ -455,6 +459,17 @@ class DFlashDrafter(nn.Module):
                     fill_normal_(m.weight, std, gen)
                 elif isinstance(m, RMSNorm):
                     nn.init.ones_(m.weight)
+
+    def fp8_head(self) -> Fp8Head:
+        """The frozen head's e4m3 copies for the loss's GEMMs (``training.ce_fp8``, :mod:`dflash_ipc.drafter.fp8_head`):
+        quantized at the first call and kept, the head never changing (made again only for a head moved or
+        replaced). Neither parameter nor buffer: no ``state_dict``, checkpoint or export holds them."""
+        if self._fp8_head is None or not self._fp8_head.made_from(self.lm_head_weight):
+            if self.lm_head_weight.device.type == "cuda" and (problem := fp8_device_problem(self.lm_head_weight.device)):
+                raise ValueError(f"training.ce_fp8: {problem}; set training.ce_fp8 = false")
+            self._fp8_head = None  # the stale copies go before the new ones are made
+            self._fp8_head = Fp8Head.quantize(self.lm_head_weight)
+        return self._fp8_head
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

@@ -4,7 +4,8 @@
 about the world, so that ``dflash-ipc up`` refuses a run that cannot work (exit 2) instead of
 starting every process and failing 20 s later in one child's log:
 
-* the CUDA devices exist (a CPU-only host, an index past ``torch.cuda.device_count()``),
+* the CUDA devices exist (a CPU-only host, an index past ``torch.cuda.device_count()``), and run FP8
+  GEMMs where the config asks for them (``target.quantization = "fp8"``, ``training.ce_fp8``),
 * the config names a target at all (an empty file would build a 4096-wide random default),
 * the target: ``target.model_path`` is a Hugging Face checkpoint directory (``config.json``
   and safetensors weights present; only ``config.json`` and the weights' headers are read), or
@@ -109,6 +110,7 @@ def check_machine(cfg: DFlashConfig) -> None:
     check_devices(cfg.topology, visible_cuda_devices() if uses_cuda else 0, cfg.source)
     check_quantization_devices(cfg.source, cfg.target.quantization, cfg.target.dtype, cfg.topology.targets)
     check_fp8_linears(cfg.source, cfg.drafter.fp8_linears, cfg.topology.drafters)
+    check_ce_fp8_devices(cfg.source, cfg.training.ce_fp8, cfg.topology.drafters)
     _check_model(cfg)
 
 
@@ -183,6 +185,17 @@ def check_fp8_linears(source: str, recipe: str, devices: list[str]) -> None:
         if problem := fp8_linears_problem(dev):
             where = f'"{recipe}" on topology.drafters[{i}] = {dev!r}'
             _fail(source, "drafter.fp8_linears", f'{where}: {problem}; or set drafter.fp8_linears = "none"')
+
+
+def check_ce_fp8_devices(source: str, ce_fp8: bool, devices: list[str]) -> None:
+    """``training.ce_fp8`` only on drafter devices that run FP8 GEMMs: CUDA of capability >= 8.9, or the CPU."""
+    if not ce_fp8:
+        return
+    from dflash_ipc.fp8 import fp8_device_problem
+
+    for i, dev in enumerate(devices):
+        if dev.startswith("cuda") and (problem := fp8_device_problem(dev)):
+            _fail(source, "training.ce_fp8", f"true on topology.drafters[{i}] = {dev!r}: {problem}; set training.ce_fp8 = false")
 
 
 # --------------------------------------------------------------------------- data

@@ -10,7 +10,7 @@ timeout while a drafter allocated 100,000 layers. The preflight (in ``up``'s pro
   dropped) and one batch of captured planes;
 * each drafter: its trainable parameters with the optimizer's state (fp32 master, gradient and
   two AdamW moments per parameter, plus the compute copy when it is not fp32) and the target's
-  frozen embedding and LM head;
+  frozen embedding and LM head (with ``training.ce_fp8`` also the head's two e4m3 copies);
 * each target's ring: ``transport.ring_slots`` slots of the slot layout, in shared memory
   (``cpu-shm``, ``host-pinned``: /dev/shm, which is host memory too) or on the target's GPU
   (``cuda-ipc``, ``nccl``);
@@ -186,6 +186,7 @@ def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_sh
     ring = cfg.transport.ring_slots * slot_bytes(cfg, num_planes, hidden)
     trainable = drafter_trainable_params(drafter_shape)
     heads = (1 if _tied(hf_config) else 2) * vocab * hidden * d_size
+    heads += 2 * vocab * hidden if cfg.training.ce_fp8 else 0  # the head's two e4m3 copies (drafter/fp8_head.py)
     drafter_bytes = trainable * (OPTIMIZER_BYTES_PER_PARAM + (0 if d_size == 4 else d_size)) + heads
     d_ref = DrafterConfig()
     drafter_factors = [

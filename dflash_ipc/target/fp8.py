@@ -15,7 +15,7 @@ built for capture) stay in bf16; so do the captured hidden states: capture is un
 gate/up, ...) into one quantization and one GEMM.
 
 Row-wise ``_scaled_mm`` runs on CUDA devices of compute capability 8.9 and above (Ada, Hopper,
-Blackwell) with a bf16 output; :func:`fp8_device_problem` says why a device cannot, and the
+Blackwell) with a bf16 output; :func:`~dflash_ipc.fp8.fp8_device_problem` says why a device cannot, and the
 preflight refuses such a config before any process starts.
 """
 
@@ -27,39 +27,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dflash_ipc.fp8 import ALIGN, E4M3, fp8_device_problem, quantize_rows
+
 log = logging.getLogger(__name__)
 
 __all__ = ["E4M3", "Fp8Linear", "fp8_device_problem", "quantize_linears", "quantize_rows"]
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
-_ALIGN = 16
-_MIN_CAPABILITY = (8, 9)
-
-
-def fp8_device_problem(device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
-    """Why the FP8 target cannot run on ``device`` (in ``dtype``), or None when it can."""
-    device = torch.device(device)
-    if dtype is not None and dtype != torch.bfloat16:
-        return f"FP8 GEMMs here write bf16: the target's dtype must be bfloat16 (got {str(dtype).removeprefix('torch.')})"
-    if device.type != "cuda":
-        return f"FP8 GEMMs need a CUDA GPU of compute capability >= 8.9 (Ada, Hopper or newer); {str(device)!r} is not one"
-    if not torch.cuda.is_available():
-        return f"FP8 GEMMs need a CUDA GPU of compute capability >= 8.9; no CUDA device is visible for {str(device)!r}"
-    cap = torch.cuda.get_device_capability(device)
-    if tuple(cap) < _MIN_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
-        return f"FP8 GEMMs need compute capability >= 8.9 (Ada, Hopper or newer); {str(device)!r} ({name}) is {cap[0]}.{cap[1]}"
-    return None
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] -> (``q`` [M, K] e4m3, ``scale`` [M, 1] fp32) with ``x ~= q * scale`` row by row:
-    each row's largest magnitude maps to e4m3's largest finite value (448)."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
-    scale = amax / E4M3_MAX
-    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, scale
 
 
 class Fp8Linear(nn.Module):
@@ -162,7 +134,7 @@ def quantize_linears(stack: nn.Module, compile_quantizer: bool | None = None) ->
     counts = {"fp8": 0, "kept": 0, "bytes": 0}
     targets = [(name, mod) for name, mod in stack.named_modules() if type(mod) is nn.Linear]
     for name, mod in targets:
-        if mod.in_features % _ALIGN or mod.out_features % _ALIGN:
+        if mod.in_features % ALIGN or mod.out_features % ALIGN:
             counts["kept"] += 1
             continue
         parent_name, _, child = name.rpartition(".")
