@@ -38,10 +38,10 @@ export PYTHONPATH=$SITE:$PROJ${PYTHONPATH:+:$PYTHONPATH}  # the wheels (setup in
 
 # seconds each piece needs (estimates from the earlier H200 results, compile warm-ups included); skipped below that
 declare -A NEED=([setup]=30 [ring-in-place]=25 [profile-8b]=50 [profile-27b]=70 [sf-8b]=70 [ipc-8b]=200 [sf-smollm2]=50 [ipc-smollm2]=140
-                 [sf-27b]=90 [ipc-27b]=200 [fp8-8b]=150 [fp8-27b]=180)
+                 [sf-27b]=90 [ipc-27b]=200 [fp8-8b]=230 [fp8-27b]=260)
 # hard cap per piece (its timeout), never beyond the time left
 declare -A CAP=([setup]=150 [ring-in-place]=90 [profile-8b]=120 [profile-27b]=150 [sf-8b]=120 [ipc-8b]=330 [sf-smollm2]=90 [ipc-smollm2]=240
-                [sf-27b]=160 [ipc-27b]=300 [fp8-8b]=260 [fp8-27b]=300)
+                [sf-27b]=160 [ipc-27b]=300 [fp8-8b]=300 [fp8-27b]=340)
 
 drafter_cfg() {  # a config of the shape for `bench drafter-step` (--random-target: no checkpoint is read)
   CE_FP8=0 python3 "$HERE/gen_ipc_config.py" --shape "$1" --variant parity --model "$WORK/$1" --data "$WORK/none.jsonl" \
