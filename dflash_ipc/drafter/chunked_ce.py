@@ -62,18 +62,24 @@ def _ce_chunk_grad_in_place(logits, lse, coef, labels, w, dtype: torch.dtype) ->
     return g.scatter_add_(1, labels[:, None], -w[:, None]).to(dtype)
 
 
-def _ce_chunk_stats_and_grad(logits: torch.Tensor, labels: torch.Tensor, scale: float):
-    """:func:`_ce_chunk_stats` and the gradient of one unit of row weight in the same pass over the chunk:
-    ``softmax * scale - onehot(labels)``, in the logits' dtype. Eager: one fp32 buffer, reused in place."""
+def _scaled_softmax_in_place(logits: torch.Tensor, labels: torch.Tensor, scale: float):
+    """One chunk's stats (:func:`_ce_chunk_stats`) and ``softmax * scale`` in one fp32 buffer (the logits' fp32
+    copy, reused in place): the shared start of both eager stats-and-gradient passes."""
     x = logits.float()
     pred = x.argmax(dim=-1)
     picked = x.gather(1, labels[:, None]).squeeze(1)
     top = x.amax(dim=-1, keepdim=True)
     total = x.sub_(top).exp_().sum(dim=-1, keepdim=True)
     lse = total.log().add_(top).squeeze(1)
-    x.mul_(total.reciprocal_().mul_(scale))
-    g = x.scatter_add_(1, labels[:, None], torch.full_like(picked[:, None], -1.0))
-    return lse, lse - picked, pred, g.to(logits.dtype)
+    return lse, lse - picked, pred, x.mul_(total.reciprocal_().mul_(scale))
+
+
+def _ce_chunk_stats_and_grad(logits: torch.Tensor, labels: torch.Tensor, scale: float):
+    """:func:`_ce_chunk_stats` and the gradient of one unit of row weight in the same pass over the chunk:
+    ``softmax * scale - onehot(labels)``, in the logits' dtype. Eager: one fp32 buffer, reused in place."""
+    lse, ce, pred, x = _scaled_softmax_in_place(logits, labels, scale)
+    g = x.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], -1.0))
+    return lse, ce, pred, g.to(logits.dtype)
 
 
 def _ce_chunk_stats_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor, scale: float):
@@ -103,18 +109,12 @@ def _ce_chunk_stats_and_grad_fp8(logits: torch.Tensor, labels: torch.Tensor, sca
     """:func:`_ce_chunk_stats_and_grad` for the FP8 GEMM: the gradient of one unit of row weight split into its
     label entries (``coef = softmax * scale - 1`` there, fp32) and the rest, ``softmax * scale`` (>= 0), padded
     to ``width`` and quantized per row (``gq``, ``gs``). Eager: one fp32 buffer, reused in place."""
-    x = logits.float()
-    pred = x.argmax(dim=-1)
-    picked = x.gather(1, labels[:, None]).squeeze(1)
-    top = x.amax(dim=-1, keepdim=True)
-    total = x.sub_(top).exp_().sum(dim=-1, keepdim=True)
-    lse = total.log().add_(top).squeeze(1)
-    x.mul_(total.reciprocal_().mul_(scale))
+    lse, ce, pred, x = _scaled_softmax_in_place(logits, labels, scale)
     coef = x.gather(1, labels[:, None]).squeeze(1).sub_(1.0)
     x.scatter_(1, labels[:, None], 0.0)
     amax = x.amax(dim=-1, keepdim=True).clamp_min_(1e-12)
     gq = pad_columns(x.mul_(E4M3_MAX / amax).clamp_(max=E4M3_MAX), width).to(E4M3)
-    return lse, lse - picked, pred, gq, amax.div_(E4M3_MAX), coef
+    return lse, ce, pred, gq, amax.div_(E4M3_MAX), coef
 
 
 def _ce_chunk_stats_and_grad_fp8_fusable(logits: torch.Tensor, labels: torch.Tensor, scale: float, width: int):
