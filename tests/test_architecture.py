@@ -280,6 +280,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "fsutil",
                 "ledger",
                 "target_spec",
+                "third_party_logs",
             },
         ),  # fmt: skip
         ("control", {"control"}),

@@ -16,6 +16,7 @@ from dflash_ipc.cli.drafters import eval_cmd, export_cmd, export_untrained_cmd
 from dflash_ipc.cli.gen_data import gen_data_cmd
 from dflash_ipc.cli.training import check_config, plan, status, up
 from dflash_ipc.ops.systemd_cli import systemd_group
+from dflash_ipc.third_party_logs import quiet_import_notes
 
 
 @click.group()
@@ -23,6 +24,7 @@ from dflash_ipc.ops.systemd_cli import systemd_group
 def main(verbose: bool) -> None:
     """Train DFlash drafters at the speed of the target model."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quiet_import_notes()
 
 
 for command in (bench, check_config, up, status, plan, eval_cmd, export_cmd, export_untrained_cmd, gen_data_cmd):

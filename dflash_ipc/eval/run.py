@@ -37,6 +37,7 @@ from dflash_ipc.config import DFlashConfig, config_from_dict
 from dflash_ipc.data.readers import iter_records, prompt_messages
 from dflash_ipc.data.tokenizer import stop_token_ids
 from dflash_ipc.eval.prompts import EvalPrompt, read_eval_prompts, set_name
+from dflash_ipc.third_party_logs import quiet_import_notes
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +314,7 @@ def _worker_context(devices: list[str]):
 
 
 def _worker(job: _Job, tdev: str, ddev: str, items: list[_Item], threads: int) -> list[tuple]:
+    quiet_import_notes()
     if threads:
         torch.set_num_threads(threads)
     decoder = _Decoder(job, tdev, ddev)

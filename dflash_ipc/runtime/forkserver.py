@@ -104,6 +104,7 @@ from dflash_ipc.runtime.forkserver_serve import (
     process_context,
 )
 from dflash_ipc.runtime.launch import set_parent_death_signal
+from dflash_ipc.third_party_logs import quiet_import_notes
 
 if TYPE_CHECKING:
     from dflash_ipc.config import DFlashConfig
@@ -455,6 +456,7 @@ def main(argv: Sequence[str]) -> int:
 def _preload_and_serve(sock: socket.socket, listener: socket.socket | None, parent: int, preload: list[str]) -> int:
     t0 = time.perf_counter()
     read_env = preload_env(dict(os.environ))  # before the imports, some of which set variables of their own
+    quiet_import_notes()  # the children inherit the filters
     skipped = []
     cuda_by = ""  # the first module whose import touched CUDA: the refusal names it
     for name in preload:

@@ -43,6 +43,7 @@ from dflash_ipc.control.protocol import ProtocolError, Struct, from_wire, to_wir
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.forkserver import ForkServer
 from dflash_ipc.runtime.preflight import check_machine, torch_loaded
+from dflash_ipc.third_party_logs import quiet_import_notes
 
 # Tokenizing a large corpus takes minutes; a probe stuck (in CUDA initialisation, say) is still ended.
 PROBE_TIMEOUT_S = 3600.0
@@ -274,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=0, help="target shards of the whole run (every target of every node)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # as `dflash-ipc up` logs
+    quiet_import_notes()
     # The corpus's summary line: `up` prints it once, as "[up] data: ..." from the plan this returns (its warnings still show).
     logging.getLogger("dflash_ipc.data.corpus").setLevel(logging.WARNING)
     cfg = read_resolved_config(args.config)
