@@ -2,7 +2,8 @@
 
 Wherever torchao is installed (the ``fp8`` extra), transformers' quantizer registry imports it, so every
 process that builds a model does: torchao then logs one warning per optional C++ kernel library this
-machine cannot load (dflash-ipc uses none of them: float8 training runs on torch's scaled matmul), and
+machine cannot load (dflash-ipc uses none of them: float8 training runs on torch's scaled matmul) and,
+without triton, that its integer matmul kernels will not work; and
 torch's pytree registry logs a deprecation note per enum torchao registers. Left alone they print ahead
 of a process's own first line, e.g. before the error a refused config prints. :func:`quiet_import_notes`
 drops exactly those records; every other message of these loggers still shows.
@@ -15,6 +16,7 @@ import logging
 #: logger -> the text fragments of the records dropped from it
 IMPORT_NOTES: dict[str, tuple[str, ...]] = {
     "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
+    "torchao.kernel.intmm": ("Detected no triton",),
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
 }
 
