@@ -183,3 +183,63 @@ def test_bad_arguments_exit_with_usage(role):
     proc = start("nonsense")
     assert proc.wait(timeout=60) == 2
     assert "--mode" in proc.stdout.read()
+
+
+# A supervisor whose spawning thread ends while another of its threads lives on: how a SIGKILLed
+# supervisor dies (the kernel sends the children's death signal as the spawning thread exits, and
+# their parent reads as the supervisor's pid until its last thread is gone).
+THREADED_SUPERVISOR = r"""
+import os, subprocess, sys, threading, time
+run_dir = sys.argv[1]
+
+children = []
+
+def spawn():
+    argv = [sys.executable, "-m", "dflash_ipc.runtime.launch", "target",
+            "--supervisor-pid", str(os.getpid()), "--run-dir", run_dir, "--rank", "0"]
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children.append(child)
+    print(child.pid, flush=True)
+    sys.stdin.readline()  # the test's word that the child has armed its death signal
+
+spawner = threading.Thread(target=spawn)
+spawner.start()
+spawner.join()
+print(children[0].wait(), flush=True)  # the process lives on: its main thread reaps the child
+sys.stdin.readline()
+"""
+
+
+def test_the_death_signal_during_the_import_removes_the_supervisors_sockets_while_its_pid_lingers(tmp_path):
+    """A child still importing its role when the thread that spawned it dies removes the
+    supervisor's socket files and exits, although ``getppid()`` still names the supervisor then
+    (a SIGTERM alone cannot tell the supervisor's death from its own teardown)."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    sock_dir = run_dir / "sock"
+    sock_dir.mkdir(parents=True)
+    left = [sock_dir / "sup", sock_dir / "status", run_dir / "control.json"]
+    for path in left:
+        path.write_text("")
+    sup = subprocess.Popen(
+        [sys.executable, "-c", THREADED_SUPERVISOR, str(run_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    try:
+        child = psutil.Process(int(sup.stdout.readline()))
+        deadline = time.monotonic() + 60
+        while not child.children():  # its sentinel starts right after the death signal is armed
+            assert child.is_running() and time.monotonic() < deadline, "the child never armed its death signal"
+            time.sleep(0.005)
+        sup.stdin.write("\n")  # the spawning thread ends; the supervisor's process lives on
+        sup.stdin.flush()
+        code = int(sup.stdout.readline())  # its parent reaped it, so the parent ran all along
+        assert code == -signal.SIGTERM, code
+        assert [p.name for p in left if p.exists()] == []
+    finally:
+        sup.kill()
+        sup.wait()

@@ -56,7 +56,7 @@ import setproctitle
 
 from dflash_ipc.fence import Fence, FencedOut
 from dflash_ipc.runtime.heartbeat import HeartbeatSender
-from dflash_ipc.runtime.launch import read_key, remove_supervisor_sockets, set_parent_death_signal
+from dflash_ipc.runtime.launch import IMPORT_DEATH_SIGNAL, read_key, remove_supervisor_sockets, set_parent_death_signal
 
 
 class StopFlag:
@@ -79,7 +79,6 @@ def _setup_process(role: str, rank: int, run_dir: Path, log_level: str, supervis
     # the run dir in the title: `ps` tells which run a process belongs to (several runs on one host)
     setproctitle.setproctitle(f"dflash-ipc:{role}:{rank} {run_dir.resolve()}")
     parent = supervisor_pid or os.getppid()
-    set_parent_death_signal(signal.SIGTERM)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = open(log_dir / f"{role}-{rank}.log", "a", buffering=1)  # noqa: SIM115 (open for the process's life; closed in _close_process_logging)
@@ -100,6 +99,10 @@ def _setup_process(role: str, rank: int, run_dir: Path, log_level: str, supervis
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # From here the parent's death is a SIGTERM like any other: the role leaves through CLOSING,
+    # and its last step removes what a dead supervisor left (run_child).
+    set_parent_death_signal(signal.SIGTERM)
+    signal.signal(IMPORT_DEATH_SIGNAL, signal.SIG_DFL)
     if os.getppid() != parent:  # the supervisor died before the death signal was armed
         stop.set("parent died")
     return logger, stop, log_file

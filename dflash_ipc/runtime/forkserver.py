@@ -35,9 +35,10 @@ Life of the server (:class:`ForkServer` owns it; its pid is the children's paren
       ─▶ environ, cwd, title ─▶ run the module as __main__ ─▶ the interpreter exits with its code
 
 A SIGKILLed supervisor takes everything down in a chain: the server dies of its death signal, and
-each child of it of its own (``launch.main`` arms SIGTERM before importing the role), then leaves
-through its CLOSING path. A server that ends while children run (killed by hand) leaves their exit
-statuses unknown: the client reports :data:`LOST_EXIT_CODE` once they are gone.
+each child of it of its own (``launch.main`` arms it before importing the role), then leaves
+through its CLOSING path (or, still importing, removes the dead supervisor's socket files and
+exits). A server that ends while children run (killed by hand) leaves their exit statuses unknown:
+the client reports :data:`LOST_EXIT_CODE` once they are gone.
 
 Shared mode, a test/debug switch (the product never uses it): ``DFLASH_IPC_SHARED_FORKSERVER=PATH``
 makes ``up``'s launcher (:func:`launcher_for`, only where it would fork anyway) connect to a server

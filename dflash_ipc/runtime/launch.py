@@ -1,7 +1,8 @@
 """How the supervisor starts a child, and the first thing that child runs.
 
 ``python -m dflash_ipc.runtime.launch ROLE --supervisor-pid P --key-fd N ...`` arms the
-parent-death signal and checks that its parent is still the supervisor that spawned it
+parent-death signal (:data:`IMPORT_DEATH_SIGNAL`: its handler removes the dead supervisor's socket
+files; a SIGTERM meanwhile ends the import at once) and checks that its parent is still the supervisor that spawned it
 *before* importing the role (torch and the model code take seconds to import; a supervisor
 SIGKILLed meanwhile would otherwise leave the child running until its handshake timed out).
 The role's ``run_<role>_process`` then parses the same argv and checks again once its SIGTERM
@@ -176,16 +177,24 @@ def remove_supervisor_sockets(run_dir: Path) -> None:
             path.unlink()
 
 
-def _exit_with_supervisor(supervisor: int, run_dir: str | None):
-    """SIGTERM while importing: from the death signal, clean up after the supervisor; then die of it."""
+#: The parent-death signal while a child imports its role. A signal of its own, not SIGTERM: the
+#: child must tell its parent's death (clean up after it) from a live supervisor's SIGTERM (which
+#: removes its own sockets as it leaves), and ``getppid()`` cannot tell at that moment, because the
+#: kernel sends the death signal when the *thread* that spawned the child exits, and until the dying
+#: supervisor's last thread is gone the parent still reads as the supervisor's pid.
+IMPORT_DEATH_SIGNAL = signal.SIGUSR2
 
-    def on_sigterm(signum, frame):  # noqa: ARG001
-        if run_dir and os.getppid() != supervisor:
+
+def _exit_with_supervisor(run_dir: str | None):
+    """The death signal while importing: clean up after the supervisor; then die of SIGTERM."""
+
+    def on_parent_death(signum, frame):  # noqa: ARG001
+        if run_dir:
             remove_supervisor_sockets(Path(run_dir))
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    return on_sigterm
+    return on_parent_death
 
 
 def main(argv: Sequence[str]) -> int:
@@ -195,9 +204,11 @@ def main(argv: Sequence[str]) -> int:
     role, rest = argv[0], list(argv[1:])
     supervisor = supervisor_pid_from(rest)
     run_dir = _option(rest, "--run-dir")
-    # Until the role installs its own handler, SIGTERM ends the import at once.
-    signal.signal(signal.SIGTERM, _exit_with_supervisor(supervisor, run_dir))
-    set_parent_death_signal(signal.SIGTERM)
+    # Until the role installs its own handlers, SIGTERM ends the import at once and the parent's
+    # death ends it after removing what the parent left (a forked child inherits its server's handlers).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(IMPORT_DEATH_SIGNAL, _exit_with_supervisor(run_dir))
+    set_parent_death_signal(IMPORT_DEATH_SIGNAL)
     start_death_sentinel(supervisor)  # the death signal waits out a SIGSTOP; the sentinel's SIGKILL does not
     pin_malloc_mmap_threshold()  # before torch and the role allocate anything
     if supervisor and os.getppid() != supervisor:
