@@ -13,7 +13,8 @@ tokens), one block of ``block_size`` tokens through the layers, then the head on
 Random bf16 weights of the export's own modeling code (:mod:`dflash_ipc.drafter.hf_modeling`) at the
 given shapes (default: a 5-layer drafter at Qwen3.6-27B's widths and 248,320-token vocabulary, 32,768
 draft rows). Each (batch, head) cell: ``--warmup`` untimed steps, then the median of ``--steps``
-CUDA-event-timed steps (wall clock on a CPU). Ratios are against ``whole`` at the same batch.
+CUDA-event-timed steps (wall clock on a CPU). Ratios are against ``whole`` at the same batch. The
+result also says whether the two reduced routes drafted the same tokens (``reduced_routes_agree``).
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def run_drafter_serve_bench(shape: ServeShape, batches: list[int], *, device: st
         ids = torch.sort(torch.randperm(shape.vocab_size)[: shape.draft_vocab_size]).values
     model.d2t.copy_(ids - torch.arange(shape.draft_vocab_size, device=dev))
     timer, rows = _timer(dev), []
+    reduced_agree, in_rows = True, True
     k, s, b_size = shape.capture_layers, shape, shape.block_size
     for b in batches:
         cache = DynamicCache(config=model.config)
@@ -133,16 +135,28 @@ def run_drafter_serve_bench(shape: ServeShape, batches: list[int], *, device: st
             crop_cache(cache, s.ctx - s.new_ctx)
         new = torch.randn(b, s.new_ctx, k * s.hidden_size, device=dev, dtype=dtype)
         pos = torch.arange(s.ctx - s.new_ctx, s.ctx + b_size, device=dev).expand(b, -1)
+        picks = {}
         for head in HEADS:
             step = functools.partial(_step, model, whole, head, pos, noise, new, cache, s.ctx - s.new_ctx)
+            picks[head] = step()  # a step leaves the cache as it found it: every timed step drafts the same block
             for _ in range(warmup):
                 timer(step)
             times = [timer(step) for _ in range(steps)]
             rows.append({"batch": b, "head": head, "ms": round(1e3 * statistics.median(times), 4)})
+        reduced_agree &= bool(torch.equal(picks["reduced"], picks["reduced-scatter"]))
+        in_rows &= bool(torch.isin(picks["reduced"], ids).all())
     base = {r["batch"]: r["ms"] for r in rows if r["head"] == "whole"}
     for r in rows:
         r["vs_whole"] = round(r["ms"] / base[r["batch"]], 4)
-    return {"shape": asdict(shape), "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "steps": steps, "rows": rows}
+    return {
+        "shape": asdict(shape),
+        "device": str(dev),
+        "dtype": str(dtype).removeprefix("torch."),
+        "steps": steps,
+        "rows": rows,
+        # the two reduced routes are one computation: the same tokens, each one of the draft rows' ids
+        "reduced_routes_agree": reduced_agree and in_rows,
+    }
 
 
 def drafter_serve_command():
@@ -181,5 +195,7 @@ def drafter_serve_command():
             return
         for r in result["rows"]:
             click.echo(f"batch {r['batch']:>3}  {r['head']:<16} {r['ms']:>10.3f} ms  x{r['vs_whole']:.3f} of whole")
+        agree = "the same tokens" if result["reduced_routes_agree"] else "DIFFERENT tokens (a bug: they must agree)"
+        click.echo(f"reduced and reduced-scatter drafted {agree}")
 
     return cmd
