@@ -107,7 +107,8 @@ def test_from_configs_rejects_hidden_mismatch_and_bad_mask_token():
 
 
 def test_attention_backend_resolution():
-    assert resolve_attention_backend("auto", "cpu") == "sdpa"
+    assert resolve_attention_backend("auto", "cpu") == "blockwise"
+    assert resolve_attention_backend("sdpa", "cpu") == "sdpa"
     assert resolve_attention_backend("auto", "cuda:0") == "flex"
     assert resolve_attention_backend("flex", "cpu") == "flex"
     with pytest.raises(ValueError):
@@ -199,6 +200,49 @@ def test_flex_matches_sdpa_on_cpu():
         for tile in (8, (16, 8), 128):
             out = run(model, seq, planes, tokens, anchors, backend="flex", block_valid=valid, tile=tile)
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("slack", [0, 1 << 40])  # a group per run of blocks over one document; one group for all
+def test_blockwise_matches_sdpa_outputs_and_gradients(monkeypatch, slack):
+    """Blockwise attention scores each run of blocks against its visible context range only: the same
+    outputs and parameter gradients as the dense mask, with blocks out of document order, a block with
+    nothing visible, blocks at a document's start (no context) and a sliding window shorter than a document."""
+    import dflash_ipc.drafter.blockwise as BW
+
+    monkeypatch.setattr(BW, "MERGE_SLACK", slack)
+    monkeypatch.setattr(BW.merge_groups, "__defaults__", (slack,))
+    seq, n, planes, tokens = batch([13, 21, 6, 9])
+    anchors = [14, 20, 0, 3, 27, 30, 9, 41, 35, 40, 34]  # docs 1, 1, 0, 0, 1, 1, 0, 3, 2, 3, 1
+    valid = torch.ones(len(anchors), dtype=torch.bool)
+    valid[5] = False
+    grads, outs = {}, {}
+    for backend in ("sdpa", "blockwise"):
+        model, _ = make_model(["sliding_attention", "full_attention"], window=5)
+        out = run(model, seq, planes, tokens, anchors, backend=backend, block_valid=valid)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs[backend] = out.detach()
+        grads[backend] = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert torch.isfinite(outs["blockwise"]).all()
+    torch.testing.assert_close(outs["blockwise"], outs["sdpa"], atol=2e-5, rtol=1e-5)
+    assert grads["blockwise"].keys() == grads["sdpa"].keys() and grads["sdpa"]
+    for name, g in grads["sdpa"].items():
+        torch.testing.assert_close(grads["blockwise"][name], g, atol=2e-5, rtol=1e-4, msg=name)
+    doc = B.document_index(seq, n)
+    layout = B.build_block_layout(seq, torch.tensor(anchors), doc.doc_of_token[torch.tensor(anchors)], 4, valid, n=n)
+    groups = M.build_attention_masks(layout, ["full_attention"], 5, "blockwise")["full_attention"].groups
+    assert [g[0] for g in groups[1:]] == [g[1] for g in groups[:-1]] and (groups[0][0], groups[-1][1]) == (0, layout.num_queries)
+    # 8 runs of one document ([1 1] [0 0] [1 1] [0] [3] [2] [3] [1]), joined only where it adds nothing
+    assert len(groups) == 1 if slack else len(groups) >= 6
+
+
+def test_merged_groups_score_the_union_of_their_context_ranges():
+    from dflash_ipc.drafter.blockwise import merge_groups
+
+    runs = [(0, 8, 0, 10), (8, 16, 10, 20), (16, 24, 5, 5), (24, 32, 40, 60)]  # the third sees no context
+    assert merge_groups(runs, slack=0) == [(0, 8, 0, 10), (8, 16, 10, 20), (16, 24, 5, 5), (24, 32, 40, 60)]
+    # 16 x 20 = 80 + 80 + 160; then 24 x 20 = 320 + 0 + 160; the last would add 1,280
+    assert merge_groups(runs, slack=160) == [(0, 24, 0, 20), (24, 32, 40, 60)]
+    assert merge_groups(runs, slack=10**6) == [(0, 32, 0, 60)]
 
 
 def _block_rows(j, bs):

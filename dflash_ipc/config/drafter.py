@@ -61,9 +61,10 @@ class DrafterConfig:
     """Standard deviation of Gaussian noise added to the captured hidden states in training; 0: none."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The drafter's weights and compute (the optimizer state stays float32)."""
-    attention: Literal["auto", "flex", "sdpa"] = "auto"
-    """Attention kernel: "flex" (FlexAttention with block-sparse masks, CUDA), "sdpa" (dense masks), "auto": flex
-    on CUDA, sdpa on the CPU."""
+    attention: Literal["auto", "flex", "sdpa", "blockwise"] = "auto"
+    """Attention kernel: "flex" (FlexAttention with block-sparse masks, CUDA), "sdpa" (dense masks), "blockwise"
+    (each document's context range and each block's own keys in plain matmuls, no dense mask), "auto": flex on
+    CUDA, blockwise on the CPU."""
     compile: bool = False
     """torch.compile each layer's norms, projections, RoPE and SwiGLU (dynamic shapes; attention as set above)."""
     fp8_linears: Literal["none", "rowwise", "tensorwise"] = "none"

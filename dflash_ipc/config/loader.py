@@ -115,7 +115,7 @@ class DFlashConfig:
             self.drafter.attention != "flex" or not cpu_drafters,
             "drafter.attention",
             f'"flex" (FlexAttention\'s block-sparse kernels) needs CUDA drafters, but '
-            f'topology.drafters[{cpu_drafters[0] if cpu_drafters else 0}] is the CPU; use "sdpa" or "auto"',
+            f'topology.drafters[{cpu_drafters[0] if cpu_drafters else 0}] is the CPU; use "auto", "blockwise" or "sdpa"',
         )
 
     def resolved_backend(self) -> str:

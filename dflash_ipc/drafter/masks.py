@@ -12,9 +12,10 @@ queries the ``Q = N*block_size`` block tokens. A query of block ``j`` at positio
 * nothing else. Blocks without a single valid label see nothing at all (their rows
   output 0, never NaN) and carry no loss.
 
-The same element-wise rule (:func:`mask_values`) feeds a dense boolean SDPA mask and the
+The same element-wise rule (:func:`mask_values`) feeds a dense boolean SDPA mask, the
 ``mask_mod`` of a flex ``BlockMask`` whose tile lists are computed analytically from the
-anchors (no ``[Q, n+Q]`` mask is ever materialized on the flex path).
+anchors, and the per-document context masks of the blockwise path (:func:`blockwise_mask`);
+no ``[Q, n+Q]`` mask is ever materialized on the latter two.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dflash_ipc.drafter.blocks import BlockLayout, MaskIndex
+from dflash_ipc.drafter.blockwise import BlockwiseMask, merge_groups
 from dflash_ipc.drafter.model import FULL, SLIDING
 
 try:
@@ -66,6 +68,42 @@ def dense_attention_mask(layout: BlockLayout, layer_type: str, sliding_window: i
     q = torch.arange(layout.num_queries, device=dev)[:, None]
     kv = torch.arange(layout.kv_len, device=dev)[None, :]
     return mask_values(layout.index, q, kv, causal=causal, window=window)
+
+
+def blockwise_mask(layout: BlockLayout, layer_type: str, sliding_window: int) -> BlockwiseMask:
+    """The groups, context masks and own-block rule of :func:`~dflash_ipc.drafter.blockwise.blockwise_attention`:
+    a group per run of blocks over one document (adjacent ones merged while cheap), scoring the union
+    of its rows' visible context ranges (:class:`_RowRanges`); the same element-wise rule as the dense mask."""
+    causal, window = _layer_rule(layer_type, sliding_window)
+    idx, n, bs, nb = layout.index, layout.n_ctx, layout.block_size, layout.num_blocks
+    dev = layout.anchors.device
+    nq = layout.num_queries
+    if nb == 0:
+        empty = torch.zeros((0, bs, bs), dtype=torch.bool, device=dev)
+        return BlockwiseMask(n, bs, (), (), empty, torch.zeros(0, dtype=torch.bool, device=dev))
+    rows = _RowRanges.of(layout, causal, window)
+    run_of_block = torch.cumsum(torch.cat([layout.anchor_doc.new_zeros(1), (layout.anchor_doc[1:] != layout.anchor_doc[:-1]).long()]), 0)
+    n_runs = int(run_of_block[-1]) + 1
+    run_of_row = run_of_block.repeat_interleave(bs)
+    lo = torch.full((n_runs,), _BIG, dtype=torch.int64, device=dev).scatter_reduce(
+        0, run_of_row, rows.c_lo.masked_fill(rows.c_empty, _BIG), reduce="amin"
+    )
+    hi = torch.full((n_runs,), -1, dtype=torch.int64, device=dev).scatter_reduce(
+        0, run_of_row, rows.c_hi.masked_fill(rows.c_empty, -1), reduce="amax"
+    )
+    first_block = torch.searchsorted(run_of_block, torch.arange(n_runs + 1, device=dev))
+    groups = []
+    for b0, b1, c0, c1 in zip(first_block[:-1].tolist(), first_block[1:].tolist(), lo.tolist(), (hi + 1).tolist()):
+        groups.append((b0 * bs, b1 * bs, c0, c1) if c0 < c1 else (b0 * bs, b1 * bs, 0, 0))
+    groups = merge_groups(groups)
+    q_rows = torch.arange(nq, device=dev)
+    context = tuple(
+        mask_values(idx, q_rows[r0:r1, None], torch.arange(c0, c1, device=dev)[None, :], causal=causal, window=window)
+        for r0, r1, c0, c1 in groups
+    )
+    own_block = mask_values(idx, q_rows.view(nb, bs, 1), (n + q_rows).view(nb, 1, bs), causal=causal, window=window)
+    live = own_block.reshape(nq, bs).any(-1) | torch.cat([c.any(-1) for c in context])
+    return BlockwiseMask(n, bs, tuple(groups), context, own_block, live)
 
 
 def _pad(t: torch.Tensor, length: int, value: int | bool) -> torch.Tensor:
@@ -211,13 +249,16 @@ def build_attention_masks(
     backend: str,
     flex_tile: int | tuple[int, int] = FLEX_TILE,
 ) -> dict[str, Any]:
-    """One mask per layer type present: flex ``BlockMask`` (``backend="flex"``) or dense bool."""
+    """One mask per layer type present: flex ``BlockMask`` (``backend="flex"``), dense bool ("sdpa") or
+    :class:`~dflash_ipc.drafter.blockwise.BlockwiseMask` ("blockwise")."""
     out: dict[str, Any] = {}
     for lt in dict.fromkeys(layer_types):
         if backend == "flex":
             out[lt] = flex_block_mask(layout, lt, sliding_window, flex_tile)
         elif backend == "sdpa":
             out[lt] = dense_attention_mask(layout, lt, sliding_window)
+        elif backend == "blockwise":
+            out[lt] = blockwise_mask(layout, lt, sliding_window)
         else:
-            raise ValueError(f"backend must be 'flex' or 'sdpa' (got {backend!r})")
+            raise ValueError(f"backend must be 'flex', 'sdpa' or 'blockwise' (got {backend!r})")
     return out

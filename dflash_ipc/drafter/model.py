@@ -18,9 +18,10 @@ The embedding and LM head are given to the constructor as tensors and kept as fr
 parameters (``requires_grad=False``) that are left out of :meth:`~torch.nn.Module.state_dict`,
 so checkpoints and exports hold only the drafter's own weights.
 
-Attention runs either through ``torch.nn.attention.flex_attention`` with a ``BlockMask``
-(compiled on CUDA) or through ``F.scaled_dot_product_attention`` with a dense boolean mask;
-the masks themselves are built by :mod:`dflash_ipc.drafter.masks` and passed per layer type.
+Attention runs through ``torch.nn.attention.flex_attention`` with a ``BlockMask`` (compiled on
+CUDA), through ``F.scaled_dot_product_attention`` with a dense boolean mask, or blockwise
+(:mod:`dflash_ipc.drafter.blockwise`: each document's context range and each block's own keys,
+the CPU's default); the masks themselves are built by :mod:`dflash_ipc.drafter.masks` and passed per layer type.
 Export for SGLang / vLLM: :mod:`dflash_ipc.drafter.export`.
 """
 
@@ -37,6 +38,7 @@ from torch import nn
 
 from dflash_ipc.config import DrafterConfig
 from dflash_ipc.devices import as_device, fill_normal_
+from dflash_ipc.drafter.blockwise import BlockwiseMask, blockwise_attention
 from dflash_ipc.drafter.fp8_head import Fp8Head
 from dflash_ipc.fp8 import fp8_device_problem
 from dflash_ipc.target_spec.hf_config import rope_theta, text_config
@@ -202,14 +204,14 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def resolve_attention_backend(attention: str, device: torch.device | str) -> str:
-    """``"auto"`` -> ``"flex"`` on CUDA, ``"sdpa"`` elsewhere; explicit choices pass through."""
-    if attention not in ("auto", "flex", "sdpa"):
-        raise ValueError(f"attention must be 'auto', 'flex' or 'sdpa' (got {attention!r})")
+    """``"auto"`` -> ``"flex"`` on CUDA, ``"blockwise"`` elsewhere; explicit choices pass through."""
+    if attention not in ("auto", "flex", "sdpa", "blockwise"):
+        raise ValueError(f"attention must be 'auto', 'flex', 'sdpa' or 'blockwise' (got {attention!r})")
     if attention != "auto":
         if attention == "flex" and flex_attention is None:  # pragma: no cover
             raise RuntimeError("attention='flex' needs torch.nn.attention.flex_attention")
         return attention
-    return "flex" if as_device(device).type == "cuda" else "sdpa"
+    return "flex" if as_device(device).type == "cuda" else "blockwise"
 
 
 @functools.cache
@@ -292,10 +294,12 @@ class DFlashAttention(nn.Module):
         nq, hd = q.shape[2], self.head_dim
         if BlockMask is not None and isinstance(mask, BlockMask):
             out = _flex(q, k, v, mask, self.scale)
+        elif isinstance(mask, BlockwiseMask):
+            out = blockwise_attention(q, k, v, mask, self.scale)
         elif isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
             out = _sdpa(q, k, v, mask, self.scale)
         else:
-            raise TypeError(f"attention mask must be a flex BlockMask or a bool tensor, got {type(mask).__name__}")
+            raise TypeError(f"attention mask must be a flex BlockMask, a BlockwiseMask or a bool tensor, got {type(mask).__name__}")
         return out[0].transpose(0, 1).reshape(nq, self.num_heads * hd)
 
 
