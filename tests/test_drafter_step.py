@@ -134,6 +134,9 @@ def test_variant_names_and_document_lengths():
     assert variant_overrides("base") == {"drafter": {}, "training": {}}
     assert variant_overrides("compile+ce-chunk-8192") == {"drafter": {"compile": True}, "training": {"ce_chunk_tokens": 8192}}
     assert variant_overrides("eager") == {"drafter": {"compile": False}, "training": {"ce_compile": False}}
+    assert variant_overrides("attn-sdpa") == {"drafter": {"attention": "sdpa"}, "training": {}}
+    with pytest.raises(ValueError, match=r"variant 'attn-dense': drafter\.attention"):
+        variant_config(load_config(str(TINY)), "attn-dense")
     both = {"drafter": {"anchor_chunk": 4, "draft_vocab_size": 16384}, "training": {}}
     assert variant_overrides("anchor-chunk-4+draft-vocab-16384") == both
     with pytest.raises(ValueError, match=r"variant 'ce-chunk-8': training\.ce_chunk_tokens: must be >= 16"):

@@ -24,7 +24,8 @@
   ``ce-compile`` (``training.ce_compile``), ``ce-fp8`` (``training.ce_fp8``), ``ce-chunk-N`` (``training.ce_chunk_tokens = N``),
   ``anchor-chunk-N`` (``drafter.anchor_chunk = N``), ``anchor-chunk-auto`` (the chunk
   :mod:`~dflash_ipc.drafter.memory_plan` picks for this GPU, the drafter alone on it), ``fp8-R``
-  (``drafter.fp8_linears = R``: ``fp8-rowwise``, ``fp8-tensorwise``, ``fp8-none``); ``+`` joins
+  (``drafter.fp8_linears = R``: ``fp8-rowwise``, ``fp8-tensorwise``, ``fp8-none``), ``attn-K``
+  (``drafter.attention = K``: ``attn-sdpa``, ``attn-blockwise``, ``attn-flex``); ``+`` joins
   several (``compile+ce-chunk-8192``, ``compile+fp8-rowwise``).
   Each builds a fresh drafter (same seed, same weights), warms up on every batch (compiles, autotuning),
   then times ``--steps`` steps over the batches in turn. ``loss_step0`` (the loss of the first step,
@@ -60,7 +61,7 @@ from dflash_ipc.drafter.build import build_drafter, drafter_for_target
 from dflash_ipc.drafter.fp8_linears import fp8_linear_names
 from dflash_ipc.drafter.loss import compute_loss
 from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
-from dflash_ipc.drafter.model import DFlashDrafter
+from dflash_ipc.drafter.model import ATTENTION_KERNELS, DFlashDrafter
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.target_spec.hf_config import make_hf_config, qwen36_27b_spec, resolve_layer_ids, smollm2_135m_config, target_vocab_size
 from dflash_ipc.transport.slots import SlotViews
@@ -111,10 +112,16 @@ def variant_overrides(name: str) -> dict[str, dict[str, Any]]:
             out["drafter"]["draft_vocab_size"] = _number(part, "draft-vocab-")
         elif part.startswith("fp8-"):
             out["drafter"]["fp8_linears"] = part.removeprefix("fp8-")  # the config's check names the recipes
+        elif part.startswith("attn-"):
+            kernel = part.removeprefix("attn-")
+            if kernel not in ATTENTION_KERNELS:
+                raise ValueError(f"variant {part!r}: drafter.attention must be one of {', '.join(ATTENTION_KERNELS)}")
+            out["drafter"]["attention"] = kernel
         else:
             raise ValueError(
                 f"unknown variant {part!r}; use base, eager, compile, ce-compile, ce-fp8, ce-chunk-N, anchor-chunk-N, "
-                "anchor-chunk-auto, draft-vocab-N, fp8-rowwise, fp8-tensorwise, fp8-none, joined by '+'"
+                "anchor-chunk-auto, draft-vocab-N, fp8-rowwise, fp8-tensorwise, fp8-none, attn-sdpa, attn-blockwise, "
+                "attn-flex, joined by '+'"
             )
     return out
 

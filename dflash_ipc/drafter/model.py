@@ -203,9 +203,13 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
+#: ``DrafterConfig.attention``'s choices.
+ATTENTION_KERNELS = ("auto", "flex", "sdpa", "blockwise")
+
+
 def resolve_attention_backend(attention: str, device: torch.device | str) -> str:
     """``"auto"`` -> ``"flex"`` on CUDA, ``"blockwise"`` elsewhere; explicit choices pass through."""
-    if attention not in ("auto", "flex", "sdpa", "blockwise"):
+    if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be 'auto', 'flex', 'sdpa' or 'blockwise' (got {attention!r})")
     if attention != "auto":
         if attention == "flex" and flex_attention is None:  # pragma: no cover
