@@ -186,8 +186,11 @@ def test_a_second_up_is_refused_at_every_moment_of_a_live_run_and_a_killed_draft
         first.wait_until(lambda: len(first.groups_started()) == 2, "the second group to be started", poll_s=0.01)
         run_id = (run_dir / "run_id").read_text()  # a restarted group's shared memory has a run id of its own
         second("restart", "--resume")
-        # the rest of the data would prove nothing more: stop it the way systemd does (it checkpoints)
-        first.wait_until(lambda: first.steps_logged() >= 6, "6 steps")
+        # the rest of the data would prove nothing more: stop it the way systemd does (it checkpoints),
+        # once the restarted group trains (the first group may have logged 6 steps before its kill)
+        first.wait_until(lambda: first.output.count("processes ready after") == 2, "the restarted group's handshake", poll_s=0.01)
+        trained = first.steps_logged()
+        first.wait_until(lambda: first.steps_logged() >= max(6, trained + 1), "a step of the restarted group, 6 in all")
         first.proc.send_signal(signal.SIGTERM)
         assert first.wait() == 0, first.output[-3000:]
     finally:
