@@ -82,16 +82,16 @@ def blockwise_mask(layout: BlockLayout, layer_type: str, sliding_window: int) ->
         empty = torch.zeros((0, bs, bs), dtype=torch.bool, device=dev)
         return BlockwiseMask(n, bs, (), (), empty, torch.zeros(0, dtype=torch.bool, device=dev))
     rows = _RowRanges.of(layout, causal, window)
-    run_of_block = torch.cumsum(torch.cat([layout.anchor_doc.new_zeros(1), (layout.anchor_doc[1:] != layout.anchor_doc[:-1]).long()]), 0)
-    n_runs = int(run_of_block[-1]) + 1
-    run_of_row = run_of_block.repeat_interleave(bs)
+    _, blocks_per_run = torch.unique_consecutive(layout.anchor_doc, return_counts=True)
+    n_runs = blocks_per_run.numel()
+    run_of_row = torch.arange(n_runs, device=dev).repeat_interleave(blocks_per_run * bs)
     lo = torch.full((n_runs,), _BIG, dtype=torch.int64, device=dev).scatter_reduce(
         0, run_of_row, rows.c_lo.masked_fill(rows.c_empty, _BIG), reduce="amin"
     )
     hi = torch.full((n_runs,), -1, dtype=torch.int64, device=dev).scatter_reduce(
         0, run_of_row, rows.c_hi.masked_fill(rows.c_empty, -1), reduce="amax"
     )
-    first_block = torch.searchsorted(run_of_block, torch.arange(n_runs + 1, device=dev))
+    first_block = torch.cat([blocks_per_run.new_zeros(1), blocks_per_run.cumsum(0)])
     groups = []
     for b0, b1, c0, c1 in zip(first_block[:-1].tolist(), first_block[1:].tolist(), lo.tolist(), (hi + 1).tolist()):
         groups.append((b0 * bs, b1 * bs, c0, c1) if c0 < c1 else (b0 * bs, b1 * bs, 0, 0))

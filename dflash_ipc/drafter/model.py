@@ -210,7 +210,7 @@ ATTENTION_KERNELS = ("auto", "flex", "sdpa", "blockwise")
 def resolve_attention_backend(attention: str, device: torch.device | str) -> str:
     """``"auto"`` -> ``"flex"`` on CUDA, ``"blockwise"`` elsewhere; explicit choices pass through."""
     if attention not in ATTENTION_KERNELS:
-        raise ValueError(f"attention must be 'auto', 'flex', 'sdpa' or 'blockwise' (got {attention!r})")
+        raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION_KERNELS))} (got {attention!r})")
     if attention != "auto":
         if attention == "flex" and flex_attention is None:  # pragma: no cover
             raise RuntimeError("attention='flex' needs torch.nn.attention.flex_attention")
