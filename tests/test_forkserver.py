@@ -24,9 +24,11 @@ from dflash_ipc.config import ConfigError, RunConfig, load_config
 from dflash_ipc.runtime.forkserver import (
     CUDA_ERROR_NOT_INITIALIZED,
     IMPORTS_FLA,
+    IMPORTS_TORCHAO,
     LOST_EXIT_CODE,
     UP_PRELOAD,
     ForkServer,
+    nvidia_device_visible,
     up_preload,
     use_forkserver,
 )
@@ -182,13 +184,13 @@ def test_a_sigkilled_supervisor_takes_the_server_and_every_child_down(tmp_path):
         sup.stdout.close()
 
 
-def test_the_server_of_up_preloads_everything_and_never_initializes_cuda(tmp_path, shared_forkserver):
+def test_the_server_of_up_preloads_its_list_and_never_initializes_cuda(tmp_path, shared_forkserver):
     # The worker's shared server is one (tests/conftest.py starts it as `up` starts its own; its HELLO is
     # its READY, and a client is refused a module it did not preload): asked, not started again.
     if shared_forkserver:
-        server = ForkServer.connect(shared_forkserver, child_env(), UP_PRELOAD)
+        server = ForkServer.connect(shared_forkserver, child_env(), up_preload())
     else:
-        server = ForkServer.start(UP_PRELOAD, dict(os.environ))
+        server = ForkServer.start(up_preload(), dict(os.environ))
     try:
         assert server.ready["cuda_initialized"] is False and server.ready["skipped"] == [], server.ready
     finally:
@@ -232,13 +234,28 @@ def test_a_loaded_driver_refuses_the_server_only_once_cuinit_ran(tmp_path, answe
 
 def test_up_preload_leaves_what_imports_fla_to_the_children_where_fla_is_installed(tmp_path, monkeypatch):
     assert importlib.util.find_spec("fla") is None  # this host: the whole list
-    assert up_preload() == UP_PRELOAD and IMPORTS_FLA <= set(UP_PRELOAD)
+    assert up_preload(gpu_visible=False) == UP_PRELOAD and IMPORTS_FLA <= set(UP_PRELOAD)
     (tmp_path / "fla").mkdir()
     (tmp_path / "fla" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    kept = up_preload()
+    kept = up_preload(gpu_visible=False)
     assert set(kept) == set(UP_PRELOAD) - IMPORTS_FLA and "dflash_ipc.procs.target" in kept
+
+
+def test_up_preload_leaves_what_imports_torchao_to_the_children_only_where_a_gpu_is_visible(tmp_path, monkeypatch):
+    """transformers' modeling imports torchao where it is installed; torchao's kernels ask a visible GPU its
+    capability at import, which initializes CUDA in the server (seen on an H200 with the fp8 extra)."""
+    (tmp_path / "torchao").mkdir()
+    (tmp_path / "torchao" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert up_preload(gpu_visible=False) == UP_PRELOAD  # a CPU host: torchao's checks read no device
+    kept = up_preload(gpu_visible=True)
+    assert "transformers.modeling_utils" in IMPORTS_TORCHAO and "transformers.modeling_utils" not in kept
+    assert set(kept) == set(UP_PRELOAD) - IMPORTS_TORCHAO and {"torch", "transformers", "dflash_ipc.procs.drafter"} <= set(kept)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert nvidia_device_visible() is False and up_preload() == UP_PRELOAD
 
 
 def test_run_launcher_is_validated_and_auto_forks_only_without_cuda(tmp_path):

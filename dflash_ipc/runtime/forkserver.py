@@ -10,7 +10,9 @@ neither torch nor anything behind its back ran ``cuInit``, asking the driver its
 the client refuses a server that fails this, naming the module whose import did it), so a forked child
 sets up its own device. On a GPU host transformers' Qwen3.5 modeling imports flash-linear-attention,
 whose import asks the GPU its name: :func:`up_preload` leaves such modules to the children where fla is
-installed. Forced on one H200, the forked path trains (tests/test_gpu_pipeline.py's forkserver case).
+installed; on a host with an NVIDIA device, transformers' modeling imports torchao (its quantizer) where
+that is installed, whose kernels ask the GPU its compute capability, so those modules are left to the
+children there too. Forced on one H200, the forked path trains (tests/test_gpu_pipeline.py's forkserver case).
 
 A forked child gets what ``Popen`` would have given it: the same argv (only ``python -m MODULE
 ...`` command lines: the module runs as ``__main__`` through :mod:`runpy`), environment, working
@@ -77,6 +79,7 @@ import contextlib
 import ctypes
 import fcntl
 import gc
+import glob
 import importlib.util
 import json
 import os
@@ -127,6 +130,9 @@ UP_PRELOAD = (
 #: the GPU's name (its hardware checks), which initializes CUDA, and a child forked after that cannot use
 #: CUDA. Where fla imports, the child imports these itself (:func:`up_preload`).
 IMPORTS_FLA = frozenset({"transformers.models.qwen3_5.modeling_qwen3_5"})
+#: Preload entries that import torchao where it is installed (transformers' torchao quantizer): on a host
+#: with a GPU, torchao's kernel modules ask the device's compute capability at import, initializing CUDA.
+IMPORTS_TORCHAO = frozenset({"transformers.modeling_utils", "transformers.models.qwen3_5.modeling_qwen3_5"})
 #: How long a server may take to import its preload list (torch on a busy host: tens of seconds).
 START_TIMEOUT_S = 600.0
 #: The exit code reported for a child whose status was lost with its server.
@@ -137,11 +143,23 @@ SHARED_FORKSERVER_ENV = "DFLASH_IPC_SHARED_FORKSERVER"
 SHARED_SOCKET_NAME = "forkserver.sock"
 
 
-def up_preload() -> tuple[str, ...]:
-    """:data:`UP_PRELOAD` as this host can preload it without initializing CUDA (:data:`IMPORTS_FLA`)."""
-    if importlib.util.find_spec("fla") is None:
-        return UP_PRELOAD
-    return tuple(name for name in UP_PRELOAD if name not in IMPORTS_FLA)
+def up_preload(gpu_visible: bool | None = None) -> tuple[str, ...]:
+    """:data:`UP_PRELOAD` as this host can preload it without initializing CUDA (:data:`IMPORTS_FLA`,
+    :data:`IMPORTS_TORCHAO` where ``gpu_visible``, by default :func:`nvidia_device_visible`)."""
+    left_to_children: set[str] = set()
+    if importlib.util.find_spec("fla") is not None:
+        left_to_children |= IMPORTS_FLA
+    if importlib.util.find_spec("torchao") is not None and (nvidia_device_visible() if gpu_visible is None else gpu_visible):
+        left_to_children |= IMPORTS_TORCHAO
+    return tuple(name for name in UP_PRELOAD if name not in left_to_children)
+
+
+def nvidia_device_visible() -> bool:
+    """Whether this process could see an NVIDIA GPU, read from the device nodes and CUDA_VISIBLE_DEVICES,
+    without importing torch or asking the driver (which would itself initialize CUDA)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def use_forkserver(launcher: str, on_cuda: bool) -> bool:
