@@ -232,30 +232,29 @@ def test_a_loaded_driver_refuses_the_server_only_once_cuinit_ran(tmp_path, answe
             ForkServer.start(["json", "fs_driver"], env)
 
 
-def test_up_preload_leaves_what_imports_fla_to_the_children_where_fla_is_installed(tmp_path, monkeypatch):
-    assert importlib.util.find_spec("fla") is None  # this host: the whole list
-    assert up_preload(gpu_visible=False) == UP_PRELOAD and IMPORTS_FLA <= set(UP_PRELOAD)
-    (tmp_path / "fla").mkdir()
-    (tmp_path / "fla" / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
-    kept = up_preload(gpu_visible=False)
+def test_up_preload_leaves_what_imports_fla_to_the_children_where_fla_is_installed():
+    bare = up_preload(gpu_visible=False, installed=lambda name: False)
+    assert bare == UP_PRELOAD and IMPORTS_FLA <= set(UP_PRELOAD)
+    kept = up_preload(gpu_visible=False, installed=lambda name: name == "fla")
     assert set(kept) == set(UP_PRELOAD) - IMPORTS_FLA and "dflash_ipc.procs.target" in kept
 
 
 def test_up_preload_leaves_what_imports_torchao_to_the_children_only_where_a_gpu_is_visible(tmp_path, monkeypatch):
     """transformers' modeling imports torchao where it is installed; torchao's kernels ask a visible GPU its
     capability at import, which initializes CUDA in the server (seen on an H200 with the fp8 extra)."""
+    torchao_only = lambda name: name == "torchao"  # noqa: E731
+    assert up_preload(gpu_visible=False, installed=torchao_only) == UP_PRELOAD  # a CPU host: no device to ask
+    kept = up_preload(gpu_visible=True, installed=torchao_only)
+    assert "transformers.modeling_utils" in IMPORTS_TORCHAO and "transformers.modeling_utils" not in kept
+    assert set(kept) == set(UP_PRELOAD) - IMPORTS_TORCHAO and {"torch", "transformers", "dflash_ipc.procs.drafter"} <= set(kept)
+    # by default: what this interpreter can import (a package on sys.path counts) and the device nodes
     (tmp_path / "torchao").mkdir()
     (tmp_path / "torchao" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    assert up_preload(gpu_visible=False) == UP_PRELOAD  # a CPU host: torchao's checks read no device
-    kept = up_preload(gpu_visible=True)
-    assert "transformers.modeling_utils" in IMPORTS_TORCHAO and "transformers.modeling_utils" not in kept
-    assert set(kept) == set(UP_PRELOAD) - IMPORTS_TORCHAO and {"torch", "transformers", "dflash_ipc.procs.drafter"} <= set(kept)
+    assert "transformers.modeling_utils" not in up_preload(gpu_visible=True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert nvidia_device_visible() is False and up_preload() == UP_PRELOAD
+    assert nvidia_device_visible() is False and "transformers.modeling_utils" in up_preload()
 
 
 def test_run_launcher_is_validated_and_auto_forks_only_without_cuda(tmp_path):

@@ -143,15 +143,24 @@ SHARED_FORKSERVER_ENV = "DFLASH_IPC_SHARED_FORKSERVER"
 SHARED_SOCKET_NAME = "forkserver.sock"
 
 
-def up_preload(gpu_visible: bool | None = None) -> tuple[str, ...]:
-    """:data:`UP_PRELOAD` as this host can preload it without initializing CUDA (:data:`IMPORTS_FLA`,
-    :data:`IMPORTS_TORCHAO` where ``gpu_visible``, by default :func:`nvidia_device_visible`)."""
+def up_preload(gpu_visible: bool | None = None, installed: Callable[[str], bool] | None = None) -> tuple[str, ...]:
+    """:data:`UP_PRELOAD` as this host can preload it without initializing CUDA: without :data:`IMPORTS_FLA`
+    where fla is ``installed`` (by default: importable here), without :data:`IMPORTS_TORCHAO` where torchao
+    is and a GPU is visible (``gpu_visible``, by default :func:`nvidia_device_visible`)."""
+    if installed is None:
+        installed = package_importable
+    if gpu_visible is None:
+        gpu_visible = nvidia_device_visible()
     left_to_children: set[str] = set()
-    if importlib.util.find_spec("fla") is not None:
+    if installed("fla"):
         left_to_children |= IMPORTS_FLA
-    if importlib.util.find_spec("torchao") is not None and (nvidia_device_visible() if gpu_visible is None else gpu_visible):
+    if installed("torchao") and gpu_visible:
         left_to_children |= IMPORTS_TORCHAO
     return tuple(name for name in UP_PRELOAD if name not in left_to_children)
+
+
+def package_importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
 def nvidia_device_visible() -> bool:
