@@ -106,6 +106,49 @@ def test_the_first_failure_by_time_is_named_not_the_peer_that_exited_first(procs
     assert failure_line(first) == "drafter-0 reported: CheckpointDiskFull: need ~2.0 MiB, 1.4 MiB free"
 
 
+def test_a_peer_whose_dead_report_is_in_flight_when_it_exits_is_not_named_as_the_cause(tmp_path, procs):
+    """drafter-0 reported a full disk and is still closing; drafter-1's collective failed after it,
+    and drafter-1 sent its Dead report over a real ZeroMQ socket, then exited 1. The supervisor saw
+    the exit before reading the report: the report is drained before the exit counts as
+    unreported, and the first failure by time is named (the fault suite once named drafter-1)."""
+    import zmq
+
+    from dflash_ipc.runtime.liveness import root_cause
+
+    endpoint = f"ipc://{tmp_path}/reports.sock"
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(endpoint)
+    try:
+        sender = (
+            "import sys, zmq\n"
+            "s = zmq.Context().socket(zmq.PUSH)\n"
+            f"s.connect({endpoint!r})\n"
+            "s.send(b'RuntimeError: Connection closed by peer')\n"
+            "s.close(linger=5000)\n"
+            "sys.exit(1)\n"
+        )
+        peer_proc = subprocess.Popen([sys.executable, "-c", sender])
+        peer_proc.wait(timeout=60)  # exited, its report unread
+        first = Child("drafter", 0, "cpu", popen=procs(None), dead_error="CheckpointDiskFull: need ~2.0 MiB", dead_at=time.time() - 1)
+        peer = Child("drafter", 1, "cpu", popen=peer_proc)
+        drained: list[int] = []
+
+        def drain(wait_ms: int) -> None:
+            drained.append(wait_ms)
+            if pull.poll(wait_ms):
+                peer.dead_error, peer.dead_at = pull.recv().decode(), time.time()
+
+        assert root_cause([first, peer], grace_s=0.5, drain=drain) is first
+        assert peer.dead_error == "RuntimeError: Connection closed by peer" and drained
+        silent_proc = procs(1)  # an exit code and no report at all: named once the wait for it ends
+        silent = Child("drafter", 1, "cpu", popen=silent_proc)
+        assert root_cause([first, silent], grace_s=0.5, drain=lambda wait_ms: time.sleep(wait_ms / 1000)) is silent
+    finally:
+        pull.close(linger=0)
+        ctx.term()
+
+
 def test_host_memory_text_reports_the_high_water_mark_of_a_freed_peak():
     """A real process touches 512 MiB, frees it, then reports: the peak keeps it, "now" does not."""
     code = (

@@ -8,6 +8,7 @@ import resource
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,18 +143,33 @@ def failure_line(ch: Any) -> str:
     return f"{ch.name} reported: {ch.dead_error}"
 
 
-def root_cause(children: list, stopping: bool = False, grace_s: float = 1.0) -> Any | None:
+def root_cause(
+    children: list,
+    stopping: bool = False,
+    grace_s: float = 1.0,
+    drain: Callable[[int], None] | None = None,
+    report_wait_ms: int = 300,
+) -> Any | None:
     """:func:`first_failure`, after waiting up to ``grace_s`` for an unreported exit to show.
 
     A peer's SIGKILL reaches the survivors' collectives ("connection closed by peer") within
     milliseconds, while the killed process, tearing down its mappings, can take longer to become
-    a zombie the supervisor sees: blaming the first reporter named the wrong process."""
+    a zombie the supervisor sees: blaming the first reporter named the wrong process.
+
+    ``drain(wait_ms)`` reads the reports in flight (the supervisor's router) while it waits. A
+    child that exited with a code, not a signal, sent its Dead report before it exited: that
+    report may still be in flight, so it is waited for up to ``report_wait_ms`` before the exit
+    counts as unreported (without it, the peer a full disk took down was named as the cause)."""
+    drain = drain or (lambda wait_ms: time.sleep(wait_ms / 1000))
     deadline = time.monotonic() + grace_s
     while True:
         first = first_failure(children, stopping)
+        if first is not None and first.dead_error is None and first.popen.returncode >= 0:
+            drain(report_wait_ms)
+            first = first_failure(children, stopping)
         if (first is not None and first.dead_error is None) or time.monotonic() >= deadline:
             return first
-        time.sleep(0.01)
+        drain(10)
 
 
 def reap_after_kill(popen: Any, timeout_s: float) -> bool:

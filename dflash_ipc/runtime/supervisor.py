@@ -420,7 +420,7 @@ class Supervisor:
                 # The Dead reports in flight first: the peer that failed first (its disk full) may
                 # still be closing while the peers it took down have exited already.
                 self._drain_router(router, wait_ms=300)
-                culprit = liveness.root_cause(self.children, stopping)
+                culprit = liveness.root_cause(self.children, stopping, drain=lambda wait_ms: self._drain_router(router, wait_ms))
                 if culprit is not None:
                     raise GroupFailed(self._failure_text(liveness.failure_line(culprit), culprit))
             node_failure = self._node_failure() if not targets_stopped else None
