@@ -232,6 +232,25 @@ def test_a_loaded_driver_refuses_the_server_only_once_cuinit_ran(tmp_path, answe
             ForkServer.start(["json", "fs_driver"], env)
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the stand-in drivers")
+@pytest.mark.parametrize("initialized_loads", ["first", "second"])
+def test_every_mapped_driver_is_asked_not_only_the_first(tmp_path, initialized_loads):
+    """A GPU host's driver, mapped (by a torch build at import) and not initialized, must not hide
+    another library under the driver's name on which cuInit ran, whichever /proc/self/maps lists
+    first (it lists by address, not by load order): either initialized refuses."""
+    drivers = [("host", CUDA_ERROR_NOT_INITIALIZED), ("other", 0)]
+    paths = []
+    for name, answer in drivers if initialized_loads == "second" else drivers[::-1]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "driver.c").write_text(f"int cuDeviceGetCount(int *count) {{ *count = 1; return {answer}; }}\n")
+        paths.append(str(tmp_path / name / "libcuda.so.1"))
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", paths[-1], str(tmp_path / name / "driver.c")], check=True)
+    loads = "".join(f"ctypes.CDLL({p!r})\n" for p in paths)
+    env = _modules(tmp_path, fs_drivers=f"import ctypes\n{loads}")
+    with pytest.raises(RuntimeError, match=r"initialized CUDA while preloading fs_drivers; set run.launcher"):
+        ForkServer.start(["json", "fs_drivers"], env)
+
+
 def test_up_preload_leaves_what_imports_fla_to_the_children_where_fla_is_installed():
     bare = up_preload(gpu_visible=False, installed=lambda name: False)
     assert bare == UP_PRELOAD and IMPORTS_FLA <= set(UP_PRELOAD)
