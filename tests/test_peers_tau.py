@@ -3,7 +3,8 @@ is lossless (the block logits of SpecForge's own model equal those of dflash-ipc
 converted export, fp32, on a real tiny target's features), what dflash-ipc's drafter cannot hold is refused
 by name, the fitted cosine is the one SpecForge would have built, and a tiny SpecForge-trained drafter goes
 through SpecForge's own export, the conversion and `dflash-ipc eval` losslessly. The tests that run
-SpecForge's code skip without it (its wheel: benchmarks/peers/README.md)."""
+SpecForge's code skip without it (.ci/run installs it with --no-deps; the GPU machine's wheels:
+benchmarks/peers/README.md)."""
 
 from __future__ import annotations
 
