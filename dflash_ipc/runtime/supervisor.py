@@ -417,9 +417,8 @@ class Supervisor:
                 self._drain_router(router, wait_ms=500)
                 ch = liveness.exited_child(self.children, stopping)
             if ch is not None or any(c.dead_error and c.done is None for c in self.children):
-                # The Dead reports in flight first: the peer that failed first (its disk full) may
-                # still be closing while the peers it took down have exited already.
-                self._drain_router(router, wait_ms=300)
+                # root_cause reads the Dead reports in flight: the peer that failed first (its disk
+                # full) may still be closing while the peers it took down have exited already.
                 culprit = liveness.root_cause(self.children, stopping, drain=lambda wait_ms: self._drain_router(router, wait_ms))
                 if culprit is not None:
                     raise GroupFailed(self._failure_text(liveness.failure_line(culprit), culprit))
