@@ -340,6 +340,29 @@ def test_handshake_child_reporting_dead_is_named(coordinator):
     assert "consumer-1 failed during the handshake" in msg and "out of memory" in msg, msg
 
 
+def test_handshake_hands_dead_reports_to_the_coordinator_whose_check_names_the_cause(coordinator):
+    """With ``on_dead`` a Dead report does not end the handshake by itself: the coordinator records it, and
+    its check names the failure to blame. Here a peer is SIGKILLed while the report is handled: a reporter's
+    "connection closed by peer" often arrives before the SIGKILLed process is seen to exit."""
+    router, ep, kids = coordinator
+    producer = kids.start(ep, "producer", 0, "hello")
+    kids.start(ep, "consumer", 1, "dead")
+    reports = []
+
+    def on_dead(ident: bytes, msg: protocol.Dead) -> None:
+        reports.append((ident, msg.error))
+        producer.kill()
+        producer.wait(timeout=30)
+
+    with pytest.raises(HandshakeError) as ei:
+        handshake.coordinate(
+            router, [("producer", 0), ("consumer", 1)], timeout_s=120, rejects=RejectCounter("sup"), is_alive=kids.dead, on_dead=on_dead
+        )
+    assert reports == [(b"consumer-1", "RuntimeError: out of memory loading the model")]
+    msg = str(ei.value)
+    assert msg.startswith(f"producer-0 (pid {producer.pid}) exited with -9 during the handshake (Hello)"), msg
+
+
 def test_handshake_ignores_garbage_and_strangers(coordinator):
     router, ep, kids = coordinator
     ctx = zmq.Context()

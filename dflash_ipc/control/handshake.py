@@ -13,7 +13,10 @@
     all Ready: RUNNING (systemd READY=1)
 
 A child that dies during the handshake is reported by the coordinator's sentinel check
-(``is_alive``), not by the timeout, so the error names it at once. Only members count: a frame
+(``is_alive``), not by the timeout, so the error names it at once. A Dead report ends the
+handshake at once, or, with ``on_dead``, is handed to the coordinator, whose check then names
+the first failure: a peer's Dead ("connection closed by peer") often follows another child's
+SIGKILL before that exit shows. Only members count: a frame
 of any shape, from an identity not expected, failing authentication (:class:`PeerAuth`), a Hello
 whose pid is not the process the coordinator spawned under that identity, or a Dead that
 names another process, is rejected and counted, never fatal. ``tick`` runs every 0.2 s (the
@@ -53,6 +56,7 @@ def _wait_for(
     pids: dict[bytes, int] | None,
     tick: Callable[[], None] | None,
     on_other: Callable[[bytes, protocol.Message], None] | None = None,
+    on_dead: Callable[[bytes, Dead], None] | None = None,
 ) -> dict[bytes, protocol.Message]:
     got: dict[bytes, protocol.Message] = {}
     routes = {auth.route(name): name for name in expected}
@@ -79,7 +83,9 @@ def _wait_for(
             if got_msg is None:
                 continue
             ident, msg = got_msg
-            if isinstance(msg, Dead):
+            if isinstance(msg, Dead) and on_dead is not None:
+                on_dead(ident, msg)
+            elif isinstance(msg, Dead):
                 raise HandshakeError(f"{msg.role}-{msg.rank} failed during the handshake: {msg.error}")
             if isinstance(msg, want):
                 if isinstance(msg, Hello):
@@ -139,14 +145,16 @@ def coordinate(
     auth: PeerAuth | None = None,
     pids: dict[tuple[str, int], int] | None = None,
     tick: Callable[[], None] | None = None,
+    on_dead: Callable[[bytes, Dead], None] | None = None,
 ) -> dict[tuple[str, int], Hello]:
     """Run the whole handshake; returns the Hellos keyed by (role, rank). ``pids``: the process
     spawned for each (role, rank); a Hello from any other pid is refused (an orphan of an earlier
-    attempt on the same run directory is never adopted)."""
+    attempt on the same run directory is never adopted). ``on_dead``: Dead reports go there,
+    and ``is_alive`` says which failure ends the handshake; without it a Dead ends it at once."""
     idents = {identity(r, k): (r, k) for r, k in expected}
     auth = auth if auth is not None else PeerAuth(None)
     pid_by_ident = {identity(r, k): p for (r, k), p in pids.items()} if pids is not None else None
-    hellos = _wait_for(router, set(idents), Hello, timeout_s, setting, rejects, is_alive, "Hello", auth, pid_by_ident, tick)
+    hellos = _wait_for(router, set(idents), Hello, timeout_s, setting, rejects, is_alive, "Hello", auth, pid_by_ident, tick, None, on_dead)
     by_key = {idents[i]: m for i, m in hellos.items()}
     targets = sorted(k for k in by_key if k[0] in ("target", "producer"))
     drafters = sorted(k for k in by_key if k[0] in ("drafter", "consumer"))
@@ -161,7 +169,7 @@ def coordinate(
     frame = protocol.encode(start)
     for ident in idents:
         router.send_multipart([auth.route(ident), frame])
-    _wait_for(router, set(idents), Ready, timeout_s, setting, rejects, is_alive, "Ready", auth, None, tick, on_other)
+    _wait_for(router, set(idents), Ready, timeout_s, setting, rejects, is_alive, "Ready", auth, None, tick, on_other, on_dead)
     return by_key
 
 

@@ -107,12 +107,6 @@ def exit_text(ch: Any) -> str:
     return text + (f" after reporting: {ch.dead_error}" if ch.dead_error else "")
 
 
-def dead_child_text(children: list, stopping: bool = False) -> str | None:
-    """The failure line for :func:`exited_child`'s child, or None."""
-    ch = exited_child(children, stopping)
-    return exit_text(ch) if ch is not None else None
-
-
 def first_failure(children: list, stopping: bool = False) -> Any | None:
     """The child whose failure came first, or None: the root cause, not its consequences.
 

@@ -311,8 +311,9 @@ class Supervisor:
                     [c.key for c in self.children],
                     self.cfg.run.handshake_timeout_s,
                     self.rejects,
-                    lambda: liveness.dead_child_text(self.children) or self._node_failure(),
+                    lambda: self._failed_child_text(router) or self._node_failure(),
                     on_other=self._on_decoded,
+                    on_dead=self._on_decoded,
                     auth=self._auth,
                     pids={c.key: c.popen.pid for c in self.children},
                     tick=lambda: self._starting_tick(status_sock),
@@ -407,21 +408,9 @@ class Supervisor:
                 self.echo(f"[up] {self.stop_requested}: asking drafters to checkpoint and stop")
                 for ch in drafters:
                     self._send(router, ch, Shutdown(reason=self.stop_requested, checkpoint=True))
-            # A child that exited is checked before Dead reports: a peer's Dead ("connection closed
-            # by peer" from gloo) is usually the consequence of that exit, not its cause.
-            stopping = stop_sent or targets_stopped
-            ch = liveness.exited_child(self.children, stopping)
-            if ch is not None and ch.popen.returncode == 0:
-                # A clean exit usually follows its Done by microseconds: read what is in flight
-                # before calling the exit unexpected.
-                self._drain_router(router, wait_ms=500)
-                ch = liveness.exited_child(self.children, stopping)
-            if ch is not None or any(c.dead_error and c.done is None for c in self.children):
-                # root_cause reads the Dead reports in flight: the peer that failed first (its disk
-                # full) may still be closing while the peers it took down have exited already.
-                culprit = liveness.root_cause(self.children, stopping, drain=lambda wait_ms: self._drain_router(router, wait_ms))
-                if culprit is not None:
-                    raise GroupFailed(self._failure_text(liveness.failure_line(culprit), culprit))
+            culprit = self._failed_child(router, stop_sent or targets_stopped)
+            if culprit is not None:
+                raise GroupFailed(self._failure_text(liveness.failure_line(culprit), culprit))
             node_failure = self._node_failure() if not targets_stopped else None
             if node_failure:
                 raise GroupFailed(node_failure)
@@ -463,6 +452,26 @@ class Supervisor:
             if watchdog and now >= next_watchdog and self._beats_fresh(now):
                 next_watchdog = now + watchdog / 2
                 sdnotify.notify_watchdog()
+
+    def _failed_child(self, router: zmq.Socket, stopping: bool = False) -> Child | None:
+        """The child to blame once one exited unexpectedly or reported Dead, else None."""
+        # A child that exited is checked before Dead reports: a peer's Dead ("connection closed
+        # by peer" from gloo) is usually the consequence of that exit, not its cause.
+        ch = liveness.exited_child(self.children, stopping)
+        if ch is not None and ch.popen.returncode == 0:
+            # A clean exit usually follows its Done by microseconds: read what is in flight
+            # before calling the exit unexpected.
+            self._drain_router(router, wait_ms=500)
+            ch = liveness.exited_child(self.children, stopping)
+        if ch is None and not any(c.dead_error and c.done is None for c in self.children):
+            return None
+        # root_cause reads the Dead reports in flight: the peer that failed first (its disk full,
+        # or SIGKILLed) may still be closing while the peers it took down have reported already.
+        return liveness.root_cause(self.children, stopping, drain=lambda wait_ms: self._drain_router(router, wait_ms))
+
+    def _failed_child_text(self, router: zmq.Socket) -> str | None:
+        culprit = self._failed_child(router)
+        return liveness.failure_line(culprit) if culprit is not None else None
 
     def _drain_router(self, router: zmq.Socket, wait_ms: int = 0) -> None:
         if wait_ms and not router.poll(wait_ms):
