@@ -348,6 +348,7 @@ def test_handshake_hands_dead_reports_to_the_coordinator_whose_check_names_the_c
     producer = kids.start(ep, "producer", 0, "hello")
     kids.start(ep, "consumer", 1, "dead")
     reports = []
+    rejects = RejectCounter("sup")
 
     def on_dead(ident: bytes, msg: protocol.Dead) -> None:
         reports.append((ident, msg.error))
@@ -356,9 +357,10 @@ def test_handshake_hands_dead_reports_to_the_coordinator_whose_check_names_the_c
 
     with pytest.raises(HandshakeError) as ei:
         handshake.coordinate(
-            router, [("producer", 0), ("consumer", 1)], timeout_s=120, rejects=RejectCounter("sup"), is_alive=kids.dead, on_dead=on_dead
+            router, [("producer", 0), ("consumer", 1)], timeout_s=120, rejects=rejects, is_alive=kids.dead, on_dead=on_dead
         )
     assert reports == [(b"consumer-1", "RuntimeError: out of memory loading the model")]
+    assert rejects.total == 0, rejects.by_kind  # the report is handed over once, not also refused as unexpected
     msg = str(ei.value)
     assert msg.startswith(f"producer-0 (pid {producer.pid}) exited with -9 during the handshake (Hello)"), msg
 

@@ -83,10 +83,11 @@ def _wait_for(
             if got_msg is None:
                 continue
             ident, msg = got_msg
-            if isinstance(msg, Dead) and on_dead is not None:
+            if isinstance(msg, Dead):
+                if on_dead is None:
+                    raise HandshakeError(f"{msg.role}-{msg.rank} failed during the handshake: {msg.error}")
                 on_dead(ident, msg)
-            elif isinstance(msg, Dead):
-                raise HandshakeError(f"{msg.role}-{msg.rank} failed during the handshake: {msg.error}")
+                continue
             if isinstance(msg, want):
                 if isinstance(msg, Hello):
                     if pids is not None and msg.pid != pids.get(ident):

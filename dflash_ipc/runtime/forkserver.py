@@ -528,10 +528,10 @@ def _cuda_touched() -> bool:
         # each library mapped under the driver's name is asked: a host's real driver, mapped by a
         # torch build at import, must not hide one that a preloaded module loaded from elsewhere
         drivers = dict.fromkeys(line.split()[-1] for line in maps if "libcuda.so" in line)
-    return any(_driver_at_initialized(path) for path in drivers)
+    return any(_driver_at_path_initialized(path) for path in drivers)
 
 
-def _driver_at_initialized(path: str) -> bool:
+def _driver_at_path_initialized(path: str) -> bool:
     try:
         return driver_initialized(ctypes.CDLL(path))
     except OSError:  # mapped but not loadable by path (deleted, a namespace): cannot tell, so refuse
