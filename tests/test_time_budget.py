@@ -29,7 +29,11 @@ def test_the_plan_fills_the_budget_at_the_measured_pace_and_ignores_the_compile(
     b = TimeBudget(100.0)
     plans = feed(b, clock, 200)
     first = MEASURE_FROM + FIRST_PLAN_AFTER
-    assert [p.step for p in plans[:3]] == [first, first + PLAN_EVERY, first + 2 * PLAN_EVERY]
+    assert plans[0].step == first
+    # then every PLAN_EVERY steps, closer as the end nears: an eighth of the steps left, down to every step
+    assert [b.step - a.step for a, b in zip(plans, plans[1:])][:8] == [18, 16, 14, 12, 11, 9, 8, 7]
+    assert [p.step for p in plans if p.step <= 161][-3:] == [159, 160, 161]
+    assert feed(TimeBudget(10_000.0), clock, 100)[1].step == first + PLAN_EVERY  # far from the end
     assert plans[0].seconds_per_step == pytest.approx(0.5) and plans[0].total_steps == 161
     assert {p.total_steps for p in plans if p.step <= 161} == {161}
     assert b.total_steps == max(p.step for p in plans)  # past the budget: a plan never lies behind its own step
@@ -54,6 +58,29 @@ def test_a_slower_pace_later_moves_the_end_earlier_and_a_resume_trains_only_what
     assert TimeBudget(60.0, max_steps=100, spent_s=50.0, start_step=90, pace_s=0.5).total_steps == 100
     with pytest.raises(ValueError):
         TimeBudget(0.0)
+
+
+def run_planned(budget: TimeBudget, clock, training, first_total: int, last_step: int = 10_000):
+    """Step as the drafter does: each step's rate from the plan in force, then observe; (end, last rate)."""
+    total = first_total
+    for s in range(1, last_step + 1):
+        rate = lr_at(s - 1, training, total)
+        plan = budget.observe(s, clock(s))
+        if plan is not None:
+            total = plan.total_steps
+        if s == total:
+            return s, rate
+    raise AssertionError("the budget never ended the run")
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 1.5, 3.0])
+def test_a_pace_that_slows_late_still_ends_on_the_tail_of_the_cosine(slowdown):
+    # 0.5 s per step, then `slowdown` times slower from step 60 on; 60 s of budget
+    clock = lambda s: 0.5 * s if s <= 60 else 30.0 + 0.5 * slowdown * (s - 60)  # noqa: E731
+    training = config_from_dict({"training": {"max_seconds": 60, "warmup_fraction": 0.04, "min_lr_ratio": 0.0}}).training
+    end, rate = run_planned(TimeBudget(60.0), clock, training, first_total=100_000)
+    assert clock(end) == pytest.approx(60.0, abs=0.5 * slowdown)  # the budget is used, not cut short
+    assert rate <= lr_at(int(0.9 * end), training, end)  # the last step ran on the cosine's last tenth
 
 
 def test_the_config_takes_seconds_and_refuses_negative_ones():

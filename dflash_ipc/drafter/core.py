@@ -384,10 +384,12 @@ class DrafterCore:
         }
         if self.time_budget is not None:
             # every rank, every step: a plan point is a collective (the smallest plan over the ranks)
+            planned_before = self.time_budget.total_steps
             plan = self.time_budget.observe(self.step, time.perf_counter() - self.t_first_step, self._min_over_ranks)
             if plan is not None:
                 self.trainer.set_total_steps(plan.total_steps)
-                if self.world.is_main:
+                # plans come every step near the end: say only the ones that move it
+                if self.world.is_main and plan.total_steps != planned_before:
                     log.info("%s", plan.describe())
         if self.anchor_budget is not None:
             # every rank, every step: a window's end is a collective (held-out passes never come here)

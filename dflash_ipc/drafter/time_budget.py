@@ -7,11 +7,15 @@ training clock, no clock of its own; the caller hands in ``reduce`` (the smalles
 data-parallel ranks, so every rank ends at the same step).
 
     step 1 .. MEASURE_FROM           not counted (compiles, the first batches' backlog)
-    every PLAN_EVERY steps after      pace = seconds per step since MEASURE_FROM (held-out passes and
-    MEASURE_FROM + FIRST_PLAN_AFTER    checkpoints included, as they recur);
-                                      plan = step + (budget left) / pace, at most training.max_steps,
-                                      never before this step: the schedule's total_steps becomes plan
-    step == plan                      the loop finishes ("max_seconds")
+    at MEASURE_FROM + FIRST_PLAN_AFTER,  pace = seconds per step since MEASURE_FROM (held-out passes and
+    then every min(PLAN_EVERY,           checkpoints included, as they recur);
+    an eighth of the steps left) steps   plan = step + (budget left) / pace, at most training.max_steps,
+                                         never before this step: the schedule's total_steps becomes plan
+    step == plan                         the loop finishes ("max_seconds")
+
+Plans come closer together as the end nears (down to every step), so a pace that slows late (a
+loaded machine, a longer hold-out pass) moves the end while the cosine can still follow it: the last
+steps run on the tail of the cosine, not on a plan made when the machine was faster.
 
 The budget counts training time only (from the first step on, not the start-up), across restarts: a
 resumed run keeps the seconds it had trained and its pace (the checkpoint's ``time_budget``), plans the rest
@@ -62,6 +66,7 @@ class TimeBudget:
         self.start_step = int(start_step)
         self.elapsed_s = 0.0  # this process's training seconds at the last step observed
         self._mark: tuple[int, float] | None = None  # (step, elapsed) where the pace is measured from
+        self._next_plan: int | None = None  # the step of the next plan point (the same on every rank)
         self.pace_s = pace_s  # seconds per step at the last plan
         # the last plan; a resumed run plans at once from the pace it had (its budget spent: it ends where it is)
         self.total_steps: int | None = None
@@ -81,16 +86,16 @@ class TimeBudget:
         counted = step - self.start_step
         if counted == MEASURE_FROM:
             self._mark = (step, self.elapsed_s)
-        if self._mark is None:
+            self._next_plan = step + FIRST_PLAN_AFTER
+        if self._mark is None or step != self._next_plan:
             return None
-        since = step - self._mark[0]
-        if since < FIRST_PLAN_AFTER or (since - FIRST_PLAN_AFTER) % PLAN_EVERY:
-            return None
-        pace = (self.elapsed_s - self._mark[1]) / since
+        pace = (self.elapsed_s - self._mark[1]) / (step - self._mark[0])
         left = max(0.0, self.max_seconds - self.spent_s)
         plan = self._capped(step + int(left / pace) if pace > 0 else step)
         self.total_steps = int(reduce(max(step, plan)))  # every rank is at this step: the smallest is >= it
         self.pace_s = pace
+        # from the reduced plan, so every rank picks the same next plan point
+        self._next_plan = step + max(1, min(PLAN_EVERY, (self.total_steps - step) // 8))
         return Plan(step, self.total_steps, pace, left)
 
     def _capped(self, plan: int) -> int:
