@@ -31,7 +31,7 @@ def test_the_plan_fills_the_budget_at_the_measured_pace_and_ignores_the_compile(
     first = MEASURE_FROM + FIRST_PLAN_AFTER
     assert plans[0].step == first
     # then every PLAN_EVERY steps, closer as the end nears: an eighth of the steps left, down to every step
-    assert [b.step - a.step for a, b in zip(plans, plans[1:])][:8] == [18, 16, 14, 12, 11, 9, 8, 7]
+    assert [later.step - earlier.step for earlier, later in zip(plans, plans[1:])][:8] == [18, 16, 14, 12, 11, 9, 8, 7]
     assert [p.step for p in plans if p.step <= 161][-3:] == [159, 160, 161]
     assert feed(TimeBudget(10_000.0), clock, 100)[1].step == first + PLAN_EVERY  # far from the end
     assert plans[0].seconds_per_step == pytest.approx(0.5) and plans[0].total_steps == 161

@@ -155,7 +155,9 @@ def coordinate(
     idents = {identity(r, k): (r, k) for r, k in expected}
     auth = auth if auth is not None else PeerAuth(None)
     pid_by_ident = {identity(r, k): p for (r, k), p in pids.items()} if pids is not None else None
-    hellos = _wait_for(router, set(idents), Hello, timeout_s, setting, rejects, is_alive, "Hello", auth, pid_by_ident, tick, None, on_dead)
+    hellos = _wait_for(
+        router, set(idents), Hello, timeout_s, setting, rejects, is_alive, "Hello", auth, pid_by_ident, tick, on_dead=on_dead
+    )
     by_key = {idents[i]: m for i, m in hellos.items()}
     targets = sorted(k for k in by_key if k[0] in ("target", "producer"))
     drafters = sorted(k for k in by_key if k[0] in ("drafter", "consumer"))
@@ -170,7 +172,9 @@ def coordinate(
     frame = protocol.encode(start)
     for ident in idents:
         router.send_multipart([auth.route(ident), frame])
-    _wait_for(router, set(idents), Ready, timeout_s, setting, rejects, is_alive, "Ready", auth, None, tick, on_other, on_dead)
+    _wait_for(
+        router, set(idents), Ready, timeout_s, setting, rejects, is_alive, "Ready", auth, None, tick, on_other=on_other, on_dead=on_dead
+    )
     return by_key
 
 
