@@ -57,7 +57,7 @@ print(json.dumps({
     "key": os.read(key_fd, 100).decode() if key_fd >= 0 else "", "ppid": os.getppid(), "fds": fds,
     "preloaded": preloaded, "threads": torch.get_num_threads(),
     "cmdline": " ".join(psutil.Process().cmdline()),
-}))
+}), flush=True)  # before the stderr line whether or not the environment has PYTHONUNBUFFERED
 print("a line on stderr", file=sys.stderr)
 raise SystemExit(code)
 """

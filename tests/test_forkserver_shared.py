@@ -264,3 +264,25 @@ def test_shared_servers_own_children_die_with_it(tmp_path):
         assert _gone(server_pid, 20.0) and _gone(child_pid, 20.0)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize("unbuffered", [None, "0", "1"], ids=["caller-lacks-it", "caller-sets-0", "caller-sets-1"])
+def test_the_probe_forks_from_a_shared_server_whatever_the_callers_environment(tmp_path, monkeypatch, unbuffered):
+    """The server preloads with the children's environment (launch.child_env), which sets PYTHONUNBUFFERED
+    whatever the caller's shell exported: the probe asks for that environment too, so a plain login shell
+    (no PYTHONUNBUFFERED) and one that exports it are served alike."""
+    from dflash_ipc.runtime.launch import child_env
+    from dflash_ipc.runtime.probe import run_probe
+
+    with shared_server({**child_env(), "PYTHONPATH": str(REPO)}) as (owner, path):
+        if unbuffered is None:
+            monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+        else:
+            monkeypatch.setenv("PYTHONUNBUFFERED", unbuffered)
+        monkeypatch.setenv("PYTHONPATH", str(REPO))
+        client = ForkServer.connect(path, child_env())
+        try:
+            assert run_probe(load_config(TINY_CPU), isolate=True, launcher=client) is None  # a check, no run dir: no plan
+        finally:
+            client.close()
+        assert owner.server_status()["rejected"] == 0

@@ -35,6 +35,7 @@ import zmq
 from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.protocol import Done, RejectCounter
 from dflash_ipc.runtime.forkserver import ForkServer, popen_with
+from dflash_ipc.runtime.launch import child_env
 from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
 from dflash_ipc.transport.slots import SlotLayout
 
@@ -111,12 +112,12 @@ def on_cpu_only(args: BenchArgs) -> bool:
 
 def ring_launcher(args: BenchArgs) -> ForkServer | None:
     """A started fork server for the ring processes when :func:`on_cpu_only`, else None (exec). Close it."""
-    return ForkServer.start(RING_PRELOAD, dict(os.environ)) if on_cpu_only(args) else None
+    return ForkServer.start(RING_PRELOAD, child_env()) if on_cpu_only(args) else None
 
 
 def _spawn(launcher: ForkServer | None, module: str, argv: list[str], run_dir: Path, name: str) -> Any:
     with open(run_dir / "logs" / f"{name}.log", "w") as log:  # the child holds its own descriptor
-        return popen_with(launcher, [sys.executable, "-m", module, *argv], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        return popen_with(launcher, [sys.executable, "-m", module, *argv], stdout=log, stderr=subprocess.STDOUT, env=child_env())
 
 
 def run_ring(args: BenchArgs, slot_bytes: int, seconds: float, launcher: ForkServer | None = None) -> dict:

@@ -42,6 +42,7 @@ from dflash_ipc.control import channels
 from dflash_ipc.control.protocol import ProtocolError, Struct, from_wire, to_wire
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.forkserver import ForkServer
+from dflash_ipc.runtime.launch import child_env
 from dflash_ipc.runtime.preflight import check_machine, torch_loaded
 from dflash_ipc.third_party_logs import quiet_import_notes
 
@@ -238,10 +239,13 @@ def run_isolated(argv: list[str], timeout_s: float, launcher: ForkServer | None 
 
 
 def _start_probe(argv: list[str], launcher: ForkServer | None, pipes: contextlib.ExitStack):
-    """The probe process and its stdout and stderr as text streams (closed with ``pipes``)."""
+    """The probe process and its stdout and stderr as text streams (closed with ``pipes``). It gets the
+    environment every child of ``up`` gets (:func:`~dflash_ipc.runtime.launch.child_env`), not this process's:
+    a fork server's preload read that one, and a caller's own (a shell without PYTHONUNBUFFERED) would differ."""
+    env = child_env()
     if launcher is None:
         proc = pipes.enter_context(
-            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
         )
         return proc, proc.stdout, proc.stderr
     out_r, out_w = os.pipe()
@@ -249,7 +253,7 @@ def _start_probe(argv: list[str], launcher: ForkServer | None, pipes: contextlib
     stdout = pipes.enter_context(open(out_r, closefd=True))  # noqa: SIM115 (closed with the ExitStack)
     stderr = pipes.enter_context(open(err_r, closefd=True))  # noqa: SIM115
     try:
-        return launcher.popen(argv, stdout=out_w, stderr=err_w), stdout, stderr  # its stdin: the server's, /dev/null
+        return launcher.popen(argv, env=env, stdout=out_w, stderr=err_w), stdout, stderr  # its stdin: the server's, /dev/null
     finally:
         os.close(out_w)
         os.close(err_w)
