@@ -275,6 +275,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "cli_options",
                 "devices",
                 "draft_vocab",
+                "families",
                 "fence",
                 "fp8",
                 "fsutil",
