@@ -8,6 +8,7 @@ The negative controls switch the per-document reset off and show the leak the re
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -223,25 +224,26 @@ def test_auto_packs_only_where_packing_is_the_faster_forward():
     (with the reason); forced true/false are kept as set."""
     from transformers import LlamaConfig, LlamaModel
 
+    from dflash_ipc.families import family_of
     from dflash_ipc.target.varlen import resolve_varlen
 
     qwen = build_target(TargetConfig(spec=tiny_spec(VOCAB), layer_ids=[0, 2], varlen="auto"), "cpu")
     assert qwen.varlen is False and not qwen._mixers
     assert "sdpa attention has no varlen kernel here" in qwen.varlen_reason and "GatedDeltaNet chunk=" in qwen.varlen_reason
-    on, why = resolve_varlen("auto", qwen.stack, "flex_attention")
+    on, why = resolve_varlen("auto", qwen.stack, "flex_attention", qwen.family)
     assert on is False and "sdpa" not in why and "GatedDeltaNet" in why  # CPU: no fla / causal-conv1d
     conf = LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
     )
-    llama = LlamaModel(conf)
-    assert resolve_varlen("auto", llama, "sdpa")[0] is False
-    assert resolve_varlen("auto", llama, "flex_attention") == (True, "auto: packed (attention: flex_attention)")
+    llama, family = LlamaModel(conf), family_of(conf)
+    assert resolve_varlen("auto", llama, "sdpa", family)[0] is False
+    assert resolve_varlen("auto", llama, "flex_attention", family) == (True, "auto: packed (attention: flex_attention)")
     # forced: the reason names what a packed row runs on (CPU: attention per document, padded)
-    assert resolve_varlen(True, llama, "sdpa") == (True, "target.varlen = true (attention: sdpa per document, padded)")
-    assert "GatedDeltaNet: each document padded inside the layer" in resolve_varlen(True, qwen.stack, "sdpa")[1]
-    assert resolve_varlen(False, llama, "flex_attention") == (False, "target.varlen = false")
+    assert resolve_varlen(True, llama, "sdpa", family) == (True, "target.varlen = true (attention: sdpa per document, padded)")
+    assert "GatedDeltaNet: each document padded inside the layer" in resolve_varlen(True, qwen.stack, "sdpa", qwen.family)[1]
+    assert resolve_varlen(False, llama, "flex_attention", family) == (False, "target.varlen = false")
     with pytest.raises(ValueError, match="true, false or 'auto'"):
-        resolve_varlen("yes", llama, "sdpa")
+        resolve_varlen("yes", llama, "sdpa", family)
 
 
 def _reference_per_document(q, k, v, lens):
@@ -256,21 +258,41 @@ def _reference_per_document(q, k, v, lens):
     return torch.cat(outs)
 
 
+def packed_row(lens: list[int], layer: torch.nn.Module, device: str = "cpu", use_kernel: bool = False):
+    """A PackedRow over documents of ``lens`` whose one attention layer is ``layer`` (plain causal attention)."""
+    from dflash_ipc.families import AttentionLayer
+    from dflash_ipc.target.packed_attention import PackedRow
+    from dflash_ipc.target.varlen import PackedDocs
+
+    docs = PackedDocs.build(lens, torch.device(device))
+    return PackedRow(
+        {layer: AttentionLayer("full")}, docs.cu_seqlens, docs.cu_seqlens_cpu, docs.position_ids.view(-1), docs.max_len, use_kernel
+    )
+
+
 def test_packed_attention_equals_each_document_alone():
     """sdpa's packed forward runs per document (here: padded per document, CPU), GQA included,
-    and refuses to run outside a packed forward."""
-    from dflash_ipc.target.packed_attention import packed_attention_forward
+    and refuses to run outside a packed forward or for a module it was not set up with."""
+    from dflash_ipc.target.packed_attention import packed_attention, packed_attention_forward
 
     lens = [1, 7, 2, 33, 4]
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(sum(lens), h, 16, generator=g) for h in (6, 2, 2))
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     as_layer = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, H, n, D] as transformers passes them
-    out, weights = packed_attention_forward(None, *as_layer, None, scaling=16**-0.5, cu_seq_lens_q=cu, max_length_q=max(lens))
+    layer, config = torch.nn.Identity(), SimpleNamespace(_attn_implementation="sdpa")
+    with packed_attention(config, packed_row(lens, layer)):
+        out, weights = packed_attention_forward(layer, *as_layer, None, scaling=16**-0.5)
+        with pytest.raises(ValueError, match="not an attention layer of the stack"):
+            packed_attention_forward(torch.nn.Identity(), *as_layer, None)
+        with pytest.raises(ValueError, match="does not know how to honour dropout_p"):
+            packed_attention_forward(layer, *as_layer, None, dropout_p=0.1)
+        with pytest.raises(ValueError, match="sliding_window 4"):
+            packed_attention_forward(layer, *as_layer, None, sliding_window=4)
     assert weights is None and out.shape == (1, sum(lens), 6, 16)
     assert (out[0] - _reference_per_document(q, k, v, lens)).abs().max().item() <= 1e-5
+    assert config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="packed forward"):
-        packed_attention_forward(None, *as_layer, None)
+        packed_attention_forward(layer, *as_layer, None)
 
 
 def test_sdpa_target_switches_attention_only_inside_the_packed_forward(llama_target):
@@ -297,16 +319,17 @@ def test_cuda_varlen_kernel_equals_padded_per_document():
     alone through sdpa in fp32; tolerance: bf16 rounding of the inputs and output (2e-2 abs)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from dflash_ipc.target.packed_attention import packed_attention_forward, varlen_kernel_usable
+    from dflash_ipc.target.packed_attention import packed_attention, packed_attention_forward, varlen_kernel_usable
 
     if not varlen_kernel_usable("cuda", torch.bfloat16):
         pytest.skip("this torch has no torch.nn.attention.varlen")
     lens = [1, 3, 700, 129, 64, 2000]
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(sum(lens), h, 256, generator=g) for h in (24, 4, 4))
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     as_layer = [t.cuda().to(torch.bfloat16).transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-    out, _ = packed_attention_forward(None, *as_layer, None, scaling=256**-0.5, cu_seq_lens_q=cu, max_length_q=max(lens))
+    layer = torch.nn.Identity()
+    with packed_attention(SimpleNamespace(_attn_implementation="sdpa"), packed_row(lens, layer, "cuda", use_kernel=True)):
+        out, _ = packed_attention_forward(layer, *as_layer, None, scaling=256**-0.5)
     ref = _reference_per_document(*(t.cuda() for t in (q, k, v)), lens)
     diff = (out[0].float() - ref).abs().max().item()
     print(f"varlen_attn bf16 vs per-document fp32 sdpa: max abs {diff:.4g}")

@@ -37,12 +37,20 @@ from torch import nn
 
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.devices import as_device, cuda_device, dtype_from_name
+from dflash_ipc.families import family_of
 from dflash_ipc.target.flops import forward_flops
 from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
 from dflash_ipc.target.fp8_merge import merge_sibling_linears
 from dflash_ipc.target.fused import fuse_elementwise, wants_fused_elementwise
-from dflash_ipc.target.packed_attention import packed_attention, register_packed_attention
-from dflash_ipc.target.varlen import PackedDocs, fla_packed_conv, install_document_reset, resolve_varlen, uses_packed_attention
+from dflash_ipc.target.packed_attention import PackedRow, packed_attention, register_packed_attention, varlen_kernel_usable
+from dflash_ipc.target.varlen import (
+    PackedDocs,
+    attention_modules,
+    fla_packed_conv,
+    install_document_reset,
+    resolve_varlen,
+    uses_packed_attention,
+)
 from dflash_ipc.target_spec.heads import derived_seed, target_head_weights
 from dflash_ipc.target_spec.hf_config import make_hf_config, resolve_layer_ids, text_config, truncated_spec_config
 
@@ -219,13 +227,15 @@ class TargetModel:
         stack.eval()
         stack.requires_grad_(False)
         self.attn_implementation = attn_implementation or str(getattr(text_config(hf_config), "_attn_implementation", None) or "sdpa")
-        self.varlen, self.varlen_reason = resolve_varlen(varlen, stack, self.attn_implementation)
+        self.family = family_of(hf_config)
+        self.varlen, self.varlen_reason = resolve_varlen(varlen, stack, self.attn_implementation, self.family)
         # after any weight init: the wrappers rename the GatedDeltaNet parameters (linear_attn.inner.*)
         self._mixers, self.linear_attention_kernels = install_document_reset(stack) if self.varlen else ([], False)
         # sdpa/eager over a packed row would attend across documents through a dense n x n mask
         self.packed_attention = self.varlen and uses_packed_attention(self.attn_implementation)
         if self.packed_attention:
             register_packed_attention()
+            self._attention_layers = attention_modules(stack, self.family)
 
     @property
     def num_layers_built(self) -> int:
@@ -262,9 +272,9 @@ class TargetModel:
         """Run the documents of ``input_ids`` (flat [n] or [1, n], back to back, lengths
         ``seq_lens``) as one packed row, no padding computed (see :mod:`~dflash_ipc.target.varlen`),
         and return the captured planes as [1, n, H] in the same order: the slot's layout."""
-        kwargs = self._packed_kwargs(input_ids, seq_lens)
+        kwargs, docs = self._packed_kwargs(input_ids, seq_lens)
         try:
-            with self._packed_attention():
+            with self._packed_attention(docs):
                 return self._run_captured(kwargs, capture_last_hidden)
         finally:
             for m in self._mixers:
@@ -273,20 +283,32 @@ class TargetModel:
     def forward_bare(self, input_ids: torch.Tensor, seq_lens: Sequence[int] | None = None) -> None:
         """The whole built stack without hooks or capture (the benchmark's ceiling): packed when
         ``seq_lens`` is given, else the right-padded [B, L] batch."""
-        kwargs = {"input_ids": input_ids.to(self.device)} if seq_lens is None else self._packed_kwargs(input_ids, seq_lens)
+        kwargs, docs = ({"input_ids": input_ids.to(self.device)}, None) if seq_lens is None else self._packed_kwargs(input_ids, seq_lens)
         try:
-            with torch.inference_mode(), self._packed_attention() if seq_lens is not None else contextlib.nullcontext():
+            with torch.inference_mode(), self._packed_attention(docs):
                 self.stack(**kwargs, use_cache=False)
         finally:
             for m in self._mixers:
                 m.set_docs(None)
 
-    def _packed_attention(self) -> contextlib.AbstractContextManager:
-        return packed_attention(self.stack.config) if self.packed_attention else contextlib.nullcontext()
+    def _packed_attention(self, docs: PackedDocs | None) -> contextlib.AbstractContextManager:
+        """The attention layers of one forward over ``docs`` through the packed attention (a padded forward,
+        ``docs`` None, or attention on transformers' own varlen path: unchanged)."""
+        if docs is None or not self.packed_attention:
+            return contextlib.nullcontext()
+        row = PackedRow(
+            layers=self._attention_layers,
+            cu_seqlens=docs.cu_seqlens,
+            cu_seqlens_cpu=docs.cu_seqlens_cpu,
+            positions=docs.position_ids.view(-1),
+            max_len=docs.max_len,
+            use_kernel=varlen_kernel_usable(self.device, self.dtype),
+        )
+        return packed_attention(self.stack.config, row)
 
-    def _packed_kwargs(self, input_ids: torch.Tensor, seq_lens: Sequence[int]) -> dict[str, Any]:
-        """Stack-forward kwargs for one packed row; arms the GatedDeltaNet wrappers (the caller
-        disarms them)."""
+    def _packed_kwargs(self, input_ids: torch.Tensor, seq_lens: Sequence[int]) -> tuple[dict[str, Any], PackedDocs]:
+        """Stack-forward kwargs for one packed row, and its documents; arms the GatedDeltaNet wrappers (the
+        caller disarms them)."""
         if not self.varlen:
             raise ValueError("a packed forward needs a target built with varlen=True (config target.varlen)")
         ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
@@ -302,7 +324,7 @@ class TargetModel:
         kwargs.update(docs.attention_kwargs(self.attn_implementation))  # cu_seqlens for flash / packed attention
         for m in self._mixers:
             m.set_docs(docs, padded_index, fla_conv)
-        return kwargs
+        return kwargs, docs
 
     def _run_captured(self, forward_kwargs: dict[str, Any], capture_last_hidden: bool | None) -> list[torch.Tensor]:
         last = self.capture_last_hidden if capture_last_hidden is None else bool(capture_last_hidden)
@@ -314,7 +336,7 @@ class TargetModel:
 
         def make_hook(j: int, layer_id: int):
             def hook(module, args, output):
-                slots[j] = output[0] if isinstance(output, (tuple, list)) else output
+                slots[j] = self.family.captured(output)
                 if layer_id == stop_at:
                     raise _StopForward
 

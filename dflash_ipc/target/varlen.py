@@ -38,8 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_ipc.families import AttentionLayer, DecoderFamily
 from dflash_ipc.target.fast_path import impl_origin, resolve_impl
-from dflash_ipc.target.packed_attention import PACKED_ATTENTION, varlen_kernel_usable
+from dflash_ipc.target.packed_attention import PACKED_ATTENTION, varlen_kernel_usable, varlen_lse_available
 from dflash_ipc.target.packing import real_token_index
 
 __all__ = [
@@ -49,6 +50,9 @@ __all__ = [
     "gated_delta_net_kernels",
     "fla_packed_conv",
     "packed_conv_kernel",
+    "attention_modules",
+    "packed_attention_kernel",
+    "plan_packed_attention",
     "resolve_varlen",
     "uses_packed_attention",
 ]
@@ -189,32 +193,62 @@ def _layer_conv(layer: nn.Module, conv: Callable[..., torch.Tensor]) -> Iterator
         mod.causal_conv1d_fn = before
 
 
-def resolve_varlen(setting: bool | str, stack: nn.Module, attn_implementation: str) -> tuple[bool, str]:
+def packed_attention_kernel(attn_implementation: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """The kernel a packed row's attention runs on (one of :data:`~dflash_ipc.families.PACKED_KERNELS`):
+    transformers' own varlen path for flash/flex, else torch's varlen kernel where it runs (CUDA, bf16/fp16),
+    else the per-document reference of :mod:`~dflash_ipc.target.packed_attention`."""
+    if attn_implementation in _VARLEN_ATTENTION:
+        return attn_implementation
+    return "varlen_attn" if varlen_kernel_usable(device, dtype) else "reference"
+
+
+def plan_packed_attention(setting: bool | str, family: DecoderFamily, attn_implementation: str, device, dtype) -> tuple[bool, str]:
+    """Whether the attention layers let a packed row run (``target.varlen``: true, false or "auto"), and why.
+
+    "auto" packs where the kernel reproduces every attention layer of the family exactly and runs on
+    varlen kernels (the per-document reference is exact but slower than padding). ``true`` refuses a
+    (family, kernel) pair that is not exact, naming what is missing; ``false`` never packs. Called by the
+    target when it is built and by the preflight (check-config, before any process starts)."""
+    if not isinstance(setting, bool) and setting != "auto":
+        raise ValueError(f"target.varlen must be true, false or 'auto' (got {setting!r})")
+    if setting is False:
+        return False, "target.varlen = false"
+    kernel = packed_attention_kernel(attn_implementation, device, dtype)
+    has_attention = any(spec.kind != "linear" for spec in family.attention_layers)
+    problems = family.packed_problems(kernel, lse=varlen_lse_available()) if has_attention else []
+    if problems:
+        why = f"the packed {kernel} attention cannot reproduce {family.name} exactly: {'; '.join(problems)}"
+        if setting is True:
+            raise ValueError(f'target.varlen = true: {why}; set target.varlen = "auto" (the padded forward) or false')
+        return False, f"auto: padded, {why}"
+    if not has_attention:
+        return True, ""
+    how = f"torch varlen_attn via {PACKED_ATTENTION}" if kernel == "varlen_attn" else kernel
+    if kernel == "reference":
+        if setting is True:
+            return True, f"attention: {attn_implementation} per document, padded"
+        no_kernel = "(torch's varlen_attn needs CUDA and bf16/fp16)"
+        return False, f"auto: padded, {attn_implementation} attention has no varlen kernel here {no_kernel}"
+    features = family.attention_features()
+    return True, f"attention: {how}" + (f" ({', '.join(features)})" if features else "")
+
+
+def resolve_varlen(setting: bool | str, stack: nn.Module, attn_implementation: str, family: DecoderFamily) -> tuple[bool, str]:
     """Whether the packed forward runs, and why, naming the kernels a packed row runs on
     (``target.varlen``: true, false or "auto").
 
-    "auto" packs wherever the packed forward runs on varlen kernels: every full-attention layer
-    on one (flash-attention's, flex's block mask, or for sdpa/eager torch's varlen flash kernel
-    through :mod:`~dflash_ipc.target.packed_attention`, which needs CUDA and bf16/fp16), and every
-    GatedDeltaNet on fla's chunk kernel with a varlen conv (:func:`packed_conv_kernel`: fla's own
-    Triton conv is enough, causal-conv1d is used when present). Without them each document would
-    run padded inside that layer, or attend through a dense block-diagonal mask, and packing was
-    measured slower than padding (docs/BENCHMARKS.md)."""
-    if not isinstance(setting, bool) and setting != "auto":
-        raise ValueError(f"target.varlen must be true, false or 'auto' (got {setting!r})")
-    layers = list(getattr(stack, "layers", []))
-    why_padded, kernels_used = [], []
+    The attention layers as :func:`plan_packed_attention` decides; every GatedDeltaNet on fla's chunk
+    kernel with a varlen conv (:func:`packed_conv_kernel`: fla's own Triton conv is enough, causal-conv1d is
+    used when present). Without them each document would run padded inside that layer, or attend through a
+    dense block-diagonal mask, and packing was measured slower than padding (docs/BENCHMARKS.md)."""
     param = next(stack.parameters(), None)
-    kernel = param is not None and varlen_kernel_usable(param.device, param.dtype)
-    attention_ok = attn_implementation in _VARLEN_ATTENTION or (uses_packed_attention(attn_implementation) and kernel)
-    if any(getattr(layer, "self_attn", None) is not None for layer in layers):
-        if attention_ok:
-            how = f"torch varlen_attn via {PACKED_ATTENTION}" if uses_packed_attention(attn_implementation) else attn_implementation
-            kernels_used.append(f"attention: {how}")
-        else:
-            why_padded.append(f"{attn_implementation} attention has no varlen kernel here (torch's varlen_attn needs CUDA and bf16/fp16)")
-            kernels_used.append(f"attention: {attn_implementation} per document, padded")
-    linear = [layer.linear_attn for layer in layers if getattr(layer, "linear_attn", None) is not None]
+    device, dtype = (param.device, param.dtype) if param is not None else ("cpu", torch.float32)
+    packs, attention_how = plan_packed_attention(setting, family, attn_implementation, device, dtype)
+    if setting is False:
+        return False, attention_how
+    why_padded = [attention_how.removeprefix("auto: padded, ")] if not packs else []
+    kernels_used = [attention_how] if packs and attention_how else []
+    linear = [layer.linear_attn for layer in getattr(stack, "layers", []) if getattr(layer, "linear_attn", None) is not None]
     if linear:
         inner = linear[0].inner if isinstance(linear[0], DocumentResetMixer) else linear[0]
         kernels = gated_delta_net_kernels(inner)
@@ -224,11 +258,23 @@ def resolve_varlen(setting: bool | str, stack: nn.Module, attn_implementation: s
             kernels_used.append("GatedDeltaNet: each document padded inside the layer")
         else:
             kernels_used.append(f"GatedDeltaNet: fla chunk_gated_delta_rule(cu_seqlens) + {_KERNEL_NAMES[conv]}")
-    if isinstance(setting, bool):
-        return setting, f"target.varlen = {str(setting).lower()}" + (f" ({'; '.join(kernels_used)})" if setting and kernels_used else "")
+    if setting is True:
+        return True, "target.varlen = true" + (f" ({'; '.join(kernels_used)})" if kernels_used else "")
     if why_padded:
         return False, "auto: padded, " + "; ".join(why_padded)
     return True, f"auto: packed ({'; '.join(kernels_used)})"
+
+
+def attention_modules(stack: nn.Module, family: DecoderFamily) -> dict[nn.Module, AttentionLayer]:
+    """Each attention module of ``stack`` (a decoder layer's ``self_attn``) -> its layer's traits, what the
+    packed attention looks a call's layer up by."""
+    out: dict[nn.Module, AttentionLayer] = {}
+    for i, layer in enumerate(stack.layers):
+        spec = family.attention_layers[i]
+        attention = getattr(layer, "self_attn", None)
+        if spec.kind != "linear" and attention is not None:
+            out[attention] = spec
+    return out
 
 
 class DocumentResetMixer(nn.Module):
