@@ -62,6 +62,9 @@ def _configs() -> dict[str, Callable[[], Any]]:
         "gemma3": lambda: T.Gemma3TextConfig(
             intermediate_size=128, head_dim=16, sliding_window=WINDOW, layer_types=_SLIDING_FULL, final_logit_softcapping=30.0, **_COMMON
         ),
+        "gemma2": lambda: T.Gemma2Config(
+            intermediate_size=128, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **_COMMON
+        ),
         "gpt_oss": lambda: T.GptOssConfig(
             intermediate_size=64, num_local_experts=4, head_dim=16, sliding_window=WINDOW, layer_types=_SLIDING_FULL, **_MOE, **_COMMON
         ),
