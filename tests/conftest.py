@@ -32,7 +32,7 @@ import socket
 import subprocess
 import sys
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -427,3 +427,13 @@ def tiny_llama(tmp_path_factory):
     torch.manual_seed(0)
     LlamaForCausalLM(conf).save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
+    """``family_checkpoint(name)``: the directory of family ``name``'s tiny checkpoint (tests/families/family_zoo.py),
+    built once per pytest worker, on first use."""
+    from family_zoo import build_checkpoint  # tests/families is on sys.path once one of its modules is collected
+
+    root = tmp_path_factory.mktemp("families")
+    return lambda name: build_checkpoint(name, root)

@@ -47,8 +47,9 @@ class TargetConfig:
     spread of ``num_capture_layers`` layers from 1 to L-3."""
     num_capture_layers: int = 5
     """How many layers the default spread captures (when ``layer_ids`` is empty)."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
-    """The target's attention kernels (transformers' ``attn_implementation``)."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = "auto"
+    """The target's attention kernels (transformers' ``attn_implementation``). "auto": sdpa where transformers
+    supports it for the target's family, else eager (gpt-oss); a named one the family lacks is refused."""
     capture_last_hidden: bool = False
     """Also ship the target's final (normed) hidden state, needed by ``training.kl_weight`` > 0."""
     async_pack: bool = True

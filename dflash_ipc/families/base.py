@@ -186,6 +186,20 @@ class DecoderFamily:
             supported.append("flex_attention")
         return tuple(supported)
 
+    def attention_implementation(self, requested: str) -> str:
+        """The ``attn_implementation`` to build the target with for ``target.attn_implementation = requested``:
+        "auto" takes sdpa where transformers supports it for this family, else eager (gpt-oss); a named one
+        this family's transformers class does not support is refused naming the key."""
+        supported = self.attention_implementations()
+        if requested == "auto":
+            return "sdpa" if "sdpa" in supported else "eager"
+        if requested not in supported:
+            raise ValueError(
+                f"transformers has no {requested} attention for {self.name} (it supports {', '.join(supported)}): "
+                f'set target.attn_implementation = "auto" or one of those'
+            )
+        return requested
+
     def packed_problems(self, kernel: str, *, lse: bool = True) -> list[str]:
         """Why a packed forward on ``kernel`` (one of :data:`PACKED_KERNELS`) would not equal this family's
         padded forward; empty when it would. ``lse``: the varlen kernel can return its log-sum-exp (sinks need it)."""

@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, blame_sets, load_config
 from dflash_ipc.config.topology import valid_device
+from dflash_ipc.runtime.family_check import check_target_family
 from dflash_ipc.runtime.resume_check import check_resume_checkpoints, check_resume_config
 from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
 
@@ -298,7 +299,7 @@ def _check_model(cfg: DFlashConfig) -> None:
         hf_config, shape_key = _checkpoint_config(src, target.model_path), "target.model_path"
     else:
         hf_config, shape_key = _spec_config(src, target.spec, len(tokenizer), target.attn_implementation), "target.spec"
-    check_attn_implementation(src, target.attn_implementation, hf_config)
+    check_target_family(cfg, hf_config)
     tc = text_config(hf_config)
     n_layers, vocab, hidden = int(tc.num_hidden_layers), int(tc.vocab_size), int(tc.hidden_size)
     t_heads = int(tc.num_attention_heads)
@@ -413,45 +414,6 @@ def check_memory(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafte
     except (OSError, ValueError, RuntimeError) as e:  # a shape too large to build, unreadable weights
         _fail(cfg.source, "target.model_path" if cfg.target.model_path else "target.spec", f"cannot size the target: {e}")
     resources.check_fits(cfg, needs, available if available is not None else resources.measure_available(cfg))
-
-
-def check_attn_implementation(source: str, implementation: str, hf_config: Any) -> None:
-    """``target.attn_implementation`` against this transformers (does the model class have it?) and this machine
-    (is flash_attn installed, does this torch have flex attention?): else every target fails while loading."""
-    if implementation in ("sdpa", "eager"):
-        return
-    import transformers
-    from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
-
-    key, flash = "target.attn_implementation", implementation == "flash_attention_2"
-    model_class = _target_model_class(hf_config)
-    if model_class is not None and not getattr(model_class, "_supports_flash_attn" if flash else "_supports_flex_attn", False):
-        name = model_class.__name__
-        _fail(source, key, f'transformers {transformers.__version__} has no {implementation} for {name}; use "sdpa"')
-    if flash and not is_flash_attn_2_available():
-        _fail(
-            source,
-            key,
-            'needs the flash_attn package and a CUDA device, and flash_attn does not import here; pip install flash-attn or use "sdpa"',
-        )
-    if not flash and not is_torch_flex_attn_available():
-        _fail(source, key, 'this torch has no flex attention; use "sdpa"')
-
-
-def _target_model_class(hf_config: Any) -> Any:
-    """The class transformers builds the target with (Qwen3_5TextModel for a spec), or None if it does not say."""
-    from transformers import Qwen3_5TextConfig
-
-    if isinstance(hf_config, Qwen3_5TextConfig):
-        from transformers import Qwen3_5TextModel
-
-        return Qwen3_5TextModel
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
-    except (KeyError, ValueError):
-        return None
 
 
 def _checkpoint_config(source: str, model_path: str) -> Any:

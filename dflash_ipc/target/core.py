@@ -359,7 +359,7 @@ class TargetCore:
         """The forward's kernels, for the start-up log."""
         fp = self.fast_path
         if not fp.get("gated_delta_net_layers"):  # e.g. a Llama target: no linear-attention layers
-            return f"{type(self.model.stack).__name__}, attention {self.cfg.target.attn_implementation}"
+            return f"{type(self.model.stack).__name__}, attention {self.model.attn_implementation}"
         fla = "active" if fp.get("fla") else "NOT active (slow torch fallback)"
         conv = "active" if fp.get("causal_conv1d") else "not active (torch conv fallback)"
         return f"GatedDeltaNet kernels: flash-linear-attention {fla}, causal-conv1d {conv} ({fp.get('implementations')})"

@@ -106,7 +106,9 @@ def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> Ta
     dtype = dtype_from_name(cfg.dtype)
     if cfg.model_path:
         return _build_from_checkpoint(cfg, device, dtype)
-    hf_config = make_hf_config(cfg.spec, vocab_size, cfg.attn_implementation)
+    hf_config = make_hf_config(cfg.spec, vocab_size)
+    attention = family_of(hf_config).attention_implementation(cfg.attn_implementation)
+    hf_config._attn_implementation = attention
     n_layers = int(hf_config.num_hidden_layers)
     layer_ids = resolve_layer_ids(cfg, n_layers)
     n_build = n_layers if cfg.capture_last_hidden else max(layer_ids) + 1
@@ -116,17 +118,17 @@ def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> Ta
     from transformers import Qwen3_5TextModel
 
     with torch.device(device):
-        stack = Qwen3_5TextModel._from_config(build_conf, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        stack = Qwen3_5TextModel._from_config(build_conf, dtype=dtype, attn_implementation=attention)
     stack.to(device)
     _deterministic_init(stack, cfg.random_init_seed, float(getattr(hf_config, "initializer_range", 0.02)))
     embed, _ = target_head_weights(cfg, hf_config, device, dtype)
     with torch.no_grad():
         stack.embed_tokens.weight.copy_(embed)
     del embed
-    return _target_model(cfg, stack, hf_config, layer_ids, device, dtype)
+    return _target_model(cfg, stack, hf_config, layer_ids, device, dtype, attention)
 
 
-def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids: list[int], device, dtype) -> TargetModel:
+def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids: list[int], device, dtype, attention: str) -> TargetModel:
     compile_kernels = wants_fused_elementwise(cfg.fuse_elementwise, device)
     if cfg.quantization == "fp8":
         apply_fp8(stack, device, dtype, compile_quantizer=compile_kernels)
@@ -141,7 +143,7 @@ def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids
         dtype,
         capture_last_hidden=cfg.capture_last_hidden,
         varlen=cfg.varlen,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=attention,
         fused_elementwise=fused,
     )
 
@@ -172,7 +174,8 @@ def _build_from_checkpoint(cfg: TargetConfig, device: torch.device, dtype: torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(cfg.model_path)
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.attn_implementation}
+    attention = family_of(hf_config).attention_implementation(cfg.attn_implementation)
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attention}
     move_after = False
     if device.type != "cpu":
         if importlib.util.find_spec("accelerate") is not None:
@@ -194,7 +197,7 @@ def _build_from_checkpoint(cfg: TargetConfig, device: torch.device, dtype: torch
         stack.to(device)
     if getattr(stack, "config", None) is not None:
         stack.config.use_cache = False
-    return _target_model(cfg, stack, hf_config, layer_ids, device, dtype)
+    return _target_model(cfg, stack, hf_config, layer_ids, device, dtype, attention)
 
 
 # --------------------------------------------------------------------------- the model

@@ -178,7 +178,7 @@ def make_hf_config(spec: dict[str, Any], vocab_size: int | None = None, attn_imp
         spec["vocab_size"] = int(vocab_size)
     spec.setdefault("use_cache", False)
     conf = Qwen3_5TextConfig(**spec)
-    if attn_implementation is not None:
+    if attn_implementation not in (None, "auto"):  # "auto": the target's builder chooses (families.DecoderFamily.attention_implementation)
         conf._attn_implementation = attn_implementation
     return conf
 

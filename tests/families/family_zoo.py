@@ -189,3 +189,40 @@ def build_checkpoint(name: str, root: Path, seed: int = 0) -> Path:
 
 def model_type(path: Path) -> str:
     return str(json.loads((Path(path) / "config.json").read_text())["model_type"])
+
+
+def _vision_wrapper_configs() -> dict[str, Callable[[], Any]]:
+    import transformers as T
+
+    return {
+        "qwen3_5": lambda: T.Qwen3_5Config(
+            text_config=family_config("qwen3_5").to_dict(),
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4),
+        ),
+        "gemma3": lambda: T.Gemma3Config(
+            text_config=family_config("gemma3").to_dict(),
+            vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+            ),
+            mm_tokens_per_image=4,
+        ),
+    }
+
+
+VISION_WRAPPED: tuple[str, ...] = tuple(_vision_wrapper_configs())
+
+
+def build_vision_wrapped_checkpoint(name: str, root: Path, seed: int = 0) -> Path:
+    """``root/name-vl``: family ``name``'s text model inside its image-text ``*ForConditionalGeneration`` wrapper
+    (a one-layer vision tower), as multimodal checkpoints ship, with the built-in tokenizer beside it."""
+    from transformers import AutoModelForImageTextToText
+
+    from dflash_ipc.data.tokenizer import build_builtin_tokenizer
+
+    out = Path(root) / f"{name}-vl"
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(_vision_wrapper_configs()[name]()).save_pretrained(out)
+    build_builtin_tokenizer().save_pretrained(out)
+    return out

@@ -468,18 +468,24 @@ def test_cli_check_config_checks_the_model(tmp_path):
 
 def test_attention_implementations_checked_against_what_is_installed():
     """flash_attention_2 where flash_attn does not import (this CPU machine) is refused before spawn; flex_attention
-    is refused for a model class transformers has none for (Qwen3.5) and passes for one it has (Llama)."""
-    from transformers import LlamaConfig
+    is refused for a model class transformers has none for (Qwen3.5) and passes for one it has (Llama); sdpa for a
+    family transformers runs without it (gpt-oss) is refused and "auto" picks eager there."""
+    from transformers import GptOssConfig, LlamaConfig
     from transformers.utils import is_flash_attn_2_available
 
-    from dflash_ipc.runtime.preflight import check_attn_implementation
+    from dflash_ipc.families import family_of
+    from dflash_ipc.runtime.family_check import check_attn_implementation
     from dflash_ipc.target_spec.hf_config import make_hf_config, tiny_spec
 
-    qwen = make_hf_config(tiny_spec(512))
+    qwen = family_of(make_hf_config(tiny_spec(512)))
     if not is_flash_attn_2_available():
         with pytest.raises(ConfigError, match=r"^f\.toml: target\.attn_implementation: needs the flash_attn package"):
             check_attn_implementation("f.toml", "flash_attention_2", qwen)
-    with pytest.raises(ConfigError, match=r"no flex_attention for Qwen3_5TextModel"):
+    with pytest.raises(ConfigError, match=r"target\.attn_implementation: transformers has no flex_attention attention for qwen3_5_text"):
         check_attn_implementation("f.toml", "flex_attention", qwen)
-    check_attn_implementation("f.toml", "flex_attention", LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1))
-    check_attn_implementation("f.toml", "sdpa", qwen)
+    assert check_attn_implementation("f.toml", "flex_attention", family_of(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1)))
+    assert check_attn_implementation("f.toml", "sdpa", qwen) == check_attn_implementation("f.toml", "auto", qwen) == "sdpa"
+    gpt_oss = family_of(GptOssConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    with pytest.raises(ConfigError, match=r"no sdpa attention for gpt_oss \(it supports eager, flash_attention_2"):
+        check_attn_implementation("f.toml", "sdpa", gpt_oss)
+    assert check_attn_implementation("f.toml", "auto", gpt_oss) == "eager"
