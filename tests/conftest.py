@@ -433,7 +433,15 @@ def tiny_llama(tmp_path_factory):
 def family_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
     """``family_checkpoint(name)``: the directory of family ``name``'s tiny checkpoint (tests/families/family_zoo.py),
     built once per pytest worker, on first use."""
+    import transformers
     from family_zoo import build_checkpoint  # tests/families is on sys.path once one of its modules is collected
 
     root = tmp_path_factory.mktemp("families")
-    return lambda name: build_checkpoint(name, root)
+
+    def checkpoint(name: str) -> Path:
+        try:
+            return build_checkpoint(name, root)
+        except AttributeError as e:  # a family newer than this transformers (the GPU image pins an older one)
+            pytest.skip(f"transformers {transformers.__version__} cannot build {name}: {e}")
+
+    return checkpoint
