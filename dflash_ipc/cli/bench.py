@@ -171,3 +171,32 @@ def bench_pipeline_cmd(
         click.echo(f"error: {blame_sets(e, set_values)}", err=True)
         sys.exit(2)
     click.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
+
+
+@bench.command("family-forward")
+@click.option("--shapes", default="gpt-oss-20b,qwen3.6-35b-a3b,gemma-3-27b,llama-3.1-8b", show_default=True, help="Comma-separated shapes.")
+@click.option("--device", default="cuda:0", show_default=True)
+@click.option("--batches", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option("--batch-tokens", type=click.IntRange(64), default=16384, show_default=True, help="Real tokens per batch (about).")
+@click.option("--min-len", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--max-len", type=click.IntRange(1), default=4096, show_default=True)
+@click.option("--peak-tflops", type=float, default=790.0, show_default=True)
+@click.option("--out", "out_path", default="", help="Also write the rows here (JSON lines, one per shape, as each ends).")
+def bench_family_forward_cmd(shapes, device, batches, batch_tokens, min_len, max_len, peak_tflops, out_path) -> None:
+    """The target's capture forward per family at published shapes with random weights: padded vs packed,
+    tokens/s, MFU and their agreement (dflash_ipc/bench/family_forward.py)."""
+    check_device_option("--device", device, "cuda:0", "the default")
+    from dflash_ipc.bench.family_forward import measure_shape
+
+    for name in [s.strip() for s in shapes.split(",") if s.strip()]:
+        try:
+            row = measure_shape(
+                name, device, lengths=(min_len, max_len), batch_tokens=batch_tokens, batches=batches, peak_tflops=peak_tflops
+            )
+        except (ValueError, RuntimeError) as e:  # one shape's failure (out of memory, a missing kernel) leaves the others
+            row = {"shape": name, "error": f"{type(e).__name__}: {e}"}
+        line = json.dumps(row)
+        click.echo(line)
+        if out_path:
+            with open(out_path, "a") as f:
+                f.write(line + "\n")

@@ -128,6 +128,16 @@ def build_target(cfg: TargetConfig, device, vocab_size: int | None = None) -> Ta
     return _target_model(cfg, stack, hf_config, layer_ids, device, dtype, attention)
 
 
+def target_from_stack(cfg: TargetConfig, stack: nn.Module, hf_config: Any, device) -> TargetModel:
+    """A decoder stack built elsewhere (a benchmark's random-weight model at a published shape) as the target of
+    ``cfg``: its capture layers, precision levers and packed forward as :func:`build_target` would set them."""
+    device = as_device(device)
+    attention = family_of(hf_config).attention_implementation(cfg.attn_implementation)
+    if getattr(stack, "config", None) is not None:
+        stack.config.use_cache = False
+    return _target_model(cfg, stack, hf_config, resolve_layer_ids(cfg, len(stack.layers)), device, dtype_from_name(cfg.dtype), attention)
+
+
 def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids: list[int], device, dtype, attention: str) -> TargetModel:
     compile_kernels = wants_fused_elementwise(cfg.fuse_elementwise, device)
     if cfg.quantization == "fp8":
