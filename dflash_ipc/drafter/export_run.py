@@ -30,6 +30,9 @@ class ExportResult:
     client: str
     commands: dict[str, str]
     notes: list[str] = field(default_factory=list)
+    # the tau these weights reached, and whether it is worth serving (control/drafter_tau.py); None: not measured
+    drafter_tau: dict | None = None
+    drafter_tau_line: str = ""
 
     def to_json(self) -> dict:
         return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
@@ -84,7 +87,8 @@ def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", dev
         model.load_state_dict({k: v.to(torch.device(device)) for k, v in ckpt.model_state.items()}, strict=True)
     except RuntimeError as e:
         raise ValueError(f"{ckpt.path}: its weights do not fit the drafter its config describes: {str(e)[:400]}") from None
-    path = export_drafter(model, out, chat_template_kwargs=cfg.chat_template.kwargs, client=client)
+    tau = checkpoint_drafter_tau(ckpt)
+    path = export_drafter(model, out, chat_template_kwargs=cfg.chat_template.kwargs, client=client, drafter_tau=tau)
     notes = [*ckpt.notes, *client_notes(model.config)]
     if not cfg.target.model_path:
         notes.append(f"the run's target is a random spec (no target.model_path): {TARGET_PLACEHOLDER} in the commands stands for it")
@@ -92,7 +96,34 @@ def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", dev
     if speculators is not None:
         notes.append(speculators)
     commands = render_serving_commands(path, model.config, serving_target(cfg), client)
-    return ExportResult(path, ckpt.path, ckpt.step, client, commands, notes)
+    line = tau.describe() if tau is not None else f"no tau recorded with this checkpoint: measure it with {eval_command(run_dir, path)}"
+    return ExportResult(path, ckpt.path, ckpt.step, client, commands, notes, tau.metadata() if tau else None, line)
+
+
+def checkpoint_drafter_tau(ckpt):
+    """The τ a checkpoint's weights reached (its meta's extra.drafter_tau), None when it recorded none."""
+    from dflash_ipc.control.drafter_tau import DrafterTau
+    from dflash_ipc.control.wire import ProtocolError, from_wire
+
+    raw = ckpt.extra.get("drafter_tau")
+    try:
+        return from_wire(DrafterTau, raw, "extra.drafter_tau") if raw is not None else None
+    except ProtocolError:
+        return None  # written by another version: measured again by eval, never guessed
+
+
+def eval_command(run_dir: Path, export_dir: Path) -> str:
+    """The `dflash-ipc eval` command that measures an export's τ, with the run's config file where the run recorded it."""
+    import json
+    import shlex
+
+    from dflash_ipc.config import RESOLVED_CONFIG_FILE
+
+    try:
+        config = json.loads((run_dir / RESOLVED_CONFIG_FILE).read_text())["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        config = "CONFIG"
+    return f"dflash-ipc eval --config {shlex.quote(str(config))} --drafter {shlex.quote(str(export_dir))} --n 16"
 
 
 def client_notes(config: DrafterModelConfig) -> list[str]:

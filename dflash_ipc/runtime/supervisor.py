@@ -562,6 +562,7 @@ class Supervisor:
             node=self.node_group.status(),
             supervisor_rejected_by_kind=dict(self.rejects.by_kind),
             end_reason=self.end_reason if self.state in ENDED_STATES else None,
+            drafter_tau=self._summary.drafter_tau if self._summary is not None and self.state in ENDED_STATES else None,
         )
 
     def _write_status(self) -> None:
