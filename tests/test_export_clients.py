@@ -24,6 +24,7 @@ from dflash_ipc.drafter.export import CLIENTS, D2T_TENSOR, HEAD_TENSOR, MODELING
 from dflash_ipc.drafter.serving import ENGINES_BY_CLIENT, EXAMPLE_MAX_NEW_LINE, EXAMPLE_MESSAGES_LINE
 
 zl = pytest.importorskip("dflash.model", reason="z-lab's dflash (the test extra) is not installed")
+ZLAB_CUDA_TIME = zl._cuda_time  # z-lab's own timer (torch.cuda.synchronize()): a CPU run replaces it
 
 N_PROMPTS, MAX_NEW, DRAFT_ROWS, STEPS = 16, 24, 256, 40
 
@@ -240,7 +241,7 @@ def _run_printed_route(snippet: str, cfg, messages: list[dict]) -> tuple[list[in
 
 
 @pytest.mark.parametrize("route", ["zlab", "automodel"])
-def test_the_printed_python_route_runs_as_printed_and_decodes_at_evals_tau(trained, target, eval_report, route, capsys):
+def test_the_printed_python_route_runs_as_printed_and_decodes_at_evals_tau(trained, target, eval_report, route, capsys, monkeypatch):
     """z-lab's route reads the sglang layout as z-lab's class does (the whole head), the AutoModel route the
     zlab layout over its reduced head; eval decodes the same export, so both count the same τ."""
     from dflash_ipc.data.readers import iter_records, prompt_messages
@@ -249,7 +250,7 @@ def test_the_printed_python_route_runs_as_printed_and_decodes_at_evals_tau(train
     greedy = target[3]
     layout = "sglang" if route == "zlab" else "zlab"
     snippet = outs[layout][1][route]
-    zl._cuda_time = time.perf_counter  # z-lab times with torch.cuda.synchronize(); none on a CPU
+    monkeypatch.setattr(zl, "_cuda_time", ZLAB_CUDA_TIME)  # as installed: the printed lines must run on this CPU themselves
     # eval's prompts (no --prompts): the first user turns of data.paths' chat records, in order
     records = iter_records(list(cfg.data.paths), cfg.data.builtin_samples, cfg.data.max_seq_len)
     chats = [m for m in (prompt_messages(rec) for _, rec in records) if m is not None][:N_PROMPTS]

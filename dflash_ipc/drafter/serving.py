@@ -165,15 +165,16 @@ def _python_route(head: str, load_draft: list[str], decode: list[str], target: S
             head,
             "import torch",
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "device = 'cuda' if torch.cuda.is_available() else 'cpu'",
             "dtype = torch.float32  # one dtype for target and drafter (bfloat16 on a GPU for speed; float32 decodes as eval)",
-            f"target = AutoModelForCausalLM.from_pretrained({target.name!r}, dtype=dtype).eval()",
+            f"target = AutoModelForCausalLM.from_pretrained({target.name!r}, dtype=dtype).to(device).eval()",
             *load_draft,
             *tokenizer,
             f"stop_token_ids = {list(target.stop_token_ids)}  # eval's: end of turn, end of text, the model's eos",
             EXAMPLE_MESSAGES_LINE,
             EXAMPLE_MAX_NEW_LINE,
             f"text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True{kwargs})",
-            "input_ids = tok(text, add_special_tokens=False, return_tensors='pt').input_ids",
+            "input_ids = tok(text, add_special_tokens=False, return_tensors='pt').input_ids.to(device)",
             *decode,
             "print(tok.decode(output_ids[0, input_ids.shape[1]:]))",
             "print('tau', round(sum(steps) / max(1, len(steps)), 4))  # tokens per verification step, as `dflash-ipc eval` counts",
@@ -186,8 +187,12 @@ def _zlab(drafter: str, config: DrafterModelConfig, target: ServingTarget, clien
     return _python_route(
         f"# {SUPPORTED['zlab']}: its own DFlashDraftModel and decoding loop; drafts over the target's whole head",
         [
+            "import dflash.model",
             "from dflash.model import DFlashDraftModel, dflash_generate",
-            f"draft = DFlashDraftModel.from_pretrained({drafter!r}, dtype=dtype).eval()",
+            "if device == 'cpu':  # z-lab's loop times its steps with torch.cuda.synchronize(), which a CPU cannot run",
+            "    import time",
+            "    dflash.model._cuda_time = time.perf_counter",
+            f"draft = DFlashDraftModel.from_pretrained({drafter!r}, dtype=dtype).to(device).eval()",
         ],
         [
             "# z-lab's loop drafts a shorter block where max_new_tokens ends inside one; a block more lets it draft whole",
@@ -209,7 +214,7 @@ def _automodel(drafter: str, config: DrafterModelConfig, target: ServingTarget, 
         f"# {SUPPORTED['automodel']}: the export's own modeling code (trust_remote_code); drafts over {_head_text(config, client)}",
         [
             "from transformers import AutoModel",
-            f"draft = AutoModel.from_pretrained({drafter!r}, trust_remote_code=True, dtype=dtype).eval()",
+            f"draft = AutoModel.from_pretrained({drafter!r}, trust_remote_code=True, dtype=dtype).to(device).eval()",
         ],
         [
             "output_ids = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=max_new_tokens, "
