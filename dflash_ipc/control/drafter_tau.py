@@ -48,7 +48,7 @@ class DrafterTau(Struct):
         """The figure and what it was measured on."""
         if self.measured_on == "held-out":
             return f"held-out tau {self.tau:.2f} at step {self.step}"
-        return f"training tau {self.tau:.2f} at step {self.step} (no held-out tau measured; training tau overstates it)"
+        return f"training tau {self.tau:.2f} at step {self.step} (no held-out tau measured)"  # it overstates held-out tau
 
     def describe(self) -> str:
         """:meth:`figure`, and the warning when it is under WORTH_SERVING_TAU."""
