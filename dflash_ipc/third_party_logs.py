@@ -6,7 +6,9 @@ machine cannot load (dflash-ipc uses none of them: float8 training runs on torch
 without triton, that its integer matmul kernels will not work; and
 torch's pytree registry logs a deprecation note per enum torchao registers. Left alone they print ahead
 of a process's own first line, e.g. before the error a refused config prints. :func:`quiet_import_notes`
-drops exactly those records; every other message of these loggers still shows.
+drops exactly those records (by logger and message); every other message of these loggers still shows.
+Every entry point calls it before a model is built: the CLI, the probe, the fork server (its children inherit
+the filters), an exec'd child (``runtime/launch.py``), eval's workers and the tools that load models.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def test_target_forward_bench_refuses_a_bad_set():
 def test_check_config_and_plan_apply_the_set():
     r = invoke("check-config", "--file-only", "--config", TINY, "--set", "training.lr=1e-3", "--set", "run.name=trial-2")
     assert r.exit_code == 0, r.output
-    printed = json.loads(r.output)
+    printed = json.loads(r.stdout)  # stderr: the run-length line
     assert printed["training"]["lr"] == 1e-3 and printed["run"]["name"] == "trial-2"
     r = invoke("plan", "--config", TINY, "--json", "--set", "data.builtin_samples=40", "--set", "run.seed=3")
     assert r.exit_code == 0, r.output

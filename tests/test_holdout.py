@@ -5,15 +5,20 @@ scores them by eval's rule and never trains on them: the role loops in-process o
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from conftest import holdout_file, tiny_cpu_config
 from loop_harness import InprocRun, small_config
 
+from dflash_ipc.cli import main
 from dflash_ipc.config import ConfigError, config_from_dict
+from dflash_ipc.control.drafter_tau import NOT_WORTH_SERVING, WORTH_SERVING_TAU, DrafterTau
 from dflash_ipc.drafter.checkpoint import LEDGER_FILE, read_latest_pointer
+from dflash_ipc.drafter.export import DRAFTER_TAU_KEY
 
 
 def _ledger(run_dir: Path) -> set[tuple[int, ...]]:
@@ -86,6 +91,42 @@ def test_held_out_passes_with_two_targets_and_two_drafters(shared_run):
     acc = EventAccumulator(str(run_dir))
     acc.Reload()
     assert [s.value for s in acc.Scalars("holdout/tau")] == pytest.approx([r["tau_holdout"] for r in logged], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_run_whose_held_out_tau_is_under_1_1_says_so_beside_the_export_in_status_and_in_its_metadata(shared_run, tmp_path):
+    """The shared run's held-out τ stays near the untrained floor (12 steps of a random tiny target): `up`'s summary,
+    status.json, `status`, the export `up` wrote and a fresh `export` carry the figure and the warning."""
+    run = shared_run
+    assert run.returncode == 0, run.output[-4000:]
+    status = json.loads((run.run_dir / "status.json").read_text())["drafter_tau"]
+    tau = DrafterTau(**status)
+    assert tau.measured_on == "held-out" and tau.tau < WORTH_SERVING_TAU and not tau.worth_serving
+    # the figure is the held-out pass the metrics logged for those weights (a pass after the last step is in the summary only)
+    logged = {
+        r["holdout_step"]: r["tau_holdout"]
+        for r in map(json.loads, (run.run_dir / "metrics.jsonl").read_text().splitlines())
+        if r.get("tau_holdout") is not None
+    }
+    assert logged and (tau.step not in logged or logged[tau.step] == tau.tau), (tau, logged)
+
+    # `up`'s summary: the line right after the export's
+    lines = run.output.splitlines()
+    export_at = next(i for i, line in enumerate(lines) if line.strip().startswith("exported drafter:"))
+    assert lines[export_at + 1].strip() == f"drafter: held-out tau {tau.tau:.2f} at step {tau.step}: warning: {NOT_WORTH_SERVING}"
+
+    # the export `up` wrote, and `status`
+    export_config = json.loads((run.run_dir / "export" / "drafter" / "config.json").read_text())
+    assert export_config[DRAFTER_TAU_KEY] == tau.metadata() and export_config[DRAFTER_TAU_KEY]["worth_serving"] is False
+    table = CliRunner().invoke(main, ["status", "--run-dir", str(run.run_dir)]).output
+    assert f"drafter  held-out tau {tau.tau:.2f} at step {tau.step}, under 1.1\n" in table
+    assert re.search(rf"^! {re.escape(NOT_WORTH_SERVING)}$", table, re.M), table
+
+    # `export` of the final checkpoint: the same figure, printed and in the metadata
+    r = CliRunner().invoke(main, ["export", "--from", str(run.run_dir), "--out", str(tmp_path / "export"), "--for", "sglang"])
+    assert r.exit_code == 0, r.output
+    assert f"held-out tau {tau.tau:.2f} at step {tau.step}: warning: {NOT_WORTH_SERVING}" in r.output
+    assert json.loads((tmp_path / "export" / "config.json").read_text())[DRAFTER_TAU_KEY] == tau.metadata()
 
 
 def test_config_errors_name_the_holdout_keys(tmp_path):

@@ -54,3 +54,20 @@ print(len(records), kept)
     if out[0] == "0":
         pytest.skip("this torchao loads its C++ kernels here: it logs nothing at import")
     assert out[1:] == ["[]"], f"notes the filter lets through: {out[1:]}"
+
+
+def test_an_execd_child_drops_the_notes_before_it_imports_its_role():
+    """run.launcher "exec" (every CUDA run): each child is a new Python whose stderr the user reads; the launcher
+    installs the filters before the role's modules (and their model's torchao) load."""
+    child = """
+import logging
+from dflash_ipc.runtime import launch
+try:
+    launch.main(["no_such_role"])  # the filters go in first, then the role's import fails
+except ModuleNotFoundError:
+    pass
+logging.getLogger("torch.utils._pytree").warning("<enum 'E'> is an Enum subclass and is now natively supported by torch.compile")
+logging.getLogger("torchao").warning("a note a user needs")
+"""
+    stderr = _stderr(child)
+    assert "Enum subclass" not in stderr and "a note a user needs" in stderr

@@ -246,6 +246,14 @@ def test_full_run_trains_checkpoints_and_exports(shared_run):
     assert_no_leftovers(up)
 
 
+def test_up_states_the_limit_after_planning(shared_run):
+    assert shared_run.returncode == 0, shared_run.output[-4000:]
+    # conftest.shared_run: `up --max-steps SHARED_RUN_STEPS` over data that lasts longer
+    found = re.search(r"^\[up\] run length: (.*)$", shared_run.output, re.M)
+    assert found, shared_run.output[-4000:]
+    assert found.group(1).startswith(f"training.max_steps = {SHARED_RUN_STEPS} ends the run; the data lasts about ")
+
+
 def test_resuming_a_finished_run_trains_nothing_more(shared_run, started):
     """What systemd's Restart= does to a finished run: exit 0, no step beyond max_steps."""
     up = shared_run

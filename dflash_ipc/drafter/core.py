@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 
 from dflash_ipc.config import DFlashConfig
+from dflash_ipc.control.drafter_tau import TRAINING_TAU_STEPS, DrafterTau, drafter_tau
 from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
+from dflash_ipc.control.wire import to_wire
 from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.drafter.anchor_budget import AnchorBudget
 from dflash_ipc.drafter.build import build_drafter, run_draft_vocab
@@ -169,6 +171,7 @@ class DrafterCore:
         self._holdout_sums: dict[int, tuple[HoldoutScore, int]] = {}
         self._holdout_unlogged: dict = {}  # the last completed pass, for the next metrics record
         self.holdout_last: dict = {}
+        self._recent_accept: deque[tuple[float, float]] = deque(maxlen=TRAINING_TAU_STEPS)  # training τ when none held out
         self.anchor_budget = self._anchor_budget()
         if resume:
             self._resume()
@@ -348,6 +351,7 @@ class DrafterCore:
         bs = self.model.config.block_size
         acc = accuracy_per_pos(sums[:bs], sums[bs : 2 * bs])
         accept_len_sum, accept_blocks = sums[2 * bs].item(), sums[2 * bs + 1].item()
+        self._recent_accept.append((accept_len_sum, accept_blocks))
         tokens = int(sums[-1].item())
         self.step += 1
         self.tokens_total += tokens
@@ -517,14 +521,21 @@ class DrafterCore:
             extra["anchor_budget"] = self.anchor_budget.state_dict()
         if self.time_budget is not None:
             extra["time_budget"] = self.time_budget.state_dict()
+        tau = self.drafter_tau()
+        if tau is not None:  # `export` says whether these weights are worth serving
+            extra["drafter_tau"] = to_wire(tau)
         return extra
+
+    def drafter_tau(self) -> DrafterTau | None:
+        """Held-out τ of the last pass, else training τ of the last steps (control/drafter_tau.py)."""
+        return drafter_tau(self.holdout_last, list(self._recent_accept), self.step)
 
     def export(self) -> Path | None:
         if not self.world.is_main:
             return None
         out = self.shared_root / "export" / "drafter"
         with self.fence.guard(f"the export to {out}"):
-            export_drafter(self.model, out, chat_template_kwargs=self.cfg.chat_template.kwargs)
+            export_drafter(self.model, out, chat_template_kwargs=self.cfg.chat_template.kwargs, drafter_tau=self.drafter_tau())
         return out
 
     def weights_digest(self) -> str:

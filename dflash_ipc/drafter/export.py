@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from dflash_ipc.control.drafter_tau import DrafterTau
 from dflash_ipc.devices import dtype_name
 from dflash_ipc.draft_vocab import EXPORT_FILE as DRAFT_VOCAB_EXPORT_FILE
 from dflash_ipc.draft_vocab import EXPORT_TENSOR as DRAFT_VOCAB_TENSOR
@@ -116,6 +117,7 @@ def export_drafter(
     dtype: torch.dtype | None = None,
     chat_template_kwargs: dict | None = None,
     client: str = "all",
+    drafter_tau: DrafterTau | None = None,
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` for the serving engines' DFlash loaders (``client``:
     one of :data:`CLIENTS`; "all" writes the union, which every one of them reads).
@@ -153,6 +155,8 @@ def export_drafter(
       ``auto_map``, for ``AutoModel.from_pretrained(EXPORT, trust_remote_code=True)``.
     * ``chat_template_kwargs``: the ``[chat_template] kwargs`` the training data was rendered with
       (``{}``: none), for eval's check and the serving request; loaders ignore the key.
+    * ``drafter_tau``: the τ these weights reached and whether that is worth serving
+      (:mod:`dflash_ipc.control.drafter_tau`; absent when none was measured); loaders ignore the key.
 
     Every file is written 0644. Note: vLLM needs its V2 model runner for drafters that mix sliding
     and full layers.
@@ -177,6 +181,8 @@ def export_drafter(
         modeling.unlink()
     cfg = drafter_hf_config(model.config, dtype, client)
     cfg[CHAT_TEMPLATE_KWARGS_KEY] = dict(chat_template_kwargs or {})
+    if drafter_tau is not None:
+        cfg[DRAFTER_TAU_KEY] = drafter_tau.metadata()
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     for f in out.iterdir():
         if f.is_file():
@@ -185,6 +191,7 @@ def export_drafter(
 
 
 CHAT_TEMPLATE_KWARGS_KEY = "chat_template_kwargs"
+DRAFTER_TAU_KEY = "drafter_tau"
 
 
 def recorded_chat_template_kwargs(path: str | Path) -> dict | None:

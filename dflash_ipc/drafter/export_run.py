@@ -7,22 +7,19 @@
       -> export_drafter(client) -> OUT (0644 files)  +  the serving command of each engine
 
 Supported versions (their DFlash loaders were read for the layout: drafter/export.py): vLLM 0.33,
-SGLang 0.5.23, z-lab ``dflash`` 0.1.0; speculators 0.9.0 converts the export with its DFlash converter.
+SGLang 0.5.23, z-lab ``dflash`` 0.1.0; speculators 0.9.0 converts the layouts without the reduced head rows
+with its DFlash converter. The commands per engine and target family: drafter/serving.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_ipc.drafter.ckpt_layout import STEP_DIR_RE
-from dflash_ipc.drafter.export import CLIENTS, carries_reduced_head
-from dflash_ipc.drafter.model import FULL, SLIDING, DrafterModelConfig
-
-SUPPORTED = {"vllm": "vLLM 0.33", "sglang": "SGLang 0.5.23", "zlab": "z-lab dflash 0.1.0"}
+from dflash_ipc.drafter.export import CLIENTS
+from dflash_ipc.drafter.model import DrafterModelConfig
 
 
 @dataclass
@@ -33,6 +30,9 @@ class ExportResult:
     client: str
     commands: dict[str, str]
     notes: list[str] = field(default_factory=list)
+    # the tau these weights reached, and whether it is worth serving (control/drafter_tau.py); None: not measured
+    drafter_tau: dict | None = None
+    drafter_tau_line: str = ""
 
     def to_json(self) -> dict:
         return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
@@ -67,6 +67,7 @@ def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", dev
     from dflash_ipc.config import ConfigError, config_from_dict
     from dflash_ipc.drafter.build import build_drafter, run_draft_vocab
     from dflash_ipc.drafter.export import export_drafter
+    from dflash_ipc.drafter.serving import TARGET_PLACEHOLDER, render_serving_commands, serving_target, speculators_note
 
     if client not in CLIENTS:
         raise ValueError(f"--for: one of {', '.join(CLIENTS)} (got {client!r})")
@@ -86,13 +87,43 @@ def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", dev
         model.load_state_dict({k: v.to(torch.device(device)) for k, v in ckpt.model_state.items()}, strict=True)
     except RuntimeError as e:
         raise ValueError(f"{ckpt.path}: its weights do not fit the drafter its config describes: {str(e)[:400]}") from None
-    path = export_drafter(model, out, chat_template_kwargs=cfg.chat_template.kwargs, client=client)
-    target = cfg.target.model_path or "TARGET"
+    tau = checkpoint_drafter_tau(ckpt)
+    path = export_drafter(model, out, chat_template_kwargs=cfg.chat_template.kwargs, client=client, drafter_tau=tau)
     notes = [*ckpt.notes, *client_notes(model.config)]
     if not cfg.target.model_path:
-        notes.append("the run's target is a random spec (no target.model_path): TARGET in the commands stands for it")
-    commands = serving_commands(path, model.config, target, cfg.chat_template.kwargs, client)
-    return ExportResult(path, ckpt.path, ckpt.step, client, commands, notes)
+        notes.append(f"the run's target is a random spec (no target.model_path): {TARGET_PLACEHOLDER} in the commands stands for it")
+    speculators = speculators_note(model.config, client)
+    if speculators is not None:
+        notes.append(speculators)
+    commands = render_serving_commands(path, model.config, serving_target(cfg), client)
+    line = tau.describe() if tau is not None else f"no tau recorded with this checkpoint: measure it with {eval_command(run_dir, path)}"
+    return ExportResult(path, ckpt.path, ckpt.step, client, commands, notes, tau.metadata() if tau else None, line)
+
+
+def checkpoint_drafter_tau(ckpt):
+    """The τ a checkpoint's weights reached (its meta's extra.drafter_tau), None when it recorded none."""
+    from dflash_ipc.control.drafter_tau import DrafterTau
+    from dflash_ipc.control.wire import ProtocolError, from_wire
+
+    raw = ckpt.extra.get("drafter_tau")
+    try:
+        return from_wire(DrafterTau, raw, "extra.drafter_tau") if raw is not None else None
+    except ProtocolError:
+        return None  # written by another version: measured again by eval, never guessed
+
+
+def eval_command(run_dir: Path, export_dir: Path) -> str:
+    """The `dflash-ipc eval` command that measures an export's τ, with the run's config file where the run recorded it."""
+    import json
+    import shlex
+
+    from dflash_ipc.config import RESOLVED_CONFIG_FILE
+
+    try:
+        config = json.loads((run_dir / RESOLVED_CONFIG_FILE).read_text())["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        config = "CONFIG"
+    return f"dflash-ipc eval --config {shlex.quote(str(config))} --drafter {shlex.quote(str(export_dir))} --n 16"
 
 
 def client_notes(config: DrafterModelConfig) -> list[str]:
@@ -105,43 +136,3 @@ def client_notes(config: DrafterModelConfig) -> list[str]:
             "target.layer_ids below it for a drafter every client serves as it trained"
         ]
     return []
-
-
-def serving_commands(out: Path, config: DrafterModelConfig, target: str, chat_kwargs: dict, client: str = "all") -> dict[str, str]:
-    """The command (z-lab: the Python lines) that serves export ``out`` with ``target``, per engine of ``client``."""
-    engines = list(SUPPORTED) if client == "all" else [client]
-    out_s, kwargs = str(Path(out).resolve()), dict(chat_kwargs or {})
-    head = "own head rows (lm_head + d2t)" if carries_reduced_head(config) else "the target's whole head"
-    cmds: dict[str, str] = {}
-    if "vllm" in engines:
-        spec = json.dumps({"method": "dflash", "model": out_s, "num_speculative_tokens": config.block_size - 1})
-        mixed = SLIDING in config.layer_types and FULL in config.layer_types
-        line = f"{'VLLM_USE_V2_MODEL_RUNNER=1 ' if mixed else ''}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
-        if kwargs:
-            line += f" --default-chat-template-kwargs {shlex.quote(json.dumps(kwargs))}"
-        cmds["vllm"] = f"# {SUPPORTED['vllm']}; drafts over {head}\n{line}"
-    if "sglang" in engines:
-        line = (
-            f"python -m sglang.launch_server --model-path {shlex.quote(target)} --speculative-algorithm DFLASH "
-            f"--speculative-draft-model-path {shlex.quote(out_s)} --speculative-num-draft-tokens {config.block_size}"
-        )
-        note = f"# {SUPPORTED['sglang']}; drafts over the target's whole head"
-        if kwargs:
-            note += f'; send "chat_template_kwargs": {json.dumps(kwargs)} with each chat request (as trained)'
-        cmds["sglang"] = f"{note}\n{line}"
-    if "zlab" in engines:
-        template_kwargs = "".join(f", {k}={v!r}" for k, v in kwargs.items())
-        cmds["zlab"] = "\n".join(
-            [
-                f"# {SUPPORTED['zlab']} route (AutoModel + the export's own modeling code); drafts over {head}",
-                "from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer",
-                f"draft = AutoModel.from_pretrained({out_s!r}, trust_remote_code=True, dtype='auto').eval()",
-                f"target = AutoModelForCausalLM.from_pretrained({target!r}, dtype='auto').eval()",
-                f"tok = AutoTokenizer.from_pretrained({target!r})",
-                "ids = tok.apply_chat_template([{'role': 'user', 'content': 'Hello'}], add_generation_prompt=True, "
-                f"return_tensors='pt', return_dict=False{template_kwargs})",
-                "out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=256, stop_token_ids=[tok.eos_token_id])",
-                "# or z-lab's own loop: dflash.model.dflash_generate(draft, target, ids, 256, [tok.eos_token_id])",
-            ]
-        )
-    return cmds

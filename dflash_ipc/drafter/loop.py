@@ -168,7 +168,9 @@ class DrafterLoop:
         ckpt = core.checkpoint(self.finish_reason) if (self.checkpoint_on_finish or self.stopped_on_request) else None
         export = core.export() if self.export_on_finish else None
         core.write_rank_record()
-        summary = DrafterSummary(self.stats("done"), self.finish_reason, str(ckpt) if ckpt else None, str(export) if export else None)
+        summary = DrafterSummary(
+            self.stats("done"), self.finish_reason, str(ckpt) if ckpt else None, str(export) if export else None, core.drafter_tau()
+        )
         self.io.send_to_supervisor(Done(role="drafter", rank=self.rank, drafter=summary))
         return summary
 

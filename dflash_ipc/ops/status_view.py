@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from dflash_ipc.control.drafter_tau import NOT_WORTH_SERVING, WORTH_SERVING_TAU
 from dflash_ipc.control.protocol import to_wire
 from dflash_ipc.control.status import ENDED_STATES, SLOT_STATES, ProcessStatus, StatusSnapshot
 
@@ -233,6 +234,9 @@ def _header_lines(status: StatusSnapshot, now: float, width: int, stale_after_s:
     lines.append(_fit(head_text, width))
     if ended and status.end_reason:
         lines.append(_fit(f"{'why' if state == 'failed' else 'ended':<8} {status.end_reason}", width))
+    if ended and status.drafter_tau is not None:
+        under = "" if status.drafter_tau.worth_serving else f", under {WORTH_SERVING_TAU}"
+        lines.append(_fit(f"drafter  {status.drafter_tau.figure()}{under}", width))
     lines.append(_fit(f"run dir  {status.run_dir}", width))
     if status.node is not None:
         n = status.node
@@ -290,6 +294,9 @@ def _total_lines(status: StatusSnapshot, procs: list, width: int) -> list[str]:
 def _warnings(status: StatusSnapshot, procs: list, heartbeat_warn_s: float) -> list[str]:
     """A lost supervisor, rejected messages, non-zero exits, stale heartbeats, non-finite losses."""
     warnings = []
+    tau = status.drafter_tau
+    if tau is not None and not tau.worth_serving:
+        warnings.append(NOT_WORTH_SERVING)  # the figure is on the header's drafter line
     if status.state == "lost":
         warnings.append(f"the supervisor (pid {status.supervisor_pid}) is gone: this run is not running (last snapshot shown)")
     if status.supervisor_rejected_by_kind:

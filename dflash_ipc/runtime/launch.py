@@ -31,6 +31,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_ipc.third_party_logs import quiet_import_notes
+
 _PR_SET_PDEATHSIG = 1
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 #: Host allocations at least this large get pages of their own (mmap), handed back when freed.
@@ -216,6 +218,9 @@ def main(argv: Sequence[str]) -> int:
         if run_dir:
             remove_supervisor_sockets(Path(run_dir))
         return 1
+    # an exec'd child (run.launcher "exec": every GPU run) imports torchao with its model, as the fork server's
+    # children do after the server dropped the same notes: the user reads this child's stderr too
+    quiet_import_notes()
     module = importlib.import_module(f"dflash_ipc.procs.{role}")
     return getattr(module, f"run_{role}_process")(rest)
 

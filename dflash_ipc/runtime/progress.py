@@ -193,6 +193,8 @@ def finished_summary(run_dir: Path, summary: DrafterSummary | None, wall_s: floa
         lines.append(_rate_text(recs, summary, wall_s))
     lines.append(f"checkpoint: {(summary.checkpoint if summary else None) or MISSING}")
     lines.append(f"exported drafter: {(summary.export if summary else None) or MISSING}")
+    if summary is not None and summary.drafter_tau is not None:  # beside the export: is it worth serving
+        lines.append(f"drafter: {summary.drafter_tau.describe()}")
     lines.append(f"metrics: {metrics}; status: dflash-ipc status --run-dir {run_dir}")
     head = (
         f"[up] stopped ({summary.reason if summary else '?'}; resume with --resume)"

@@ -57,6 +57,7 @@ from dflash_ipc.control.plane import ControlSpec, SupervisorSockets
 from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Shutdown, to_wire
 from dflash_ipc.control.stats import DrafterStats, DrafterSummary
 from dflash_ipc.control.status import ENDED_STATES, SCHEMA_VERSION, StatusSnapshot, Totals
+from dflash_ipc.data.run_length import DataLength, run_length_text
 from dflash_ipc.drafter.ckpt_layout import latest_committed_step
 from dflash_ipc.fsutil import write_text_atomic
 from dflash_ipc.ops import sdnotify
@@ -162,6 +163,8 @@ class Supervisor:
         self.launcher = self.launcher or launcher_for(self.cfg, child_env(), self.echo)  # says where its preload went (or which shared one)
         plan = run_probe(self.cfg, run_dir, n_shards, launcher=self.launcher)
         self.echo(f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)")
+        data = DataLength(plan.n_batches_total, plan.samples, self.cfg.data.num_epochs, self.node.nnodes * len(self.cfg.topology.drafters))
+        self.echo(f"[up] run length: {run_length_text(self.cfg.training.max_steps, self.cfg.training.max_seconds, data)}")
         replanned = self._check_resume_data(plan.plan_json()) if self.resume else False
         channels.make_private_dir(run_dir)
         for sub in ("logs", "checkpoints", "data"):
@@ -562,6 +565,7 @@ class Supervisor:
             node=self.node_group.status(),
             supervisor_rejected_by_kind=dict(self.rejects.by_kind),
             end_reason=self.end_reason if self.state in ENDED_STATES else None,
+            drafter_tau=self._summary.drafter_tau if self._summary is not None and self.state in ENDED_STATES else None,
         )
 
     def _write_status(self) -> None:
