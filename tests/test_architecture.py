@@ -448,3 +448,20 @@ def test_no_function_over_100_lines():
     ]
     text = "\n".join(too_long)
     assert not too_long, f"{len(too_long)} function(s) over {MAX_FUNCTION_LINES} lines (split them into named steps):\n{text}"
+
+
+def test_every_package_module_is_tracked_by_git():
+    """A module git ignores (a .gitignore pattern that also matches a package folder) is missing from every
+    clone: its importers fail there and nowhere else."""
+    import subprocess
+
+    tracked = set(subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split("\0"))
+    untracked = [str(path.relative_to(REPO)) for path in package_modules().values() if str(path.relative_to(REPO)) not in tracked]
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", "dflash_ipc/data/new.py", "dflash_ipc/models/new.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert not untracked, f"package modules git does not track (git add them, or fix the .gitignore rule): {untracked}"
+    assert ignored.stdout == "", f"a .gitignore rule matches inside the package: {ignored.stdout}"
