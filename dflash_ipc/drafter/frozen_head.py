@@ -71,8 +71,14 @@ def transforms_logits(head: FrozenHead | None) -> bool:
 
 
 def finish_logits_fp32(head: FrozenHead, raw: torch.Tensor) -> torch.Tensor:
-    """The target's logits from the head's raw product ``raw``, in fp32 (a new tensor)."""
-    return head.finish_logits(raw.float())
+    """The target's logits from the head's raw product ``raw``, in fp32, by the target's own operations
+    (:meth:`FrozenHead.finish_logits`) done in place: ``raw`` (a GEMM's fresh output) is consumed."""
+    x = raw.float()
+    if head.logit_divisor != 1.0:
+        x.div_(head.logit_divisor)
+    if head.final_logit_softcap is not None:
+        x.div_(head.final_logit_softcap).tanh_().mul_(head.final_logit_softcap)
+    return x
 
 
 def logit_slope(head: FrozenHead, finished: torch.Tensor) -> torch.Tensor | float:

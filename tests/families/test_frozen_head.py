@@ -9,6 +9,7 @@ CE and its gradient, with and without the KL term, the FP8 head), in eval's load
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -326,3 +327,27 @@ def test_the_export_carries_what_vllm_reads_the_scaled_table_and_the_logit_scale
     else:
         assert "logit_scale" not in cfg and not torch.allclose(vllm_logits, expect)
         assert torch.equal(vllm_logits.argmax(-1), expect.argmax(-1))  # greedy drafts unchanged by the cap
+
+
+def test_the_export_notes_say_which_engine_cannot_compute_the_targets_embeddings_or_logits(zoo):
+    """vLLM reads no soft-cap (Gemma); SGLang reads no embedding scale (both families; its Gemma module scales);
+    a layout for one engine notes only its own; a plain family none."""
+    from dflash_ipc.drafter.export_run import client_notes
+
+    def engines(name, client):
+        return sorted(n.split()[0] for n in client_notes(zoo[name][2].config, client))
+
+    assert engines("gemma3", "all") == ["SGLang", "vLLM"]
+    assert engines("granite", "all") == ["SGLang"]
+    assert engines("gemma3", "vllm") == ["vLLM"] and engines("granite", "vllm") == [] and engines("gemma3", "zlab") == []
+    assert engines("llama", "all") == []
+
+
+def test_the_memory_plan_counts_the_soft_caps_slope(zoo):
+    """The chunked CE keeps the capped logits' slope per chunk (fp32): planned for Gemma, not for the others."""
+    from dflash_ipc.drafter.memory_plan import drafter_widths, shared_step_bytes
+
+    widths = {name: drafter_widths(zoo[name][2], zoo[name][3]) for name in FAMILIES}
+    assert [widths[name].ce_softcap for name in FAMILIES] == [True, False, False]
+    gemma = widths["gemma3"]
+    assert shared_step_bytes(gemma) > shared_step_bytes(dataclasses.replace(gemma, ce_softcap=False))
