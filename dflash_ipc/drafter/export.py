@@ -157,7 +157,8 @@ def export_drafter(
       ``layers.N.self_attn.{q,k}_norm.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
       ``layers.N.{input,post_attention}_layernorm.weight``, ``fc.weight``,
       ``hidden_norm.weight``, ``norm.weight``. SGLang stacks q/k/v and gate/up itself; vLLM
-      adds the ``model.`` prefix itself. No ``embed_tokens``: every engine shares the target's.
+      adds the ``model.`` prefix itself. No ``embed_tokens`` (every engine shares the target's) but for a
+      family that scales its embeddings (below).
     * A drafter trained over a draft vocabulary (``drafter.draft_vocab_size``) carries its head in
       vLLM's EAGLE-3 layout: ``lm_head.weight`` (the N target rows it drafts over), ``d2t``
       (``target id = row + d2t[row]``) and top-level ``draft_vocab_size``; vLLM and the export's

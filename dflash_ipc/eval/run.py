@@ -361,8 +361,8 @@ class _Decoder:
     def describe(self, echo, n_total: int, names: list[str]) -> None:
         if self.target_head != self.drafter.config.frozen_head:
             echo(
-                f"warning: the target's embedding and head are {self.target_head.describe()}, the drafter's export records "
-                f"{self.drafter.config.frozen_head.describe()}: it trained on other embeddings or logits than this target gives"
+                f"warning: the drafter trained on other embeddings or logits than this target gives (the target's embedding "
+                f"and head: {self.target_head.describe()}; the export's: {self.drafter.config.frozen_head.describe()})"
             )
         if self.mask_token_id in self.stops:
             echo(

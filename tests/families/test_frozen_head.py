@@ -351,3 +351,24 @@ def test_the_memory_plan_counts_the_soft_caps_slope(zoo):
     assert [widths[name].ce_softcap for name in FAMILIES] == [True, False, False]
     gemma = widths["gemma3"]
     assert shared_step_bytes(gemma) > shared_step_bytes(dataclasses.replace(gemma, ce_softcap=False))
+
+
+def test_eval_decodes_granite_losslessly_and_warns_for_an_export_without_its_frozen_head(zoo, exports, tmp_path):
+    """`dflash-ipc eval` on the Granite target with its drafter's export: lossless, no warning; the same weights
+    exported as if trained on plain embeddings and logits: eval says the drafter trained on other ones."""
+    from click.testing import CliRunner
+
+    from dflash_ipc.cli import main
+
+    _, _, d, cfg = zoo["granite"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    plain = copy.deepcopy(d)
+    plain.config = dataclasses.replace(d.config, frozen_head=FrozenHead())
+    warning = "(the target's embedding and head: embeddings x 12, logits / 8; the export's: plain)"
+    for export, warned in ((exports["granite"], False), (export_drafter(plain, tmp_path / "plain"), True)):
+        args = ["eval", "--config", cfg.source, "--drafter", str(export), "--prompts", str(prompts), "--max-new", "6", "--json"]
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.output.strip().splitlines()[-1])["lossless"] is True
+        assert (warning in r.output) == warned, r.output
