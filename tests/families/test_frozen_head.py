@@ -53,8 +53,8 @@ def zoo(tmp_path_factory):
     out = {}
     for name in FAMILIES:
         path = build_checkpoint(name, root)
-        model, cfg = drafter(path, tmp_path_factory.mktemp(name))
-        out[name] = (path, target_model(path), model, cfg)
+        draft, cfg = drafter(path, tmp_path_factory.mktemp(name))
+        out[name] = (path, target_model(path), draft, cfg)
     return out
 
 
