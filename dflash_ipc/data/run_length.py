@@ -30,7 +30,8 @@ class DataLength:
 
     def describe(self) -> str:
         epochs = f"{self.epochs} epoch{'s' if self.epochs != 1 else ''}"
-        return f"the data lasts about {self.steps} steps ({self.samples} samples x {epochs}: {self.batches} batches over {self.drafters} drafter(s))"
+        spread = f"{self.batches} batches over {self.drafters} drafter(s)"
+        return f"the data lasts about {self.steps} steps ({self.samples} samples x {epochs}: {spread})"
 
 
 def run_length_text(max_steps: int, max_seconds: float, data: DataLength | None) -> str:

@@ -72,7 +72,10 @@ def drafter_for_target(
         init_seed=cfg.run.seed,
         compile_dense=cfg.drafter.compile,
         draft_token_ids=None if draft_vocab is None else draft_vocab.tensor(),
+        target_dtype=dtype_from_name(cfg.target.dtype),  # scaled embeddings round as the target rounds them
     )
+    if not mcfg.frozen_head.is_plain:
+        log.info("the target's embedding and head: %s (applied by the drafter too)", mcfg.frozen_head.describe())
     if draft_vocab is not None:
         log.info("%s", draft_vocab.describe())
     if cfg.drafter.init_from_target:

@@ -13,6 +13,11 @@ exactly as ``coef * W[label]``: left in, it would set every row's scale, and the
 softmax's many small entries, whose sum is the larger part of ``dX``) would fall to e4m3's subnormals or
 to zero. Without a gradient (held-out passes) the logits stay the bf16 GEMM's, as eval decodes; so does
 the KL term's target distribution (a constant of the loss).
+
+A target whose logits are finished after its head's matmul (``frozen_head``: Granite divides them, Gemma
+soft-caps them; :mod:`~dflash_ipc.drafter.frozen_head`) has its draft and target logits finished in fp32 the
+same way before the softmax; each chunk's gradient, taken with respect to the finished logits, is multiplied
+by their slope (``d finished / d raw``) before the head's GEMM, in fp32, as the KL term's is adjusted.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ipc.drafter.fp8_head import Fp8Head, pad_columns
+from dflash_ipc.drafter.frozen_head import finish_logits_fp32, logit_slope, transforms_logits
+from dflash_ipc.families.traits import FrozenHead
 from dflash_ipc.fp8 import E4M3, E4M3_MAX, quantize_rows
 
 __all__ = ["ChunkedLossResult", "chunked_lm_loss"]
@@ -179,10 +186,13 @@ class _ChunkedLMLoss(torch.autograd.Function):
       run in e4m3 (module docstring).
     - **trainable head** (or no gradient wanted): forward keeps the per-row log-sum-exp; backward
       recomputes each chunk's logits for both gradients.
+
+    ``head`` (a :class:`FrozenHead` whose logits are finished, else None): the logits the softmax sees are
+    the finished ones, and the gradient reaches the GEMM through their slope (module docstring).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_w, target_hidden, kl_weight, chunk, reweight, compiled, grad_in_forward, fp8_head):
+    def forward(ctx, hidden, weight, labels, row_w, target_hidden, kl_weight, chunk, reweight, compiled, grad_in_forward, fp8_head, head):
         r = hidden.shape[0]
         dev = hidden.device
         lse = torch.empty(r, dtype=torch.float32, device=dev)
@@ -192,32 +202,43 @@ class _ChunkedLMLoss(torch.autograd.Function):
         unit_grad = torch.empty_like(hidden) if grad_in_forward else None
         with_kl = target_hidden is not None
         fp8 = fp8_head if grad_in_forward else None  # no gradient wanted: the bf16 logits eval sees
+        # the gradient is adjusted in fp32 after the chunk's function: by the KL term, by the logits' slope
+        adjusted = with_kl or head is not None
         # with KL the logits are read again after the stats: out of place, and eager
         fns = _ce_chunk_fns(compiled and not with_kl, in_place=not with_kl)
         for s in range(0, r, chunk):
             e = min(r, s + chunk)
             lab = labels[s:e]
             logits = F.linear(hidden[s:e], weight) if fp8 is None else fp8.logits(*fns.quantize(hidden[s:e], fp8.padded_hidden))
-            if with_kl:
+            slope = None
+            if head is not None:  # finished in fp32; the slope taken before the stats may consume them
+                logits = finish_logits_fp32(head, logits)
+                slope = logit_slope(head, logits) if grad_in_forward else None
+            elif with_kl:
                 logits = logits.float()  # cast once: the KL term below reads it too
             g = split = None
             if not grad_in_forward:
                 lse[s:e], ce[s:e], pred[s:e] = fns.stats(logits, lab)
-            elif fp8 is not None and not with_kl:
+            elif fp8 is not None and not adjusted:
                 lse[s:e], ce[s:e], pred[s:e], *split = fns.stats_and_grad_fp8(logits, lab, 1.0 + kl_weight, fp8.padded_rows)
             else:
                 lse[s:e], ce[s:e], pred[s:e], g = fns.stats_and_grad(logits, lab, 1.0 + kl_weight)
             if with_kl:
-                t_logp = F.log_softmax(F.linear(target_hidden[s:e], weight).float(), dim=-1)
+                t_logp = F.log_softmax(_target_logits(target_hidden[s:e], weight, head), dim=-1)
                 kl[s:e] = (t_logp.exp() * (t_logp - (logits - lse[s:e, None]))).sum(-1)
                 if grad_in_forward:
                     g = g.float().sub_(t_logp.exp_().mul_(kl_weight))
-                    if fp8 is None:
-                        g = g.to(weight.dtype)
-                    else:
-                        split, g = _split_label_quantized(g, lab, fp8.padded_rows), None
                 del t_logp
             del logits
+            if grad_in_forward and adjusted:
+                g = g.float()
+                if slope is not None:
+                    g = g.mul_(slope)
+                if fp8 is None:
+                    g = g.to(weight.dtype)
+                else:
+                    split, g = _split_label_quantized(g, lab, fp8.padded_rows), None
+            del slope
             if split is not None:  # the label entries exactly, the rest through the FP8 GEMM
                 gq, gs, coef = split
                 unit_grad[s:e] = (fp8.input_grad(gq, gs).float() + coef[:, None] * weight[lab].float()).to(hidden.dtype)
@@ -237,40 +258,57 @@ class _ChunkedLMLoss(torch.autograd.Function):
         ctx.kl_weight = float(kl_weight)
         ctx.chunk = int(chunk)
         ctx.compiled = bool(compiled)
+        ctx.head = head
         ctx.mark_non_differentiable(ce_sum, kl_sum, pred, row_w)
         return total, ce_sum, kl_sum, pred, row_w
 
     @staticmethod
     def backward(ctx, g_total, _g_ce, _g_kl, _g_pred, _g_row_w):
+        no_grads = (None,) * 10
         if ctx.grad_in_forward:
             unit_grad, row_w = ctx.saved_tensors
             grad_h = (unit_grad.float() * (row_w * g_total)[:, None]).to(unit_grad.dtype)
-            return grad_h, None, None, None, None, None, None, None, None, None, None
+            return grad_h, None, *no_grads
         hidden, weight, labels, row_w, lse, target_hidden = ctx.saved_tensors
-        klw, chunk = ctx.kl_weight, ctx.chunk
+        klw, chunk, head = ctx.kl_weight, ctx.chunk, ctx.head
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         r = hidden.shape[0]
         with_kl = target_hidden is not None and klw != 0.0
-        # fp32 while the KL term or the head's gradient still needs it; else straight in the GEMM's dtype
-        g_dtype = torch.float32 if with_kl or want_w else weight.dtype
+        # fp32 while the KL term, the logits' slope or the head's gradient still needs it; else in the GEMM's dtype
+        g_dtype = torch.float32 if with_kl or want_w or head is not None else weight.dtype
         chunk_grad = _ce_chunk_fns(ctx.compiled and not with_kl, in_place=True).grad
         for s in range(0, r, chunk):
             e = min(r, s + chunk)
             w = row_w[s:e] * g_total
-            g = chunk_grad(F.linear(hidden[s:e], weight), lse[s:e], w * (1.0 + klw), labels[s:e], w, g_dtype)
+            logits = F.linear(hidden[s:e], weight)
+            slope = None
+            if head is not None:
+                logits = finish_logits_fp32(head, logits)
+                slope = logit_slope(head, logits)
+            g = chunk_grad(logits, lse[s:e], w * (1.0 + klw), labels[s:e], w, g_dtype)
+            del logits
             if with_kl:
-                p_t = F.softmax(F.linear(target_hidden[s:e], weight).float(), dim=-1)
+                p_t = F.softmax(_target_logits(target_hidden[s:e], weight, head), dim=-1)
                 g.sub_(p_t * (klw * w)[:, None])
                 del p_t
+            if slope is not None:
+                g.mul_(slope)
+            del slope
             if want_h:
                 grad_h[s:e] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if want_w:
                 grad_w += g.t() @ hidden[s:e].float()
         if want_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, *no_grads
+
+
+def _target_logits(target_hidden: torch.Tensor, weight: torch.Tensor, head: FrozenHead | None) -> torch.Tensor:
+    """The target's own logits (fp32) of its last hidden states: the KL term's constant distribution."""
+    raw = F.linear(target_hidden, weight)
+    return raw.float() if head is None else finish_logits_fp32(head, raw)
 
 
 class ChunkedLossResult(NamedTuple):
@@ -293,6 +331,7 @@ def chunked_lm_loss(
     reweight: Callable[[torch.Tensor], torch.Tensor] | None = None,
     compiled: bool = False,
     fp8_head: Fp8Head | None = None,
+    frozen_head: FrozenHead | None = None,
 ) -> ChunkedLossResult:
     """Weighted full-vocabulary CE of ``lm_head(hidden)`` vs ``labels``, ``chunk_rows`` rows at a time.
 
@@ -306,7 +345,8 @@ def chunked_lm_loss(
     (``training.ce_compile``): each chunk's fp32 work after the GEMM through ``torch.compile``
     (without KL; the KL term stays eager). ``fp8_head`` (``training.ce_fp8``): the e4m3 copies of
     ``lm_head_weight``, for both GEMMs of the frozen head's path (module docstring); without a gradient
-    wanted, and for a trainable head, the bf16 GEMMs.
+    wanted, and for a trainable head, the bf16 GEMMs. ``frozen_head``: what the target does to its logits after
+    the head's matmul (divide, soft-cap): both the draft's and the target's logits are finished so (module docstring).
     """
     if chunk_rows < 1:
         raise ValueError("chunk_rows must be >= 1")
@@ -329,5 +369,6 @@ def chunked_lm_loss(
         bool(compiled),
         grad_in_forward,
         fp8_head,
+        frozen_head if transforms_logits(frozen_head) else None,
     )
     return ChunkedLossResult(total, ce_sum, kl_sum, pred, row_w)

@@ -13,6 +13,13 @@ from dflash_ipc.control.drafter_tau import DrafterTau
 from dflash_ipc.devices import dtype_name
 from dflash_ipc.draft_vocab import EXPORT_FILE as DRAFT_VOCAB_EXPORT_FILE
 from dflash_ipc.draft_vocab import EXPORT_TENSOR as DRAFT_VOCAB_TENSOR
+from dflash_ipc.drafter.frozen_head import (
+    EMBED_TENSOR,
+    carries_scaled_embeddings,
+    frozen_head_config,
+    frozen_head_from_config,
+    scaled_table,
+)
 from dflash_ipc.drafter.model import FULL, SLIDING, DFlashDrafter, DrafterModelConfig
 from dflash_ipc.drafter.safetensors_stream import write_safetensors
 
@@ -41,8 +48,11 @@ def carries_reduced_head(config: DrafterModelConfig, client: str = "all") -> boo
     return bool(config.draft_vocab_size) and client != "sglang"
 
 
-def drafter_hf_config(config: DrafterModelConfig, dtype: torch.dtype, client: str = "all") -> dict[str, Any]:
-    """The ``config.json`` of an exported drafter (see :func:`export_drafter`)."""
+def drafter_hf_config(
+    config: DrafterModelConfig, dtype: torch.dtype, client: str = "all", target_dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """The ``config.json`` of an exported drafter (see :func:`export_drafter`); ``target_dtype``: the dtype the
+    target computed its embeddings in during training (where its family scales them), the weights' otherwise."""
     _check_client(client)
     any_sliding = SLIDING in config.layer_types
     weights_dtype = dtype_name(dtype)
@@ -98,6 +108,9 @@ def drafter_hf_config(config: DrafterModelConfig, dtype: torch.dtype, client: st
         out["auto_map"] = {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{MODEL_CLASS}"}
     if config.num_target_layers:
         out["num_target_layers"] = config.num_target_layers
+    head_dflash, head_top = frozen_head_config(config.frozen_head, target_dtype or dtype, client)
+    dflash_config.update(head_dflash)
+    out.update(head_top)
     return out
 
 
@@ -107,6 +120,8 @@ def _export_tensors(model: DFlashDrafter, client: str) -> dict[str, torch.Tensor
         ids = model.draft_token_ids.detach().to(torch.int64)
         tensors[HEAD_TENSOR] = model.lm_head_weight.detach()
         tensors[D2T_TENSOR] = (ids - torch.arange(ids.numel(), device=ids.device)).cpu()
+    if carries_scaled_embeddings(model.config.frozen_head, client):
+        tensors[EMBED_TENSOR] = scaled_table(model.config.frozen_head, model.embed_weight.detach(), model.target_dtype)
     return tensors
 
 
@@ -144,7 +159,8 @@ def export_drafter(
       ``layers.N.self_attn.{q,k}_norm.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
       ``layers.N.{input,post_attention}_layernorm.weight``, ``fc.weight``,
       ``hidden_norm.weight``, ``norm.weight``. SGLang stacks q/k/v and gate/up itself; vLLM
-      adds the ``model.`` prefix itself. No ``embed_tokens``: every engine shares the target's.
+      adds the ``model.`` prefix itself. No ``embed_tokens`` (every engine shares the target's) but for a
+      family that scales its embeddings (below).
     * A drafter trained over a draft vocabulary (``drafter.draft_vocab_size``) carries its head in
       vLLM's EAGLE-3 layout: ``lm_head.weight`` (the N target rows it drafts over), ``d2t``
       (``target id = row + d2t[row]``) and top-level ``draft_vocab_size``; vLLM and the export's
@@ -153,6 +169,9 @@ def export_drafter(
       ``sglang`` layout leaves them out, and eval then drafts over the whole head as SGLang does.
     * ``all`` and ``zlab``: ``modeling_dflash_ipc.py`` (the project's own, :mod:`.hf_modeling`) and
       ``auto_map``, for ``AutoModel.from_pretrained(EXPORT, trust_remote_code=True)``.
+    * A target that scales its embeddings or finishes its logits (Gemma, Granite: ``config.frozen_head``)
+      adds the keys and the tensor each engine reads to do the same (:func:`.frozen_head.frozen_head_config`;
+      which engine can, docs/EVAL.md).
     * ``chat_template_kwargs``: the ``[chat_template] kwargs`` the training data was rendered with
       (``{}``: none), for eval's check and the serving request; loaders ignore the key.
     * ``drafter_tau``: the τ these weights reached and whether that is worth serving
@@ -179,7 +198,7 @@ def export_drafter(
         modeling.write_text(Path(__file__).with_name("hf_modeling.py").read_text())
     elif modeling.exists():
         modeling.unlink()
-    cfg = drafter_hf_config(model.config, dtype, client)
+    cfg = drafter_hf_config(model.config, dtype, client, target_dtype=model.target_dtype)
     cfg[CHAT_TEMPLATE_KWARGS_KEY] = dict(chat_template_kwargs or {})
     if drafter_tau is not None:
         cfg[DRAFTER_TAU_KEY] = drafter_tau.metadata()
@@ -223,6 +242,7 @@ def _config_from_hf_dict(d: Mapping[str, Any]) -> DrafterModelConfig:
         num_target_layers=int(d.get("num_target_layers", 0) or 0),
         initializer_range=float(d.get("initializer_range", 0.02)),
         draft_vocab_size=int(dflash.get("draft_vocab_size", 0) or 0),
+        frozen_head=frozen_head_from_config(dflash),
     )
 
 
@@ -276,9 +296,10 @@ def load_exported_drafter(
         state = load_file(str(weights), device=str(device) if device is not None else "cpu")
     except SafetensorError as e:
         raise ValueError(f"{weights}: not a readable safetensors file ({e}); export the drafter again") from None
-    # the head rows are the target's own (frozen): rebuilt from lm_head_weight by their ids (d2t)
-    state.pop(HEAD_TENSOR, None)
-    state.pop(D2T_TENSOR, None)
+    # the head rows are the target's own (frozen): rebuilt from lm_head_weight by their ids (d2t); the scaled
+    # embedding table (for vLLM) is the target's too, scaled as config.json's frozen head says
+    for frozen in (HEAD_TENSOR, D2T_TENSOR, EMBED_TENSOR):
+        state.pop(frozen, None)
     dtype = next(iter(state.values())).dtype if state else torch.float32
     model = DFlashDrafter(cfg, embed_weight, lm_head_weight, attention=attention, device=device, init_seed=0, draft_token_ids=ids).to(dtype)
     try:

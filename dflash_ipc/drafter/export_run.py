@@ -89,7 +89,7 @@ def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", dev
         raise ValueError(f"{ckpt.path}: its weights do not fit the drafter its config describes: {str(e)[:400]}") from None
     tau = checkpoint_drafter_tau(ckpt)
     path = export_drafter(model, out, chat_template_kwargs=cfg.chat_template.kwargs, client=client, drafter_tau=tau)
-    notes = [*ckpt.notes, *client_notes(model.config)]
+    notes = [*ckpt.notes, *client_notes(model.config, client)]
     if not cfg.target.model_path:
         notes.append(f"the run's target is a random spec (no target.model_path): {TARGET_PLACEHOLDER} in the commands stands for it")
     speculators = speculators_note(model.config, client)
@@ -126,13 +126,31 @@ def eval_command(run_dir: Path, export_dir: Path) -> str:
     return f"dflash-ipc eval --config {shlex.quote(str(config))} --drafter {shlex.quote(str(export_dir))} --n 16"
 
 
-def client_notes(config: DrafterModelConfig) -> list[str]:
-    """What the clients read differently in this drafter (empty: they all read it as it trained)."""
+def client_notes(config: DrafterModelConfig, client: str = "all") -> list[str]:
+    """What the clients of ``client``'s layout read differently in this drafter (empty: they all read it as it trained)."""
+    notes = []
     last = config.num_target_layers - 1
     if config.num_target_layers and last in config.target_layer_ids:
-        return [
+        notes.append(
             f"target layer {last} is the target's last layer: Hugging Face's hidden_states[{last + 1}] (z-lab's loop) is "
             "its final-normed output, not the raw layer output the drafter trained on (engines may differ too); train with "
             "target.layer_ids below it for a drafter every client serves as it trained"
-        ]
-    return []
+        )
+    return notes + _frozen_head_notes(config, client)
+
+
+def _frozen_head_notes(config: DrafterModelConfig, client: str) -> list[str]:
+    """Where an engine cannot compute the target's embeddings or logits as the drafter trained on them (docs/EVAL.md)."""
+    head, engines = config.frozen_head, [c for c in CLIENTS if c != "all"] if client == "all" else [client]
+    notes = []
+    if head.final_logit_softcap is not None and "vllm" in engines:
+        notes.append(
+            "vLLM reads no logit soft-cap for a DFlash drafter: it drafts from uncapped logits (greedy drafts as trained; "
+            "drafts sampled at T > 0 from another distribution than trained, still verified without loss)"
+        )
+    if head.embed_scale != 1.0 and "sglang" in engines:
+        notes.append(
+            "SGLang embeds the block with the target's input-embedding module and reads no scale from the export: the "
+            f"drafter sees the embeddings it trained on (x {head.embed_scale:.6g}) only where that module applies the scale (Gemma)"
+        )
+    return notes

@@ -7,11 +7,15 @@ nothing from dflash-ipc (the file travels alone).
 
 Interface (the one z-lab's reference decoder ``dflash.model.dflash_generate`` drives, so either loop
 decodes with it): ``forward(position_ids, noise_embedding, target_hidden, past_key_values, use_cache)``
-returns the final-normed block hidden states; ``compute_logits(hidden, output_head)`` gives logits over
-the target's whole vocabulary: with the drafter's own head rows (``lm_head`` + ``d2t``, an export
-with ``drafter.draft_vocab_size``) ``-inf`` outside them, else ``output_head`` (the target's head);
-``block_size``, ``mask_token_id`` and ``target_layer_ids`` (the target layers whose outputs, i.e.
-``hidden_states[i + 1]``, the context concatenates). :meth:`spec_generate` is a greedy decoder of its own.
+returns the final-normed block hidden states, ``noise_embedding`` being the target's raw embedding rows
+times ``dflash_config.input_embedding_scale`` (:meth:`noise_embedding`, as z-lab's loop computes it: what
+the target's first layer sees, for a Gemma or Granite target whose embeddings are scaled);
+``compute_logits(hidden, output_head)`` gives logits over the target's whole vocabulary, multiplied by
+``output_multiplier`` and soft-capped at ``final_logit_softcapping`` where the target's are (Granite, Gemma):
+with the drafter's own head rows (``lm_head`` + ``d2t``, an export with ``drafter.draft_vocab_size``)
+``-inf`` outside them, else ``output_head`` (the target's head); ``block_size``, ``mask_token_id`` and
+``target_layer_ids`` (the target layers whose outputs, i.e. ``hidden_states[i + 1]``, the context
+concatenates). :meth:`spec_generate` is a greedy decoder of its own.
 
 Attention: block queries attend to the cached context and to the block; ``full_attention`` layers
 see the whole block, ``sliding_attention`` layers are causal with a window that counts the current
@@ -121,12 +125,18 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
 
     config_class = Qwen3Config
     _no_split_modules = ["_Layer"]
+    # the target's embedding table, scaled, that vLLM embeds with: this class scales the target's own rows
+    _keys_to_ignore_on_load_unexpected = [r"^embed_tokens\.weight$"]
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
         self.target_layer_ids = [int(i) for i in _dflash_value(config, "target_layer_ids")]
         self.block_size = int(_dflash_value(config, "block_size", 16))
         self.mask_token_id = int(_dflash_value(config, "mask_token_id"))
+        self.input_embedding_scale = float(_dflash_value(config, "input_embedding_scale", 1.0))
+        self.output_multiplier = float(_dflash_value(config, "output_multiplier", 1.0))
+        softcap = _dflash_value(config, "final_logit_softcapping")
+        self.final_logit_softcapping = float(softcap) if softcap else None
         h = config.hidden_size
         self.layers = nn.ModuleList(_Layer(config, i) for i in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
@@ -159,13 +169,25 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
             x = layer(x, ctx, cos, sin, cache)
         return self.norm(x)
 
+    def noise_embedding(self, target, ids: torch.LongTensor) -> torch.Tensor:
+        """The block's input: the target's raw embedding rows times ``input_embedding_scale``."""
+        return F.embedding(ids, target.get_input_embeddings().weight) * self.input_embedding_scale
+
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
+        rows = self._finish(self.lm_head(hidden) if self.reduced_head else output_head(hidden))
         if not self.reduced_head:
-            return output_head(hidden)
-        rows = self.lm_head(hidden)
+            return rows
         full = rows.new_full((*rows.shape[:-1], self.config.vocab_size), float("-inf"))
         full[..., torch.arange(rows.shape[-1], device=rows.device) + self.d2t] = rows
         return full
+
+    def _finish(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits from its head's product: scaled, then soft-capped, where the target's are."""
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
 
     def _context(self, hidden_states) -> torch.Tensor:
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
@@ -177,7 +199,7 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
         if temperature != 0.0:
             raise ValueError("spec_generate decodes greedily: temperature must be 0")
         stops = set(stop_token_ids or [])
-        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        head = target.get_output_embeddings()
         n0, dev = input_ids.shape[1], input_ids.device
         t_cache, d_cache = DynamicCache(config=target.config), DynamicCache(config=self.config)
         out = target(input_ids, past_key_values=t_cache, use_cache=True, output_hidden_states=True)
@@ -191,7 +213,7 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
             block = torch.full((1, width), self.mask_token_id, dtype=torch.long, device=dev)
             block[0, 0] = tokens[-1]
             pos = torch.arange(done - ctx.shape[1], done + width, device=dev)[None]
-            h = self(pos, embed(block), ctx, past_key_values=d_cache, use_cache=True)
+            h = self(pos, self.noise_embedding(target, block), ctx, past_key_values=d_cache, use_cache=True)
             crop_cache(d_cache, done)
             block[0, 1:] = self.compute_logits(h[:, 1:], head).argmax(-1)[0]
             pos = torch.arange(done, done + width, device=dev)[None]

@@ -8,12 +8,13 @@ documents sit back to back; RoPE positions restart at 0 in each.
 One training step (:func:`compute_loss`): anchors, blocks and labels
 (:mod:`dflash_ipc.drafter.blocks`), attention masks (:mod:`dflash_ipc.drafter.masks`), the drafter
 forward, then the loss (:func:`chunked_lm_loss`): full-vocabulary cross-entropy through the frozen
-LM head, ``ce_chunk_tokens`` rows at a time, as a custom autograd function that holds at most one
+LM head, its logits finished as the target finishes its own (``DrafterModelConfig.frozen_head``),
+``ce_chunk_tokens`` rows at a time, as a custom autograd function that holds at most one
 chunk of logits: with the head frozen it takes each chunk's gradient while the chunk's logits exist
 (two head GEMMs per row); a trainable head recomputes them in backward (three).
 Optional KL to the target: ``KL(p_target || q_draft)`` per supervised slot, with
-``p_target = softmax(lm_head(last_hidden[a_j + s - 1]))``: the target's own prediction of
-token ``a_j + s`` comes from its last hidden state one position earlier (causal LM), the
+``p_target = softmax(lm_head(last_hidden[a_j + s - 1]))`` (finished the same way): the target's own
+prediction of token ``a_j + s`` comes from its last hidden state one position earlier (causal LM), the
 alignment SpecForge's ``_aligned_target_hidden`` uses (``label_index - 1``). Total:
 ``sum_w CE + kl_weight * sum_w KL`` (same weights ``w``), **not** divided; divide
 ``loss_sum`` by ``weight_sum`` (summed over ranks) to get the mean. The weights ``w`` are the
@@ -252,6 +253,7 @@ def _chunk_loss(model: DFlashDrafter, b: _Batch, s: int, e: int, training_cfg: T
         compiled=training_cfg.ce_compile,
         # the e4m3 head serves the training step's GEMMs; a pass without a gradient keeps the bf16 logits
         fp8_head=model.fp8_head() if training_cfg.ce_fp8 and torch.is_grad_enabled() else None,
+        frozen_head=mcfg.frozen_head,  # the target's logits are the finished ones (divided, soft-capped)
     )
     return _ChunkOut(res, rows, labels, part, layout.num_queries)
 

@@ -40,6 +40,8 @@ GRANULE = 128
 RESERVE_BYTES = 6 << 30
 #: the chunked CE's transient bytes per logit: the GEMM's output, its fp32 copy and the fp32 gradient or softmax
 CE_BYTES_PER_LOGIT_FP32 = 12
+#: and under a target's final soft-cap (Gemma), the fp32 slope of the capped logits (drafter/frozen_head.py)
+CE_BYTES_PER_LOGIT_SOFTCAP = 4
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class DrafterWidths:
     context_tokens: int  # tokens of one packed batch (data.token_budget)
     dtype_bytes: int  # the drafter's compute dtype
     ce_chunk_tokens: int
+    ce_softcap: bool = False  # the target soft-caps its logits: the CE keeps their slope per chunk too
 
 
 def bytes_per_anchor(w: DrafterWidths) -> int:
@@ -70,7 +73,7 @@ def shared_step_bytes(w: DrafterWidths) -> int:
     context keys and values, and one CE chunk's logits with their fp32 passes."""
     n, d = w.context_tokens, w.dtype_bytes
     context = n * (w.num_planes + 1) * w.hidden * d + w.num_layers * n * 2 * w.kv_dim * d
-    ce = w.ce_chunk_tokens * w.head_rows * (d + CE_BYTES_PER_LOGIT_FP32)
+    ce = w.ce_chunk_tokens * w.head_rows * (d + CE_BYTES_PER_LOGIT_FP32 + CE_BYTES_PER_LOGIT_SOFTCAP * w.ce_softcap)
     return int(MARGIN * (context + ce))
 
 
@@ -127,6 +130,7 @@ def drafter_widths(model, cfg) -> DrafterWidths:
         context_tokens=cfg.data.token_budget + cfg.transport.slot_tokens,
         dtype_bytes=model.trainable_parameters()[0].element_size(),
         ce_chunk_tokens=cfg.training.ce_chunk_tokens,
+        ce_softcap=m.frozen_head.final_logit_softcap is not None,
     )
 
 

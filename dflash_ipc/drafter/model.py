@@ -13,6 +13,9 @@ vLLM serving implementations):
   ``v_proj`` of ``ctx`` (no ``input_layernorm`` on the context), then that layer's ``k_norm``
   and RoPE at the context token's position. Queries come from the block tokens only.
 * **Head.** Final ``norm``, then the *target's* (frozen) LM head.
+* **The target's effective tables.** Where the target's family scales its embeddings or transforms its
+  logits (``DrafterModelConfig.frozen_head``: Gemma, Granite), :meth:`~DFlashDrafter.embed` and
+  :meth:`~DFlashDrafter.compute_logits` do the same (:mod:`dflash_ipc.drafter.frozen_head`).
 
 The embedding and LM head are given to the constructor as tensors and kept as frozen
 parameters (``requires_grad=False``) that are left out of :meth:`~torch.nn.Module.state_dict`,
@@ -40,6 +43,8 @@ from dflash_ipc.config import DrafterConfig
 from dflash_ipc.devices import as_device, fill_normal_
 from dflash_ipc.drafter.blockwise import BlockwiseMask, blockwise_attention
 from dflash_ipc.drafter.fp8_head import Fp8Head
+from dflash_ipc.drafter.frozen_head import embed_rows
+from dflash_ipc.families import FrozenHead, family_of
 from dflash_ipc.fp8 import fp8_device_problem
 from dflash_ipc.target_spec.hf_config import rope_theta, text_config
 
@@ -89,6 +94,8 @@ class DrafterModelConfig:
     initializer_range: float = 0.02
     # Rows of the drafter's head (dflash_ipc/draft_vocab.py); 0: the whole vocabulary.
     draft_vocab_size: int = 0
+    # What the target applies around its embedding table and LM head (families.traits.FrozenHead).
+    frozen_head: FrozenHead = FrozenHead()
 
     def __post_init__(self) -> None:
         self.layer_types = list(self.layer_types)
@@ -161,6 +168,7 @@ class DrafterModelConfig:
             mask_token_id=int(mask_token_id),
             num_target_layers=int(getattr(t, "num_hidden_layers", 0) or 0),
             draft_vocab_size=drafter_cfg.draft_vocab_size,
+            frozen_head=family_of(target_hf_config).frozen_head(),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -387,6 +395,8 @@ class DFlashDrafter(nn.Module):
         draft_token_ids: ascending target ids ``[config.draft_vocab_size]`` the head keeps
             (``dflash_ipc.draft_vocab``); then ``lm_head_weight`` holds those rows only and
             :meth:`compute_logits` puts ``-inf`` everywhere else. Required iff the size is non-zero.
+        target_dtype: the dtype the target computes its embeddings in, where ``config.frozen_head`` scales
+            them (a bf16 target rounds scale and product in bf16); None: the embedding table's.
     """
 
     def __init__(
@@ -401,6 +411,7 @@ class DFlashDrafter(nn.Module):
         init_seed: int | None = None,
         compile_dense: bool = False,
         draft_token_ids: torch.Tensor | None = None,
+        target_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         resolve_attention_backend(attention, "cpu")  # validate the name early
@@ -425,6 +436,7 @@ class DFlashDrafter(nn.Module):
                 setattr(module, name, nn.Parameter(torch.empty(param.shape, device=target, dtype=dtype)))
         self.embed_weight = nn.Parameter(embed_weight.detach().to(target), requires_grad=False)
         self.lm_head_weight = nn.Parameter(lm_head_weight.detach().to(target), requires_grad=False)
+        self.target_dtype = target_dtype or embed_weight.dtype
         if lm_head_weight is embed_weight:
             self.lm_head_weight = self.embed_weight
         # Buffers, not state: the ids travel in the run directory and the export, not with the trainable weights.
@@ -496,7 +508,8 @@ class DFlashDrafter(nn.Module):
     # -- forward pieces ------------------------------------------------------------
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(token_ids, self.embed_weight).to(self.dtype)
+        """What the target's layer 0 receives for ``token_ids`` (its table rows, scaled as it scales them)."""
+        return embed_rows(self.config.frozen_head, F.embedding(token_ids, self.embed_weight), self.target_dtype, self.dtype)
 
     def project_context(self, context: torch.Tensor) -> torch.Tensor:
         """``[n, k*H]`` concatenated target planes -> ``hidden_norm(fc(.))`` ``[n, H]``."""
@@ -512,8 +525,9 @@ class DFlashDrafter(nn.Module):
         return full
 
     def compute_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the head's rows: the whole vocabulary, or the draft vocabulary's ids in order."""
-        return F.linear(hidden, self.lm_head_weight.to(hidden.dtype))
+        """Logits over the head's rows (the whole vocabulary, or the draft vocabulary's ids in order), finished
+        as the target finishes its own (divided, soft-capped), in the hidden states' dtype as transformers does."""
+        return self.config.frozen_head.finish_logits(F.linear(hidden, self.lm_head_weight.to(hidden.dtype)))
 
     def block_input_ids(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """``[N]`` anchor tokens -> ``[N, block_size]``: anchor, then mask tokens."""

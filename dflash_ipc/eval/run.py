@@ -332,6 +332,7 @@ class _Decoder:
         from dflash_ipc.devices import dtype_from_name
         from dflash_ipc.drafter.export import load_exported_drafter
         from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
+        from dflash_ipc.families import family_of
         from dflash_ipc.target_spec.heads import target_head_weights
         from dflash_ipc.target_spec.hf_config import load_hf_config
 
@@ -346,6 +347,8 @@ class _Decoder:
         self.drafter = drafter.to(dtype_from_name(self.dtype))
         self.drafter.eval()
         dcfg = self.drafter.config
+        # the drafter embeds and finishes its logits as its export records (as it trained); the target may differ
+        self.target_head = family_of(hf_config).frozen_head()
         self.block_size = block_size or dcfg.block_size
         if not 1 <= self.block_size <= dcfg.block_size:
             raise ValueError(f"--block-size must be in [1, {dcfg.block_size}] (the drafter's block size); got {self.block_size}")
@@ -356,6 +359,11 @@ class _Decoder:
         self._warm = False
 
     def describe(self, echo, n_total: int, names: list[str]) -> None:
+        if self.target_head != self.drafter.config.frozen_head:
+            echo(
+                f"warning: the drafter trained on other embeddings or logits than this target gives (the target's embedding "
+                f"and head: {self.target_head.describe()}; the export's: {self.drafter.config.frozen_head.describe()})"
+            )
         if self.mask_token_id in self.stops:
             echo(
                 f"warning: the drafter's mask token {self.mask_token_id} is a stop token; a serving engine that scans "
