@@ -43,9 +43,12 @@ def build_target_lm(cfg: TargetConfig, device, vocab_size: int | None = None, dt
     cfg = dataclasses.replace(cfg, dtype=dtype or cfg.dtype, capture_last_hidden=True, fuse_elementwise=False)
     torch_dtype = dtype_from_name(cfg.dtype)
     if cfg.model_path:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": cfg.attn_implementation}
+        from dflash_ipc.families import family_of
+
+        attention = family_of(AutoConfig.from_pretrained(cfg.model_path)).attention_implementation(cfg.attn_implementation)
+        kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attention}
         if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
             kwargs["device_map"] = {"": str(device) if device.index is not None else f"{device.type}:0"}
         lm = AutoModelForCausalLM.from_pretrained(cfg.model_path, **kwargs).to(device)
