@@ -27,6 +27,7 @@ that follow it; the packer strips the pad positions afterwards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 from collections.abc import Iterable, Sequence
@@ -37,7 +38,7 @@ from torch import nn
 
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.devices import as_device, cuda_device, dtype_from_name
-from dflash_ipc.target.flops import forward_flops
+from dflash_ipc.target.flops import ForwardFlops
 from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
 from dflash_ipc.target.fp8_merge import merge_sibling_linears
 from dflash_ipc.target.fused import fuse_elementwise, wants_fused_elementwise
@@ -344,5 +345,10 @@ class TargetModel:
             result.append(lh if lh is not None else out[0])
         return result
 
+    @functools.cached_property
+    def flop_count(self) -> ForwardFlops:
+        """The FLOP count of this target's forward (:mod:`~dflash_ipc.target.flops`), its layers counted once."""
+        return ForwardFlops(self.hf_config)
+
     def forward_flops(self, seq_lens: Iterable[int]) -> float:
-        return forward_flops(self.hf_config, self.layers_run, seq_lens)
+        return self.flop_count(self.layers_run, seq_lens)
