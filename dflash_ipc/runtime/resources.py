@@ -187,9 +187,7 @@ def _safetensors_tensors(path: Path) -> list[tuple[str, int]]:
             raise ValueError(f"{path} is not a safetensors file (no header)")
         try:
             header = json.loads(f.read(n))
-            return [
-                (str(info["dtype"]), math.prod(int(d) for d in info["shape"])) for key, info in header.items() if key != "__metadata__"
-            ]
+            return [(str(info["dtype"]), math.prod(int(d) for d in info["shape"])) for key, info in header.items() if key != "__metadata__"]
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: a malformed safetensors header ({type(e).__name__}: {e})") from None
 

@@ -39,7 +39,8 @@ from torch import nn
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.devices import as_device, cuda_device, dtype_from_name
 from dflash_ipc.target.flops import ForwardFlops
-from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
+from dflash_ipc.target.fp8 import fp8_device_problem, input_quantizer, quantize_linears
+from dflash_ipc.target.fp8_experts import quantize_experts
 from dflash_ipc.target.fp8_merge import merge_sibling_linears
 from dflash_ipc.target.fused import fuse_elementwise, wants_fused_elementwise
 from dflash_ipc.target.packed_attention import packed_attention, register_packed_attention
@@ -140,8 +141,9 @@ def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids
 
 
 def apply_fp8(stack: nn.Module, device, dtype: torch.dtype, compile_quantizer: bool) -> None:
-    """``target.quantization = "fp8"``: the stack's linear layers in e4m3 (:mod:`~dflash_ipc.target.fp8`), the
-    siblings that project one input merged into one quantization and one GEMM (:mod:`~dflash_ipc.target.fp8_merge`).
+    """``target.quantization = "fp8"``: the stack's linear layers in e4m3 (:mod:`~dflash_ipc.target.fp8`), an MoE's
+    routed experts too (:mod:`~dflash_ipc.target.fp8_experts`), the siblings that project one input merged into one
+    quantization and one GEMM (:mod:`~dflash_ipc.target.fp8_merge`).
 
     ``compile_quantizer``: the per-token input quantizer through ``torch.compile``. The target builder ties it
     to the elementwise fusion (``target.fuse_elementwise``), so an eager target compiles nothing; eval passes
@@ -152,6 +154,9 @@ def apply_fp8(stack: nn.Module, device, dtype: torch.dtype, compile_quantizer: b
         raise ValueError(f'target.quantization = "fp8": {problem}; set target.quantization = "none"')
     counts = quantize_linears(stack, compile_quantizer=compile_quantizer)
     log.info("target linear layers in FP8 e4m3: %d (%.2f GB), %d kept in %s", counts["fp8"], counts["bytes"] / 1e9, counts["kept"], dtype)
+    experts = quantize_experts(stack, input_quantizer(compile_quantizer))
+    if experts.fp8 or experts.kept:
+        log.info("%s", experts.describe())
     merged = merge_sibling_linears(stack)
     log.info(
         "FP8 siblings merged: %d linears into %d GEMMs, %d input quantizations fewer per forward",
