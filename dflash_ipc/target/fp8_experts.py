@@ -90,7 +90,10 @@ class Fp8Experts(nn.Module):
         top_k = top_k_index.shape[-1]
         expert_ids, order = torch.sort(top_k_index.reshape(-1))
         rows = hidden_states[order // top_k]
-        counts = torch.bincount(expert_ids, minlength=self.num_experts)
+        # rows per expert without a host sync (bincount reads its maximum back); histc takes floats on the CPU and
+        # integers on CUDA (its deterministic kernels), as transformers' grouped path counts them
+        ids = expert_ids.float() if expert_ids.device.type == "cpu" else expert_ids.int()
+        counts = torch.histc(ids, bins=self.num_experts, min=0, max=self.num_experts - 1)
         out = self._gemm(rows, self.up_fp8, self.up_scale, counts)
         if self.up_bias is not None:
             out = out + self.up_bias[expert_ids]
@@ -112,7 +115,7 @@ class Fp8Experts(nn.Module):
             return torch._scaled_grouped_mm(xq, weight.transpose(1, 2), xs.reshape(-1), scale, offs=offsets, out_dtype=self.out_dtype)
         out = torch.empty(x.shape[0], weight.shape[1], dtype=self.out_dtype, device=x.device)
         start = 0
-        for expert, count in enumerate(counts.tolist()):  # one host sync per call, as transformers' eager loop
+        for expert, count in enumerate(int(n) for n in counts.tolist()):  # one host sync per call, as transformers' eager loop
             if count:
                 end = start + count
                 out[start:end] = torch._scaled_mm(
