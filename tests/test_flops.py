@@ -144,3 +144,25 @@ def test_attention_pairs_are_what_transformers_masks_let_through(n):
     both_ways = mu.sliding_window_bidirectional_mask_function(3)
     assert attention_pairs(AttentionLayer("sliding", window=3, causal=False), n) == _transformers_pairs(both_ways, n)
     assert attention_pairs(AttentionLayer("linear"), n) == 0
+
+
+def test_a_layer_kind_no_family_knows_counts_its_weights_and_says_so(caplog):
+    """LFM2's conv layers (no family entry): their weights count, their mixing is left out and the log says so;
+    the attention layers count as any."""
+    from transformers import Lfm2Config
+
+    c = Lfm2Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"] * 2,
+    )
+    with caplog.at_level("WARNING", logger="dflash_ipc.target.flops"):
+        count = ForwardFlops(c)
+    assert "lfm2: layer 0 is a 'conv' layer" in caplog.text
+    tokens, attention = sum(LENS), 4 * c.num_attention_heads * (c.hidden_size // c.num_attention_heads) * sum(map(_causal_pairs, LENS))
+    assert count([0], LENS) == 2 * count.weights[0] * tokens > 0
+    assert count([1], LENS) == 2 * count.weights[1] * tokens + attention

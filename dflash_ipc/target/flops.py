@@ -28,6 +28,8 @@ padded lengths are the work run, the real ones the useful work).
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,6 +39,8 @@ from dflash_ipc.families import AttentionLayer, family_of
 from dflash_ipc.target_spec.hf_config import text_config
 
 __all__ = ["ForwardFlops", "attention_pairs", "forward_flops", "layer_matmul_params"]
+
+log = logging.getLogger(__name__)
 
 #: The module transformers 5.x keeps an MoE layer's routed experts in.
 EXPERTS_MODULE = "experts"
@@ -104,16 +108,30 @@ def layer_matmul_params(hf_config: Any) -> list[int]:
 
 
 class ForwardFlops:
-    """The FLOP count of one target config's forward (module docstring), its per-layer parts counted once."""
+    """The FLOP count of one target config's forward (module docstring), its per-layer parts counted once.
+
+    A layer whose token mixer the family does not know (a Mamba or conv layer of a hybrid without a family entry)
+    counts its matmul weights alone, said once in the log: its mixing work is not in the figure."""
 
     def __init__(self, hf_config: Any):
         tc = text_config(hf_config)
         self.family = family_of(hf_config)
         self.weights = layer_matmul_params(hf_config)
-        self.layers = self.family.attention_layers
-        self.recurrence = 0
-        if any(spec.kind == "linear" for spec in self.layers):  # GatedDeltaNet: per token, the state update
-            self.recurrence = 6 * int(tc.linear_num_value_heads) * int(tc.linear_key_head_dim) * int(tc.linear_value_head_dim)
+        self.layers: list[AttentionLayer | None] = []
+        unknown: dict[str, None] = {}
+        for i in range(len(self.weights)):
+            try:
+                self.layers.append(self.family.attention_layer(i))
+            except ValueError as e:
+                self.layers.append(None)
+                unknown.setdefault(str(e), None)
+        # GatedDeltaNet (transformers' "linear_attention" layers): per token, the state update
+        names = ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        self.recurrence = math.prod(int(getattr(tc, name, 0) or 0) for name in names) * 6
+        if self.recurrence == 0 and any(spec is not None and spec.kind == "linear" for spec in self.layers):
+            unknown.setdefault(f"{self.family.name}: linear-attention layers without GatedDeltaNet's widths", None)
+        if unknown:
+            log.warning("target FLOPs count these layers' matmul weights only (their mixing is left out): %s", "; ".join(unknown))
 
     def __call__(self, layers_run: int | Iterable[int], seq_lens: Iterable[int]) -> float:
         """FLOPs of one forward over documents of ``seq_lens`` tokens through ``layers_run`` decoder layers (an
@@ -126,6 +144,8 @@ class ForwardFlops:
         for i in indices:
             spec = self.layers[i]
             total += 2 * self.weights[i] * tokens
+            if spec is None:
+                continue
             if spec.kind == "linear":
                 total += self.recurrence * tokens
                 continue
