@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families.family_zoo import WINDOW, family_config
+from families.family_zoo import WINDOW, family_config, unknown_hybrid_config
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_ipc.families import AttentionLayer, family_of
@@ -149,17 +149,7 @@ def test_attention_pairs_are_what_transformers_masks_let_through(n):
 def test_a_layer_kind_no_family_knows_counts_its_weights_and_says_so(caplog):
     """LFM2's conv layers (no family entry): their weights count, their mixing is left out and the log says so;
     the attention layers count as any."""
-    from transformers import Lfm2Config
-
-    c = Lfm2Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["conv", "full_attention"] * 2,
-    )
+    c = unknown_hybrid_config()
     with caplog.at_level("WARNING", logger="dflash_ipc.target.flops"):
         count = ForwardFlops(c)
     assert "lfm2: layer 0 is a 'conv' layer" in caplog.text

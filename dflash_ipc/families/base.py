@@ -121,15 +121,28 @@ class DecoderFamily:
     def attention_layers(self) -> tuple[AttentionLayer, ...]:
         return tuple(self.attention_layer(i) for i in range(self.num_layers))
 
+    def known_attention_layers(self) -> list[tuple[int, AttentionLayer]]:
+        """(index, layer) of every attention layer (not linear attention), skipping layers of a kind dflash-ipc does
+        not know (which :attr:`attention_layers` refuses): what can be read of a hybrid without a family entry."""
+        known = []
+        for i in range(self.num_layers):
+            try:
+                spec = self.attention_layer(i)
+            except ValueError:
+                continue
+            if spec.kind != "linear":
+                known.append((i, spec))
+        return known
+
     def attention_shape(self) -> tuple[int, int, int]:
         """(query heads, key/value heads, head size) of the target's attention layers, the shape a drafter's
         attention copies by default: the most common one where layers differ (Gemma 4's wider full-attention
         heads; a tie goes to the earliest layer's). The head size is the layer config's ``head_dim`` (under
-        DeepSeek's latent attention its RoPE head size), else hidden size / heads."""
+        DeepSeek's latent attention its RoPE head size), else hidden size / heads. Layers of a kind no family
+        knows (a hybrid's Mamba or conv layers) have no say."""
         shapes = []
-        for i, spec in enumerate(self.attention_layers):
-            if spec.kind != "linear":
-                shapes.append((spec.num_heads, spec.num_kv_heads, first_int(self.layer_config(i), "head_dim") or spec.qk_head_dim))
+        for i, spec in self.known_attention_layers():
+            shapes.append((spec.num_heads, spec.num_kv_heads, first_int(self.layer_config(i), "head_dim") or spec.qk_head_dim))
         if not shapes:
             raise ValueError(f"{self.name}: no attention layer to take the drafter's attention shape from")
         return collections.Counter(shapes).most_common(1)[0][0]

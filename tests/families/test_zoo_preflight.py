@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_cpu_config
-from families.family_zoo import FAMILIES, build_checkpoint
+from families.family_zoo import FAMILIES, build_checkpoint, unknown_hybrid_config
 
 from dflash_ipc.config import config_from_dict
 from dflash_ipc.drafter.build import build_drafter
@@ -54,3 +54,21 @@ def test_every_family_passes_the_preflight_and_builds_a_drafter_of_its_widths(zo
     assert len(count.weights) == len(loaded.model.layers) and min(count.weights) > 0
     if family.experts() is not None:  # a token runs its active experts only; preflight sized every expert
         assert sum(count.weights) < sum(p.numel() for p in loaded.model.layers.parameters() if p.dim() >= 2)
+
+
+def test_a_hybrid_no_family_knows_passes_on_its_attention_layers(tmp_path):
+    """LFM2 (no family entry, conv layers between attention ones): the preflight and the drafter's widths read its
+    attention layers and pass over the conv ones, which no family describes."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ipc.data.tokenizer import build_builtin_tokenizer
+
+    config = unknown_hybrid_config()
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    build_builtin_tokenizer().save_pretrained(tmp_path)
+    cfg = _config(tmp_path)
+    check_machine(cfg)
+    family = family_of(config)
+    assert [i for i, _ in family.known_attention_layers()] == [1, 3]
+    assert family.attention_shape() == (4, 2, 16)
+    assert build_drafter(cfg, "cpu", log_mask_token=False).config.num_key_value_heads == 2
