@@ -126,6 +126,22 @@ def test_llama_and_qwen2_merged_capture_what_unmerged_fp8_captures(family, monke
     _assert_merged_equals_unmerged(model, monkeypatch, {"groups": 6, "linears": 15, "quantizations_saved": 9})
 
 
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_qwen35_moe_and_qwen3_next_merge_as_qwen35_does(name, monkeypatch, tmp_path):
+    """4 layers (2 GatedDeltaNet, 2 attention), each with a shared expert: its gate/up merge (the routed experts are
+    not linears), q/k/v merge; Qwen3.5-MoE's GatedDeltaNet merges in_proj_qkv and in_proj_z (its 4-wide a/b gates
+    stay bf16), Qwen3-Next's in_proj_qkvz stands alone (its in_proj_ba, 8 wide, stays bf16)."""
+    from families.family_zoo import build_checkpoint
+
+    cfg = TargetConfig(
+        model_path=str(build_checkpoint(name, tmp_path)), tokenizer="builtin", layer_ids=[1, 3], dtype="bfloat16", varlen=True
+    )
+    gdn_groups = 2 if name == "qwen3_5_moe" else 0
+    linears = 4 * 2 + 2 * 3 + gdn_groups * 2
+    expect = {"groups": 4 + 2 + gdn_groups, "linears": linears, "quantizations_saved": linears - (6 + gdn_groups)}
+    _assert_merged_equals_unmerged(build_target(cfg, "cpu"), monkeypatch, expect)
+
+
 @pytest.fixture
 def mlp_pair(monkeypatch):
     """A real Qwen3.5 MLP in FP8 merged, an unmerged FP8 copy as the reference, and the counter."""

@@ -47,6 +47,28 @@ def test_fused_stack_captures_what_the_eager_stack_captures():
     assert all("forward" not in m.__dict__ for m in model.stack.modules())
 
 
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
+def test_the_moe_siblings_of_qwen3_5_fuse_as_it_does(name, tmp_path):
+    """Qwen3.5-MoE and Qwen3-Next name their norms, gated norms and shared experts' SwiGLU MLPs after their own
+    family (Qwen3_5MoeRMSNorm, Qwen3NextMLP, ...): each is routed as Qwen3.5's are, and the capture equals the
+    modules' own forwards' (the routed experts stay transformers' own)."""
+    from families.family_zoo import build_checkpoint
+
+    checkpoint = build_checkpoint(name, tmp_path)
+    cfg = TargetConfig(model_path=str(checkpoint), tokenizer="builtin", layer_ids=[1, 2, 3], varlen=False, fuse_elementwise=True)
+    model = build_target(cfg, "cpu")
+    layers = model.stack.layers
+    gdn = sum(1 for layer in layers if hasattr(layer, "linear_attn"))
+    shared = sum(1 for layer in layers if hasattr(layer.mlp, "shared_expert"))
+    assert gdn == 2 and shared == len(layers) == 4
+    assert model.fused_elementwise == {"norms": 2 * len(layers) + 2 * (len(layers) - gdn) + 1, "gated_norms": gdn, "mlps": shared}
+    ids = torch.randint(0, 1000, (2, 23), generator=torch.Generator().manual_seed(3))
+    fused = model.capture(ids)
+    unfuse_elementwise(model.stack)
+    for got, want in zip(fused, model.capture(ids)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_family_without_fused_kernels_stays_eager_and_says_so(tmp_path):
     """A Llama checkpoint (SmolLM2's family) has no module fused.py routes: with fusion forced on, the
     target reports nothing fused rather than "0 norms fused", and its modules keep their own forwards."""

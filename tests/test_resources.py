@@ -64,6 +64,28 @@ def test_checkpoint_params_from_safetensors_headers(tmp_path):
     assert resources.checkpoint_params(tmp_path) == sum(p.numel() for p in model.state_dict().values())
 
 
+def test_a_quantized_checkpoint_is_sized_by_what_it_stores_and_float_tensors_by_the_target_dtype(tmp_path):
+    """Float tensors load in ``target.dtype`` (transformers casts them); FP8 weights and MXFP4's packed bytes
+    (two 4-bit values per byte) with their scales stay as stored or dequantize into more: their stored bytes
+    are the least the target holds. A sharded checkpoint is read through its index."""
+    import json
+
+    from safetensors.torch import save_file
+
+    norm, experts, packed, scales = torch.ones(64), torch.zeros(4, 32, 64), torch.zeros(4, 32, 2, 16), torch.zeros(4, 32, 2)
+    save_file({"norm.weight": norm.to(torch.float32), "experts.gate_up_proj": experts.to(torch.float8_e4m3fn)}, tmp_path / "a.safetensors")
+    save_file(
+        {"experts.down_proj_blocks": packed.to(torch.uint8), "experts.down_proj_scales": scales.to(torch.uint8)}, tmp_path / "b.safetensors"
+    )
+    names = {"norm.weight": "a", "experts.gate_up_proj": "a", "experts.down_proj_blocks": "b", "experts.down_proj_scales": "b"}
+    index = {"weight_map": {key: f"{shard}.safetensors" for key, shard in names.items()}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    stored = experts.numel() + packed.numel() + scales.numel()
+    assert resources.checkpoint_weight_bytes(tmp_path, 2) == 2 * norm.numel() + stored
+    assert resources.checkpoint_weight_bytes(tmp_path, 4) == 4 * norm.numel() + stored
+    assert resources.checkpoint_params(tmp_path) == norm.numel() + stored
+
+
 @pytest.mark.gpu
 def test_gpu_memory_measured_on_cuda_0():
     """On a GPU: the tiny stack on cuda:0 fits the measured free memory; a drafter of 10^6 layers does not."""

@@ -73,7 +73,7 @@ def test_27b_spec_shape():
     assert (conf.num_attention_heads, conf.num_key_value_heads, conf.head_dim) == (24, 4, 256)
     assert (conf.linear_num_key_heads, conf.linear_num_value_heads, conf.linear_conv_kernel_dim) == (16, 48, 4)
     # the analytic count lands on a ~27B model (+ embedding and LM head)
-    total = sum(layer_matmul_params(conf, t) for t in lt) + 2 * 248320 * 5120
+    total = sum(layer_matmul_params(conf)) + 2 * 248320 * 5120
     assert 26e9 < total < 28.5e9, total
     assert len(qwen36_27b_spec(8)["layer_types"]) == 8
 
@@ -278,14 +278,18 @@ def test_fast_path_resolves_through_fallback_wrapper(monkeypatch):
 
 def test_layer_param_count_matches_modules(full_target):
     conf = full_target.hf_config
+    counts = layer_matmul_params(conf)
+    assert len(counts) == len(full_target.stack.layers)
     for i, layer in enumerate(full_target.stack.layers):
         n = sum(m.weight.numel() for m in layer.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
-        assert n == layer_matmul_params(conf, conf.layer_types[i]), i
+        assert n == counts[i], i
 
 
 def test_forward_flops():
     conf = make_hf_config(tiny_spec(VOCAB))
-    lin, full = layer_matmul_params(conf, "linear_attention"), layer_matmul_params(conf, "full_attention")
+    counts = layer_matmul_params(conf)
+    assert conf.layer_types[0] == "linear_attention" and conf.layer_types[2] == "full_attention"
+    lin, full = counts[0], counts[2]
     # layer 0 linear, layer 2 full; sequences of 10 and 3 tokens
     gdn = 6 * 4 * 16 * 16 * 13
     attn = 4 * 4 * 16 * (55 + 6)

@@ -62,8 +62,7 @@ def target_flops(shape: str, tokens: float, layers: int, head: bool = False) -> 
 
     cfg = hf_config(shape)
     tc = text_config(cfg)
-    kinds = list(getattr(tc, "layer_types", None) or ["full_attention"] * int(tc.num_hidden_layers))
-    params = sum(layer_matmul_params(cfg, "linear_attention" if k == "linear_attention" else "full_attention") for k in kinds[:layers])
+    params = sum(layer_matmul_params(cfg)[:layers])
     if head:
         params += int(tc.hidden_size) * int(tc.vocab_size)
     return 2.0 * params * tokens

@@ -1,8 +1,9 @@
 """``[target]``: the frozen target model, what it captures for the drafter, and how it runs.
 
-``target.quantization`` says which precision its linear layers run in. ``"none"``: the target's dtype
-throughout. ``"fp8"``: e4m3 weights and activations with per-row and per-token scales
-(:mod:`dflash_ipc.target.fp8`); its GEMMs write bf16, so the target's dtype must be bfloat16.
+``target.quantization`` says which precision its linear layers and an MoE's routed experts run in. ``"none"``:
+the target's dtype throughout. ``"fp8"``: e4m3 weights and activations with per-row and per-token scales
+(:mod:`dflash_ipc.target.fp8`, :mod:`dflash_ipc.target.fp8_experts`); its GEMMs write bf16, so the target's dtype
+must be bfloat16.
 Whether the devices can run it (CUDA, compute capability >= 8.9) is checked against the machine by
 the preflight (:mod:`dflash_ipc.runtime.preflight`), still before any process starts, as are the
 model directory, ``spec`` and the tokenizer.
@@ -60,11 +61,12 @@ class TargetConfig:
     """Each batch's documents back to back in one row, no padding computed. "auto": packed wherever varlen kernels
     run it (flash/flex or sdpa's varlen_attn on CUDA; fla for GatedDeltaNet); true / false force it."""
     quantization: Quantization = "none"
-    """Precision of the linear layers: "none" (``dtype``) or "fp8" (e4m3, needs bfloat16 and a CUDA GPU of compute
-    capability >= 8.9)."""
+    """Precision of the linear layers and an MoE's routed experts: "none" (``dtype``) or "fp8" (e4m3, needs bfloat16
+    and a CUDA GPU of compute capability >= 8.9; the target logs the experts modules that stay in ``dtype``)."""
     fuse_elementwise: bool | Literal["auto"] = "auto"
-    """Norms and SwiGLU (and an FP8 down projection's quantizer) as torch.compile'd fused kernels. "auto": on CUDA,
-    where Triton compiles them; true / false force it."""
+    """Norms and SwiGLU (and an FP8 down projection's quantizer) as torch.compile'd fused kernels, for the families
+    that name them (Qwen3.5, Qwen3.5-MoE, Qwen3-Next; others stay eager). "auto": on CUDA, where Triton compiles
+    them; true / false force it."""
 
     def __post_init__(self) -> None:
         if not self.tokenizer:

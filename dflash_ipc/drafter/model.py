@@ -133,13 +133,15 @@ class DrafterModelConfig:
     ) -> DrafterModelConfig:
         """Resolve a :class:`DrafterConfig` against the target's transformers config.
 
-        Zeros in ``drafter_cfg`` mean "same as the target". The hidden size must equal the
-        target's: the drafter reads the target's embedding table and LM head directly.
+        Zeros in ``drafter_cfg`` mean "same as the target", as its family reads it where layers differ
+        or a dense width is missing (:meth:`~dflash_ipc.families.base.DecoderFamily.attention_shape`,
+        :meth:`~dflash_ipc.families.base.DecoderFamily.mlp_width`: an MoE target's active experts' width).
+        The hidden size must equal the target's: the drafter reads the target's embedding table and LM head directly.
         """
         t = text_config(target_hf_config)
+        family = family_of(target_hf_config)
         t_hidden = int(t.hidden_size)
-        t_heads = int(t.num_attention_heads)
-        t_head_dim = int(getattr(t, "head_dim", None) or t_hidden // t_heads)
+        t_heads, t_kv_heads, t_head_dim = family.attention_shape()
         hidden = drafter_cfg.hidden_size or t_hidden
         if hidden != t_hidden:
             raise ValueError(
@@ -147,12 +149,12 @@ class DrafterModelConfig:
                 "the drafter uses the target's embedding and LM head; set it to 0"
             )
         heads = drafter_cfg.num_attention_heads or t_heads
-        kv_heads = drafter_cfg.num_key_value_heads or int(getattr(t, "num_key_value_heads", None) or t_heads)
+        kv_heads = drafter_cfg.num_key_value_heads or t_kv_heads
         if drafter_cfg.num_attention_heads and not drafter_cfg.num_key_value_heads and heads % kv_heads:
             kv_heads = heads
         return cls(
             hidden_size=hidden,
-            intermediate_size=drafter_cfg.intermediate_size or int(t.intermediate_size),
+            intermediate_size=drafter_cfg.intermediate_size or family.mlp_width(),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=drafter_cfg.head_dim or t_head_dim,
@@ -168,7 +170,7 @@ class DrafterModelConfig:
             mask_token_id=int(mask_token_id),
             num_target_layers=int(getattr(t, "num_hidden_layers", 0) or 0),
             draft_vocab_size=drafter_cfg.draft_vocab_size,
-            frozen_head=family_of(target_hf_config).frozen_head(),
+            frozen_head=family.frozen_head(),
         )
 
     def to_dict(self) -> dict[str, Any]:

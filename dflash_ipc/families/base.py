@@ -19,6 +19,7 @@ re-implements attention, so only families the family matrix has checked take it 
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -82,9 +83,16 @@ class DecoderFamily:
             return ["sliding_attention"] * self.num_layers
         return ["full_attention"] * self.num_layers
 
+    def layer_config(self, layer: int) -> Any:
+        """``layer``'s view of the config: transformers' per-layer config where it has one (a config whose
+        layers differ, such as Gemma 4's, refuses a global read of an attribute that varies), else the config."""
+        per_layer = getattr(self.config, "per_layer_config", None)
+        return self.config if per_layer is None else per_layer[layer]
+
     def head_dims(self, layer: int) -> tuple[int, int]:
         """(query/key head size, value head size) of ``layer``'s attention."""
-        hd = first_int(self.config, "head_dim") or int(self.config.hidden_size) // int(self.config.num_attention_heads)
+        config = self.layer_config(layer)
+        hd = first_int(config, "head_dim") or int(config.hidden_size) // int(config.num_attention_heads)
         return hd, hd
 
     def attention_layer(self, layer: int) -> AttentionLayer:
@@ -95,6 +103,7 @@ class DecoderFamily:
         if kind == "linear":
             return AttentionLayer("linear")
         qk, v = self.head_dims(layer)
+        config = self.layer_config(layer)
         softcap = getattr(self.config, "attn_logit_softcapping", None)
         return AttentionLayer(
             kind,  # type: ignore[arg-type]
@@ -102,7 +111,8 @@ class DecoderFamily:
             chunk=int(self.config.attention_chunk_size) if kind == "chunked" else None,
             softcap=float(softcap) if softcap else None,
             causal=getattr(self.config, "use_bidirectional_attention", None) not in (True, "all"),  # "vision": image tokens only
-            num_heads=int(self.config.num_attention_heads),
+            num_heads=int(config.num_attention_heads),
+            num_kv_heads=first_int(config, "num_key_value_heads") or int(config.num_attention_heads),
             qk_head_dim=qk,
             v_head_dim=v,
         )
@@ -110,6 +120,32 @@ class DecoderFamily:
     @functools.cached_property
     def attention_layers(self) -> tuple[AttentionLayer, ...]:
         return tuple(self.attention_layer(i) for i in range(self.num_layers))
+
+    def known_attention_layers(self) -> list[tuple[int, AttentionLayer]]:
+        """(index, layer) of every attention layer (not linear attention), skipping layers of a kind dflash-ipc does
+        not know (which :attr:`attention_layers` refuses): what can be read of a hybrid without a family entry."""
+        known = []
+        for i in range(self.num_layers):
+            try:
+                spec = self.attention_layer(i)
+            except ValueError:
+                continue
+            if spec.kind != "linear":
+                known.append((i, spec))
+        return known
+
+    def attention_shape(self) -> tuple[int, int, int]:
+        """(query heads, key/value heads, head size) of the target's attention layers, the shape a drafter's
+        attention copies by default: the most common one where layers differ (Gemma 4's wider full-attention
+        heads; a tie goes to the earliest layer's). The head size is the layer config's ``head_dim`` (under
+        DeepSeek's latent attention its RoPE head size), else hidden size / heads. Layers of a kind no family
+        knows (a hybrid's Mamba or conv layers) have no say."""
+        shapes = []
+        for i, spec in self.known_attention_layers():
+            shapes.append((spec.num_heads, spec.num_kv_heads, first_int(self.layer_config(i), "head_dim") or spec.qk_head_dim))
+        if not shapes:
+            raise ValueError(f"{self.name}: no attention layer to take the drafter's attention shape from")
+        return collections.Counter(shapes).most_common(1)[0][0]
 
     def attention_features(self, layers: Sequence[int] | None = None) -> list[str]:
         """What the (given) layers do beyond plain causal attention, each named once."""

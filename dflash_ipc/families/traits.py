@@ -50,6 +50,7 @@ class AttentionLayer:
     """Queries scaled by their position (Llama 4's NoPE layers)."""
     causal: bool = True
     num_heads: int = 0
+    num_kv_heads: int = 0
     qk_head_dim: int = 0
     v_head_dim: int = 0
     """Differs from ``qk_head_dim`` under multi-head latent attention (DeepSeek-V3)."""

@@ -288,6 +288,7 @@ def _check_names_a_model(cfg: DFlashConfig) -> None:
 
 def _check_model(cfg: DFlashConfig) -> None:
     from dflash_ipc.data.tokenizer import TokenizerError, load_tokenizer, mask_token_id
+    from dflash_ipc.families import family_of
     from dflash_ipc.target_spec.hf_config import default_layer_ids, text_config
 
     src, target = cfg.source, cfg.target
@@ -302,14 +303,19 @@ def _check_model(cfg: DFlashConfig) -> None:
     check_target_family(cfg, hf_config)
     tc = text_config(hf_config)
     n_layers, vocab, hidden = int(tc.num_hidden_layers), int(tc.vocab_size), int(tc.hidden_size)
-    t_heads = int(tc.num_attention_heads)
-    t_kv = int(getattr(tc, "num_key_value_heads", None) or t_heads)
-    if t_heads % t_kv:
-        _fail(
-            src,
-            f"{shape_key}.num_attention_heads" if shape_key == "target.spec" else shape_key,
-            f"the target's num_attention_heads ({t_heads}) must be a multiple of its num_key_value_heads ({t_kv})",
-        )
+    family = family_of(hf_config)
+    for layer, spec in family.known_attention_layers():
+        if spec.num_heads % spec.num_kv_heads:
+            _fail(
+                src,
+                f"{shape_key}.num_attention_heads" if shape_key == "target.spec" else shape_key,
+                f"the target's num_attention_heads ({spec.num_heads}) must be a multiple of its num_key_value_heads "
+                f"({spec.num_kv_heads}; layer {layer})",
+            )
+    try:
+        t_heads = family.attention_shape()[0]
+    except ValueError as e:  # no attention layer a drafter could copy its shape from
+        _fail(src, shape_key, str(e))
     linear_k, linear_v = getattr(tc, "linear_num_key_heads", None), getattr(tc, "linear_num_value_heads", None)
     if "linear_attention" in (getattr(tc, "layer_types", None) or []) and linear_k and linear_v and linear_v % linear_k:
         _fail(

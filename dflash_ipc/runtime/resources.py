@@ -5,9 +5,10 @@ A config whose rings, models or optimizer state cannot fit used to start every p
 timeout while a drafter allocated 100,000 layers. The preflight (in ``up``'s probe process and in
 ``check-config``) adds up, per place, what the run will certainly hold:
 
-* each target: its weights (the spec's stack built on the meta device, or the checkpoint's
-  tensors as its safetensors headers list them, all loaded before the unused layers are
-  dropped) and one batch of captured planes;
+* each target: its weights (the spec's stack, or the checkpoint's tensors as its safetensors headers
+  list them, every expert of an MoE included, all loaded before the unused layers are dropped: a float
+  tensor in ``target.dtype``, a quantized one such as FP8 or MXFP4 in the bytes it is stored in) and one
+  batch of captured planes;
 * each drafter: its trainable parameters with the optimizer's state (fp32 master, gradient and
   two AdamW moments per parameter, plus the compute copy when it is not fp32) and the target's
   frozen embedding and LM head (with ``training.ce_fp8`` also the head's two e4m3 copies);
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DataConfig, DFlashConfig, DrafterConfig, TargetConfig, TransportConfig
+from dflash_ipc.families import family_of
 from dflash_ipc.transport.shm_names import SHM_DIR, shm_free_bytes
 
 # Free space /dev/shm keeps beyond the rings (other processes, tmpfs rounding).
@@ -114,6 +116,17 @@ def target_weight_params(cfg: TargetConfig, hf_config: Any, n_build: int) -> int
     return qwen3_5_stack_params(hf_config, list(hf_config.layer_types)[:n_build])
 
 
+def target_weight_bytes(cfg: TargetConfig, hf_config: Any, n_build: int) -> int:
+    """Bytes of the weights the target process loads in ``cfg.dtype``: the spec's stack, or every tensor of the
+    checkpoint (every expert of an MoE) as :func:`checkpoint_weight_bytes` sizes it."""
+    from dflash_ipc.devices import dtype_from_name
+
+    itemsize = dtype_from_name(cfg.dtype).itemsize
+    if cfg.model_path:
+        return checkpoint_weight_bytes(Path(cfg.model_path), itemsize)
+    return target_weight_params(cfg, hf_config, n_build) * itemsize
+
+
 def qwen3_5_stack_params(c: Any, layer_types: list[str]) -> int:
     """Parameters of a ``Qwen3_5TextModel`` of config ``c`` built with these layers (embedding, decoder
     layers, final norm), as transformers declares them (tests/test_resources.py holds the two equal),
@@ -137,14 +150,36 @@ def qwen3_5_stack_params(c: Any, layer_types: list[str]) -> int:
     return c.vocab_size * h + len(layer_types) * per_layer + mixers + h
 
 
+#: safetensors dtypes transformers casts to the requested dtype when it loads them (``dtype=``).
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+#: Bytes per element of the other safetensors dtypes (quantized and packed weights, their scales, integers).
+STORED_ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1, "U8": 1, "I8": 1, "BOOL": 1, "I16": 2, "U16": 2}
+
+
 def checkpoint_params(model_dir: Path) -> int:
     """Elements of every tensor of a safetensors checkpoint, from the files' headers alone."""
+    return sum(elements for _, elements in _checkpoint_tensors(model_dir))
+
+
+def checkpoint_weight_bytes(model_dir: Path, itemsize: int) -> int:
+    """The least a checkpoint's tensors hold once loaded with ``itemsize``-byte floats, from its headers alone:
+    a floating-point tensor (an MoE's every expert among them) ``itemsize`` bytes per element, as transformers
+    casts it; a quantized or packed one (FP8 weights, MXFP4's two 4-bit values per byte, their scales) the
+    bytes it is stored in, which its quantizer keeps or dequantizes into more."""
+    total = 0
+    for dtype, elements in _checkpoint_tensors(model_dir):
+        total += elements * (itemsize if dtype in FLOAT_DTYPES else STORED_ITEMSIZE.get(dtype, 4))
+    return total
+
+
+def _checkpoint_tensors(model_dir: Path) -> list[tuple[str, int]]:
+    """(safetensors dtype, elements) of every tensor of a checkpoint (sharded or not)."""
     index = model_dir / "model.safetensors.index.json"
     names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    return sum(_safetensors_elements(model_dir / name) for name in names)
+    return [tensor for name in names for tensor in _safetensors_tensors(model_dir / name)]
 
 
-def _safetensors_elements(path: Path) -> int:
+def _safetensors_tensors(path: Path) -> list[tuple[str, int]]:
     with open(path, "rb") as f:
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
@@ -152,7 +187,7 @@ def _safetensors_elements(path: Path) -> int:
             raise ValueError(f"{path} is not a safetensors file (no header)")
         try:
             header = json.loads(f.read(n))
-            return sum(math.prod(int(d) for d in info["shape"]) for key, info in header.items() if key != "__metadata__")
+            return [(str(info["dtype"]), math.prod(int(d) for d in info["shape"])) for key, info in header.items() if key != "__metadata__"]
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: a malformed safetensors header ({type(e).__name__}: {e})") from None
 
@@ -182,7 +217,7 @@ def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_sh
         hidden_factor,
     ]
     plane_factors = [f for f in ring_factors if f[0] not in ("data.max_batch_size", "transport.ring_slots")]
-    weights = target_weight_params(cfg.target, hf_config, n_build) * t_size
+    weights = target_weight_bytes(cfg.target, hf_config, n_build)
     ring = cfg.transport.ring_slots * slot_bytes(cfg, num_planes, hidden)
     trainable = drafter_trainable_params(drafter_shape)
     heads = (1 if _tied(hf_config) else 2) * vocab * hidden * d_size
@@ -195,7 +230,7 @@ def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_sh
         hidden_factor,
     ]
     if cfg.drafter.intermediate_size:
-        drafter_factors[1] = ("drafter.intermediate_size", cfg.drafter.intermediate_size, int(tc.intermediate_size))
+        drafter_factors[1] = ("drafter.intermediate_size", cfg.drafter.intermediate_size, family_of(hf_config).mlp_width())
     needs = []
     for rank, dev in enumerate(cfg.topology.targets):
         place = _place(dev)
@@ -304,5 +339,5 @@ def target_need_bytes(cfg, device) -> int:
     needs = estimate(cfg, hf, layer_ids, shape, cfg.transport.backend)
     held = sum(n.nbytes for n in needs if n.place == place and n.what.startswith("target-"))
     tokens = cfg.data.token_budget + cfg.transport.slot_tokens
-    layer = tokens * (3 * int(tc.intermediate_size) + 8 * int(tc.hidden_size)) * dtype_from_name(cfg.target.dtype).itemsize
+    layer = tokens * (3 * family_of(hf).mlp_width() + 8 * int(tc.hidden_size)) * dtype_from_name(cfg.target.dtype).itemsize
     return held + layer

@@ -10,7 +10,8 @@ alignment) becomes an :class:`Fp8Linear`:
   and the row-wise scales applied in its epilogue, writing bf16.
 
 Embeddings, norms, the GatedDeltaNet conv and gates, attention itself and the LM head (never
-built for capture) stay in bf16; so do the captured hidden states: capture is unchanged.
+built for capture) stay in bf16; so do the captured hidden states: capture is unchanged. An MoE's
+routed experts are 3-D parameters, not ``nn.Linear``: :mod:`~dflash_ipc.target.fp8_experts` converts them.
 :mod:`~dflash_ipc.target.fp8_merge` then merges sibling layers that project one input (q/k/v,
 gate/up, ...) into one quantization and one GEMM.
 
@@ -31,7 +32,7 @@ from dflash_ipc.fp8 import ALIGN, E4M3, fp8_device_problem, quantize_rows
 
 log = logging.getLogger(__name__)
 
-__all__ = ["E4M3", "Fp8Linear", "fp8_device_problem", "quantize_linears", "quantize_rows"]
+__all__ = ["E4M3", "Fp8Linear", "fp8_device_problem", "input_quantizer", "quantize_linears", "quantize_rows"]
 
 
 class Fp8Linear(nn.Module):
@@ -100,6 +101,12 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-row weight / per-token input scales"
 
 
+def input_quantizer(compile_quantizer: bool) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The per-token input quantizer the FP8 GEMMs take: :func:`quantize_rows`, through ``torch.compile``
+    with ``compile_quantizer``."""
+    return _compiled_quantizer() if compile_quantizer else quantize_rows
+
+
 def _compiled_quantizer() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """:func:`quantize_rows` through ``torch.compile`` (one fused kernel instead of five passes
     over the activations); falls back to the eager function, with a warning, if compiling fails."""
@@ -130,7 +137,7 @@ def quantize_linears(stack: nn.Module, compile_quantizer: bool | None = None) ->
     device = param.device if param is not None else torch.device("cpu")
     if compile_quantizer is None:
         compile_quantizer = device.type == "cuda"
-    quantize = _compiled_quantizer() if compile_quantizer else quantize_rows
+    quantize = input_quantizer(compile_quantizer)
     counts = {"fp8": 0, "kept": 0, "bytes": 0}
     targets = [(name, mod) for name, mod in stack.named_modules() if type(mod) is nn.Linear]
     for name, mod in targets:

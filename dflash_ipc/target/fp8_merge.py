@@ -59,12 +59,17 @@ _MLP = (("gate_up_proj", ("gate_proj", "up_proj")),)
 
 #: Per module class name: (merged attribute, sibling attributes its forward calls on one input tensor).
 SIBLING_GROUPS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    # q_proj also carries the output gate (its rows interleave query and gate per head): it stays whole
-    "Qwen3_5Attention": _ATTENTION,
-    "Qwen3_5MLP": _MLP,
-    "Qwen3_5GatedDeltaNet": (("in_proj_merged", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),),
-    **{f"{family}Attention": _ATTENTION for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
-    **{f"{family}MLP": _MLP for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
+    # q_proj also carries the output gate (its rows interleave query and gate per head): it stays whole.
+    # Qwen3.5-MoE's modules are Qwen3.5's under another name (its MLP: the shared expert).
+    **{f"{family}Attention": _ATTENTION for family in ("Qwen3_5", "Qwen3_5Moe", "Qwen3Next")},
+    **{f"{family}MLP": _MLP for family in ("Qwen3_5", "Qwen3_5Moe", "Qwen3Next")},
+    **{
+        f"{family}GatedDeltaNet": (("in_proj_merged", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),)
+        for family in ("Qwen3_5", "Qwen3_5Moe")
+    },
+    "Qwen3NextGatedDeltaNet": (("in_proj_merged", ("in_proj_qkvz", "in_proj_ba")),),
+    **{f"{family}Attention": _ATTENTION for family in ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe")},
+    **{f"{family}MLP": _MLP for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3Moe")},
 }
 
 

@@ -1,4 +1,4 @@
-"""Fused elementwise work of the frozen Qwen3.5 decoder (measured in ``bench.target_forward --fuse``).
+"""Fused elementwise work of the frozen decoder (measured in ``bench.target_forward --fuse``).
 
 In eager mode a Qwen3.5 decoder layer spends a large share of its kernels outside the GEMMs: each
 zero-centered RMSNorm is seven passes over the hidden states (cast to fp32, square, mean, add,
@@ -6,11 +6,14 @@ rsqrt, scale by ``1 + w``, cast back) and the SwiGLU two more over the 17,408-wi
 (SiLU, product), plus, with an FP8 target, the down projection's input quantizer (three more).
 :func:`fuse_elementwise` replaces those forwards, per module instance, by ``torch.compile``'d free
 functions of their tensors (one compile per function for the whole stack, dynamic in the token
-count; the GEMMs stay cuBLAS / ``_scaled_mm``):
+count; the GEMMs stay cuBLAS / ``_scaled_mm``). Which module classes compute these formulas is the
+target family's word (:meth:`~dflash_ipc.families.base.DecoderFamily.fusible`: Qwen3.5, Qwen3.5-MoE and
+Qwen3-Next today, whose classes differ in name only); a family that names none stays eager:
 
-* ``Qwen3_5RMSNorm`` (decoder, q/k and final norms) and the GatedDeltaNet's gated norm
-  ``Qwen3_5RMSNormGated`` (norm, weight, SiLU gate) -> one fused kernel each, same formulas;
-* ``Qwen3_5MLP`` with SiLU -> ``down(silu(gate(x)) * up(x))`` with the product fused, and with an
+* the zero-centered RMSNorms (decoder, q/k and final norms) and the GatedDeltaNet's gated norm
+  (norm, weight, SiLU gate) -> one fused kernel each, same formulas;
+* the SwiGLU MLPs with SiLU (dense MLPs and an MoE layer's shared expert; the routed experts are
+  transformers' own kernels) -> ``down(silu(gate(x)) * up(x))`` with the product fused, and with an
   FP8 down projection the product and its per-token quantization fused into one kernel.
 
 :func:`unfuse_elementwise` puts the modules' own forwards back.
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_ipc.families import family_of
 from dflash_ipc.target.fp8 import Fp8Linear, quantize_rows
 
 __all__ = ["fuse_elementwise", "unfuse_elementwise", "wants_fused_elementwise"]
@@ -79,8 +83,9 @@ def wants_fused_elementwise(setting: bool | str, device: torch.device) -> bool:
 
 
 def fuse_elementwise(stack: nn.Module) -> dict[str, int]:
-    """Route the stack's zero-centered RMSNorms and SiLU MLPs through compiled fused functions
-    (see the module docstring); returns how many of each were routed."""
+    """Route the stack's zero-centered RMSNorms and SiLU MLPs, the classes its family names (``stack.config``'s),
+    through compiled fused functions (see the module docstring); returns how many of each were routed."""
+    fusible = family_of(stack.config).fusible()
     fns: dict[str, Any] = {
         "norm": torch.compile(_rms_norm_zero_centered, dynamic=True),
         "gated_norm": torch.compile(_rms_norm_gated, dynamic=True),
@@ -90,13 +95,13 @@ def fuse_elementwise(stack: nn.Module) -> dict[str, int]:
     counts = {"norms": 0, "gated_norms": 0, "mlps": 0}
     for mod in stack.modules():
         name = type(mod).__name__
-        if name == "Qwen3_5RMSNorm":
+        if name in fusible.zero_centered_norms:
             mod.forward = functools.partial(_norm_forward, fns["norm"], mod)
             counts["norms"] += 1
-        elif name == "Qwen3_5RMSNormGated" and getattr(mod, "activation", "silu") == "silu":
+        elif name in fusible.gated_norms and getattr(mod, "activation", "silu") == "silu":
             mod.forward = functools.partial(_gated_norm_forward, fns["gated_norm"], mod)
             counts["gated_norms"] += 1
-        elif name == "Qwen3_5MLP" and getattr(mod.config, "hidden_act", "silu") == "silu":
+        elif name in fusible.swiglu_mlps and getattr(mod.config, "hidden_act", "silu") == "silu":
             mod.forward = functools.partial(_mlp_forward, fns, mod)
             counts["mlps"] += 1
     return counts

@@ -27,6 +27,7 @@ that follow it; the packer strips the pad positions afterwards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 from collections.abc import Iterable, Sequence
@@ -38,8 +39,9 @@ from torch import nn
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.devices import as_device, cuda_device, dtype_from_name
 from dflash_ipc.families import family_of
-from dflash_ipc.target.flops import forward_flops
-from dflash_ipc.target.fp8 import fp8_device_problem, quantize_linears
+from dflash_ipc.target.flops import ForwardFlops
+from dflash_ipc.target.fp8 import fp8_device_problem, input_quantizer, quantize_linears
+from dflash_ipc.target.fp8_experts import quantize_experts
 from dflash_ipc.target.fp8_merge import merge_sibling_linears
 from dflash_ipc.target.fused import fuse_elementwise, wants_fused_elementwise
 from dflash_ipc.target.packed_attention import PackedRow, packed_attention, register_packed_attention, varlen_kernel_usable
@@ -159,8 +161,9 @@ def _target_model(cfg: TargetConfig, stack: nn.Module, hf_config: Any, layer_ids
 
 
 def apply_fp8(stack: nn.Module, device, dtype: torch.dtype, compile_quantizer: bool) -> None:
-    """``target.quantization = "fp8"``: the stack's linear layers in e4m3 (:mod:`~dflash_ipc.target.fp8`), the
-    siblings that project one input merged into one quantization and one GEMM (:mod:`~dflash_ipc.target.fp8_merge`).
+    """``target.quantization = "fp8"``: the stack's linear layers in e4m3 (:mod:`~dflash_ipc.target.fp8`), an MoE's
+    routed experts too (:mod:`~dflash_ipc.target.fp8_experts`), the siblings that project one input merged into one
+    quantization and one GEMM (:mod:`~dflash_ipc.target.fp8_merge`).
 
     ``compile_quantizer``: the per-token input quantizer through ``torch.compile``. The target builder ties it
     to the elementwise fusion (``target.fuse_elementwise``), so an eager target compiles nothing; eval passes
@@ -171,6 +174,9 @@ def apply_fp8(stack: nn.Module, device, dtype: torch.dtype, compile_quantizer: b
         raise ValueError(f'target.quantization = "fp8": {problem}; set target.quantization = "none"')
     counts = quantize_linears(stack, compile_quantizer=compile_quantizer)
     log.info("target linear layers in FP8 e4m3: %d (%.2f GB), %d kept in %s", counts["fp8"], counts["bytes"] / 1e9, counts["kept"], dtype)
+    experts = quantize_experts(stack, input_quantizer(compile_quantizer))
+    if experts.fp8 or experts.kept:
+        log.info("%s", experts.describe())
     merged = merge_sibling_linears(stack)
     log.info(
         "FP8 siblings merged: %d linears into %d GEMMs, %d input quantizations fewer per forward",
@@ -379,5 +385,10 @@ class TargetModel:
             result.append(lh if lh is not None else out[0])
         return result
 
+    @functools.cached_property
+    def flop_count(self) -> ForwardFlops:
+        """The FLOP count of this target's forward (:mod:`~dflash_ipc.target.flops`), its layers counted once."""
+        return ForwardFlops(self.hf_config)
+
     def forward_flops(self, seq_lens: Iterable[int]) -> float:
-        return forward_flops(self.hf_config, self.layers_run, seq_lens)
+        return self.flop_count(self.layers_run, seq_lens)

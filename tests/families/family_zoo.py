@@ -165,6 +165,13 @@ def _configs() -> dict[str, Callable[[], Any]]:
 FAMILIES: tuple[str, ...] = tuple(_configs())
 
 
+def unknown_hybrid_config() -> Any:
+    """A hybrid no family entry describes: LFM2, short-conv layers between full-attention ones."""
+    from transformers import Lfm2Config
+
+    return Lfm2Config(intermediate_size=128, layer_types=["conv", "full_attention"] * 2, **_COMMON)
+
+
 def family_config(name: str) -> Any:
     """The transformers config of family ``name``."""
     return _configs()[name]()
