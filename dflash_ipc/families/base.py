@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from dflash_ipc.families.traits import AttentionLayer, ExpertLayout, FrozenHead, FusibleModules
@@ -147,11 +146,12 @@ class DecoderFamily:
             raise ValueError(f"{self.name}: no attention layer to take the drafter's attention shape from")
         return collections.Counter(shapes).most_common(1)[0][0]
 
-    def attention_features(self, layers: Sequence[int] | None = None) -> list[str]:
-        """What the (given) layers do beyond plain causal attention, each named once."""
+    def attention_features(self) -> list[str]:
+        """What the attention layers do beyond plain causal attention, each named once (layers of a kind no
+        reader knows are passed over: :meth:`known_attention_layers`)."""
         seen: dict[str, None] = {}
-        for i in range(self.num_layers) if layers is None else layers:
-            for feature in self.attention_layers[i].features():
+        for _, spec in self.known_attention_layers():
+            for feature in spec.features():
                 seen.setdefault(feature, None)
         return list(seen)
 

@@ -214,7 +214,8 @@ def plan_packed_attention(setting: bool | str, family: DecoderFamily, attn_imple
     if setting is False:
         return False, "target.varlen = false"
     kernel = packed_attention_kernel(attn_implementation, device, dtype)
-    has_attention = any(spec.kind != "linear" for spec in family.attention_layers)
+    # an unchecked family may have layers of kinds no reader knows (an LFM2 conv): packed_problems refuses it first
+    has_attention = not family.packed_checked or bool(family.known_attention_layers())
     problems = family.packed_problems(kernel, lse=varlen_lse_available()) if has_attention else []
     if problems:
         why = f"the packed {kernel} attention cannot reproduce {family.name} exactly: {'; '.join(problems)}"
