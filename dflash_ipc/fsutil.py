@@ -118,13 +118,10 @@ def make_private_dirs(path: str | os.PathLike[str]) -> None:
 
 
 def make_private_dir(path: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None) -> Path:
-    """``path`` made (with its missing parents) and set to mode 0700, never through a link below ``root``."""
+    """``path`` made (with its missing parents) and set to mode 0700, never through a link below ``root``
+    (without ``root``: ``path`` is trusted as given, a run directory named through a link of the user's)."""
     path = Path(path)
-    if root is None:
-        root = path.parent
-        if not root.is_dir():
-            make_private_dirs(root)
-    with open_dir(path, root=root, create=True) as fd:
+    with open_dir(path, root=root if root is not None else path, create=True) as fd:
         os.fchmod(fd, PRIVATE_DIR_MODE)
     return path
 
