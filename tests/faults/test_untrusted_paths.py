@@ -209,24 +209,33 @@ def test_links_planted_in_the_run_directory_are_refused_before_anything_is_writt
     assert all(f"{name} -> {victims}" in line for name in PLANTED), line
 
 
+def resumed_steps(run: Path) -> int:
+    """Steps trained since the resume (metrics.jsonl lines past STEPS)."""
+    path = run / "metrics.jsonl"
+    return sum(1 for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] > STEPS) if path.exists() else 0
+
+
 @pytest.mark.slow
-def test_a_link_planted_while_the_run_trains_is_never_written_through(trained, run, tmp_path):
+@pytest.mark.parametrize("name", ["export", "checkpoints"])
+def test_a_link_planted_while_the_run_trains_is_never_written_through(trained, run, tmp_path, name):
+    """Once the resumed run has trained a step, ``RUN_DIR/NAME`` is moved aside and a link to a directory of
+    the user's takes its place; the drafter writes there at the run's end (the last checkpoint, the export)."""
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "keep").write_text("mine\n")
-    proc = Up(trained / "c.toml", run, "--resume", "--max-steps", str(STEPS + 2))
+    proc = Up(trained / "c.toml", run, "--resume", "--max-steps", str(STEPS + 6))
     try:
-        proc.wait_until(lambda: proc.child_pids(), "the group started")
-        shutil.rmtree(run / "export")
-        (run / "export").symlink_to(victim)
+        proc.wait_until(lambda: resumed_steps(run) >= 1, "a step trained after the resume")
+        (run / name).rename(run / f"{name}.moved")
+        (run / name).symlink_to(victim)
         code = proc.wait()
     finally:
         proc.close()
     failed = re.search(r"\[up\] FAILED: .*", proc.output)
-    report(f"export linked away while the run trained: exit {code}: {failed.group(0)[:200] if failed else proc.output[-300:]}")
+    report(f"{name} linked away while the run trained: exit {code}: {failed.group(0)[:200] if failed else proc.output[-300:]}")
     assert sorted(os.listdir(victim)) == ["keep"] and (victim / "keep").read_text() == "mine\n"
     assert code == 1 and failed and "drafter-0" in failed.group(0), proc.output[-3000:]
-    assert f"{run / 'export'} is a symbolic link" in failed.group(0)
+    assert f"{run / name} is a symbolic link" in failed.group(0)
 
 
 # --------------------------------------------------------------------------- item: the cache key
