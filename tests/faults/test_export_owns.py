@@ -58,6 +58,18 @@ def strace_problem() -> str | None:
     return None
 
 
+def attach_problem() -> str | None:
+    """Why strace cannot attach to a running process of this user here (None: it can)."""
+    problem = strace_problem()
+    if problem or os.geteuid() == 0:
+        return problem
+    try:
+        scope = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
+    except (OSError, ValueError):
+        return None
+    return f"kernel.yama.ptrace_scope is {scope}: only a parent may trace a process" if scope > 0 else None
+
+
 def kill_at_export(out: Path) -> list[str]:
     """strace options that SIGKILL the traced process at its first write into ``out``'s files or its first
     rename over ``out`` (a rename in ``out``'s parent or naming ``out``)."""
@@ -131,7 +143,7 @@ def test_a_killed_export_leaves_the_previous_export_whole(run, tmp_path):
 
 @pytest.mark.slow
 def test_the_export_of_up_is_swapped_in_whole_when_its_drafter_is_killed(trained, run):
-    problem = strace_problem()
+    problem = attach_problem()
     if problem:
         pytest.skip(problem)
     before = tree_digest(run / EXPORT)
