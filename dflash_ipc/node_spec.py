@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_ipc.control.wire import Struct, from_wire, to_wire
+from dflash_ipc.fsutil import write_text_atomic
 
 NODE_FILE = "node.json"
 MAX_NODES = 4096
@@ -68,7 +69,7 @@ class NodeSpec(Struct):
 
 
 def write_node_spec(run_dir: Path, spec: NodeSpec) -> None:
-    (run_dir / NODE_FILE).write_text(json.dumps(to_wire(spec)) + "\n")
+    write_text_atomic(run_dir / NODE_FILE, json.dumps(to_wire(spec)) + "\n")
 
 
 def read_node_spec(run_dir: Path) -> NodeSpec:

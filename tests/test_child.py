@@ -19,6 +19,7 @@ import zmq
 
 from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.protocol import Dead, Ready, Shutdown
+from dflash_ipc.fsutil import make_private_dir
 from dflash_ipc.runtime.forkserver import ForkServer
 from dflash_ipc.runtime.launch import child_env
 
@@ -61,7 +62,7 @@ sys.exit(run_child("demo", main_fn, place=place, pull_endpoint=channels.target_e
 
 class FakeSupervisor:
     def __init__(self, run_dir: Path):
-        channels.make_private_dir(run_dir)
+        make_private_dir(run_dir)
         channels.prepare_socket_dir(run_dir)
         (run_dir / "out").mkdir()
         self.ctx = zmq.Context()

@@ -59,7 +59,8 @@ class DataConfig:
     num_epochs: int = 1
     """Passes over the data (with ``weights``: how many epochs' worth the mix draws), 1..1000."""
     cache_dir: str = ""
-    """Where the tokenized corpus is cached; empty: ``RUN_DIR/data``."""
+    """Where the tokenized corpus is cached, keyed by the data's content; empty: ``RUN_DIR/data``. Made 0700 (files
+    0600); a directory of another user, or one other users can write, is refused."""
     builtin_samples: int = 2000
     """Size of the built-in corpus (conversations), 1..100000; only with a "builtin:" path."""
     holdout_paths: list[str] = field(default_factory=list)

@@ -25,7 +25,8 @@ process without the key cannot occupy a member's identity on the supervisor's RO
 keeps the first connection under an identity) and so cannot lock the member out.
 
 Unix socket paths are limited to ~107 bytes: when the run directory is deeper than that,
-the sockets live in a private temporary directory and ``RUN_DIR/sock`` is a symlink to it.
+the sockets live in a private temporary directory and ``RUN_DIR/sock`` is a symlink to it
+(:func:`prepare_socket_dir`: followed only to a directory of this user no one else can enter).
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ import hmac
 import logging
 import os
 import secrets
+import stat
 import tempfile
 from pathlib import Path
 
 import zmq
 
+from dflash_ipc import fsutil
 from dflash_ipc.control import protocol
 from dflash_ipc.control.protocol import Message, ProtocolError, RejectCounter
 
@@ -48,24 +51,31 @@ log = logging.getLogger(__name__)
 _MAX_SOCK_PATH = 100
 
 
-def make_private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-    return path
+def is_own_private_dir(path: Path) -> bool:
+    """``path`` is a directory (not a link) of this user that no other user can enter: a temp directory
+    this run made, not one another user made at the same name after /tmp was cleaned."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
 def prepare_socket_dir(run_dir: Path) -> Path:
-    """Create RUN_DIR/sock (0700), or a short private temp dir linked from there."""
+    """Create RUN_DIR/sock (0700), or a short private temp dir linked from there.
+
+    A link left by an earlier run is followed only to a directory of this user, mode 0700; else (gone,
+    or made again by someone else after a /tmp clean-up) the link gets a new temp dir of its own
+    (``mkdtemp``: unique, 0700 whatever the umask), and the directory it named is left alone."""
     link = run_dir / "sock"
     if link.is_symlink():
         target = Path(os.readlink(link))
-        if target.is_dir():
+        if target.is_absolute() and is_own_private_dir(target):
             return target
         link.unlink()
     if len(str(link.resolve() if link.exists() else link.absolute())) + 8 <= _MAX_SOCK_PATH:
-        return make_private_dir(link)
+        return fsutil.make_private_dir(link, root=run_dir)
     short = Path(tempfile.mkdtemp(prefix="dfi-"))
-    os.chmod(short, 0o700)
     if link.exists():
         link.rmdir()
     link.symlink_to(short)

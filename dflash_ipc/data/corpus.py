@@ -21,19 +21,14 @@ costs no more than a long one (a 19 MB line took 3.6 GB to tokenize whole). Bad 
 reported as ``file:line: reason``, or refused with :class:`DataError` when
 ``on_bad_line = "error"``.
 
-The result is cached in ``cache_dir`` (``tokens-<key>.pt``: flat int32 token ids, uint8 loss
-mask, int64 offsets) keyed by the input files (path, size, mtime), the tokenizer identity,
-``max_seq_len`` and, for the built-in corpus, ``builtin_samples`` and the Python version.
+The result is cached in ``cache_dir`` (:mod:`dflash_ipc.data.token_cache`: keyed by the input files'
+content, private to the user).
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import logging
-import os
-import shutil
 import sys
 from array import array
 from dataclasses import asdict, dataclass, field
@@ -48,13 +43,11 @@ from dflash_ipc.data.chat_pieces import Piece, answer_ids_pieces, chat_segments,
 from dflash_ipc.data.errors import DataError
 from dflash_ipc.data.readers import is_table_source, iter_table_records
 from dflash_ipc.data.records import VOCAB_FIELD, BadRecord, answer_token_ids, parse_record
-from dflash_ipc.data.tokenizer import tokenizer_identity, vocab_identity
+from dflash_ipc.data.token_cache import cache_file_name, cache_key, open_cache_dir, read_cached, write_cache
+from dflash_ipc.data.tokenizer import vocab_identity
 
 log = logging.getLogger("dflash_ipc.data.corpus")
 
-# 2: records cut to max_seq_len * MAX_CHARS_PER_TOKEN characters before tokenizing; 3: stored answer ids,
-# finish "length"; 4: each sample's source (its data.paths index, for the mix)
-CACHE_FORMAT = 4
 MAX_REPORTED_BAD_LINES = 1000
 _CHUNK = 256  # records tokenized per batched tokenizer call
 _CHUNK_CHARS = 1 << 20  # ... or fewer, once their text reaches this many characters (tokenizing costs ~200 B/char)
@@ -82,6 +75,7 @@ class DataReport:
     supervised_tokens: int = 0
     loaded_from_cache: bool = False
     cache_path: str = ""
+    source_digests: list[str | None] = field(default_factory=list)  # each data.paths entry's content (token_cache)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -337,113 +331,47 @@ def _read_jsonl(builder: _Builder, path: Path, label: str) -> None:
 # --------------------------------------------------------------------------- cache + entry point
 
 
-def _source_stamp(path: Path) -> list:
-    """What a cached corpus of ``path`` depends on: its size and mtime, for a folder (Parquet, a saved dataset)
-    those of every file in it, so a rewritten shard invalidates the cache."""
+def _cache_payload(corpus: Corpus) -> dict[str, Any]:
+    report = corpus.report.to_dict()
+    report["loaded_from_cache"] = False
+    return {"tokens": corpus.tokens, "loss_mask": corpus.loss_mask, "offsets": corpus.offsets, "sources": corpus.sources, "report": report}
+
+
+def _from_payload(d: dict[str, Any], path: Path) -> Corpus | None:
     try:
-        if path.is_dir():
-            files = sorted(f for f in path.rglob("*") if f.is_file())
-            return [str(path.resolve()), [[str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]]
-        st = path.stat()
-        return [str(path.resolve()), st.st_size, st.st_mtime_ns]
-    except OSError:
-        return [str(path), None, None]
-
-
-def _cache_key(cfg: DataConfig, tokenizer) -> str:
-    sources = []
-    for p in cfg.paths:
-        if p.startswith("builtin:"):
-            sources.append([p, cfg.builtin_samples, sys.version])
-        else:
-            sources.append(_source_stamp(Path(p)))
-    blob = json.dumps(
-        {
-            "format": CACHE_FORMAT,
-            "sources": sources,
-            "tokenizer": tokenizer_identity(tokenizer),
-            "max_seq_len": cfg.max_seq_len,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def _load_cached(path: Path, key: str) -> Corpus | None:
-    try:
-        d = torch.load(path, map_location="cpu", weights_only=True)
-        if d.get("format") != CACHE_FORMAT or d.get("key") != key:
-            return None
         report = DataReport(**d["report"])
         return Corpus(d["tokens"], d["loss_mask"], d["offsets"], report, d["sources"])
-    except Exception as e:  # noqa: BLE001 - a broken cache is rebuilt
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a broken cache is rebuilt
         log.warning("ignoring unreadable data cache %s: %s", path, e)
         return None
 
 
-class TokenCacheDiskFull(OSError):
-    """The tokenized data does not fit where its cache goes: one line with the sizes and what to change."""
-
-    def __init__(self, path: Path, need: int, free: int):
-        super().__init__(
-            errno.ENOSPC,
-            f"no space left on {path.parent} for the token cache: need ~{need / 2**20:.1f} MiB, {free / 2**20:.2f} MiB free; "
-            f"free space there, or point data.cache_dir at a larger disk",
-        )
-
-
-def _save_cache(path: Path, key: str, corpus: Corpus) -> None:
-    need = sum(t.numel() * t.element_size() for t in (corpus.tokens, corpus.loss_mask, corpus.offsets)) + (64 << 10)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise TokenCacheDiskFull(path, need, 0) from None
-        raise
-    free = shutil.disk_usage(path.parent).free
-    if free < need:
-        raise TokenCacheDiskFull(path, need, free)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    report = corpus.report.to_dict()
-    report["loaded_from_cache"] = False
-    try:
-        torch.save(
-            {
-                "format": CACHE_FORMAT,
-                "key": key,
-                "tokens": corpus.tokens,
-                "loss_mask": corpus.loss_mask,
-                "offsets": corpus.offsets,
-                "sources": corpus.sources,
-                "report": report,
-            },
-            tmp,
-        )
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # torch.save on a full disk: a RuntimeError ("unexpected pos")
-        free = shutil.disk_usage(path.parent).free
-        tmp.unlink(missing_ok=True)
-        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < need:
-            raise TokenCacheDiskFull(path, need, free) from None
-        raise
-
-
 def load_corpus(cfg: DataConfig, tokenizer, cache_dir: Path | None) -> Corpus:
-    """Tokenize ``cfg.paths`` (or load the cached result from ``cache_dir``; None: no cache)."""
-    key = _cache_key(cfg, tokenizer)
-    cache_path = Path(cache_dir) / f"tokens-{key[:24]}.pt" if cache_dir is not None else None
-    if cache_path is not None and cache_path.is_file():
-        corpus = _load_cached(cache_path, key)
-        if corpus is not None:
-            r = corpus.report
-            r.loaded_from_cache = True
-            r.cache_path = str(cache_path)
-            if cfg.on_bad_line == "error" and r.num_bad_lines:
-                raise DataError(f'{r.bad_lines[0]} (data.on_bad_line = "error"; fix the line or set on_bad_line = "skip")')
-            log.info("data: %s", r.summary())
-            return corpus
+    """Tokenize ``cfg.paths`` (or load the cached result from ``cache_dir``, :mod:`.token_cache`; None: no cache)."""
+    key, digests = cache_key(cfg, tokenizer)
+    if cache_dir is None:
+        corpus = _tokenize(cfg, tokenizer, digests)
+    else:
+        cache_path = Path(cache_dir) / cache_file_name(key)
+        with open_cache_dir(Path(cache_dir)) as dir_fd:
+            cached = read_cached(dir_fd, cache_path, key)
+            corpus = _from_payload(cached, cache_path) if cached is not None else None
+            if corpus is not None:
+                r = corpus.report
+                r.loaded_from_cache = True
+                r.cache_path = str(cache_path)
+                if cfg.on_bad_line == "error" and r.num_bad_lines:
+                    raise DataError(f'{r.bad_lines[0]} (data.on_bad_line = "error"; fix the line or set on_bad_line = "skip")')
+            else:
+                corpus = _tokenize(cfg, tokenizer, digests)
+                write_cache(dir_fd, cache_path, key, _cache_payload(corpus))
+                corpus.report.cache_path = str(cache_path)
+    log.info("data: %s", corpus.report.summary())
+    return corpus
 
-    report = DataReport(sources=list(cfg.paths))
+
+def _tokenize(cfg: DataConfig, tokenizer, digests: list[str | None]) -> Corpus:
+    report = DataReport(sources=list(cfg.paths), source_digests=list(digests))
     builder = _Builder(cfg, tokenizer, report)
     for i, p in enumerate(cfg.paths):
         builder.source = i
@@ -464,8 +392,4 @@ def load_corpus(cfg: DataConfig, tokenizer, cache_dir: Path | None) -> Corpus:
         log.warning("... %d bad data lines in total", report.num_bad_lines)
     if corpus.num_samples == 0:
         raise DataError(f"{', '.join(cfg.paths)}: no usable samples ({report.summary()})")
-    if cache_path is not None:
-        _save_cache(cache_path, key, corpus)
-        report.cache_path = str(cache_path)
-    log.info("data: %s", report.summary())
     return corpus

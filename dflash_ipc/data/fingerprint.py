@@ -3,8 +3,8 @@
 A ledger names batches by plan position ``(epoch, shard, index)``; those ids mean the same samples
 only while the data, its tokenization and the plan are the same. The fingerprint holds:
 
-* ``files``: each entry of ``data.paths`` with its size and modification time (to name what changed;
-  a file only touched, same bytes, changes nothing below),
+* ``files``: each entry of ``data.paths`` with its size, modification time and content digest (to
+  name what changed; a file only touched, same bytes, changes nothing below),
 * ``tokens_sha256``: the tokenized corpus (token ids, loss mask, sample boundaries): the content
   trained on, whatever rendered it,
 * ``plan_sha256``: every planned batch (its id and its samples' indices) of every epoch and shard,
@@ -27,18 +27,22 @@ from typing import Any
 FINGERPRINT_FORMAT = "dflash-ipc-data/1"
 
 
-def file_entries(paths: Sequence[str], builtin_samples: int) -> list[dict[str, Any]]:
-    """Each data source with what names a change of it: size and mtime (a built-in corpus: its sample count)."""
+def file_entries(paths: Sequence[str], builtin_samples: int, digests: Sequence[str | None] = ()) -> list[dict[str, Any]]:
+    """Each data source with what names a change of it: size, mtime and, given ``digests`` (the token
+    cache's, one per path), its content's BLAKE2b; a built-in corpus: its sample count."""
     out: list[dict[str, Any]] = []
-    for p in paths:
+    for i, p in enumerate(paths):
         if p.startswith("builtin:"):
             out.append({"path": p, "samples": builtin_samples})
             continue
         try:
             st = Path(p).expanduser().stat()
-            out.append({"path": p, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+            entry = {"path": p, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         except OSError:
-            out.append({"path": p, "size": None, "mtime_ns": None})
+            entry = {"path": p, "size": None, "mtime_ns": None}
+        if i < len(digests) and digests[i] is not None:
+            entry["blake2b"] = digests[i]
+        out.append(entry)
     return out
 
 
@@ -99,6 +103,8 @@ def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         else:
             if was.get("mtime_ns") != f.get("mtime_ns"):
                 out.append(f"{path}: modified since (same size)")
+            elif was.get("blake2b") and f.get("blake2b") and was["blake2b"] != f["blake2b"]:
+                out.append(f"{path}: its content changed (same size and modification time)")
     out += [f"{path}: in the checkpoint's data, not now" for path in old_files if path not in new_files]
     for key, what in (("samples", "samples"), ("tokens", "tokens")):
         if old.get(key) != new.get(key):

@@ -78,6 +78,7 @@ from dflash_ipc.drafter.ckpt_verify import (  # noqa: F401 - the errors, re-expo
 )
 from dflash_ipc.drafter.safetensors_stream import write_safetensors
 from dflash_ipc.fence import Fence
+from dflash_ipc.fsutil import LinkRefused
 from dflash_ipc.ledger import BatchId, BatchLedger  # noqa: F401 - re-exported for the checkpoint's readers
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    with open(path, "xb") as f:  # a new file (in a new directory): never through a link
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -180,7 +181,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _write_torch(path: Path, obj: Any) -> None:
-    with open(path, "wb") as f:
+    with open(path, "xb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
@@ -331,6 +332,8 @@ def save_checkpoint(
     root = Path(ckpt_root)
     fence = fence or Fence.none()
     fence.check(f"checkpoint step {step}")
+    if root.is_symlink():  # planted while the run trains (`up` refuses one at its start)
+        raise LinkRefused(root)
     root.mkdir(parents=True, exist_ok=True)
     need = checkpoint_bytes_needed(model_state, trainer_state, ledger, optimizer_tensors)
     free = _free_bytes(root)

@@ -59,7 +59,7 @@ from dflash_ipc.drafter.model import num_parameters
 from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.fence import Fence
-from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.fsutil import make_private_dir, open_append, write_text_atomic
 from dflash_ipc.node_spec import read_node_spec
 from dflash_ipc.transport.slots import SlotViews
 
@@ -473,7 +473,7 @@ class DrafterCore:
         return rec
 
     def _write_metrics(self, rec: dict) -> None:
-        with self.fence.guard(f"metrics.jsonl (step {rec['step']})"), open(self.metrics_path, "a") as f:
+        with self.fence.guard(f"metrics.jsonl (step {rec['step']})"), open_append(self.metrics_path) as f:
             f.write(json.dumps(rec) + "\n")
         if self._tensorboard is not None:
             for key, tag in TENSORBOARD_SCALARS:
@@ -534,8 +534,11 @@ class DrafterCore:
         if not self.world.is_main:
             return None
         out = self.shared_root / "export" / "drafter"
-        with self.fence.guard(f"the export to {out}"):
-            export_drafter(self.model, out, chat_template_kwargs=self.cfg.chat_template.kwargs, drafter_tau=self.drafter_tau())
+        with self.fence.guard(f"the export to {out}"):  # written beside it, swapped in whole; no link followed
+            make_private_dir(out.parent, root=self.shared_root)
+            export_drafter(
+                self.model, out, chat_template_kwargs=self.cfg.chat_template.kwargs, drafter_tau=self.drafter_tau(), root=self.shared_root
+            )
         return out
 
     def weights_digest(self) -> str:
@@ -552,11 +555,11 @@ class DrafterCore:
     def write_rank_record(self) -> Path:
         """RUN_DIR/ranks/rank-<global>.json: this rank's step, weights digest and the batches it trained on."""
         out = self.run_dir / "ranks" / f"rank-{self.world.rank}.json"
-        out.parent.mkdir(mode=0o700, exist_ok=True)
+        make_private_dir(out.parent, root=self.run_dir)
         digest = self.weights_digest()
         rec = {"rank": self.world.rank, "step": self.step, "weights_sha256": digest, "batch_ids": [list(b) for b in self.trained_ids]}
         with self.fence.guard(f"the rank record {out.name}"):
-            write_text_atomic(out, json.dumps(rec) + "\n")
+            write_text_atomic(out, json.dumps(rec) + "\n", root=self.run_dir)
         log.info("rank record %s: step %d, weights sha256 %s", out, self.step, digest[:16])
         return out
 

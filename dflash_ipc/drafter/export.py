@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from dflash_ipc.control.drafter_tau import DrafterTau
 from dflash_ipc.devices import dtype_name
 from dflash_ipc.draft_vocab import EXPORT_FILE as DRAFT_VOCAB_EXPORT_FILE
 from dflash_ipc.draft_vocab import EXPORT_TENSOR as DRAFT_VOCAB_TENSOR
+from dflash_ipc.drafter.export_target import EXPORT_MARKER, check_replaceable, marker_text
 from dflash_ipc.drafter.frozen_head import (
     EMBED_TENSOR,
     carries_scaled_embeddings,
@@ -22,6 +24,7 @@ from dflash_ipc.drafter.frozen_head import (
 )
 from dflash_ipc.drafter.model import FULL, SLIDING, DFlashDrafter, DrafterModelConfig
 from dflash_ipc.drafter.safetensors_stream import write_safetensors
+from dflash_ipc.fsutil import replace_dir
 
 EXPORT_WEIGHTS_FILE = "model.safetensors"
 
@@ -133,6 +136,7 @@ def export_drafter(
     chat_template_kwargs: dict | None = None,
     client: str = "all",
     drafter_tau: DrafterTau | None = None,
+    root: Path | None = None,
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` for the serving engines' DFlash loaders (``client``:
     one of :data:`CLIENTS`; "all" writes the union, which every one of them reads).
@@ -177,35 +181,46 @@ def export_drafter(
     * ``drafter_tau``: the τ these weights reached and whether that is worth serving
       (:mod:`dflash_ipc.control.drafter_tau`; absent when none was measured); loaders ignore the key.
 
-    Every file is written 0644. Note: vLLM needs its V2 model runner for drafters that mix sliding
-    and full layers.
+    Every file is written 0644, beside a marker (:data:`.export_target.EXPORT_MARKER`) naming them. ``out_dir``
+    must be missing, empty or a previous export (:func:`.export_target.check_replaceable`); the export is
+    written beside it and swapped in whole (:func:`dflash_ipc.fsutil.replace_dir`): a kill leaves the previous
+    one as it was. ``root``: a directory trusted as given (the run's, for the export ``up`` writes) below which
+    no link is followed; without it ``out_dir``'s links are resolved first.
+    Note: vLLM needs its V2 model runner for drafters that mix sliding and full layers.
     """
     _check_client(client)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir) if root is not None else Path(out_dir).resolve()
+    check_replaceable(out)
     dtype = dtype or model.dtype
-    weights = out / EXPORT_WEIGHTS_FILE
     tensors = _export_tensors(model, client)
-    if all(t.is_floating_point() for t in tensors.values()):
-        write_safetensors(weights, tensors, {"format": "pt"}, dtype=dtype)  # bounded host memory
-    else:  # d2t stays int64: cast the weights one by one (on their device)
-        write_safetensors(weights, {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, {"format": "pt"})
-    vocab_file = out / DRAFT_VOCAB_EXPORT_FILE
-    if vocab_file.exists():
-        vocab_file.unlink()  # an export of an earlier layout: the rows now travel as lm_head + d2t
-    modeling = out / MODELING_FILE
-    if client in ("all", "zlab"):
-        modeling.write_text(Path(__file__).with_name("hf_modeling.py").read_text())
-    elif modeling.exists():
-        modeling.unlink()
     cfg = drafter_hf_config(model.config, dtype, client, target_dtype=model.target_dtype)
     cfg[CHAT_TEMPLATE_KWARGS_KEY] = dict(chat_template_kwargs or {})
     if drafter_tau is not None:
         cfg[DRAFTER_TAU_KEY] = drafter_tau.metadata()
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    for f in out.iterdir():
-        if f.is_file():
-            f.chmod(EXPORT_MODE)
+
+    def fill(staged: Path) -> None:
+        weights = staged / EXPORT_WEIGHTS_FILE
+        if all(t.is_floating_point() for t in tensors.values()):
+            write_safetensors(weights, tensors, {"format": "pt"}, dtype=dtype)  # bounded host memory
+        else:  # d2t stays int64: cast the weights one by one (on their device)
+            write_safetensors(
+                weights, {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, {"format": "pt"}
+            )
+        written = {EXPORT_WEIGHTS_FILE: None}
+        if client in ("all", "zlab"):
+            written[MODELING_FILE] = Path(__file__).with_name("hf_modeling.py").read_text()
+        written["config.json"] = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+        written[EXPORT_MARKER] = marker_text(list(written))  # last: it names what this export wrote
+        for name, text in written.items():
+            if text is not None:
+                with open(staged / name, "x") as f:
+                    f.write(text)
+        for name in written:
+            os.chmod(staged / name, EXPORT_MODE)  # only the files written here, whatever the umask
+
+    if root is None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    replace_dir(out, fill, root=root)
     return out
 
 

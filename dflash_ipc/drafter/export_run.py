@@ -4,7 +4,8 @@
       -> the newest complete checkpoint there (damaged ones skipped, as a resume skips them)
       -> its config (meta.json's extra.config) + the run's draft vocabulary (RUN_DIR/draft_vocab.json)
       -> the drafter rebuilt over the target's frozen embedding / head, the checkpoint's weights loaded
-      -> export_drafter(client) -> OUT (0644 files)  +  the serving command of each engine
+      -> export_drafter(client) -> OUT (0644 files, swapped in whole; OUT missing, empty or a previous export:
+         drafter/export_target.py)  +  the serving command of each engine
 
 Supported versions (their DFlash loaders were read for the layout: drafter/export.py): vLLM 0.33,
 SGLang 0.5.23, z-lab ``dflash`` 0.1.0; speculators 0.9.0 converts the layouts without the reduced head rows
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from dflash_ipc.drafter.ckpt_layout import STEP_DIR_RE
 from dflash_ipc.drafter.export import CLIENTS
+from dflash_ipc.drafter.export_target import check_outside_run, check_replaceable
 from dflash_ipc.drafter.model import DrafterModelConfig
 
 
@@ -38,30 +40,42 @@ class ExportResult:
         return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}
 
 
-def _load_source(src: Path):
-    """(checkpoint, run directory) of ``src``; a ValueError saying what ``src`` lacks."""
-    from dflash_ipc.drafter.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
+def _source_dirs(src: Path) -> tuple[Path, Path, Path | None]:
+    """(checkpoint root, run directory, the one checkpoint asked for or None) of ``src``, nothing loaded."""
     from dflash_ipc.node_spec import read_node_spec
 
     if not src.is_dir():
         raise ValueError(f"{src}: not a directory; give a run directory or one of its checkpoints/step-NNNNNN")
     if STEP_DIR_RE.match(src.name):
+        return src.parent, src.parent.parent, src
+    if (src / "latest").exists() or any(STEP_DIR_RE.match(p.name) for p in src.iterdir()):
+        return src, src.parent, None
+    return read_node_spec(src).checkpoint_root(src), src, None
+
+
+def _load_source(root: Path, step_dir: Path | None):
+    """The checkpoint ``step_dir``, else the newest complete one under ``root``; a ValueError saying what is missing."""
+    from dflash_ipc.drafter.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
+
+    if step_dir is not None:
         try:
-            return load_checkpoint(src), src.parent.parent
+            return load_checkpoint(step_dir)
         except CheckpointError as e:
             raise ValueError(str(e)) from None
-    if (src / "latest").exists() or any(STEP_DIR_RE.match(p.name) for p in src.iterdir()):
-        root, run_dir = src, src.parent
-    else:
-        root, run_dir = read_node_spec(src).checkpoint_root(src), src
     ckpt = load_latest_checkpoint(root)
     if ckpt is None:
         raise ValueError(f"{root}: no complete checkpoint (training.checkpoint_every, or a run that ended, writes one)")
-    return ckpt, run_dir
+    return ckpt
 
 
 def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", device: str = "cpu") -> ExportResult:
     """Export the newest complete checkpoint of ``src`` for ``client`` (see the module docstring)."""
+    if client not in CLIENTS:
+        raise ValueError(f"--for: one of {', '.join(CLIENTS)} (got {client!r})")
+    root, run_dir, step_dir = _source_dirs(Path(src))
+    out = Path(out).resolve()
+    check_outside_run(out, run_dir, root)  # before anything is loaded: a directory the export would not own is refused at once
+    check_replaceable(out)
     import torch
 
     from dflash_ipc.config import ConfigError, config_from_dict
@@ -69,9 +83,7 @@ def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", dev
     from dflash_ipc.drafter.export import export_drafter
     from dflash_ipc.drafter.serving import TARGET_PLACEHOLDER, render_serving_commands, serving_target, speculators_note
 
-    if client not in CLIENTS:
-        raise ValueError(f"--for: one of {', '.join(CLIENTS)} (got {client!r})")
-    ckpt, run_dir = _load_source(Path(src))
+    ckpt = _load_source(root, step_dir)
     raw = ckpt.extra.get("config")
     if not isinstance(raw, dict):
         raise ValueError(f"{ckpt.path}/meta.json: no extra.config (the run's config); export it with a config-bearing checkpoint")

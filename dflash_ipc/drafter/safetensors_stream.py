@@ -46,7 +46,8 @@ def write_safetensors(
     slice_bytes: int = 64 << 20,
     hasher: Any = None,
 ) -> None:
-    """Write ``tensors`` (on any device; cast to ``dtype`` when given) to ``path`` and fsync it.
+    """Write ``tensors`` (on any device; cast to ``dtype`` when given) to the new file ``path`` and fsync it
+    (a file already there, or a link, is refused: FileExistsError).
 
     Tensors sharing storage are written as separate copies (safetensors' own writer refuses them).
     ``hasher`` (a ``hashlib`` object) is fed every byte written: a digest without reading the file back."""
@@ -66,7 +67,7 @@ def write_safetensors(
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % _ALIGN)
     buffer: torch.Tensor | None = None
-    with open(path, "wb") as raw:
+    with open(path, "xb") as raw:
         f = raw if hasher is None else _Hashing(raw, hasher)
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)

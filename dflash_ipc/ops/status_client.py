@@ -95,8 +95,10 @@ def _live_endpoint(run_dir: Path) -> tuple[str, curve.RunKeys | None] | None:
         raise StatusUnavailable(f"{_shown(run_dir)}/control.json: cannot read it ({e.strerror or e})") from None
     if published is None:
         try:
-            ipc = channels.socket_dir(run_dir) / "status"
-            return (channels.status_endpoint(run_dir), None) if ipc.exists() else None
+            sock_dir = channels.socket_dir(run_dir)
+            # a socket directory another user could have made (RUN_DIR/sock links to /tmp) is not asked
+            live = channels.is_own_private_dir(sock_dir) and (sock_dir / "status").exists()
+            return (channels.status_endpoint(run_dir), None) if live else None
         except OSError:  # a sock link that cannot be read: no live endpoint to ask
             return None
     if not (isinstance(published, dict) and all(isinstance(published.get(k), str) for k in ("status", "key_root"))):

@@ -55,6 +55,7 @@ from typing import Any, TextIO
 import setproctitle
 
 from dflash_ipc.fence import Fence, FencedOut
+from dflash_ipc.fsutil import make_private_dir, open_append
 from dflash_ipc.runtime.heartbeat import HeartbeatSender
 from dflash_ipc.runtime.launch import IMPORT_DEATH_SIGNAL, read_key, remove_supervisor_sockets, set_parent_death_signal
 
@@ -80,8 +81,9 @@ def _setup_process(role: str, rank: int, run_dir: Path, log_level: str, supervis
     setproctitle.setproctitle(f"dflash-ipc:{role}:{rank} {run_dir.resolve()}")
     parent = supervisor_pid or os.getppid()
     log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_file = open(log_dir / f"{role}-{rank}.log", "a", buffering=1)  # noqa: SIM115 (open for the process's life; closed in _close_process_logging)
+    make_private_dir(log_dir, root=run_dir)
+    # open for the process's life (closed in _close_process_logging); never through a link planted there
+    log_file = open_append(log_dir / f"{role}-{rank}.log", root=run_dir, line_buffered=True)
     faulthandler.enable(file=log_file, all_threads=True)
     if os.environ.get("DFLASH_IPC_DEBUG_FAULTHANDLER_SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=log_file, all_threads=True)

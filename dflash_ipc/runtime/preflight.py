@@ -40,12 +40,15 @@ from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, blame_sets, load_config
 from dflash_ipc.config.topology import valid_device
+from dflash_ipc.fsutil import NotPrivate, check_own_private, links_below
 from dflash_ipc.runtime.family_check import check_target_family
 from dflash_ipc.runtime.resume_check import check_resume_checkpoints, check_resume_config
 from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
 
 # Files whose presence marks a directory as a run directory (written by Supervisor.prepare; the lock first).
 RUN_DIR_MARKERS = ("run_id", "logs", "checkpoints", LOCK_FILE)
+#: the one link a run directory holds: ``sock``, to the sockets' private temp dir when the run dir's path is long
+SOCKET_LINK = frozenset({"sock"})
 
 
 def torch_loaded() -> bool:
@@ -226,8 +229,8 @@ def _check_data_paths(cfg: DFlashConfig) -> None:
 
 
 def _check_cache_dir(cfg: DFlashConfig) -> None:
-    """``data.cache_dir`` is a directory this user can write, or can be created: tried with a temporary
-    directory inside it (or inside its nearest existing parent), removed at once."""
+    """``data.cache_dir`` is a directory of this user that no other user can write, or can be created: tried
+    with a temporary directory inside it (or inside its nearest existing parent), removed at once."""
     if not cfg.data.cache_dir:
         return
     import tempfile
@@ -235,6 +238,11 @@ def _check_cache_dir(cfg: DFlashConfig) -> None:
     path = Path(cfg.data.cache_dir).expanduser()
     if path.exists() and not path.is_dir():
         _fail(cfg.source, "data.cache_dir", f"{cfg.data.cache_dir}: exists and is not a directory; name a directory for the token cache")
+    if path.is_dir():  # outside the private run directory: trusted only as this user's own (data/token_cache.py)
+        try:
+            check_own_private(path, path.stat(), "the token cache directory", fix="use a directory of your own (mode 0700)")
+        except NotPrivate as e:
+            _fail(cfg.source, "data.cache_dir", str(e))
     parent = path
     while not parent.exists():
         parent = parent.parent
@@ -520,6 +528,11 @@ def check_run_dir(cfg: DFlashConfig, run_dir: Path, *, resume: bool, key: str = 
         )
     if not resume and (run_dir / "checkpoints" / "latest").exists():
         _fail(src, key, f"{run_dir} already holds checkpoints; pass --resume to continue that run, or use another run directory")
+    planted = links_below(run_dir, allowed=SOCKET_LINK)
+    if planted:
+        shown = ", ".join(f"{p.relative_to(run_dir)} -> {os.readlink(p)}" for p in planted[:10]) + (", ..." if len(planted) > 10 else "")
+        what = f"{len(planted)} symbolic link{'s' if len(planted) > 1 else ''}"
+        _fail(src, key, f"{run_dir} holds {what} ({shown}): dflash-ipc writes nothing through a link in its run directory; remove them")
 
 
 def _fail(source: str, key: str, message: str) -> NoReturn:

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from dflash_ipc.config import ConfigError, DFlashConfig, read_resolved_config, write_resolved_config
-from dflash_ipc.control import channels
 from dflash_ipc.control.protocol import ProtocolError, Struct, from_wire, to_wire
+from dflash_ipc.fsutil import NotPrivate, make_private_dir
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.forkserver import ForkServer
 from dflash_ipc.runtime.launch import child_env
@@ -129,8 +129,8 @@ def check_and_plan(cfg: DFlashConfig, run_dir: Path | None, n_shards: int) -> Da
     check_machine(cfg)
     if run_dir is None:
         return None
-    channels.make_private_dir(run_dir)
-    channels.make_private_dir(run_dir / "data")
+    make_private_dir(run_dir)
+    make_private_dir(run_dir / "data", root=run_dir)
     return plan_data(cfg, run_dir, n_shards)
 
 
@@ -145,7 +145,12 @@ def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
     tok = config_tokenizer(cfg)  # the corpus exactly as the targets render it
     check_target_tokenizer(cfg.target, tok)
     data_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data"
-    corpus = load_corpus(cfg.data, tok, data_dir)
+    try:
+        corpus = load_corpus(cfg.data, tok, data_dir)
+    except NotPrivate as e:  # a cache another user could have written: refused by the key that names it
+        if not cfg.data.cache_dir:
+            raise
+        raise ConfigError.at(cfg.source, "data.cache_dir", str(e)) from None
     per_shard = [0] * n_shards
     planned: list[tuple[list[int], tuple[int, ...]]] = []
     for e in range(cfg.data.num_epochs):
@@ -154,7 +159,7 @@ def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
             per_shard[s] += len(batches)
             planned += [(b.id.to_wire(), b.sample_indices) for b in batches]
     fingerprint = make_fingerprint(
-        file_entries(cfg.data.paths, cfg.data.builtin_samples),
+        file_entries(cfg.data.paths, cfg.data.builtin_samples, corpus.report.source_digests),
         corpus.num_samples,
         int(corpus.tokens.numel()),
         tokens_digest(corpus.tokens, corpus.loss_mask, corpus.offsets),

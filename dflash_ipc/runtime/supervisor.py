@@ -59,7 +59,7 @@ from dflash_ipc.control.stats import DrafterStats, DrafterSummary
 from dflash_ipc.control.status import ENDED_STATES, SCHEMA_VERSION, StatusSnapshot, Totals
 from dflash_ipc.data.run_length import DataLength, run_length_text
 from dflash_ipc.drafter.ckpt_layout import latest_committed_step
-from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.fsutil import make_private_dir, open_append, write_text_atomic
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests
@@ -166,16 +166,16 @@ class Supervisor:
         data = DataLength(plan.n_batches_total, plan.samples, self.cfg.data.num_epochs, self.node.nnodes * len(self.cfg.topology.drafters))
         self.echo(f"[up] run length: {run_length_text(self.cfg.training.max_steps, self.cfg.training.max_seconds, data)}")
         replanned = self._check_resume_data(plan.plan_json()) if self.resume else False
-        channels.make_private_dir(run_dir)
+        make_private_dir(run_dir)
         for sub in ("logs", "checkpoints", "data"):
-            channels.make_private_dir(run_dir / sub)
+            make_private_dir(run_dir / sub, root=run_dir)  # never through a link planted there
         if self.cfg.run.control == "tcp":
             # Per node, in its own run dir: a node's control plane links only its own processes.
             curve.write_run_keys(run_dir)
         else:
             channels.prepare_socket_dir(run_dir)
         if self.node.shared_dir:
-            channels.make_private_dir(self.node.checkpoint_root(run_dir))
+            make_private_dir(self.node.checkpoint_root(run_dir), root=self.node.shared_root(run_dir))
         write_node_spec(run_dir, self.node)
         old_id = (run_dir / "run_id").read_text().strip() if (run_dir / "run_id").exists() else ""
         if old_id:
@@ -186,10 +186,10 @@ class Supervisor:
         if not self.resume and (run_dir / "metrics.jsonl").exists():
             (run_dir / "metrics.jsonl").unlink()
         self.run_id = new_run_id()
-        (run_dir / "run_id").write_text(self.run_id + "\n")
+        write_text_atomic(run_dir / "run_id", self.run_id + "\n")
         write_resolved_config(self.cfg, run_dir)
         self.plan = plan.plan_json() | ({"replan": True} if replanned else {})
-        (run_dir / "plan.json").write_text(json.dumps(self.plan, indent=2))
+        write_text_atomic(run_dir / "plan.json", json.dumps(self.plan, indent=2))
 
     def _check_resume_data(self, plan: dict) -> bool:
         """Before anything is written: the checkpoint to resume from verified end to end (every sha256,
@@ -245,7 +245,7 @@ class Supervisor:
 
         def new_attempt() -> None:
             self.run_id = new_run_id()
-            (self.run_dir / "run_id").write_text(self.run_id + "\n")
+            write_text_atomic(self.run_dir / "run_id", self.run_id + "\n")
 
         run = self.cfg.run
         return run_with_restarts(
@@ -283,7 +283,7 @@ class Supervisor:
                 env.update(rendezvous[ch.rank])
                 if resume:
                     argv.append("--resume")
-            out = open(self.run_dir / "logs" / f"{ch.name}.stdout", "ab")
+            out = open_append(self.run_dir / "logs" / f"{ch.name}.stdout", root=self.run_dir, text=False)
             try:
                 ch.popen = popen_with(self.launcher, argv, stdout=out, stderr=subprocess.STDOUT, env=env, pass_fds=(key_fd,))
             finally:

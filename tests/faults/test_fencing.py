@@ -273,16 +273,17 @@ def test_a_full_disk_is_named_as_the_cause_not_the_peer_it_took_down(tmp_path, s
 
 def test_the_token_cache_on_a_tiny_disk_is_one_named_error(small_disk):
     """A 64 KiB disk: the cache of 1 MiB of tokens is refused with its sizes (before: a torch.save traceback)."""
-    from dflash_ipc.data.corpus import Corpus, DataReport, TokenCacheDiskFull, _save_cache
+    from dflash_ipc.data.token_cache import TokenCacheDiskFull, open_cache_dir, write_cache
 
     tiny = small_disk / "tiny"
     tiny.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(tiny)], check=True)
     try:
         n = 200_000
-        corpus = Corpus(torch.ones(n, dtype=torch.int32), torch.ones(n, dtype=torch.uint8), torch.tensor([0, n]), DataReport())
-        with pytest.raises(TokenCacheDiskFull) as e:
-            _save_cache(tiny / "data" / "tokens-x.pt", "x", corpus)
+        ones = torch.ones(n, dtype=torch.int32)
+        payload = {"tokens": ones, "loss_mask": ones.to(torch.uint8), "offsets": torch.tensor([0, n])}
+        with pytest.raises(TokenCacheDiskFull) as e, open_cache_dir(tiny / "data") as dir_fd:
+            write_cache(dir_fd, tiny / "data" / "tokens-x.pt", "x", payload)
         assert "\n" not in str(e.value) and "for the token cache: need ~1.0 MiB" in str(e.value), str(e.value)
         assert "data.cache_dir" in str(e.value) and os.listdir(tiny / "data") == []
     finally:
