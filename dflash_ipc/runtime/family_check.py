@@ -11,7 +11,6 @@ import logging
 from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DFlashConfig
-from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.families import DecoderFamily, family_of
 
 __all__ = ["check_attn_implementation", "check_target_family"]
@@ -23,6 +22,7 @@ def check_target_family(cfg: DFlashConfig, hf_config: Any) -> DecoderFamily:
     """Everything above, for the config ``cfg`` of a target whose transformers config is ``hf_config``."""
     family = family_of(hf_config)
     attention = check_attn_implementation(cfg.source, cfg.target.attn_implementation, family)
+    from dflash_ipc.devices import dtype_from_name  # torch: the probe has it, the supervisor never imports it
     from dflash_ipc.target.varlen import plan_packed_attention
 
     dtype = dtype_from_name(cfg.target.dtype)
