@@ -17,6 +17,7 @@ def test_gpu_memory_text_is_empty_on_cpu():
 @pytest.mark.gpu
 def test_gpu_memory_text_reports_this_process_peak_and_the_device_free_memory():
     device = torch.device("cuda:0")
+    torch.zeros(1, device=device)  # the caching allocator exists only once this process touched the device
     torch.cuda.reset_peak_memory_stats(device)
     block = torch.empty(2**30, dtype=torch.uint8, device=device)  # 1 GiB
     text = gpu_memory_text(device)

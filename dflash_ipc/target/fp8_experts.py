@@ -12,9 +12,9 @@ expert ids and routing weights) by an :class:`Fp8Experts`:
 * per call, as transformers' grouped path does: the (token, expert) pairs sorted by expert, their hidden
   states gathered and quantized per row, one GEMM per projection over all experts, the module's own gate
   (SwiGLU, gpt-oss's clamped GLU) between them, biases, the routing weights, the pairs summed per token.
-  The GEMM is ``torch._scaled_grouped_mm`` over the experts' row offsets where it runs (CUDA, compute
-  capability 9.0 and above), else ``torch._scaled_mm`` per expert that received tokens (older GPUs, and
-  the CPU the tests run on).
+  The GEMM is ``torch._scaled_grouped_mm`` over the experts' row offsets on CUDA (compute capability 9.0
+  and above; older GPUs keep their experts in the target's dtype), ``torch._scaled_mm`` per expert that
+  received tokens on the CPU (what the CPU tests check the arithmetic with).
 
 Experts modules of another kind stay in the target's dtype and :func:`quantize_experts` counts them (the
 target logs their number and bytes): Llama 4's (it multiplies every expert by every token through ``bmm``,
@@ -154,6 +154,11 @@ class ExpertsReport:
 def _kept_reason(experts: nn.Module) -> str | None:
     """Why ``experts`` stays in its dtype (None: it converts)."""
     weights = [p for p in experts.parameters() if p.dim() == 3]
+    device = weights[0].device if weights else torch.device("cpu")
+    if device.type == "cuda" and not grouped_gemm_runs(device):
+        # the per-expert _scaled_mm loop was refused by cuBLASLt on an H200 (CUBLAS_STATUS_NOT_SUPPORTED): on a GPU
+        # only the grouped GEMM, checked against the quantized operands' product, runs
+        return f"{type(experts).__name__} (FP8 experts need torch._scaled_grouped_mm: compute capability >= 9.0)"
     if not _dispatched(experts) or len(weights) != 2:
         return f"{type(experts).__name__} (its own forward, not transformers' experts interface)"
     if any(p.shape[1] % ALIGN or p.shape[2] % ALIGN for p in weights):

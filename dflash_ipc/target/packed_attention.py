@@ -221,7 +221,11 @@ def _varlen_kernel(
     cu, max_len = row.chunk_bounds(spec.chunk) if spec.kind == "chunked" and spec.chunk else (row.cu_seqlens, row.max_len)
     kw: dict[str, Any] = {"scale": scale, "window_size": (spec.window - 1, 0) if spec.kind == "sliding" and spec.window else (-1, 0)}
     if q.shape[1] != k.shape[1]:
-        kw["enable_gqa"] = True
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:  # torch 2.11's kernel takes as many key/value heads as query heads
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     value_dim = v.shape[-1]
     if value_dim < q.shape[-1]:  # latent attention's narrower value heads: zero columns add nothing to any output
         v = F.pad(v, (0, q.shape[-1] - value_dim))
