@@ -25,7 +25,8 @@ already in either (a torn last line of an interrupted run is ignored and redone)
 
 Generation is batched (left-padded, sorted by prompt length) with transformers' ``generate``
 on the target's device: greedy, or sampled with temperature / top-p, up to ``max_new``
-tokens, stopping at the chat template's end-of-turn token.
+tokens, stopping at the chat template's end-of-turn token. A model that left padding would change
+(:func:`padding_problem`: Llama 4) decodes each batch in groups of one prompt length, unpadded.
 
 Decoding (``GenOptions.decode``, ``gen-data --decode``): ``dynamic`` is ``generate``'s default cache
 (it grows by concatenation; every decode step launches each layer's kernels from Python, so a small
