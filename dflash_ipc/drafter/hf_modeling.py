@@ -25,6 +25,7 @@ token (HF semantics), as the drafter trains.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -233,7 +234,9 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
         t_cache, d_cache = rollback_cache(target.config), DynamicCache()  # the drafter's layers are all attention
         crops = crops_exactly(t_cache)
         active = int(getattr(target.config.get_text_config(decoder=True), "altup_active_idx", 0))
-        out = target(input_ids, past_key_values=t_cache, use_cache=True, output_hidden_states=True)
+        # transformers renames the forward's ``past_key_values`` to ``cache`` (5.24; the old name warns)
+        cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+        out = target(input_ids, **{cache_kw: t_cache}, use_cache=True, output_hidden_states=True)
         tokens = [int(out.logits[0, -1].argmax())]
         ctx, done = self._context(out.hidden_states, active), n0  # positions [done - ctx_len, done) await the drafter
         self.acceptance_lengths = []
@@ -249,7 +252,7 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
             block[0, 1:] = self.compute_logits(h[:, 1:], head).argmax(-1)[0]
             pos = torch.arange(done, done + width, device=dev)[None]
             snapshot = None if crops else copy.deepcopy(t_cache)
-            out = target(block, position_ids=pos, past_key_values=t_cache, use_cache=True, output_hidden_states=True)
+            out = target(block, position_ids=pos, **{cache_kw: t_cache}, use_cache=True, output_hidden_states=True)
             verdict = out.logits[0].argmax(-1)
             accepted = int((block[0, 1:] == verdict[:-1]).long().cumprod(0).sum())
             new = [*block[0, 1 : accepted + 1].tolist(), int(verdict[accepted])][: max_new_tokens - len(tokens)]
@@ -263,5 +266,5 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
                 crop_cache(t_cache, done)
             elif len(new) < width:  # the anchor and the accepted drafts, from the cache as it was before them
                 t_cache = snapshot
-                target(block[:, : len(new)], position_ids=pos[:, : len(new)], past_key_values=t_cache, use_cache=True)
+                target(block[:, : len(new)], position_ids=pos[:, : len(new)], **{cache_kw: t_cache}, use_cache=True)
         return torch.cat([input_ids, torch.tensor([tokens], device=dev)], dim=1)

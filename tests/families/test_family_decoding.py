@@ -14,6 +14,7 @@ layers read the keys and values of an earlier one) as their real checkpoints hav
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -114,6 +115,22 @@ def _transformers_greedy(model, prompt: list[int], stops: set[int]) -> list[int]
     return out[0, len(prompt) :].tolist()
 
 
+def _rolled_back_logits_equal_a_forward_without_cache(target: TargetLM, prompt: list[int]) -> None:
+    """After a verification block rolled back to its anchor, the next block's logits equal one forward over the
+    whole sequence without a cache: the masks transformers builds over a cache that keeps every token apply the
+    windows and chunks as its forward over the whole sequence does (fp32, <= 1e-4)."""
+    cache = target.new_cache()
+    target.forward_logits(prompt, cache, capture=False)
+    block = [5, 6, 7, 8]
+    snapshot = copy.deepcopy(cache) if target.rollback == "recompute" else None
+    target.forward_logits(block, cache, capture=False)
+    cache = target.roll_back(cache, snapshot, block[:1], len(block) - 1)
+    logits, _ = target.forward_logits([9, 10, 11], cache, capture=False)
+    with torch.no_grad():
+        whole = target.lm(torch.tensor([[*prompt, 5, 9, 10, 11]]), use_cache=False).logits[0, -3:]
+    torch.testing.assert_close(logits, whole, rtol=1e-4, atol=1e-4)
+
+
 def _eval_decodes(target: TargetLM, drafter, prompts: list[list[int]], want: list[list[int]], stops: set[int], family: str) -> None:
     for prompt, expected in zip(prompts, want):
         spec = speculative_generate(target, DrafterProposer(drafter), prompt, MAX_NEW, stops, BLOCK)
@@ -164,6 +181,7 @@ def test_eval_the_export_decoder_and_gen_data_equal_transformers_greedy_past_the
     target = TargetLM(lm, drafter.config.target_layer_ids)
     try:
         assert target.rollback == ("recompute" if family in RECURRENT else "crop")
+        _rolled_back_logits_equal_a_forward_without_cache(target, prompts[0])
         _eval_decodes(target, drafter, prompts, want, stops, family)
     finally:
         target.close()
