@@ -48,7 +48,6 @@ def main(argv=None) -> dict:
     from dflash_ipc.drafter.hf_modeling import crops_exactly, rollback_cache
     from dflash_ipc.eval.run import load_prompts
     from dflash_ipc.families import family_of
-    from dflash_ipc.families.attention import choose_attention
 
     cfg = load_config(args.config)
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -57,7 +56,7 @@ def main(argv=None) -> dict:
     tok = config_tokenizer(cfg)
     prompts, stops = load_prompts(cfg, tok, args.prompts, args.n), sorted(stop_token_ids(tok))
     hf_config = AutoConfig.from_pretrained(cfg.target.model_path)
-    attention = choose_attention(family_of(hf_config), cfg.target.attn_implementation)  # as eval loads it
+    attention = family_of(hf_config).attention_implementation(cfg.target.attn_implementation)  # as eval loads it
     target = AutoModelForCausalLM.from_pretrained(cfg.target.model_path, dtype=dtype, attn_implementation=attention).to(dev).eval()
     if args.route == "zlab":
         draft = zl.DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype)

@@ -65,9 +65,8 @@ def _model(args: GenDecodeArgs):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from dflash_ipc.families import family_of
-        from dflash_ipc.families.attention import choose_attention
 
-        attention = choose_attention(family_of(AutoConfig.from_pretrained(args.model)), "auto")  # gpt-oss has no sdpa
+        attention = family_of(AutoConfig.from_pretrained(args.model)).attention_implementation("auto")  # gpt-oss has no sdpa
         return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=attention).to(args.device).eval()
     from transformers import LlamaForCausalLM
 

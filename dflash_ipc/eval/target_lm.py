@@ -35,7 +35,6 @@ from torch import nn
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.families import family_of
-from dflash_ipc.families.attention import choose_attention
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ def build_target_lm(cfg: TargetConfig, device, vocab_size: int | None = None, dt
 
     device = torch.device(device)
     # the attention kernel the training target runs: the one asked for, where the family has it
-    attention = choose_attention(family_of(load_hf_config(cfg, vocab_size)), cfg.attn_implementation)
+    attention = family_of(load_hf_config(cfg, vocab_size)).attention_implementation(cfg.attn_implementation)
     # eval forwards a few tokens at a time on a cache: compiling fused kernels per worker would cost more than it saves
     cfg = dataclasses.replace(
         cfg, dtype=dtype or cfg.dtype, capture_last_hidden=True, fuse_elementwise=False, attn_implementation=attention

@@ -1,5 +1,5 @@
-"""Which attention kernel eval's and gen-data's target is loaded with: what ``target.attn_implementation`` asks,
-where the family's transformers class has it; ``"auto"``: sdpa where it has it, else eager (gpt-oss has no sdpa)."""
+"""The attention kernel eval's and gen-data's target loads with: ``target.attn_implementation`` resolved by the
+family (``DecoderFamily.attention_implementation``), as the training target resolves it. gpt-oss has no sdpa."""
 
 from __future__ import annotations
 
@@ -12,33 +12,29 @@ from family_zoo import family_config
 
 from dflash_ipc.cli import main
 from dflash_ipc.families import family_of
-from dflash_ipc.families.attention import choose_attention
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
 
 
 def test_auto_picks_sdpa_where_the_family_has_it_and_eager_for_gpt_oss():
-    assert choose_attention(family_of(family_config("llama")), "auto") == "sdpa"
-    assert choose_attention(family_of(family_config("gemma3")), "auto") == "sdpa"
-    assert choose_attention(family_of(family_config("gpt_oss")), "auto") == "eager"
-
-
-def test_a_kernel_the_family_has_is_kept_and_one_it_lacks_is_refused_naming_the_key_and_what_it_has():
+    assert family_of(family_config("llama")).attention_implementation("auto") == "sdpa"
+    assert family_of(family_config("gemma3")).attention_implementation("auto") == "sdpa"
     gpt_oss = family_of(family_config("gpt_oss"))
-    assert choose_attention(gpt_oss, "eager") == "eager"
-    assert choose_attention(gpt_oss, "flex_attention") == "flex_attention"
-    with pytest.raises(ValueError, match=r"target\.attn_implementation = 'sdpa'.* gpt_oss \(supported: eager, flash_attention_2"):
-        choose_attention(gpt_oss, "sdpa")
+    assert gpt_oss.attention_implementation("auto") == "eager"
+    assert gpt_oss.attention_implementation("flex_attention") == "flex_attention"
+    with pytest.raises(ValueError, match=r"no sdpa attention for gpt_oss \(it supports eager, .*target\.attn_implementation"):
+        gpt_oss.attention_implementation("sdpa")
 
 
-def test_gen_data_refuses_gpt_oss_with_sdpa_by_the_key_before_loading_it(zoo_checkpoint, tmp_path):
-    path = zoo_checkpoint("gpt_oss")
+def test_gen_data_loads_gpt_oss_with_eager_by_default_and_refuses_sdpa_by_the_key(family_checkpoint, tmp_path):
+    path = family_checkpoint("gpt_oss")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "-"}]}) + "\n")
-    sets = [f'target.model_path="{path}"', f'target.tokenizer="{path}"', "target.spec={}", 'target.attn_implementation="sdpa"']
     argv = ["gen-data", "--config", str(TINY), "--prompts", str(prompts), "--out", str(tmp_path / "gen.jsonl"), "--max-new", "4"]
-    r = CliRunner().invoke(main, argv + [arg for s in sets for arg in ("--set", s)])
+    for key_value in (f'target.model_path="{path}"', f'target.tokenizer="{path}"', "target.spec={}"):
+        argv += ["--set", key_value]
+    r = CliRunner().invoke(main, [*argv, "--set", 'target.attn_implementation="sdpa"'])
     assert r.exit_code == 2, r.output
-    assert "error: target.attn_implementation = 'sdpa': transformers has no sdpa attention for gpt_oss" in r.output
-    r = CliRunner().invoke(main, argv + [arg for s in sets[:-1] for arg in ("--set", s)] + ["--set", 'target.attn_implementation="eager"'])
+    assert "error: transformers has no sdpa attention for gpt_oss" in r.output and "target.attn_implementation" in r.output
+    r = CliRunner().invoke(main, argv)  # the default, "auto"
     assert r.exit_code == 0, r.output

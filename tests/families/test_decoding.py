@@ -9,7 +9,8 @@ every rollback happens past a full window. The drafter is random (its sliding la
 its drafts are rejected, so nearly every verification rolls the cache back; one more decode drafts transformers'
 own continuation with one draft per block spoiled, so blocks are accepted in part and the cache keeps some drafts
 and drops the rest. Gemma 3n and Gemma 4 run twice: as the zoo builds them, and with KV-shared layers (the last
-layers read the keys and values of an earlier one) as their real checkpoints have.
+layers read the keys and values of an earlier one) as their real checkpoints have; Gemma 3 and Qwen3.5 once more
+inside their image-text wrappers, as their checkpoints ship.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_zoo import FAMILIES, WINDOW, family_config
+from family_zoo import FAMILIES, VISION_WRAPPED, WINDOW, build_vision_wrapped_checkpoint, family_config
 from transformers import AutoModelForCausalLM
 
 from dflash_ipc.config import load_config
@@ -33,7 +34,6 @@ from dflash_ipc.eval.run import load_prompts
 from dflash_ipc.eval.spec import DrafterProposer, speculative_generate
 from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
 from dflash_ipc.families import family_of
-from dflash_ipc.families.attention import choose_attention
 from dflash_ipc.target_spec.heads import target_head_weights
 from dflash_ipc.target_spec.hf_config import load_hf_config
 
@@ -41,9 +41,11 @@ TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
 MAX_NEW = 24
 BLOCK = 4
 #: GatedDeltaNet layers cannot forget tokens: their caches roll back by re-running the kept ones.
-RECURRENT = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
+RECURRENT = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl"})
 #: Gemma 3n and Gemma 4 with their last two layers reading the keys and values of the last earlier layer of their kind.
 KV_SHARED = {"gemma3n-kv-shared": "gemma3n", "gemma4-kv-shared": "gemma4"}
+#: Text models inside their image-text wrapper, as Gemma 3 and Qwen3.5 checkpoints ship.
+VISION = {f"{name}-vl": name for name in VISION_WRAPPED}
 CHATS = [
     {"id": f"p{i}", "conversations": [{"role": "user", "content": text}, {"role": "assistant", "content": "-"}]}
     for i, text in enumerate(
@@ -56,9 +58,11 @@ CHATS = [
 ]
 
 
-def _checkpoint(name: str, zoo_checkpoint, root: Path) -> Path:
+def _checkpoint(name: str, family_checkpoint, root: Path) -> Path:
+    if name in VISION:
+        return build_vision_wrapped_checkpoint(VISION[name], root)
     if name not in KV_SHARED:
-        return zoo_checkpoint(name)
+        return family_checkpoint(name)
     config = family_config(KV_SHARED[name])
     config.num_kv_shared_layers = 2
     torch.manual_seed(0)
@@ -150,10 +154,10 @@ def _gen_data_answers(cfg, lm, prompts_file: Path, out: Path, decode: str) -> di
     return {rec["id"]: rec["conversations"][-1]["token_ids"] for rec in records}
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, *KV_SHARED])
-def test_eval_the_export_decoder_and_gen_data_equal_transformers_greedy_past_the_window(family, zoo_checkpoint, tmp_path):
-    path = _checkpoint(family, zoo_checkpoint, tmp_path / "checkpoint")
-    attention = choose_attention(family_of(family_config(KV_SHARED.get(family, family))), "auto")
+@pytest.mark.parametrize("family", [*FAMILIES, *KV_SHARED, *VISION])
+def test_eval_the_export_decoder_and_gen_data_equal_transformers_greedy_past_the_window(family, family_checkpoint, tmp_path):
+    path = _checkpoint(family, family_checkpoint, tmp_path / "checkpoint")
+    attention = family_of(family_config({**KV_SHARED, **VISION}.get(family, family))).attention_implementation("auto")
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps(chat) + "\n" for chat in CHATS))
     cfg = load_config(
@@ -162,7 +166,6 @@ def test_eval_the_export_decoder_and_gen_data_equal_transformers_greedy_past_the
             "target.model_path": str(path),
             "target.tokenizer": str(path),
             "target.spec": {},
-            "target.attn_implementation": attention,
             "data.paths": [str(prompts_file)],
         },
     )
@@ -174,7 +177,7 @@ def test_eval_the_export_decoder_and_gen_data_equal_transformers_greedy_past_the
     want = [_transformers_greedy(reference, p, stops) for p in prompts]
 
     lm = build_target_lm(cfg.target, "cpu", dtype="float32")
-    assert lm.config._attn_implementation == attention
+    assert lm.config._attn_implementation == attention  # target.attn_implementation = "auto", as the training target
     drafter_dir = _random_drafter(cfg, tokenizer, tmp_path / "drafter")
     embed, head = target_head_weights(cfg.target, load_hf_config(cfg.target), "cpu", torch.float32)
     drafter = load_exported_drafter(drafter_dir, embed, head, attention="sdpa")
