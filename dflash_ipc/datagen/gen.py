@@ -26,7 +26,8 @@ already in either (a torn last line of an interrupted run is ignored and redone)
 Generation is batched (left-padded, sorted by prompt length) with transformers' ``generate``
 on the target's device: greedy, or sampled with temperature / top-p, up to ``max_new``
 tokens, stopping at the chat template's end-of-turn token. A model that left padding would change
-(:func:`padding_problem`: Llama 4) decodes each batch in groups of one prompt length, unpadded.
+(:func:`padding_problem`: Llama 4) decodes each batch in groups of one prompt length, unpadded, on the
+dynamic cache.
 
 Decoding (``GenOptions.decode``, ``gen-data --decode``): ``dynamic`` is ``generate``'s default cache
 (it grows by concatenation; every decode step launches each layer's kernels from Python, so a small
@@ -302,7 +303,7 @@ def answer_prompts(
     pending.sort(key=lambda r: len(r[2]))
     unpadded = padding_problem(lm)
     if unpadded:
-        echo(f"gen-data: {unpadded}: each batch decodes its prompts in groups of one length, unpadded")
+        echo(f"gen-data: {unpadded}: each batch decodes its prompts in groups of one length, unpadded, on the dynamic cache")
     vocab = vocab_identity(tokenizer)
     progress = _Progress(len(pending), echo)
     try:
@@ -342,29 +343,30 @@ def padding_problem(lm) -> str | None:
 def generate_batch(lm, prompts: list[list[int]], pad_id: int, stops: set[int], opts: GenOptions, seed: int) -> list[tuple[list[int], str]]:
     """Left-padded batched generation; per prompt (new ids without the stop token, "stop"|"length"). A model
     that left padding would change (:func:`padding_problem`) decodes the batch in groups of one prompt length
-    each, unpadded, so every answer is the one the prompt gets alone."""
+    each, unpadded, so every answer is the one the prompt gets alone, on the dynamic cache: on a static one
+    every prompt length would be a new shape (a compile each)."""
     if opts.temperature > 0:
         torch.manual_seed(seed)
     if padding_problem(lm) is None:
-        return _generate(lm, prompts, pad_id, stops, opts, unpadded=False)
+        return _generate(lm, prompts, pad_id, stops, opts)
+    unpadded = dataclasses.replace(opts, decode="dynamic")
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(i)
     out: list[tuple[list[int], str]] = [([], "length")] * len(prompts)
     for rows in by_length.values():
-        for i, answer in zip(rows, _generate(lm, [prompts[i] for i in rows], pad_id, stops, opts, unpadded=True)):
+        for i, answer in zip(rows, _generate(lm, [prompts[i] for i in rows], pad_id, stops, unpadded)):
             out[i] = answer
     return out
 
 
-def _generate(lm, prompts: list[list[int]], pad_id: int, stops: set[int], opts: GenOptions, unpadded: bool) -> list[tuple[list[int], str]]:
-    """One ``generate`` call over ``prompts`` (left-padded to one width; ``unpadded``: all of one length, kept so)."""
+def _generate(lm, prompts: list[list[int]], pad_id: int, stops: set[int], opts: GenOptions) -> list[tuple[list[int], str]]:
+    """One ``generate`` call over ``prompts``, left-padded to one width."""
     dev = next(lm.parameters()).device
     asked = len(prompts)
     width = max(len(p) for p in prompts)
     if opts.decode != "dynamic":
-        if not unpadded:
-            width = max(16, 1 << (width - 1).bit_length())  # a power of two: one compiled graph per width class
+        width = max(16, 1 << (width - 1).bit_length())  # a power of two: one compiled graph per width class
         # a short last batch would be a new shape (a recompile, and a step towards dynamo's recompile limit): fill
         # it with copies of its last prompt and drop their answers
         prompts = list(prompts) + [prompts[-1]] * (opts.batch_size - asked)
