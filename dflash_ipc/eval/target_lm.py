@@ -56,11 +56,8 @@ def build_target_lm(cfg: TargetConfig, device, vocab_size: int | None = None, dt
     )
     torch_dtype = dtype_from_name(cfg.dtype)
     if cfg.model_path:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        from dflash_ipc.families import family_of
-
-        attention = family_of(AutoConfig.from_pretrained(cfg.model_path)).attention_implementation(cfg.attn_implementation)
         kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attention}
         if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
             kwargs["device_map"] = {"": str(device) if device.index is not None else f"{device.type}:0"}

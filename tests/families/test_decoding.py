@@ -5,7 +5,7 @@ token against transformers' own greedy decoding of the same checkpoint (``genera
 default cache, one prompt at a time), which shares none of eval's cache code.
 
 The prompts are three windows or more long (the zoo's sliding windows and attention chunks are 8 tokens), so
-every rollback happens past a full window. The drafter is random (its sliding layer's window is 8 tokens too):
+every rollback happens past a full window. The drafter is the untrained export (its sliding layer's window 8 tokens too):
 its drafts are rejected, so nearly every verification rolls the cache back; one more decode drafts transformers'
 own continuation with one draft per block spoiled, so blocks are accepted in part and the cache keeps some drafts
 and drops the rest. Gemma 3n and Gemma 4 run twice: as the zoo builds them, and with KV-shared layers (the last
@@ -25,11 +25,11 @@ from family_zoo import FAMILIES, VISION_WRAPPED, WINDOW, build_vision_wrapped_ch
 from transformers import AutoModelForCausalLM
 
 from dflash_ipc.config import load_config
-from dflash_ipc.data.tokenizer import build_builtin_tokenizer, config_tokenizer, mask_token_id, stop_token_ids
+from dflash_ipc.data.tokenizer import build_builtin_tokenizer, config_tokenizer, stop_token_ids
 from dflash_ipc.datagen.gen import GenOptions, run_gen_data
-from dflash_ipc.drafter.export import export_drafter, load_exported_drafter
+from dflash_ipc.drafter.build import export_untrained
+from dflash_ipc.drafter.export import load_exported_drafter
 from dflash_ipc.drafter.hf_modeling import DFlashIpcDraftModel
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.eval.run import load_prompts
 from dflash_ipc.eval.spec import DrafterProposer, speculative_generate
 from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
@@ -69,31 +69,6 @@ def _checkpoint(name: str, family_checkpoint, root: Path) -> Path:
     AutoModelForCausalLM.from_config(config).save_pretrained(root)
     build_builtin_tokenizer().save_pretrained(root)
     return root
-
-
-def _random_drafter(cfg, tokenizer, out: Path) -> Path:
-    """A random drafter in the export layout, its shapes written out: what is tested is the target's decoding,
-    not how a drafter is sized from each family's config."""
-    embed, head = target_head_weights(cfg.target, load_hf_config(cfg.target), "cpu", torch.float32)
-    shape = DrafterModelConfig(
-        hidden_size=embed.shape[1],
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_layers=2,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=WINDOW,
-        block_size=BLOCK,
-        vocab_size=embed.shape[0],
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=1024,
-        target_layer_ids=[0, 2, 3],
-        mask_token_id=mask_token_id(tokenizer),
-        num_target_layers=4,
-    )
-    return export_drafter(DFlashDrafter(shape, embed, head, attention="sdpa", init_seed=0), out)
 
 
 class _SpoiledContinuation:
@@ -167,6 +142,8 @@ def test_eval_the_export_decoder_and_gen_data_equal_transformers_greedy_past_the
             "target.tokenizer": str(path),
             "target.spec": {},
             "data.paths": [str(prompts_file)],
+            "drafter.sliding_window": WINDOW,  # the drafter's own sliding layer is past its window too
+            "drafter.block_size": BLOCK,
         },
     )
     tokenizer = config_tokenizer(cfg)
@@ -178,7 +155,7 @@ def test_eval_the_export_decoder_and_gen_data_equal_transformers_greedy_past_the
 
     lm = build_target_lm(cfg.target, "cpu", dtype="float32")
     assert lm.config._attn_implementation == attention  # target.attn_implementation = "auto", as the training target
-    drafter_dir = _random_drafter(cfg, tokenizer, tmp_path / "drafter")
+    drafter_dir = export_untrained(cfg, tmp_path / "drafter")  # eval's untrained floor, as `export-untrained` writes it
     embed, head = target_head_weights(cfg.target, load_hf_config(cfg.target), "cpu", torch.float32)
     drafter = load_exported_drafter(drafter_dir, embed, head, attention="sdpa")
     target = TargetLM(lm, drafter.config.target_layer_ids)
