@@ -10,6 +10,12 @@ modeling code through ``AutoModel.from_pretrained(EXPORT, trust_remote_code=True
 when it has them). z-lab's loop runs with a block more budget and is counted up to ``--max-new`` tokens:
 it drafts a shorter block where the budget ends inside one, eval a whole one (cut), and full layers see
 the whole block. fp32 by default (``--dtype bfloat16`` for speed; then ties may differ). Prints one JSON line.
+
+z-lab's loop rolls the target's cache back by cropping it (past sliding windows too: it records the past and
+crops after every forward). ``target_crops_exactly`` false: the target has layers a crop cannot roll back
+(recurrent state: Qwen3.5's and Qwen3-Next's GatedDeltaNet), so z-lab's outputs leave greedy decoding's after a
+rejection (``lossless`` false) while eval and the export's own ``spec_generate`` re-run the kept tokens instead.
+On Gemma 3n z-lab's context reads the layers' stacked AltUp streams and fails.
 """
 
 from __future__ import annotations
@@ -35,11 +41,13 @@ def main(argv=None) -> dict:
     quiet_import_notes()  # transformers imports torchao with the models: its notes are noise here
     import dflash.model as zl
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from dflash_ipc.config import load_config
     from dflash_ipc.data.tokenizer import config_tokenizer, stop_token_ids
+    from dflash_ipc.drafter.hf_modeling import crops_exactly, rollback_cache
     from dflash_ipc.eval.run import load_prompts
+    from dflash_ipc.families import family_of
 
     cfg = load_config(args.config)
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -47,7 +55,9 @@ def main(argv=None) -> dict:
         zl._cuda_time = time.perf_counter  # z-lab times with torch.cuda.synchronize()
     tok = config_tokenizer(cfg)
     prompts, stops = load_prompts(cfg, tok, args.prompts, args.n), sorted(stop_token_ids(tok))
-    target = AutoModelForCausalLM.from_pretrained(cfg.target.model_path, dtype=dtype).to(dev).eval()
+    hf_config = AutoConfig.from_pretrained(cfg.target.model_path)
+    attention = family_of(hf_config).attention_implementation(cfg.target.attn_implementation)  # as eval loads it
+    target = AutoModelForCausalLM.from_pretrained(cfg.target.model_path, dtype=dtype, attn_implementation=attention).to(dev).eval()
     if args.route == "zlab":
         draft = zl.DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype)
     else:
@@ -73,6 +83,7 @@ def main(argv=None) -> dict:
         "tau": round(sum(lengths) / len(lengths), 4) if lengths else 0.0,
         "verify_steps": len(lengths),
         "lossless": all(lossless),
+        "target_crops_exactly": crops_exactly(rollback_cache(hf_config)),
         "mismatched_prompts": [i for i, ok in enumerate(lossless) if not ok],
         "seconds": round(time.perf_counter() - t0, 1),
     }

@@ -62,9 +62,12 @@ def _model(args: GenDecodeArgs):
 
     dtype = getattr(torch, args.dtype)
     if args.model:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+        from dflash_ipc.families import family_of
+
+        attention = family_of(AutoConfig.from_pretrained(args.model)).attention_implementation("auto")  # gpt-oss has no sdpa
+        return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=attention).to(args.device).eval()
     from transformers import LlamaForCausalLM
 
     from dflash_ipc.target_spec.hf_config import smollm2_135m_config

@@ -25,7 +25,9 @@ already in either (a torn last line of an interrupted run is ignored and redone)
 
 Generation is batched (left-padded, sorted by prompt length) with transformers' ``generate``
 on the target's device: greedy, or sampled with temperature / top-p, up to ``max_new``
-tokens, stopping at the chat template's end-of-turn token.
+tokens, stopping at the chat template's end-of-turn token. A model that left padding would change
+(:func:`padding_problem`: Llama 4) decodes each batch in groups of one prompt length, unpadded, on the
+dynamic cache.
 
 Decoding (``GenOptions.decode``, ``gen-data --decode``): ``dynamic`` is ``generate``'s default cache
 (it grows by concatenation; every decode step launches each layer's kernels from Python, so a small
@@ -56,6 +58,7 @@ import torch
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.data.readers import iter_records, prompt_messages, record_id
 from dflash_ipc.data.records import ANSWER_IDS_FIELD, VOCAB_FIELD
+from dflash_ipc.families import family_of
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ __all__ = [
     "generate_batch",
     "holdout_path",
     "is_holdout",
+    "padding_problem",
     "prompt_key",
     "run_gen_data",
     "truncate_torn_tail",
@@ -297,6 +301,9 @@ def answer_prompts(
     if pad_id is None:
         raise ValueError(f"{cfg.target.tokenizer}: the tokenizer has neither a pad nor an eos token to pad batches with")
     pending.sort(key=lambda r: len(r[2]))
+    unpadded = padding_problem(lm)
+    if unpadded:
+        echo(f"gen-data: {unpadded}: each batch decodes its prompts in groups of one length, unpadded, on the dynamic cache")
     vocab = vocab_identity(tokenizer)
     progress = _Progress(len(pending), echo)
     try:
@@ -322,9 +329,39 @@ def answer_prompts(
         progress.close()
 
 
+def padding_problem(lm) -> str | None:
+    """Why left padding would change ``lm``'s answers (None: it does not). Llama 4 scales its NoPE layers'
+    queries by the token's index in the cache, not by its position id, so pads move every later token's scale."""
+    family = family_of(lm.config)
+    tuned = [i for i, layer in enumerate(family.attention_layers) if layer.temperature_tuning is not None]
+    if tuned:
+        return f"{family.name}'s position-scaled queries (layers {tuned}) count left padding as positions"
+    return None
+
+
 @torch.no_grad()
 def generate_batch(lm, prompts: list[list[int]], pad_id: int, stops: set[int], opts: GenOptions, seed: int) -> list[tuple[list[int], str]]:
-    """Left-padded batched generation; per prompt (new ids without the stop token, "stop"|"length")."""
+    """Left-padded batched generation; per prompt (new ids without the stop token, "stop"|"length"). A model
+    that left padding would change (:func:`padding_problem`) decodes the batch in groups of one prompt length
+    each, unpadded, so every answer is the one the prompt gets alone, on the dynamic cache: on a static one
+    every prompt length would be a new shape (a compile each)."""
+    if opts.temperature > 0:
+        torch.manual_seed(seed)
+    if padding_problem(lm) is None:
+        return _generate(lm, prompts, pad_id, stops, opts)
+    unpadded = dataclasses.replace(opts, decode="dynamic")
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    out: list[tuple[list[int], str]] = [([], "length")] * len(prompts)
+    for rows in by_length.values():
+        for i, answer in zip(rows, _generate(lm, [prompts[i] for i in rows], pad_id, stops, unpadded)):
+            out[i] = answer
+    return out
+
+
+def _generate(lm, prompts: list[list[int]], pad_id: int, stops: set[int], opts: GenOptions) -> list[tuple[list[int], str]]:
+    """One ``generate`` call over ``prompts``, left-padded to one width."""
     dev = next(lm.parameters()).device
     asked = len(prompts)
     width = max(len(p) for p in prompts)
@@ -341,7 +378,6 @@ def generate_batch(lm, prompts: list[list[int]], pad_id: int, stops: set[int], o
     sample = opts.temperature > 0
     kwargs = {"do_sample": sample}
     if sample:
-        torch.manual_seed(seed)
         kwargs.update(temperature=opts.temperature, top_p=opts.top_p, top_k=0)
     else:
         kwargs.update(temperature=None, top_p=None, top_k=None)

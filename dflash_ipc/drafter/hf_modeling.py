@@ -24,10 +24,14 @@ token (HF semantics), as the drafter trains.
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, cache_utils
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Config, Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 SLIDING = "sliding_attention"
@@ -35,6 +39,27 @@ SLIDING = "sliding_attention"
 
 def _dflash_value(config, name: str, default=None):
     return (getattr(config, "dflash_config", None) or {}).get(name, getattr(config, name, default))
+
+
+def rollback_cache(config) -> DynamicCache:
+    """A ``DynamicCache`` for a model of ``config`` whose sliding-window and chunked attention layers keep every
+    token, as its full-attention layers do (the masks transformers builds from the config still apply the window
+    or the chunks, over the whole length): transformers' own sliding layers keep only the last ``window - 1``
+    tokens and refuse ``crop`` once the window is full, a layer that keeps every token crops exactly. Other
+    layers (recurrent state: GatedDeltaNet) stay as transformers builds them."""
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicSlidingWindowLayer:  # not a subclass: hybrid layers carry recurrent state too
+            cache.layers[i] = DynamicLayer()
+    return cache
+
+
+def crops_exactly(cache) -> bool:
+    """Whether ``cache.crop(-r)`` leaves ``cache`` as it was ``r`` tokens ago: every layer keeps every token
+    (``DynamicLayer``) or holds nothing (transformers' placeholder for a KV-shared layer, where it has one).
+    Otherwise (recurrent state, a layer kind not known here) a rollback re-runs the kept tokens from a copy."""
+    exact = tuple(c for c in (DynamicLayer, getattr(cache_utils, "DummyLayer", None)) if c is not None)
+    return all(type(layer) in exact for layer in cache.layers)
 
 
 def crop_cache(cache, length: int) -> None:
@@ -189,22 +214,31 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
 
-    def _context(self, hidden_states) -> torch.Tensor:
-        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+    def _context(self, hidden_states, active_stream: int = 0) -> torch.Tensor:
+        """The captured layers' outputs side by side; a layer that outputs several streams of its hidden state
+        (Gemma 3n's AltUp: ``[streams, b, n, H]``) gives the one the next layer computes on, ``active_stream``."""
+        planes = [hidden_states[i + 1] for i in self.target_layer_ids]
+        return torch.cat([h[active_stream] if h.dim() == 4 else h for h in planes], dim=-1)
 
     @torch.inference_mode()
     def spec_generate(self, target, input_ids: torch.LongTensor, max_new_tokens: int, stop_token_ids=None, temperature: float = 0.0):
-        """Greedy speculative decoding of one prompt (``input_ids`` [1, n]) with ``target`` (a Hugging
-        Face causal LM whose cache crops); the output equals the target's greedy decoding."""
+        """Greedy speculative decoding of one prompt (``input_ids`` [1, n]) with ``target`` (a Hugging Face causal
+        LM); the output equals the target's greedy decoding. After a rejection the target's cache crops back to
+        the kept tokens (:func:`rollback_cache`: sliding and chunked layers keep every token), or, where a layer
+        cannot forget tokens (recurrent state), returns to its copy from before the verification and re-runs them."""
         if temperature != 0.0:
             raise ValueError("spec_generate decodes greedily: temperature must be 0")
         stops = set(stop_token_ids or [])
         head = target.get_output_embeddings()
         n0, dev = input_ids.shape[1], input_ids.device
-        t_cache, d_cache = DynamicCache(config=target.config), DynamicCache(config=self.config)
-        out = target(input_ids, past_key_values=t_cache, use_cache=True, output_hidden_states=True)
+        t_cache, d_cache = rollback_cache(target.config), DynamicCache()  # the drafter's layers are all attention
+        crops = crops_exactly(t_cache)
+        active = int(getattr(target.config.get_text_config(decoder=True), "altup_active_idx", 0))
+        # transformers renames the forward's ``past_key_values`` to ``cache`` (5.24; the old name warns)
+        cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+        out = target(input_ids, **{cache_kw: t_cache}, use_cache=True, output_hidden_states=True)
         tokens = [int(out.logits[0, -1].argmax())]
-        ctx, done = self._context(out.hidden_states), n0  # positions [done - ctx_len, done) await the drafter
+        ctx, done = self._context(out.hidden_states, active), n0  # positions [done - ctx_len, done) await the drafter
         self.acceptance_lengths = []
         while len(tokens) < max_new_tokens and tokens[-1] not in stops:
             # a whole block even where the budget ends inside it (cut below): full layers see the whole
@@ -217,7 +251,8 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
             crop_cache(d_cache, done)
             block[0, 1:] = self.compute_logits(h[:, 1:], head).argmax(-1)[0]
             pos = torch.arange(done, done + width, device=dev)[None]
-            out = target(block, position_ids=pos, past_key_values=t_cache, use_cache=True, output_hidden_states=True)
+            snapshot = None if crops else copy.deepcopy(t_cache)
+            out = target(block, position_ids=pos, **{cache_kw: t_cache}, use_cache=True, output_hidden_states=True)
             verdict = out.logits[0].argmax(-1)
             accepted = int((block[0, 1:] == verdict[:-1]).long().cumprod(0).sum())
             new = [*block[0, 1 : accepted + 1].tolist(), int(verdict[accepted])][: max_new_tokens - len(tokens)]
@@ -225,7 +260,11 @@ class DFlashIpcDraftModel(Qwen3PreTrainedModel):
             new = new[:cut]
             tokens += new
             self.acceptance_lengths.append(len(new))
-            ctx = self._context(out.hidden_states)[:, : len(new)]
+            ctx = self._context(out.hidden_states, active)[:, : len(new)]
             done += len(new)
-            crop_cache(t_cache, done)
+            if crops:
+                crop_cache(t_cache, done)
+            elif len(new) < width:  # the anchor and the accepted drafts, from the cache as it was before them
+                t_cache = snapshot
+                target(block[:, : len(new)], position_ids=pos[:, : len(new)], **{cache_kw: t_cache}, use_cache=True)
         return torch.cat([input_ids, torch.tensor([tokens], device=dev)], dim=1)

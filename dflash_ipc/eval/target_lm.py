@@ -7,10 +7,17 @@ with its regenerated LM head), wrapped in the transformers ``*ForCausalLM`` clas
 greedy token after every position and the concatenated outputs of the captured decoder
 layers (layer-major, as the drafter's ``fc`` expects them).
 
-Rolling a cache back by ``r`` tokens: attention-only caches crop (``DynamicCache.crop``);
-caches with recurrent state (Qwen3.5's GatedDeltaNet layers) cannot forget tokens, so the
-caller snapshots them before a verification and re-runs the kept prefix from the snapshot
-(:attr:`TargetLM.rollback`).
+Rolling a cache back by ``r`` tokens (:attr:`TargetLM.rollback`), the policy of the export's own decoder
+(:func:`~dflash_ipc.drafter.hf_modeling.rollback_cache`): the cache is transformers' ``DynamicCache`` for
+the model's config with each sliding-window or chunked attention layer (Mistral, Mixtral, Gemma 3/3n/4,
+gpt-oss, Llama 4) replaced by a layer that keeps every token, as a full-attention layer does; the masks
+transformers builds from the config still apply the window or the chunks, over the whole length.
+transformers' own sliding layers keep only the last ``window - 1`` tokens and refuse ``crop`` once the
+window is full; a layer that keeps every token crops exactly. Where every layer is such a layer, or holds
+nothing (Gemma 3n's and Gemma 4's KV-shared layers read an earlier layer's keys within one forward), the
+cache crops (``"crop"``). A layer with recurrent state (Qwen3.5's and Qwen3-Next's GatedDeltaNet) cannot
+forget tokens, nor can a layer of a kind not known to crop exactly, so the caller snapshots such a cache
+before a verification and re-runs the kept prefix from the snapshot (``"recompute"``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import nn
 
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.devices import dtype_from_name
+from dflash_ipc.families import family_of
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +45,19 @@ def build_target_lm(cfg: TargetConfig, device, vocab_size: int | None = None, dt
     """The full causal LM of the target on ``device`` in ``dtype`` (default: ``cfg.dtype``)."""
     from dflash_ipc.target.model import build_target
     from dflash_ipc.target_spec.heads import target_head_weights
+    from dflash_ipc.target_spec.hf_config import load_hf_config
 
     device = torch.device(device)
+    # the attention kernel the training target runs: the one asked for, where the family has it
+    attention = family_of(load_hf_config(cfg, vocab_size)).attention_implementation(cfg.attn_implementation)
     # eval forwards a few tokens at a time on a cache: compiling fused kernels per worker would cost more than it saves
-    cfg = dataclasses.replace(cfg, dtype=dtype or cfg.dtype, capture_last_hidden=True, fuse_elementwise=False)
+    cfg = dataclasses.replace(
+        cfg, dtype=dtype or cfg.dtype, capture_last_hidden=True, fuse_elementwise=False, attn_implementation=attention
+    )
     torch_dtype = dtype_from_name(cfg.dtype)
     if cfg.model_path:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        from dflash_ipc.families import family_of
-
-        attention = family_of(AutoConfig.from_pretrained(cfg.model_path)).attention_implementation(cfg.attn_implementation)
         kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attention}
         if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
             kwargs["device_map"] = {"": str(device) if device.index is not None else f"{device.type}:0"}
@@ -78,11 +88,13 @@ class TargetLM:
     """Forwards on a cache that return greedy tokens and captured features. Call :meth:`close`."""
 
     def __init__(self, lm: nn.Module, layer_ids: list[int]):
+        from dflash_ipc.drafter.hf_modeling import crops_exactly
         from dflash_ipc.target.model import find_decoder_stack
 
         self.lm = lm
         self.layer_ids = list(layer_ids)
         self.device = next(lm.parameters()).device
+        self.family = family_of(lm.config)
         layers = find_decoder_stack(lm).layers
         bad = [i for i in self.layer_ids if not 0 <= i < len(layers)]
         if bad:
@@ -90,14 +102,15 @@ class TargetLM:
         self._captured: dict[int, torch.Tensor] = {}
         self._capture = False
         self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
-        self.rollback = "crop" if self.new_cache().is_croppable else "recompute"
+        self.rollback = "crop" if crops_exactly(self.new_cache()) else "recompute"
         # transformers 5.x renames ``past_key_values`` to ``cache`` (the old name warns)
         self._cache_kw = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
 
     def _hook(self, layer_id: int):
         def hook(module, args, output):
             if self._capture:
-                self._captured[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
+                # the hidden state the next layer reads (Gemma 3n's layers return all their AltUp streams)
+                self._captured[layer_id] = self.family.captured(output)
 
         return hook
 
@@ -107,9 +120,9 @@ class TargetLM:
         self._handles.clear()
 
     def new_cache(self):
-        from transformers import DynamicCache
+        from dflash_ipc.drafter.hf_modeling import rollback_cache
 
-        return DynamicCache(config=self.lm.config)
+        return rollback_cache(self.lm.config)
 
     @torch.no_grad()
     def forward(self, ids: list[int], cache, capture: bool = True) -> tuple[list[int], torch.Tensor | None]:
