@@ -15,6 +15,7 @@ from dflash_ipc.cli import main
 from dflash_ipc.config import load_config
 from dflash_ipc.data.tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from dflash_ipc.drafter.export import export_drafter
+from dflash_ipc.drafter.export_target import EXPORT_MARKER
 from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.eval.run import format_suite_table, load_prompts
 from dflash_ipc.eval.spec import GenResult, first_divergence, greedy_generate, speculative_generate, summarize
@@ -286,7 +287,7 @@ def test_export_untrained_matches_the_trained_layout_and_evals_lossless(tmp_path
     out = tmp_path / "untrained"
     r = CliRunner().invoke(main, ["export-untrained", "--config", str(TINY), "--out", str(out)])
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash_ipc.py"]
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "config.json", "model.safetensors", "modeling_dflash_ipc.py"]
     conf = json.loads((out / "config.json").read_text())
     assert conf["dflash_config"]["block_size"] == cfg.drafter.block_size
     assert conf["num_hidden_layers"] == cfg.drafter.num_layers
