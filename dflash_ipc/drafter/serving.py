@@ -44,8 +44,6 @@ ENGINES_BY_CLIENT = {
 }
 #: the target placeholder of a run whose target is a random spec (no checkpoint to serve)
 TARGET_PLACEHOLDER = "TARGET"
-#: layer types of attention; any other (linear_attention, mamba, ...) makes the target hybrid
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "chunked_attention"})
 #: the prompt and length the Python routes decode (a test substitutes these two lines)
 EXAMPLE_MESSAGES_LINE = "messages = [{'role': 'user', 'content': 'Explain speculative decoding in two sentences.'}]"
 EXAMPLE_MAX_NEW_LINE = "max_new_tokens = 256"
@@ -72,22 +70,12 @@ def engine_reference(path: str) -> str:
     return str(local.resolve()) if local.is_dir() else path
 
 
-def is_hybrid(hf_config) -> bool:
-    """Whether a target config mixes attention with recurrent layers (SGLang treats such targets as Mamba-hybrid)."""
-    from dflash_ipc.target_spec.hf_config import text_config
-
-    text = text_config(hf_config)
-    layer_types = getattr(text, "layer_types", None) or []
-    if any(t not in ATTENTION_LAYER_TYPES for t in layer_types):
-        return True
-    return any(key.startswith(("mamba_", "ssm_")) for key in text.to_dict())
-
-
 def serving_target(cfg) -> ServingTarget:
     """The run's target as the serving commands name it (reads its config, tokenizer and generation config)."""
     from transformers import GenerationConfig
 
     from dflash_ipc.data.tokenizer import BUILTIN_SPEC, config_tokenizer, stop_token_ids
+    from dflash_ipc.families import family_of
     from dflash_ipc.target_spec.hf_config import load_hf_config
 
     tok = config_tokenizer(cfg)
@@ -100,7 +88,7 @@ def serving_target(cfg) -> ServingTarget:
     return ServingTarget(
         name=engine_reference(path),
         tokenizer=spec if spec == BUILTIN_SPEC else engine_reference(spec),
-        hybrid=is_hybrid(hf_config),
+        hybrid=family_of(hf_config).has_recurrent_layers(),
         stop_token_ids=tuple(sorted(stop_token_ids(tok, generation))),
         chat_template_kwargs=dict(cfg.chat_template.kwargs),
     )

@@ -155,6 +155,13 @@ class DecoderFamily:
                 seen.setdefault(feature, None)
         return list(seen)
 
+    def has_recurrent_layers(self) -> bool:
+        """Whether some decoder layers carry a recurrent state instead of attending (GatedDeltaNet, Mamba, short
+        convolutions): the targets SGLang schedules as hybrids."""
+        if any(_LAYER_KINDS.get(t, "unknown") not in ("full", "sliding", "chunked") for t in self.layer_types()):
+            return True
+        return any(key.startswith(("mamba_", "ssm_")) for key in self.config.to_dict())
+
     def captured(self, layer_output: Any) -> Any:
         """The hidden state a decoder layer hands the next one, from what its forward returned."""
         return layer_output[0] if isinstance(layer_output, (tuple, list)) else layer_output
