@@ -112,6 +112,7 @@ def up(
         sys.exit(2)
     for w in cfg.ignored_value_warnings():
         click.echo(f"warning: {config_path}: {w}", err=True)
+    from dflash_ipc.runtime import stop_signals
     from dflash_ipc.runtime.probe import ProbeFailed
     from dflash_ipc.runtime.supervisor import GroupFailed, Supervisor
 
@@ -125,6 +126,7 @@ def up(
         live_progress=sys.stdout.isatty(),
         node=node,
     )
+    stop_signals.install(sup.request_stop)  # from here to the exit, whoever sends one: a stop, never a crash
     try:
         try:  # held until this process exits, across every restart: nothing below runs on a directory it does not own
             sup.dir_lock.take()
@@ -138,9 +140,14 @@ def up(
         try:
             sup.prepare()
         except (GroupFailed, ProbeFailed, ValueError, OSError) as e:  # ConfigError is a ValueError
-            sup.abandon()  # a refused run leaves no directory behind
-            click.echo(f"error: {blame_sets(e, set_values) if isinstance(e, ConfigError) else e}", err=True)
-            sys.exit(2)
+            if not sup.stop_requested:  # else the probe had the stop signal too: it ended, and so does the run
+                sup.abandon()  # a refused run leaves no directory behind
+                click.echo(f"error: {blame_sets(e, set_values) if isinstance(e, ConfigError) else e}", err=True)
+                sys.exit(2)
+        if sup.stop_requested:
+            sup.abandon()
+            click.echo(f"[up] {sup.stop_requested}: stopping before training started (nothing to checkpoint)")
+            sys.exit(0)
         sys.exit(sup.run())
     finally:
         if os.environ.get("DFLASH_IPC_DEBUG_IMPORTS"):  # debug switch: the supervisor stays free of torch (runtime.probe)

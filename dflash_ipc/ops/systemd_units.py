@@ -81,7 +81,9 @@ RestartSec=30
 # Exit status 2: bad command line or config; restarting would not help.
 RestartPreventExitStatus=2
 # SIGTERM goes to the supervisor only: it checkpoints, drains and stops its children, and
-# exits. Whatever is still running when TimeoutStopSec runs out is SIGKILLed.
+# exits. SIGTERM to every process of the unit (`systemctl kill`, KillMode=control-group) is
+# the same stop: each process of the run takes it for one. Whatever is still running when
+# TimeoutStopSec runs out is SIGKILLed.
 KillSignal=SIGTERM
 KillMode=mixed
 TimeoutStopSec=@TIMEOUT_STOP@
