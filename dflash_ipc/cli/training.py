@@ -45,7 +45,9 @@ def check_config(config_path: str, file_only: bool, set_values: tuple[str, ...])
 @click.option(
     "--max-steps", type=click.IntRange(0), default=None, help="Override training.max_steps (0: train until the data is exhausted)."
 )
-@click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the run directory (fresh if none).")
+@click.option(
+    "--resume", is_flag=True, help="Continue from the last checkpoint in the run directory (fresh if it holds none; it must exist)."
+)
 @click.option(
     "--replan",
     is_flag=True,

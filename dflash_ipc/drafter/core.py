@@ -175,7 +175,7 @@ class DrafterCore:
         self.anchor_budget = self._anchor_budget()
         if resume:
             self._resume()
-        self._tensorboard = self._open_tensorboard() if (cfg.run.tensorboard and world.is_main) else None
+        self._tensorboard = self._open_tensorboard(resume) if (cfg.run.tensorboard and world.is_main) else None
 
     def _anchor_budget(self) -> AnchorBudget | None:
         d = self.cfg.drafter
@@ -205,12 +205,12 @@ class DrafterCore:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         return int(t.item())
 
-    def _open_tensorboard(self):
+    def _open_tensorboard(self, resume: bool):
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step: a resumed run hides the events of steps after its checkpoint (trained
-        # again now), as _truncate_metrics does for metrics.jsonl.
-        purge = self.step + 1 if self.resumed_from else None
+        # purge_step: a resumed run hides the events of steps after its checkpoint (or all of them,
+        # with none: trained again now), as _truncate_metrics does for metrics.jsonl.
+        purge = self.step + 1 if resume else None
         return SummaryWriter(log_dir=str(self.run_dir), purge_step=purge, flush_secs=10)
 
     def close(self) -> None:
@@ -224,6 +224,8 @@ class DrafterCore:
         ckpt = load_latest_checkpoint(self.ckpt_root, map_location=self.device, plan=self.plan, strict=True)
         if ckpt is None:
             log.info("resume: no checkpoint under %s, starting fresh", self.ckpt_root)
+            if self.world.is_main:  # a run that crashed before its first checkpoint logged steps trained again now
+                self._truncate_metrics(0)
             return
         self.trainer.load_state_dict(ckpt.trainer_state, master=ckpt.model_state, moments=ckpt.optimizer_tensors)
         set_rng_state(ckpt.rng_state)

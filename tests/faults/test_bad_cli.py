@@ -55,6 +55,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("up-run-dir-is-a-file", ["up", "--config", "{CFG}", "--run-dir", "{A_FILE}"], "exists and is not a directory"),
     ("up-run-dir-foreign", ["up", "--config", "{CFG}", "--run-dir", "{FOREIGN}"], "is not a dflash-ipc run directory"),
     ("up-run-dir-has-checkpoints", ["up", "--config", "{CFG}", "--run-dir", "{WITH_CKPT}"], "already holds checkpoints; pass --resume"),
+    # a mistyped directory with --resume would start a new run from step 0: refused before anything starts
+    ("up-resume-run-dir-missing", ["up", "--config", "{CFG}", "--run-dir", "{T}/never-made", "--resume"], "never-made does not exist"),
     ("up-run-dir-in-use", ["up", "--config", "{CFG}", "--run-dir", "{LOCKED}", "--resume"], "is in use by another `dflash-ipc up` (pid"),
     ("up-shared-dir-is-a-file", ["up", "--config", "{CFG}", "--shared-dir", "{A_FILE}"], "is a file"),
     ("up-config-typo", ["up", "--config", "{TYPO}", "--run-dir", "{T}/r1"], "transport.ring_slotz: unknown key"),
