@@ -2,7 +2,8 @@
 
 ``meta.json`` is the checkpoint's manifest, written last: besides the step, sizes and config it
 holds the sha256 of every payload file (``sha256``, each taken as the file was written), the
-number of ledgered batches (``num_batches``), the data fingerprint the ledger's ids belong to
+number of ledgered batches (``num_batches``) and of batches its steps trained (``extra.batches_trained``,
+counted apart from the ids: a ledger missing an id, or emptied, disagrees), the data fingerprint the ledger's ids belong to
 (``extra.data``, :mod:`dflash_ipc.data.fingerprint`) and a sha256 of its own other keys
 (``meta_sha256``). :func:`verify_files` checks all of them and the ledger against them, so a
 flipped byte anywhere (tensor data, the RNG state in trainer.pt, a ledger id removed and padded
@@ -40,6 +41,9 @@ from dflash_ipc.drafter.ckpt_layout import (
 from dflash_ipc.ledger import BatchLedger
 
 DIGESTS_KEY = "sha256"
+#: meta.json's ``extra`` key: the batches the steps trained since the ledger began, counted step by step apart
+#: from their ids (all-reduced with each step's figures): the ledger must hold exactly as many.
+BATCHES_TRAINED_KEY = "batches_trained"
 META_DIGEST_KEY = "meta_sha256"
 PLAN_FILE = "plan.json"
 
@@ -113,6 +117,9 @@ def verify_files(path: Path, *, digests: bool = True) -> tuple[dict[str, Any], B
         raise CheckpointError(f"{path}: {LEDGER_FILE} lists {listed} ids but only {len(ledger)} distinct ones")
     if "num_batches" in meta and meta["num_batches"] != len(ledger):
         raise CheckpointError(f"{path}: {LEDGER_FILE} holds {len(ledger)} batches, meta.json recorded {meta['num_batches']}")
+    trained = meta["extra"].get(BATCHES_TRAINED_KEY) if isinstance(meta.get("extra"), dict) else None
+    if trained is not None and trained != len(ledger):  # absent: a checkpoint written before the steps counted them
+        raise CheckpointError(f"{path}: {LEDGER_FILE} holds {len(ledger)} batches, but its steps trained {trained!r}")
     return meta, ledger
 
 
