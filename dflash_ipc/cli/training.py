@@ -92,6 +92,10 @@ def up(
     """Start the whole pipeline: one process per target and per drafter (per node, with --nnodes)."""
     import os
 
+    if sys.stdout is None:  # `up ... >&-`: its progress and its end have nowhere to go, and fd 1 would be the next file opened
+        click.echo("error: stdout is closed: `up` reports its progress and how the run ended there; redirect it (>/dev/null)", err=True)
+        sys.exit(2)
+
     from dflash_ipc.runtime.nodes import NodeOptionError, resolve_node_spec
     from dflash_ipc.runtime.preflight import validate_for_up
     from dflash_ipc.runtime.run_lock import RunDirBusy

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_ipc import bounded_json
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.control.drafter_tau import TRAINING_TAU_STEPS, DrafterTau, drafter_tau
 from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
@@ -259,7 +260,7 @@ class DrafterCore:
         kept = []
         for ln in lines:
             try:
-                if json.loads(ln)["step"] <= step:
+                if bounded_json.loads(ln)["step"] <= step:
                     kept.append(ln)
             except (ValueError, KeyError, TypeError):
                 pass  # a torn last line of a crashed run

@@ -191,6 +191,22 @@ def model_shapes(step_dir: Path) -> ModelShapes:
     return ModelShapes({n: tuple(t.shape) for n, t in weights.items()}, params)
 
 
+def nest(fname: str) -> Callable[[Path], None]:
+    """``fname`` replaced by 100,000 nested arrays (json.loads raised RecursionError: no fallback, a traceback);
+    the manifest records the new file so only its parse tells (meta.json itself has no manifest to record it)."""
+
+    def damage(step_dir: Path) -> None:
+        (step_dir / fname).write_text("[" * 100_000)
+        if fname != META_FILE:
+            meta = json.loads((step_dir / META_FILE).read_text())
+            meta["files"][fname] = (step_dir / fname).stat().st_size
+            meta[DIGESTS_KEY][fname] = sha256_file(step_dir / fname)
+            meta[META_DIGEST_KEY] = meta_digest(meta)
+            (step_dir / META_FILE).write_text(json.dumps(meta))
+
+    return damage
+
+
 def edit_meta_num_batches(step_dir: Path) -> None:
     path = step_dir / META_FILE
     path.write_text(path.read_text().replace('"num_batches": 24', '"num_batches": 23'))
@@ -246,6 +262,8 @@ CASES = [
     ("trainer-step-negative-resealed", set_trainer_step(-5), "the trainer's step is -5"),
     ("meta-num-batches-edited", edit_meta_num_batches, "meta.json does not match its own sha256"),
     ("meta-missing", remove(META_FILE), "meta.json missing"),
+    ("meta-nested-json", nest(META_FILE), "meta.json unreadable: nested deeper"),
+    ("ledger-nested-json", nest(LEDGER_FILE), "ledger.json unreadable: nested deeper"),
     ("model-truncated", truncate(MODEL_FILE), "model.safetensors is"),
     ("optimizer-missing", remove(OPTIM_FILE), "optimizer.safetensors missing"),
 ]
@@ -321,17 +339,20 @@ def test_resume_falls_back_past_a_nan_checkpoint_and_trains_each_batch_once(copy
 
 
 @pytest.mark.slow
-def test_resume_falls_back_past_a_checkpoint_of_other_shapes(copy):
-    """A weight of the newest checkpoint transposed, its manifest re-sealed: the files verify, only the model
-    can tell. The drafter passes it over for step 8 before loading anything (no failure after spawn)."""
+def test_resume_falls_back_past_a_nested_manifest_and_a_checkpoint_of_other_shapes(copy):
+    """The newest checkpoint's meta.json 100,000 arrays deep (every reader of `up --resume` parses it: a
+    RecursionError before), the next one's weight transposed with its manifest re-sealed (the files verify, only
+    the model can tell; it failed after spawn). The drafter passes both over for step 4 before loading anything."""
     run_dir, root = copy / "run", copy / "run" / "checkpoints"
-    rewrite_model(transpose_first_rectangular)(root / NEWEST)
-    proc = up(copy / "ck4.toml", run_dir, "--resume", "--max-steps", "13")  # past `latest` (12): not finished already
+    nest(META_FILE)(root / NEWEST)
+    rewrite_model(transpose_first_rectangular)(root / OLDER)
+    proc = up(copy / "ck4.toml", run_dir, "--resume", "--max-steps", "5")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert f"[up] checkpoint: skipped {root / NEWEST}: model.safetensors: " in proc.stdout, proc.stdout[-3000:]
-    assert "the model's is" in proc.stdout and f"resumed from {root / OLDER} (step 8)" in proc.stdout, proc.stdout[-3000:]
-    assert (root / "latest").read_text().strip() == "step-000013"
-    report("tamper transposed-weight-resealed end to end: resumed from step 8, trained to step 13")
+    assert f"[up] checkpoint: skipped {root / NEWEST}: meta.json unreadable: nested deeper" in proc.stdout, proc.stdout[-3000:]
+    assert f"[up] checkpoint: skipped {root / OLDER}: model.safetensors: " in proc.stdout, proc.stdout[-3000:]
+    assert "the model's is" in proc.stdout and f"resumed from {root / 'step-000004'} (step 4)" in proc.stdout, proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout and (root / "latest").read_text().strip() == "step-000005"
+    report("tamper nested meta.json + transposed weight end to end: resumed from step 4, trained step 5")
 
 
 def change_data(copy: Path) -> None:
