@@ -33,7 +33,7 @@ Life of the server (:class:`ForkServer` owns it; its pid is the children's paren
       request {argv, env, cwd, fds} + descriptors ─▶ fork ─▶ {"pid"}  (a bad request: {"error"}, server goes on)
       a child's pidfd readable ─▶ waitpid ─▶ {"exit": pid, "code"}   (code as Popen.returncode: -N = signal N)
       EOF on the socket (ForkServer.close, or the supervisor died) ─▶ exit 0
-    forked child: drop the server's descriptors ─▶ default signal handlers (stop signals too) ─▶ fds at their numbers
+    forked child: drop the server's descriptors ─▶ a stop signal ends it (runtime.stop_signals.end_at_once) ─▶ fds at their numbers
       ─▶ environ, cwd, title ─▶ run the module as __main__ ─▶ the interpreter exits with its code
 
 A SIGKILLed supervisor takes everything down in a chain: the server dies of its death signal, and
@@ -557,7 +557,9 @@ def driver_initialized(driver: Any) -> bool:
 
 def _run_child(request: dict, fds: list[int]) -> int:
     """In the forked child: become what ``Popen(request["argv"], ...)`` would have started."""
-    stop_signals.default()
+    # until its own handlers are in (launch.main, the probe's main, run_child), a stop signal ends the child at
+    # once and silently, as SIGTERM ends an exec'd one: never a KeyboardInterrupt's traceback from a module import
+    stop_signals.end_at_once()
     _place_fds(dict(zip(request["fds"], fds, strict=True)))
     os.environ.clear()
     os.environ.update(request["env"])

@@ -42,14 +42,8 @@ def ignore() -> None:
 
 
 def end_at_once() -> None:
-    """For a process with nothing to save (the probe, a child still importing its role): a stop signal
-    ends it silently, as the kernel ends a process by SIGTERM, never a KeyboardInterrupt's traceback."""
+    """For a process with nothing to save (the probe, a child still importing its role, a child just forked
+    from a server that :func:`ignore`\\ s them): a stop signal ends it silently, as the kernel ends a process by
+    SIGTERM, never a KeyboardInterrupt's traceback."""
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_DFL)
-
-
-def default() -> None:
-    """What a new Python starts with: a process forked from one that :func:`ignore`\\ s them gets these back."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
