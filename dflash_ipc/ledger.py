@@ -7,10 +7,11 @@ none is skipped.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from dflash_ipc import bounded_json
 
 LEDGER_FORMAT = "dflash-ipc-ledger/1"
 LEDGER_FILE = "ledger.json"
@@ -91,4 +92,4 @@ def read_ledger(checkpoint_dir: str | Path | None) -> BatchLedger:
     """The ledger of a checkpoint directory (none: an empty ledger, a fresh run)."""
     if not checkpoint_dir:
         return BatchLedger()
-    return BatchLedger.from_wire(json.loads((Path(checkpoint_dir) / LEDGER_FILE).read_text()))
+    return BatchLedger.from_wire(bounded_json.loads((Path(checkpoint_dir) / LEDGER_FILE).read_text()))

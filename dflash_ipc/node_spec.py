@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_ipc import bounded_json
 from dflash_ipc.control.wire import Struct, from_wire, to_wire
 from dflash_ipc.fsutil import write_text_atomic
 
@@ -77,4 +78,4 @@ def read_node_spec(run_dir: Path) -> NodeSpec:
     path = run_dir / NODE_FILE
     if not path.exists():
         return NodeSpec()
-    return from_wire(NodeSpec, json.loads(path.read_text()), NODE_FILE)
+    return from_wire(NodeSpec, bounded_json.loads(path.read_text()), NODE_FILE)

@@ -80,6 +80,7 @@ SPLIT_MODULES = frozenset(
         "tests/test_multinode.py",
         "tests/test_multinode_faults.py",
         "tests/faults/test_crash_anywhere.py",
+        "tests/faults/test_group_signal.py",
         "tests/test_topology_5t3d.py",
         "tests/test_bench_pipeline.py",
         "tests/test_transport_nccl.py",

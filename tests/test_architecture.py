@@ -271,6 +271,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
             {
                 "dflash_ipc",
                 "assets",
+                "bounded_json",
                 "config",
                 "cli_options",
                 "devices",

@@ -71,6 +71,8 @@ def test_render_system_unit(tmp_path):
     v = _values(text)
     assert v["Type"] == ["notify"] and v["NotifyAccess"] == ["main"]
     assert v["ExecStart"] == [f"{exe} up --config {tmp_path}/cfg/%i.toml --run-dir {tmp_path}/runs/%i --resume $DFLASH_IPC_ARGS"]
+    # the first start makes the run dir `up --resume` needs (it refuses one that does not exist)
+    assert v["ExecStartPre"] == [f"{shutil.which('mkdir')} -p -m 0700 {tmp_path}/runs/%i"]
     assert v["WatchdogSec"] == ["120s"] and v["TimeoutStopSec"] == ["600s"]
     assert v["Restart"] == ["on-failure"] and "RestartSec" in v
     assert v["KillSignal"] == ["SIGTERM"] and v["KillMode"] == ["mixed"]

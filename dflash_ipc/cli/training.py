@@ -45,7 +45,9 @@ def check_config(config_path: str, file_only: bool, set_values: tuple[str, ...])
 @click.option(
     "--max-steps", type=click.IntRange(0), default=None, help="Override training.max_steps (0: train until the data is exhausted)."
 )
-@click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the run directory (fresh if none).")
+@click.option(
+    "--resume", is_flag=True, help="Continue from the last checkpoint in the run directory (fresh if it holds none; it must exist)."
+)
 @click.option(
     "--replan",
     is_flag=True,
@@ -90,6 +92,10 @@ def up(
     """Start the whole pipeline: one process per target and per drafter (per node, with --nnodes)."""
     import os
 
+    if sys.stdout is None:  # `up ... >&-`: its progress and its end have nowhere to go, and fd 1 would be the next file opened
+        click.echo("error: stdout is closed: `up` reports its progress and how the run ended there; redirect it (>/dev/null)", err=True)
+        sys.exit(2)
+
     from dflash_ipc.runtime.nodes import NodeOptionError, resolve_node_spec
     from dflash_ipc.runtime.preflight import validate_for_up
     from dflash_ipc.runtime.run_lock import RunDirBusy
@@ -112,6 +118,7 @@ def up(
         sys.exit(2)
     for w in cfg.ignored_value_warnings():
         click.echo(f"warning: {config_path}: {w}", err=True)
+    from dflash_ipc.runtime import stop_signals
     from dflash_ipc.runtime.probe import ProbeFailed
     from dflash_ipc.runtime.supervisor import GroupFailed, Supervisor
 
@@ -125,6 +132,7 @@ def up(
         live_progress=sys.stdout.isatty(),
         node=node,
     )
+    stop_signals.install(sup.request_stop)  # from here to the exit, whoever sends one: a stop, never a crash
     try:
         try:  # held until this process exits, across every restart: nothing below runs on a directory it does not own
             sup.dir_lock.take()
@@ -138,9 +146,14 @@ def up(
         try:
             sup.prepare()
         except (GroupFailed, ProbeFailed, ValueError, OSError) as e:  # ConfigError is a ValueError
-            sup.abandon()  # a refused run leaves no directory behind
-            click.echo(f"error: {blame_sets(e, set_values) if isinstance(e, ConfigError) else e}", err=True)
-            sys.exit(2)
+            if not sup.stop_requested:  # else the probe had the stop signal too: it ended, and so does the run
+                sup.abandon()  # a refused run leaves no directory behind
+                click.echo(f"error: {blame_sets(e, set_values) if isinstance(e, ConfigError) else e}", err=True)
+                sys.exit(2)
+        if sup.stop_requested:
+            sup.abandon()
+            click.echo(f"[up] {sup.stop_requested}: stopping before training started (nothing to checkpoint)")
+            sys.exit(0)
         sys.exit(sup.run())
     finally:
         if os.environ.get("DFLASH_IPC_DEBUG_IMPORTS"):  # debug switch: the supervisor stays free of torch (runtime.probe)

@@ -148,6 +148,8 @@ def _coerce_scalar(value: Any, tp: Any, dotted: str) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise FieldError(dotted, f"must be a string (got {type(value).__name__} {value!r})")
+        if "\0" in value:  # no path, name or title holds one: the OS would refuse it later, naming no key
+            raise FieldError(dotted, f"must not hold a NUL character (got {value!r})")
         return value
     raise FieldError(dotted, f"unsupported type {tp}")
 

@@ -189,6 +189,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None, *, se
         raise ConfigError(f"{src}: cannot read: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{src}: not valid TOML: {e}") from None
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise ConfigError(f"{src}: not valid TOML here: arrays or tables nested deeper than its reader allows") from None
     for dotted, value in parse_sets(sets).items():
         _set_dotted(raw, dotted, value, SET_SOURCE)
     for dotted, value in (overrides or {}).items():
@@ -223,7 +225,7 @@ def toml_value(text: str) -> Any:
     """``text`` as a TOML value, or the text itself when it is not one."""
     try:
         return tomllib.loads(f"value = {text}")["value"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):  # nested past tomllib's recursion: text, refused by its key's type
         return text
 
 

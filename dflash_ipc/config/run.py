@@ -14,6 +14,9 @@ __all__ = ["MAX_TIMEOUT_S", "RunConfig", "tensorboard_installed", "valid_host", 
 # Longest accepted timeout: a week. Longer ones are typos that would hang a run, and ZeroMQ
 # poll timeouts in milliseconds must fit an int.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# Shortest heartbeat interval: each beat is a sealed message a thread of every child sends (holding the GIL the
+# training loop needs) and the supervisor decodes; liveness is judged in seconds, so faster beats only cost CPU.
+MIN_HEARTBEAT_INTERVAL_S = 0.05
 
 
 def valid_host(host: str) -> bool:
@@ -96,9 +99,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         require(
-            bool(self.name) and self.name not in (".", "..") and not any(c in self.name for c in "/\\\0"),
+            bool(self.name) and self.name not in (".", "..") and not any(c in self.name for c in "/\\") and self.name.isprintable(),
             "name",
-            f"must be a plain name without '/', not '.' or '..' (got {self.name!r}): the run directory is runs/<name>",
+            f"must be a plain name without '/' or control characters, not '.' or '..' (got {self.name!r}): the run directory "
+            "is runs/<name>, and the name goes into titles and log lines",
         )
         require(0 <= self.seed <= MAX_SEED, "seed", f"must be in [0, 2**32 - 1] (got {self.seed})")
         launchers = ("auto", "exec", "forkserver")
@@ -127,6 +131,12 @@ class RunConfig:
         for key in ("handshake_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
             value = getattr(self, key)
             require(0 < value <= MAX_TIMEOUT_S, key, f"must be > 0 and <= {MAX_TIMEOUT_S:g} seconds (7 days; got {value:g})")
+        require(
+            self.heartbeat_interval_s >= MIN_HEARTBEAT_INTERVAL_S,
+            "heartbeat_interval_s",
+            f"must be at least {MIN_HEARTBEAT_INTERVAL_S:g} s (got {self.heartbeat_interval_s:g}): each beat is a sealed message "
+            "the supervisor reads, and liveness is judged in seconds",
+        )
         require(
             self.heartbeat_timeout_s >= 3 * self.heartbeat_interval_s,
             "heartbeat_timeout_s",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dflash_ipc.config.fields import require
+from dflash_ipc.config.fields import MAX_SEED, require
 
 __all__ = ["Quantization", "TargetConfig", "check_target_quantization"]
 
@@ -80,3 +80,5 @@ class TargetConfig:
             f"so a drafter trained on another order reads the wrong planes; use {sorted(set(self.layer_ids))}",
         )
         require(self.num_capture_layers >= 1, "num_capture_layers", "must be >= 1")
+        seed = self.random_init_seed
+        require(0 <= seed <= MAX_SEED, "random_init_seed", f"must be in [0, 2**32 - 1] (got {seed}): torch's seeds are unsigned")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import zmq
 
+from dflash_ipc import bounded_json
 from dflash_ipc.control import channels, curve
 from dflash_ipc.control.protocol import RejectCounter
 
@@ -136,7 +137,7 @@ def publish_endpoints(run_dir: Path, supervisor: str, status: str, key_root: Pat
 def published_endpoints(run_dir: Path) -> dict | None:
     """What :func:`publish_endpoints` wrote (None: an ipc run, or no supervisor running)."""
     try:
-        return json.loads((run_dir / CONTROL_FILE).read_text())
+        return bounded_json.loads((run_dir / CONTROL_FILE).read_text())
     except FileNotFoundError:
         return None
 

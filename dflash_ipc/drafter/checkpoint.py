@@ -20,9 +20,9 @@ directory, renames it to ``step-NNNNNN`` (the commit point), fsyncs the root, th
 ``latest``. A crash at any point leaves every earlier checkpoint intact; half-written
 ``.tmp-*`` directories are never considered and are removed by the next successful save.
 Loading validates a candidate fully (meta, sizes, sha256s and the ledger: ``ckpt_verify``; every
-payload parses; no weight or moment non-finite, past :data:`MAX_ABS_VALUE`, or a negative
-``exp_avg_sq``) and falls back to the next newest good checkpoint, recording why in
-:attr:`Checkpoint.notes`; with ``strict``, checkpoints that all fail raise :class:`NoUsableCheckpoint`.
+payload parses; the tensors' values, set, shapes and step counts: ``ckpt_values``) and falls back
+to the next newest good checkpoint, recording why in :attr:`Checkpoint.notes`; with ``strict``,
+checkpoints that all fail raise :class:`NoUsableCheckpoint`.
 
 A full disk is named, not left to the writers' own errors (torch.save says "enforce fail ...
 unexpected pos", safetensors "IoError ... StorageFull"): a save checks the free space against
@@ -65,6 +65,7 @@ from dflash_ipc.drafter.ckpt_layout import (  # noqa: F401 - the layout's names,
     read_latest_pointer,
     step_dir_name,
 )
+from dflash_ipc.drafter.ckpt_values import WEIGHT_ABS_BOUND, ModelShapes, named_tensors, shape_problem, step_problem, value_problem
 from dflash_ipc.drafter.ckpt_verify import (  # noqa: F401 - the errors, re-exported for the modules that load checkpoints
     DIGESTS_KEY,
     META_DIGEST_KEY,
@@ -446,17 +447,16 @@ class Checkpoint:
         return self.meta.get("config_hash", "")
 
 
-# A weight or first moment whose square overflows float32 (2**64 ~ 1.8e19; float32 max ~ 3.4e38) turns
-# every norm, variance and dot product it enters into inf: no such value comes out of a finite run.
-MAX_ABS_VALUE = 2.0**64
-
-
-def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu") -> Checkpoint:
+def load_checkpoint(
+    path: Path | str, *, map_location: str | torch.device = "cpu", expected_shapes: ModelShapes | None = None
+) -> Checkpoint:
     """Load and fully validate one checkpoint directory; raises :class:`CheckpointError` saying why.
 
-    The files against meta.json's sizes and sha256s and the ledger against its count
-    (:func:`~dflash_ipc.drafter.ckpt_verify.verify_files`), then the values: every weight and
-    optimizer tensor finite and within :data:`MAX_ABS_VALUE`, every ``exp_avg_sq`` >= 0."""
+    The files against meta.json's sizes and sha256s and the ledger against its count and the steps' record
+    (:func:`~dflash_ipc.drafter.ckpt_verify.verify_files`), then the tensors (``ckpt_values``): every weight
+    finite and within ``WEIGHT_ABS_BOUND``, every optimizer tensor within ``MAX_ABS_VALUE``, every
+    ``exp_avg_sq`` >= 0, the trainer's step counts consistent, and with ``expected_shapes`` (the loading
+    model's, ``DrafterTrainer.checkpoint_shapes``) exactly its tensors at its shapes."""
     path = Path(path)
     meta, ledger = verify_files(path)
     files = meta["files"]
@@ -476,8 +476,15 @@ def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu
         raise CheckpointError(f"{path}: {TRAINER_FILE} unreadable: {e}") from None
     if not isinstance(payload, dict) or "trainer" not in payload:
         raise CheckpointError(f"{path}: {TRAINER_FILE} has no trainer state")
-    for fname, tensors in ((MODEL_FILE, model_state), (OPTIM_FILE, optimizer_tensors), (TRAINER_FILE, _named_tensors(payload["trainer"]))):
-        problem = _value_problem(tensors)
+    checks = (
+        (MODEL_FILE, lambda: value_problem(model_state, WEIGHT_ABS_BOUND)),
+        (OPTIM_FILE, lambda: value_problem(optimizer_tensors)),
+        (TRAINER_FILE, lambda: value_problem(named_tensors(payload["trainer"]))),
+        (TRAINER_FILE, lambda: step_problem(payload["trainer"], int(meta["step"]))),
+        (MODEL_FILE, lambda: shape_problem(model_state, optimizer_tensors, expected_shapes) if expected_shapes is not None else None),
+    )
+    for fname, check in checks:
+        problem = check()
         if problem:
             raise CheckpointError(f"{path}: {fname}: {problem}")
     return Checkpoint(
@@ -492,36 +499,6 @@ def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu
     )
 
 
-def _named_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """The tensors inside nested dicts/lists (a trainer state of format 1 holds weights and moments), by dotted path."""
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
-    out: dict[str, torch.Tensor] = {}
-    for k, v in items:
-        out.update(_named_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
-def _value_problem(tensors: dict[str, torch.Tensor]) -> str | None:
-    """The first tensor no finite training run writes: a NaN or inf, a magnitude past
-    :data:`MAX_ABS_VALUE`, a negative ``exp_avg_sq`` (a running mean of squares). None: all plausible."""
-    for name, t in tensors.items():
-        if not t.is_floating_point() or t.numel() == 0:
-            continue
-        if not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
-            return f"{name} holds {bad} non-finite value(s) (NaN or inf)"
-        peak = float(t.abs().max())
-        if name.endswith("exp_avg_sq"):
-            low = float(t.min())
-            if low < 0:
-                return f"{name} holds a negative value ({low:g}); a mean of squares cannot be negative"
-        elif peak > MAX_ABS_VALUE:
-            return f"{name} holds a value of magnitude {peak:.3g}, past {MAX_ABS_VALUE:.3g} (its square overflows float32)"
-    return None
-
-
 def load_latest_checkpoint(
     ckpt_root: Path | str,
     *,
@@ -529,13 +506,15 @@ def load_latest_checkpoint(
     expected_config_hash: str | None = None,
     plan: dict[str, Any] | None = None,
     strict: bool = False,
+    expected_shapes: ModelShapes | None = None,
 ) -> Checkpoint | None:
     """The newest complete, valid checkpoint under ``ckpt_root``, or None if there is none.
 
     Candidates are the ``step-*`` directories, newest step first (a complete directory newer than
     ``latest`` exists only if a crash hit between its commit and the pointer update). Damaged
     candidates are skipped; the reasons land in ``Checkpoint.notes`` and the log. With ``plan``
-    (plan.json), a ledger written for the same data must fit it. A config hash different from
+    (plan.json), a ledger written for the same data must fit it; with ``expected_shapes``, the tensors the
+    loading model's (:func:`load_checkpoint`). A config hash different from
     ``expected_config_hash`` is reported in ``notes`` but does not reject. ``strict``: checkpoints
     that exist but all fail raise :class:`NoUsableCheckpoint` instead of returning None.
     """
@@ -548,7 +527,7 @@ def load_latest_checkpoint(
     pointed = STEP_DIR_RE.match(pointer or "")
     for step, path in candidates:
         try:
-            ckpt = load_checkpoint(path, map_location=map_location)
+            ckpt = load_checkpoint(path, map_location=map_location, expected_shapes=expected_shapes)
             problem = ledger_plan_problem(ckpt.ledger, plan) if plan is not None and ledger_applies(ckpt.meta, plan) else None
             if problem:
                 raise CheckpointError(f"{path}: {LEDGER_FILE} does not fit the plan: {problem}")

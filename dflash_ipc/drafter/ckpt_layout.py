@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dflash_ipc import bounded_json
 from dflash_ipc.ledger import LEDGER_FILE, LEDGER_FORMAT  # noqa: F401 - a checkpoint's names, the ledger's among them
 
 CKPT_FORMAT = "dflash-ipc-ckpt/1"
@@ -45,7 +46,7 @@ def latest_committed_step(ckpt_root: Path | str) -> int | None:
     if not m:
         return None
     try:
-        meta = json.loads((Path(ckpt_root) / name / META_FILE).read_text())
+        meta = bounded_json.loads((Path(ckpt_root) / name / META_FILE).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or meta.get("format") != CKPT_FORMAT or meta.get("step") != int(m.group(1)):

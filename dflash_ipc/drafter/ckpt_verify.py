@@ -2,7 +2,8 @@
 
 ``meta.json`` is the checkpoint's manifest, written last: besides the step, sizes and config it
 holds the sha256 of every payload file (``sha256``, each taken as the file was written), the
-number of ledgered batches (``num_batches``), the data fingerprint the ledger's ids belong to
+number of ledgered batches (``num_batches``) and of batches its steps trained (``extra.batches_trained``,
+counted apart from the ids: a ledger missing an id, or emptied, disagrees), the data fingerprint the ledger's ids belong to
 (``extra.data``, :mod:`dflash_ipc.data.fingerprint`) and a sha256 of its own other keys
 (``meta_sha256``). :func:`verify_files` checks all of them and the ledger against them, so a
 flipped byte anywhere (tensor data, the RNG state in trainer.pt, a ledger id removed and padded
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_ipc import bounded_json
 from dflash_ipc.data.fingerprint import same_data
 from dflash_ipc.drafter.ckpt_layout import (
     CKPT_FORMAT,
@@ -40,6 +42,9 @@ from dflash_ipc.drafter.ckpt_layout import (
 from dflash_ipc.ledger import BatchLedger
 
 DIGESTS_KEY = "sha256"
+#: meta.json's ``extra`` key: the batches the steps trained since the ledger began, counted step by step apart
+#: from their ids (all-reduced with each step's figures): the ledger must hold exactly as many.
+BATCHES_TRAINED_KEY = "batches_trained"
 META_DIGEST_KEY = "meta_sha256"
 PLAN_FILE = "plan.json"
 
@@ -69,7 +74,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not m:
         raise CheckpointError(f"{path}: not a step-NNNNNN directory")
     try:
-        meta = json.loads((path / META_FILE).read_text())
+        meta = bounded_json.loads((path / META_FILE).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {META_FILE} missing (incomplete checkpoint)") from None
     except (OSError, ValueError) as e:
@@ -104,7 +109,7 @@ def verify_files(path: Path, *, digests: bool = True) -> tuple[dict[str, Any], B
         if digests and isinstance(recorded, dict) and recorded.get(fname) != sha256_file(fp):
             raise CheckpointError(f"{path}: {fname} does not match the sha256 meta.json recorded (damaged since it was written)")
     try:
-        wire = json.loads((path / LEDGER_FILE).read_text())
+        wire = bounded_json.loads((path / LEDGER_FILE).read_text())
         ledger = BatchLedger.from_wire(wire)
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {LEDGER_FILE} unreadable: {e}") from None
@@ -113,6 +118,9 @@ def verify_files(path: Path, *, digests: bool = True) -> tuple[dict[str, Any], B
         raise CheckpointError(f"{path}: {LEDGER_FILE} lists {listed} ids but only {len(ledger)} distinct ones")
     if "num_batches" in meta and meta["num_batches"] != len(ledger):
         raise CheckpointError(f"{path}: {LEDGER_FILE} holds {len(ledger)} batches, meta.json recorded {meta['num_batches']}")
+    trained = meta["extra"].get(BATCHES_TRAINED_KEY) if isinstance(meta.get("extra"), dict) else None
+    if trained is not None and trained != len(ledger):  # absent: a checkpoint written before the steps counted them
+        raise CheckpointError(f"{path}: {LEDGER_FILE} holds {len(ledger)} batches, but its steps trained {trained!r}")
     return meta, ledger
 
 
@@ -147,7 +155,7 @@ def ledger_applies(meta: dict[str, Any], plan: dict[str, Any] | None) -> bool:
 
 def read_plan(run_dir: Path) -> dict[str, Any] | None:
     try:
-        plan = json.loads((run_dir / PLAN_FILE).read_text())
+        plan = bounded_json.loads((run_dir / PLAN_FILE).read_text())
     except (OSError, ValueError):
         return None
     return plan if isinstance(plan, dict) else None

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_ipc import bounded_json
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.control.drafter_tau import TRAINING_TAU_STEPS, DrafterTau, drafter_tau
 from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
@@ -49,10 +50,11 @@ from dflash_ipc.drafter.checkpoint import (
     set_rng_state,
 )
 from dflash_ipc.drafter.ckpt_layout import run_config_hash
-from dflash_ipc.drafter.ckpt_verify import read_plan, resume_ledger
+from dflash_ipc.drafter.ckpt_verify import BATCHES_TRAINED_KEY, read_plan, resume_ledger
 from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
+from dflash_ipc.drafter.learning import UpdateTally
 from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
 from dflash_ipc.drafter.model import num_parameters
@@ -114,10 +116,6 @@ class RecentRate:
         return span[2] / span[1] if span else None
 
 
-class TrainingDiverged(RuntimeError):
-    """Too many optimizer updates in a row were skipped as non-finite: the run ends without an export."""
-
-
 class DrafterCore:
     def __init__(
         self,
@@ -163,7 +161,8 @@ class DrafterCore:
         self.time_budget = TimeBudget(cfg.training.max_seconds, cfg.training.max_steps) if cfg.training.max_seconds > 0 else None
         self.recent = RecentRate(start_after=MEASURE_FROM)  # the time budget skips the same compiles
         self.last: dict = {}
-        self.skipped_in_a_row = 0  # updates skipped for a non-finite loss or gradient since the last applied one
+        self.updates = UpdateTally()  # whether the run learned anything (drafter/learning.py), asked before writing weights
+        self.batches_trained = 0  # by every rank, since the ledger began: what the ledger must hold (ckpt_verify)
         self.n_params = num_parameters(self.model)
         self.target_hidden_size = self.model.config.hidden_size  # equal to the target's (DrafterModelConfig.from_configs)
         self.warmup_s: float | None = None
@@ -175,7 +174,7 @@ class DrafterCore:
         self.anchor_budget = self._anchor_budget()
         if resume:
             self._resume()
-        self._tensorboard = self._open_tensorboard() if (cfg.run.tensorboard and world.is_main) else None
+        self._tensorboard = self._open_tensorboard(resume) if (cfg.run.tensorboard and world.is_main) else None
 
     def _anchor_budget(self) -> AnchorBudget | None:
         d = self.cfg.drafter
@@ -205,12 +204,12 @@ class DrafterCore:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         return int(t.item())
 
-    def _open_tensorboard(self):
+    def _open_tensorboard(self, resume: bool):
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step: a resumed run hides the events of steps after its checkpoint (trained
-        # again now), as _truncate_metrics does for metrics.jsonl.
-        purge = self.step + 1 if self.resumed_from else None
+        # purge_step: a resumed run hides the events of steps after its checkpoint (or all of them,
+        # with none: trained again now), as _truncate_metrics does for metrics.jsonl.
+        purge = self.step + 1 if resume else None
         return SummaryWriter(log_dir=str(self.run_dir), purge_step=purge, flush_secs=10)
 
     def close(self) -> None:
@@ -221,16 +220,21 @@ class DrafterCore:
 
     def _resume(self) -> None:
         # strict: checkpoints that all fail verification end this process; it never trains again from step 0
-        ckpt = load_latest_checkpoint(self.ckpt_root, map_location=self.device, plan=self.plan, strict=True)
+        shapes = self.trainer.checkpoint_shapes()  # a checkpoint holding other tensors, or other shapes, is passed over
+        ckpt = load_latest_checkpoint(self.ckpt_root, map_location=self.device, plan=self.plan, strict=True, expected_shapes=shapes)
         if ckpt is None:
             log.info("resume: no checkpoint under %s, starting fresh", self.ckpt_root)
+            if self.world.is_main:  # a run that crashed before its first checkpoint logged steps trained again now
+                self._truncate_metrics(0)
             return
         self.trainer.load_state_dict(ckpt.trainer_state, master=ckpt.model_state, moments=ckpt.optimizer_tensors)
         set_rng_state(ckpt.rng_state)
         self.generator.manual_seed(self.cfg.run.seed * 1000 + self.world.rank + 7919 * ckpt.step)
         # the targets skip the same batches (ckpt_verify.resume_ledger): none after `up --replan` re-planned changed data
         self.ledger = resume_ledger(ckpt.path, self.run_dir)
+        self.batches_trained = len(self.ledger)  # as many as its steps trained (ckpt_verify checked); none after --replan
         self.step = ckpt.step
+        self.updates.mark(ckpt.step)
         if self.anchor_budget is not None and "anchor_budget" in ckpt.extra:
             self.anchor_budget.load_state_dict(ckpt.extra["anchor_budget"])
             log.info("resume: %d anchors per batch (follow-wait, from the checkpoint)", self.anchor_budget.anchors)
@@ -256,7 +260,7 @@ class DrafterCore:
         kept = []
         for ln in lines:
             try:
-                if json.loads(ln)["step"] <= step:
+                if bounded_json.loads(ln)["step"] <= step:
                     kept.append(ln)
             except (ValueError, KeyError, TypeError):
                 pass  # a torn last line of a crashed run
@@ -345,16 +349,19 @@ class DrafterCore:
             count = torch.zeros(bs, device=self.device)
             accept = torch.zeros(2, device=self.device)
             n_tokens = 0
-        sums = torch.cat([correct.float(), count.float(), accept, torch.tensor([float(n_tokens)], device=self.device)])
+        # the batches every rank trained this step, counted apart from their ids (the ledger must agree: ckpt_verify)
+        counts = torch.tensor([float(n_tokens), float(views is not None)], device=self.device)
+        sums = torch.cat([correct.float(), count.float(), accept, counts])
         if self.world.is_distributed:
             torch.distributed.all_reduce(sums)
         bs = self.model.config.block_size
         acc = accuracy_per_pos(sums[:bs], sums[bs : 2 * bs])
         accept_len_sum, accept_blocks = sums[2 * bs].item(), sums[2 * bs + 1].item()
         self._recent_accept.append((accept_len_sum, accept_blocks))
-        tokens = int(sums[-1].item())
+        tokens = int(sums[-2].item())
         self.step += 1
         self.tokens_total += tokens
+        self.batches_trained += int(sums[-1].item())
         dt = time.perf_counter() - t0
         acc_list = [round(float(a), 4) if not math.isnan(float(a)) else None for a in acc.tolist()]
         acc_valid = [a for a in acc_list[1:] if a is not None]
@@ -406,24 +413,10 @@ class DrafterCore:
         self.last = rec
         if self.world.is_main:
             self._write_metrics(rec)
-        self._check_diverged(stats)
-        return rec
-
-    def _check_diverged(self, stats) -> None:
-        """Count updates skipped for a non-finite loss or gradient; ``training.max_consecutive_skipped_updates``
-        of them in a row raise :class:`TrainingDiverged`. The step's figures are global (all-reduced), so
-        every rank raises at the same step and no collective is left waiting."""
-        non_finite = stats.skipped and not (math.isfinite(stats.grad_norm) and math.isfinite(stats.global_weight))
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if non_finite else 0
+        # global figures (all-reduced): every rank raises at the same step, no collective is left waiting
         limit = self.cfg.training.max_consecutive_skipped_updates
-        if limit and self.skipped_in_a_row >= limit:
-            raise TrainingDiverged(
-                f"training diverged: {self.skipped_in_a_row} updates in a row skipped for a non-finite loss or gradient "
-                f"(step {self.step}: loss {stats.global_loss}, gradient norm {stats.grad_norm}, loss weight {stats.global_weight}); "
-                f"the weights have not moved since step {self.step - self.skipped_in_a_row}, so nothing is exported. "
-                "Lower training.lr, check training.loss_gamma and drafter.noise_std, or resume from an earlier checkpoint "
-                f"(training.max_consecutive_skipped_updates = {limit}; 0 never stops)"
-            )
+        self.updates.observe(self.step, stats.skipped, stats.grad_norm, stats.global_weight, stats.global_loss, limit)
+        return rec
 
     # -- held-out passes
     def evaluate_holdout(self, views: SlotViews, batch_id: list, pass_batches: int) -> dict | None:
@@ -489,6 +482,7 @@ class DrafterCore:
         not written again; its path is returned."""
         if self.last_checkpoint is not None and self.last_checkpoint[0] == self.step:
             return self.last_checkpoint[1]
+        self.updates.check_before_writing(self.step, self.trainer.trainable_tensors(), "checkpoint")
         ids = gather_ledger(self._new_ids, self.world)
         self.ledger.add(ids)
         self._new_ids = []
@@ -510,11 +504,13 @@ class DrafterCore:
             )
             log.info("checkpoint %s (%s): %d batches in the ledger", path, reason, len(self.ledger))
         self.last_checkpoint = (self.step, path)
+        self.updates.mark(self.step)
         return path
 
     def _checkpoint_extra(self, reason: str) -> dict:
         # the config itself, so a resume can name the keys that differ (runtime/resume_check.py)
         extra = {"reason": reason, "tokens_total": self.tokens_total, "config": self.cfg.to_dict()}
+        extra[BATCHES_TRAINED_KEY] = self.batches_trained
         if self.plan is not None:  # which batches the ledger's ids are (data/fingerprint.py)
             extra["data"] = self.plan.get("data_fingerprint")
         if self.anchor_budget is not None:
@@ -531,6 +527,8 @@ class DrafterCore:
         return drafter_tau(self.holdout_last, list(self._recent_accept), self.step)
 
     def export(self) -> Path | None:
+        # every rank asks (the same answer): a rank that stopped here alone would leave its peers in the next collective
+        self.updates.check_before_writing(self.step, self.trainer.trainable_tensors(), "export")
         if not self.world.is_main:
             return None
         out = self.shared_root / "export" / "drafter"

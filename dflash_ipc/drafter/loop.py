@@ -23,6 +23,8 @@ States::
        └──── a rank saw a stop (agreed on every rank) ────▶ FINISHING (checkpoint at this boundary)
     FINISHING: checkpoint (training.checkpoint_on_finish, or always after a stop), export
                (rank 0), rank record, Done ─▶ exit
+    (a checkpoint or the export of a run that learned nothing since its start or its last checkpoint, or
+     whose weights exploded, is refused instead: TrainingDiverged, exit 1; drafter/learning.py)
 
 A resumed run that already reached max_steps trains nothing more (systemd restarts it).
 """

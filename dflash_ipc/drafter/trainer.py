@@ -38,6 +38,7 @@ from torch import nn
 
 from dflash_ipc.config import TrainingConfig
 from dflash_ipc.drafter.checkpoint import cpu_snapshot
+from dflash_ipc.drafter.ckpt_values import ModelShapes
 from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.schedule import lr_at
 
@@ -469,6 +470,14 @@ class DrafterTrainer:
         device, keyed ``"<param index>.<name>"``: what a checkpoint streams to optimizer.safetensors."""
         per_param_state = self.optimizer.state_dict()["state"]
         return {_moment_key(i, k): v for i, per_param in per_param_state.items() for k, v in per_param.items() if _is_moment(v)}
+
+    def checkpoint_shapes(self) -> ModelShapes:
+        """The shapes a checkpoint of this trainer holds: each trainable tensor's, each optimizer parameter's
+        (the optimizer numbers its parameters group by group: :meth:`moment_tensors`' keys)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return ModelShapes(
+            {n: tuple(mv.shape) for n, mv in zip(self.names, self._master_views)}, {i: tuple(p.shape) for i, p in enumerate(params)}
+        )
 
     def state_dict(self, include_master: bool = True, include_moments: bool = True) -> dict[str, Any]:
         """Step, schedule, the optimizer's state and (``include_master``) the master weights, on the CPU.

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import zmq
 
+from dflash_ipc import bounded_json
 from dflash_ipc.control import channels, curve
 from dflash_ipc.control.plane import published_endpoints
 from dflash_ipc.control.protocol import ProtocolError
@@ -124,7 +125,7 @@ def supervisor_alive(snap: StatusSnapshot) -> bool:
 
 def _decode(text: str | bytes, source: str) -> StatusSnapshot:
     try:
-        return decode_status(json.loads(text))
+        return decode_status(bounded_json.loads(text))
     except ValueError as e:  # json.JSONDecodeError and ProtocolError are both ValueErrors
         what = "is not a status snapshot this dflash-ipc can read" if isinstance(e, ProtocolError) else "is not JSON"
         raise StatusUnavailable(f"{source} {what}: {e}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 
 import click
@@ -63,6 +64,9 @@ def render_cmd(out: Path, exec_cmd: str | None, **unit_options) -> None:
         render_command_impl(out, exec_path=shlex.split(exec_cmd) if exec_cmd else None, echo=click.echo, **unit_options)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    except OSError as e:  # a directory that cannot be made or written (/proc/..., read-only, no permission)
+        click.echo(f"error: --out {out}: cannot write the units there ({e.strerror or e})", err=True)
+        sys.exit(2)
 
 
 @systemd_group.command("verify")

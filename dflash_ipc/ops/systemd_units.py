@@ -65,6 +65,9 @@ StartLimitBurst=5
 # handshake, then WATCHDOG=1 with its heartbeat. Messages from its children are ignored.
 Type=notify
 NotifyAccess=main
+# `up --resume` refuses a run directory that does not exist (a mistyped one must not start a new
+# run): the first start makes it, empty (then --resume starts from scratch).
+ExecStartPre=@MKDIR@ -p -m 0700 @RUN_DIR_ARG@
 ExecStart=@EXEC@ up --config @CONFIG_ARG@ --run-dir @RUN_DIR_ARG@ --resume $DFLASH_IPC_ARGS
 WorkingDirectory=-@WORKING_DIR@
 EnvironmentFile=-@ENV_FILE@
@@ -81,7 +84,9 @@ RestartSec=30
 # Exit status 2: bad command line or config; restarting would not help.
 RestartPreventExitStatus=2
 # SIGTERM goes to the supervisor only: it checkpoints, drains and stops its children, and
-# exits. Whatever is still running when TimeoutStopSec runs out is SIGKILLed.
+# exits. SIGTERM to every process of the unit (`systemctl kill`, KillMode=control-group) is
+# the same stop: each process of the run takes it for one. Whatever is still running when
+# TimeoutStopSec runs out is SIGKILLed.
 KillSignal=SIGTERM
 KillMode=mixed
 TimeoutStopSec=@TIMEOUT_STOP@
@@ -233,6 +238,7 @@ def render_unit_text(
         "EXEC": " ".join(_exec_word(_esc(w)) for w in cmd),
         "CONFIG_ARG": _exec_word(_esc(str(cfg)) + "/%i.toml"),
         "RUN_DIR_ARG": _exec_word(_esc(str(runs)) + "/%i"),
+        "MKDIR": _exec_word(_esc(shutil.which("mkdir") or "/bin/mkdir")),
         "WORKING_DIR": _esc(str(work)),
         "ENV_FILE": _esc(str(envd)) + "/%i.env",
         # Only in comments: no escaping.

@@ -2,7 +2,7 @@
 
 :func:`run_child` parses ``--run-dir/--rank/--cpus`` (plus the role's own options), sets the
 process title, logging to ``RUN_DIR/logs/<role>-<rank>.log``, faulthandler, the parent-death
-signal and SIGTERM/SIGINT, places the process on its device and CPU share, opens the
+signal and the stop signals (SIGTERM/SIGINT/SIGHUP), places the process on its device and CPU share, opens the
 :class:`ChildSockets`, runs the role's ``main_fn(child)``, and always tears down in one order.
 A role module in ``procs/`` is then a thin shell: ``run_<role>_process`` wires its core to this
 scaffold, and ``if __name__ == "__main__"`` calls it.
@@ -10,13 +10,13 @@ scaffold, and ``if __name__ == "__main__"`` calls it.
 Life of a child (drawn once here, used by every role)::
 
     parse argv ─▶ role's place(args): config, device ─▶ title, log file, faulthandler,
-    PDEATHSIG=SIGTERM, SIGTERM/SIGINT handlers ─▶ compile-worker cap ─▶ device + CPU share ─▶ ChildSockets
+    PDEATHSIG=SIGTERM, SIGTERM/SIGINT/SIGHUP handlers ─▶ compile-worker cap ─▶ device + CPU share ─▶ ChildSockets
         │
         ▼
     RUNNING: main_fn(child) ── polls child.stop (child.read_control drains the DEALER); after its
         │    handshake a heartbeat thread beats on its own clock (start_heartbeats, runtime/heartbeat.py)
         │
-        ├── Shutdown msg / SIGTERM / SIGINT / parent died ──▶ STOPPING: stop.requested is set;
+        ├── Shutdown / SIGTERM / SIGINT / SIGHUP / parent died ─▶ STOPPING: stop.requested is set;
         │       main_fn finishes its step, checkpoints if it must, sends Done, returns ──▶ exit 0
         ├── main_fn returns on its own (work done)                                    ──▶ exit 0
         └── exception ──▶ log traceback, Dead(error) to the supervisor (best effort)  ──▶ exit 1
@@ -56,12 +56,13 @@ import setproctitle
 
 from dflash_ipc.fence import Fence, FencedOut
 from dflash_ipc.fsutil import make_private_dir, open_append
+from dflash_ipc.runtime import stop_signals
 from dflash_ipc.runtime.heartbeat import HeartbeatSender
 from dflash_ipc.runtime.launch import IMPORT_DEATH_SIGNAL, read_key, remove_supervisor_sockets, set_parent_death_signal
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT or by a Shutdown message; polled by the main loop."""
+    """Set by a stop signal (SIGTERM/SIGINT/SIGHUP) or by a Shutdown message; polled by the main loop."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -96,11 +97,7 @@ def _setup_process(role: str, rank: int, run_dir: Path, log_level: str, supervis
     root.setLevel(getattr(logging, log_level.upper()))
     stop = StopFlag()
 
-    def on_signal(signum, frame):
-        stop.set(f"signal {signal.Signals(signum).name}")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_signals.install(lambda name: stop.set(f"signal {name}"))
     # From here the parent's death is a SIGTERM like any other: the role leaves through CLOSING,
     # and its last step removes what a dead supervisor left (run_child).
     set_parent_death_signal(signal.SIGTERM)

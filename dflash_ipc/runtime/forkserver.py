@@ -26,14 +26,14 @@ Life of the server (:class:`ForkServer` owns it; its pid is the children's paren
 ``--supervisor-pid`` a child checks: :func:`dflash_ipc.runtime.launch.main`)::
 
     ForkServer.start ── Popen(python -m dflash_ipc.runtime.forkserver --socket-fd N --parent P) ──▶ server:
-      PDEATHSIG = SIGKILL, parent still P? ─no─▶ exit 1
+      PDEATHSIG = SIGKILL, parent still P? ─no─▶ exit 1;  SIGTERM/SIGINT/SIGHUP ignored (runtime.stop_signals)
       import the preload list ─▶ READY {pid, cuda_initialized, seconds}   (client: no READY within the
                                  timeout, or CUDA initialized ─▶ RuntimeError, server ended)
     SERVING (select on the socket and one pidfd per live child):
       request {argv, env, cwd, fds} + descriptors ─▶ fork ─▶ {"pid"}  (a bad request: {"error"}, server goes on)
       a child's pidfd readable ─▶ waitpid ─▶ {"exit": pid, "code"}   (code as Popen.returncode: -N = signal N)
       EOF on the socket (ForkServer.close, or the supervisor died) ─▶ exit 0
-    forked child: drop the server's descriptors ─▶ default signal handlers ─▶ fds at their numbers
+    forked child: drop the server's descriptors ─▶ a stop signal ends it (runtime.stop_signals.end_at_once) ─▶ fds at their numbers
       ─▶ environ, cwd, title ─▶ run the module as __main__ ─▶ the interpreter exits with its code
 
 A SIGKILLed supervisor takes everything down in a chain: the server dies of its death signal, and
@@ -96,6 +96,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dflash_ipc.runtime import stop_signals
 from dflash_ipc.runtime.forkserver_serve import (
     MAX_MESSAGE,
     Server,
@@ -465,7 +466,8 @@ def main(argv: Sequence[str]) -> int:
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:
         return 1
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor decides
+    # a group's stop (Ctrl-C, timeout, kill -- -PGID) is the supervisor's: the server reports its children's exits to the end
+    stop_signals.ignore()
     sock = socket.socket(fileno=sock_fd)
     try:
         listener = listen_at(listen) if listen else None
@@ -555,7 +557,9 @@ def driver_initialized(driver: Any) -> bool:
 
 def _run_child(request: dict, fds: list[int]) -> int:
     """In the forked child: become what ``Popen(request["argv"], ...)`` would have started."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # until its own handlers are in (launch.main, the probe's main, run_child), a stop signal ends the child at
+    # once and silently, as SIGTERM ends an exec'd one: never a KeyboardInterrupt's traceback from a module import
+    stop_signals.end_at_once()
     _place_fds(dict(zip(request["fds"], fds, strict=True)))
     os.environ.clear()
     os.environ.update(request["env"])

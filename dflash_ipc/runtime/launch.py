@@ -2,7 +2,7 @@
 
 ``python -m dflash_ipc.runtime.launch ROLE --supervisor-pid P --key-fd N ...`` arms the
 parent-death signal (:data:`IMPORT_DEATH_SIGNAL`: its handler removes the dead supervisor's socket
-files; a SIGTERM meanwhile ends the import at once) and checks that its parent is still the supervisor that spawned it
+files; a stop signal meanwhile ends the import at once) and checks that its parent is still the supervisor that spawned it
 *before* importing the role (torch and the model code take seconds to import; a supervisor
 SIGKILLed meanwhile would otherwise leave the child running until its handshake timed out).
 The role's ``run_<role>_process`` then parses the same argv and checks again once its SIGTERM
@@ -31,6 +31,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_ipc.runtime import stop_signals
 from dflash_ipc.third_party_logs import quiet_import_notes
 
 _PR_SET_PDEATHSIG = 1
@@ -50,11 +51,13 @@ def set_parent_death_signal(sig: int) -> None:
 
 
 # The sentinel's program: a bare interpreter (-S -I: a few MiB, not a copy of a child that has
-# torch mapped), watching the supervisor through the pidfd the child hands it.
+# torch mapped), watching the supervisor through the pidfd the child hands it. A group's stop signals
+# (runtime.stop_signals) are ignored: it lives as long as its child, which stops on them.
 _SENTINEL = """
 import ctypes, os, select, signal, sys, time
 worker, pidfd, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-signal.signal(signal.SIGINT, signal.SIG_IGN)
+for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(stop, signal.SIG_IGN)
 ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)
 if os.getppid() != worker:
     sys.exit(0)
@@ -206,9 +209,9 @@ def main(argv: Sequence[str]) -> int:
     role, rest = argv[0], list(argv[1:])
     supervisor = supervisor_pid_from(rest)
     run_dir = _option(rest, "--run-dir")
-    # Until the role installs its own handlers, SIGTERM ends the import at once and the parent's
+    # Until the role installs its own handlers, a stop signal ends the import at once and the parent's
     # death ends it after removing what the parent left (a forked child inherits its server's handlers).
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    stop_signals.end_at_once()
     signal.signal(IMPORT_DEATH_SIGNAL, _exit_with_supervisor(run_dir))
     set_parent_death_signal(IMPORT_DEATH_SIGNAL)
     start_death_sentinel(supervisor)  # the death signal waits out a SIGSTOP; the sentinel's SIGKILL does not

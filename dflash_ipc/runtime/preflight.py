@@ -508,11 +508,14 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def check_run_dir(cfg: DFlashConfig, run_dir: Path, *, resume: bool, key: str = "run.run_dir") -> None:
-    """The run directory may be made private (0700) and written: new, empty, or a run directory."""
+    """The run directory may be made private (0700) and written: new, empty, or a run directory (with
+    ``resume``: one that exists)."""
     src = cfg.source
     if not run_dir.exists():
         if run_dir.is_symlink():
             _fail(src, key, f"{run_dir} is a dangling symlink")
+        if resume:  # a mistyped directory would start a new run from step 0, silently
+            _fail(src, key, f"{run_dir} does not exist: --resume continues the run in it; drop --resume to start a new run there")
         return
     if not run_dir.is_dir():
         _fail(src, key, f"{run_dir} exists and is not a directory")

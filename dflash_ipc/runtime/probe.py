@@ -40,7 +40,7 @@ from typing import ClassVar
 from dflash_ipc.config import ConfigError, DFlashConfig, read_resolved_config, write_resolved_config
 from dflash_ipc.control.protocol import ProtocolError, Struct, from_wire, to_wire
 from dflash_ipc.fsutil import NotPrivate, make_private_dir
-from dflash_ipc.runtime import liveness
+from dflash_ipc.runtime import liveness, stop_signals
 from dflash_ipc.runtime.forkserver import ForkServer
 from dflash_ipc.runtime.launch import child_env
 from dflash_ipc.runtime.preflight import check_machine, torch_loaded
@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, type=Path, help="a resolved config (config.json as write_resolved_config writes it)")
     parser.add_argument("--run-dir", type=Path, default=None, help="plan the data into this run directory (default: only check)")
     parser.add_argument("--shards", type=int, default=0, help="target shards of the whole run (every target of every node)")
+    stop_signals.end_at_once()  # the supervisor had the signal too, and reports the stop
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # as `dflash-ipc up` logs
     quiet_import_notes()

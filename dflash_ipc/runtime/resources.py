@@ -15,6 +15,8 @@ timeout while a drafter allocated 100,000 layers. The preflight (in ``up``'s pro
 * each target's ring: ``transport.ring_slots`` slots of the slot layout, in shared memory
   (``cpu-shm``, ``host-pinned``: /dev/shm, which is host memory too) or on the target's GPU
   (``cuda-ipc``, ``nccl``);
+* every process: what it holds of its own in host memory whatever its device (the interpreter, torch;
+  :data:`FORKED_PROCESS_HOST_BYTES`, measured), and the fork server it is forked from;
 
 and refuses a place whose total exceeds what it has: host memory (available RAM), /dev/shm (free
 space, less a margin: a tmpfs that runs out kills the writer with SIGBUS), each GPU (free memory).
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dflash_ipc.config import ConfigError, DataConfig, DFlashConfig, DrafterConfig, TargetConfig, TransportConfig
+from dflash_ipc.config import ConfigError, DataConfig, DFlashConfig, DrafterConfig, TargetConfig, TopologyConfig, TransportConfig
 from dflash_ipc.families import family_of
 from dflash_ipc.transport.shm_names import SHM_DIR, shm_free_bytes
 
@@ -40,6 +42,17 @@ from dflash_ipc.transport.shm_names import SHM_DIR, shm_free_bytes
 SHM_MARGIN_BYTES = 16 << 20
 # AdamW per trainable parameter: fp32 master weight, fp32 gradient, two fp32 moments.
 OPTIMIZER_BYTES_PER_PARAM = 16
+# Host memory each target or drafter process holds of its own beyond the items below (interpreter, torch and
+# transformers, their allocators and threads, its sentinel), whatever its device. Measured on configs/tiny-cpu.toml
+# (2 targets, 2 drafters, 117 steps, 2 CPU cores): each child's unique set size (psutil USS, pages no other process
+# shares) sampled every 0.3 s, its peak: 200-218 MiB for children forked from the fork server (run.launcher "auto" on
+# CPU: the preloaded pages they still share are the server's, counted once below), 295-371 MiB for exec'd children
+# (each imports torch itself); their RSS peaks 0.39-0.42 GiB (shared pages counted in each). The lowest peak of
+# each launcher is the bound, as every figure here is one.
+FORKED_PROCESS_HOST_BYTES = 200 << 20
+EXEC_PROCESS_HOST_BYTES = 288 << 20
+# The fork server itself (its preload: torch, transformers, the roles' modules), measured the same way: 0.33 GiB.
+FORK_SERVER_HOST_BYTES = 320 << 20
 HOST = "host memory"
 SHM = f"shared memory ({SHM_DIR})"
 
@@ -243,7 +256,21 @@ def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_sh
     for rank, dev in enumerate(cfg.topology.drafters):
         what = f"drafter-{rank} ({_count(trainable)} trainable parameters with AdamW state, frozen embedding and LM head)"
         needs.append(Need(what, _place(dev), drafter_bytes, drafter_factors))
-    return needs
+    return [*needs, process_overhead(cfg)]
+
+
+def process_overhead(cfg: DFlashConfig) -> Need:
+    """What the run's processes hold of their own in host memory (:data:`FORKED_PROCESS_HOST_BYTES`), whatever their devices."""
+    from dflash_ipc.runtime.forkserver import use_forkserver
+
+    targets, drafters = len(cfg.topology.targets), len(cfg.topology.drafters)
+    forked = use_forkserver(cfg.run.launcher, cfg.topology.on_cuda)
+    each = FORKED_PROCESS_HOST_BYTES if forked else EXEC_PROCESS_HOST_BYTES
+    how = f"{human(each)} each, forked from a fork server of {human(FORK_SERVER_HOST_BYTES)}" if forked else f"{human(each)} each"
+    reference = TopologyConfig()
+    factors = [("topology.targets", targets, len(reference.targets)), ("topology.drafters", drafters, len(reference.drafters))]
+    what = f"{targets + drafters} processes' own memory (interpreter, torch: {how})"
+    return Need(what, HOST, (targets + drafters) * each + (FORK_SERVER_HOST_BYTES if forked else 0), factors)
 
 
 def _spec_factors(cfg: DFlashConfig, hidden: int) -> list[tuple[str, int, int]]:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_ipc import fence
+from dflash_ipc import bounded_json, fence
 
 if TYPE_CHECKING:
     from dflash_ipc.runtime.nodes import NodeSpec
@@ -80,7 +80,7 @@ def _owner_record(spec: LockSpec) -> bytes:
 
 def _read_owner(path: Path) -> dict:
     try:
-        owner = json.loads(path.read_text())
+        owner = bounded_json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return owner if isinstance(owner, dict) else {}

@@ -5,9 +5,11 @@ Run states (the supervisor's own state machine)::
     validate config ─▶ lock RUN_DIR (runtime.run_lock; held to exit) ─▶ PREPARING (status.json; refused: exit 2)
       ─▶ probe: check model/devices, tokenize + plan once ─▶ prepare RUN_DIR (0700) ─▶ STARTING
     STARTING: spawn children ─▶ handshake (run.handshake_timeout_s) ─▶ RUNNING (systemd READY=1)
+    PREPARING, STARTING: a stop signal (runtime.stop_signals) ─▶ STOPPED, exit 0, nothing trained (a child or
+                                       the probe that had the signal too ends at once: a stop, not a failure)
     RUNNING:
       every drafter Done            ─▶ Shutdown targets ─▶ FINISHED, exit 0
-      SIGTERM / SIGINT              ─▶ STOPPING: Shutdown(checkpoint) to drafters; they agree on
+      SIGTERM / SIGINT / SIGHUP     ─▶ STOPPING: Shutdown(checkpoint) to drafters; they agree on
                                        a step boundary, checkpoint, Done ─▶ Shutdown targets ─▶ STOPPED, exit 0
       a child exits unexpectedly,
       sends Dead, misses heartbeats,
@@ -41,7 +43,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -63,7 +64,7 @@ from dflash_ipc.fsutil import make_private_dir, open_append, write_text_atomic
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests
-from dflash_ipc.runtime import liveness, progress
+from dflash_ipc.runtime import liveness, progress, stop_signals
 from dflash_ipc.runtime.children import Child, teardown
 from dflash_ipc.runtime.forkserver import ForkServer, launcher_for, popen_with
 from dflash_ipc.runtime.launch import child_argv, child_env, key_pipe
@@ -160,7 +161,13 @@ class Supervisor:
         if self.resume:  # the shared checkpoint root of several nodes, too (the run dir's: validate_for_up)
             check_resume_config(self.cfg, self.node.checkpoint_root(run_dir), replan=self.replan)
         n_shards = self.node.nnodes * len(self.cfg.topology.targets)  # every target of every node: one global shard each
-        self.launcher = self.launcher or launcher_for(self.cfg, child_env(), self.echo)  # says where its preload went (or which shared one)
+        try:
+            self.launcher = self.launcher or launcher_for(self.cfg, child_env(), self.echo)  # says where its preload went
+        except RuntimeError:
+            if not self.stop_requested:  # else the server had the stop signal too, before it could ignore it
+                raise
+        if self.stop_requested:  # nothing to tokenize for: the caller stops
+            return
         plan = run_probe(self.cfg, run_dir, n_shards, launcher=self.launcher)
         self.echo(f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)")
         data = DataLength(plan.n_batches_total, plan.samples, self.cfg.data.num_epochs, self.node.nnodes * len(self.cfg.topology.drafters))
@@ -231,8 +238,10 @@ class Supervisor:
             self.dir_lock.release()
 
     def abandon(self) -> None:
-        """A refused start: status.json says failed, and what the lock made for this run goes again."""
-        self.state = "failed"
+        """A refused start, or one a stop signal ended before any child started: status.json says failed
+        (stopped), and what the lock made for this run goes again."""
+        self.state = "stopped" if self.stop_requested else "failed"
+        self.end_reason = f"{self.stop_requested} before training started" if self.stop_requested else None
         self._write_status()
         if self.launcher is not None:
             self.launcher.close()
@@ -296,7 +305,7 @@ class Supervisor:
         self._control = control = SupervisorSockets.open(spec, self.rejects)
         router, status_sock = control.router, control.status
         self.state = "starting"
-        old_handlers = self._install_signals()
+        old_handlers = stop_signals.install(self.request_stop)
         self._auth = PeerAuth(channels.new_run_key(), b"supervisor")
         self._handshake_done = False
         try:
@@ -314,7 +323,8 @@ class Supervisor:
                     [c.key for c in self.children],
                     self.cfg.run.handshake_timeout_s,
                     self.rejects,
-                    lambda: self._failed_child_text(router) or self._node_failure(),
+                    # a stop signal first: the children still importing had it too, and died of it
+                    lambda: self._raise_if_stopped() or self._failed_child_text(router) or self._node_failure(),
                     on_other=self._on_decoded,
                     on_dead=self._on_decoded,
                     auth=self._auth,
@@ -348,7 +358,11 @@ class Supervisor:
             control.close()
             sweep_run_shm(self.run_id)
             channels.remove_socket_files(self.run_dir, len(self.cfg.topology.targets), len(self.cfg.topology.drafters))
-            self._restore_signals(old_handlers)
+            stop_signals.restore(old_handlers)
+
+    def _raise_if_stopped(self) -> None:
+        if self.stop_requested:
+            raise StoppedDuringStart(self.stop_requested)
 
     def _node_failure(self) -> str | None:
         """Another node failed, or cannot be reached (runs of several nodes); publishes this node's step."""
@@ -358,8 +372,7 @@ class Supervisor:
 
     def _starting_tick(self, status_sock: zmq.Socket) -> None:
         """Runs every 0.2 s of the handshake: status stays served, and SIGTERM is honoured now."""
-        if self.stop_requested:
-            raise StoppedDuringStart(self.stop_requested)
+        self._raise_if_stopped()
         self._control.plane.count_refusals()
         if status_sock.poll(0):
             serve_status_requests(status_sock, self.snapshot, self.rejects)
@@ -368,16 +381,10 @@ class Supervisor:
             self._next_status = now + 1.0
             self._write_status()
 
-    def _install_signals(self):
-        def on_signal(signum, frame):  # noqa: ARG001
-            if not self.stop_requested:
-                self.stop_requested = signal.Signals(signum).name
-
-        return {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def _restore_signals(self, old) -> None:
-        for s, h in old.items():
-            signal.signal(s, h)
+    def request_stop(self, why: str) -> None:
+        """A stop signal's handler (runtime.stop_signals): the first one counts."""
+        if not self.stop_requested:
+            self.stop_requested = why
 
     def _send(self, router: zmq.Socket, ch: Child, msg: protocol.Message) -> None:
         try:

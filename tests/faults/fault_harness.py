@@ -7,6 +7,7 @@ reports (detection times, frames, RSS) are printed with ``FAULTS:`` so `pytest -
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -52,18 +53,30 @@ def write_config(path: Path, **sections: dict) -> Path:
 
 
 class Up:
-    """One `dflash-ipc up` supervisor; its output goes to a file (never blocks it)."""
+    """One `dflash-ipc up` supervisor; its output goes to a file (never blocks it). ``wrapper``: a command
+    it runs under (``timeout``); ``own_group``: in a process group of its own, the one a group signal reaches."""
 
-    def __init__(self, config: Path, run_dir: Path, *extra: str, name: str = "up", env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        config: Path,
+        run_dir: Path,
+        *extra: str,
+        name: str = "up",
+        env: dict[str, str] | None = None,
+        wrapper: tuple[str, ...] = (),
+        own_group: bool = False,
+    ):
         self.run_dir = run_dir
+        self.own_group = own_group
         self.out_path = run_dir.parent / f"{run_dir.name}.{name}.out"
         self._out = open(self.out_path, "wb")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            [*CLI, "up", "--config", str(config), "--run-dir", str(run_dir), *extra],
+            [*wrapper, *CLI, "up", "--config", str(config), "--run-dir", str(run_dir), *extra],
             stdout=self._out,
             stderr=subprocess.STDOUT,
             cwd=run_dir.parent,
             env=env,
+            start_new_session=own_group,
         )
 
     @property
@@ -105,7 +118,10 @@ class Up:
         return sum(1 for x in path.read_text().splitlines() if x.strip()) if path.exists() else 0
 
     def kill_all(self) -> None:
-        """Safety net for a failing test: this supervisor and the children it started, by pid."""
+        """Safety net for a failing test: this supervisor and the children it started, by pid (its own group whole)."""
+        if self.own_group:
+            with contextlib.suppress(ProcessLookupError):  # the group outlives its reaped leader while a member runs
+                os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()

@@ -37,6 +37,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("config-not-toml", ["check-config", "--file-only", "--config", "{NOT_TOML}"], "not valid TOML"),
     ("config-not-utf8", ["check-config", "--file-only", "--config", "{LATIN1}"], "not UTF-8 text"),
     ("config-unknown-key", ["check-config", "--file-only", "--config", "{TYPO}"], "did you mean 'ring_slots'?"),
+    ("up-config-nested-5000", ["up", "--config", "{NESTED_TOML}", "--run-dir", "{T}/r7"], "nested deeper than its reader allows"),
+    ("set-value-nested-5000", ["check-config", "--file-only", "--config", "{CFG}", "--set", "training.lr=" + "[" * 5000], "training.lr"),
     # up: options and the run directory, refused before anything is created or spawned
     ("up-max-steps-negative", ["up", "--config", "{CFG}", "--max-steps", "-1"], "Invalid value for '--max-steps'"),
     ("up-max-restarts-negative", ["up", "--config", "{CFG}", "--max-restarts", "-2"], "Invalid value for '--max-restarts'"),
@@ -55,6 +57,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("up-run-dir-is-a-file", ["up", "--config", "{CFG}", "--run-dir", "{A_FILE}"], "exists and is not a directory"),
     ("up-run-dir-foreign", ["up", "--config", "{CFG}", "--run-dir", "{FOREIGN}"], "is not a dflash-ipc run directory"),
     ("up-run-dir-has-checkpoints", ["up", "--config", "{CFG}", "--run-dir", "{WITH_CKPT}"], "already holds checkpoints; pass --resume"),
+    # a mistyped directory with --resume would start a new run from step 0: refused before anything starts
+    ("up-resume-run-dir-missing", ["up", "--config", "{CFG}", "--run-dir", "{T}/never-made", "--resume"], "never-made does not exist"),
     ("up-run-dir-in-use", ["up", "--config", "{CFG}", "--run-dir", "{LOCKED}", "--resume"], "is in use by another `dflash-ipc up` (pid"),
     ("up-shared-dir-is-a-file", ["up", "--config", "{CFG}", "--shared-dir", "{A_FILE}"], "is a file"),
     ("up-config-typo", ["up", "--config", "{TYPO}", "--run-dir", "{T}/r1"], "transport.ring_slotz: unknown key"),
@@ -150,6 +154,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ),
     ("gen-top-p-zero", ["gen-data", "--config", "{CFG}", "--out", "{T}/g.jsonl", "--top-p", "0"], "Invalid value for '--top-p'"),
     ("gen-out-is-a-dir", ["gen-data", "--config", "{CFG}", "--out", "{T}"], "is a directory"),
+    # systemd
+    ("systemd-render-out-proc", ["systemd", "render", "--out", "/proc/nope"], "--out /proc/nope: cannot write the units there"),
     # bench
     ("bench-backend-unknown", ["bench", "transport", "--backend", "carrier-pigeon"], "Invalid value for '--backend'"),
     (
@@ -198,6 +204,8 @@ def files(tmp_path_factory):
     out["NOT_DFLASH"] = damaged("not-dflash", lambda d: (d / "config.json").write_text('{"model_type": "llama"}'))
     (t / "not.toml").write_text("[run\nname = 1\n")
     out["NOT_TOML"] = t / "not.toml"
+    (t / "nested.toml").write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    out["NESTED_TOML"] = t / "nested.toml"
     (t / "latin1.toml").write_bytes(b'[run]\nname = "caf\xe9"\n')
     out["LATIN1"] = t / "latin1.toml"
     out["TYPO"] = write_toml(t / "typo.toml", tiny_cpu_config(transport={"ring_slotz": 4}))
@@ -298,6 +306,7 @@ PROCESS_CASES: list[tuple[str, list[str], str, bool]] = [
     ("status-snapshot-not-utf8", ["status", "--run-dir", "{SNAP_LATIN1}"], "status.json is not UTF-8 text", False),
     ("status-json-snapshot-not-utf8", ["status", "--json", "--run-dir", "{SNAP_LATIN1}"], "is not UTF-8 text", True),
     ("status-json-snapshot-not-json", ["status", "--json", "--run-dir", "{SNAP_GARBAGE}"], "status.json is not JSON", True),
+    ("status-json-snapshot-nested", ["status", "--json", "--run-dir", "{SNAP_NESTED}"], "nested deeper than a JSON reader", True),
     ("status-control-json-list", ["status", "--run-dir", "{CONTROL_LIST}"], "control.json is not what a supervisor publishes", False),
     ("status-json-control-json-list", ["status", "--json", "--run-dir", "{CONTROL_LIST}"], "control.json is not what", True),
     (
@@ -323,6 +332,7 @@ def odd_files(tmp_path_factory):
         ("snap-dir", None, None),
         ("snap-latin1", b'{"run_dir": "caf\xe9"}', None),
         ("snap-garbage", b"{\n", None),
+        ("snap-nested", b"[" * 100_000, None),
         ("control-list", snapshot.encode(), "[]"),
         ("control-str", snapshot.encode(), '"abc"'),
         ("control-bad", snapshot.encode(), "{"),
@@ -335,7 +345,13 @@ def odd_files(tmp_path_factory):
         if control is not None:
             (t / name / "control.json").write_text(control)
     names = {"FIFO": "fifo.toml", "HUGE": "huge.toml", "PROFILE": "profile.json", "SNAP_DIR": "snap-dir", "SNAP_LATIN1": "snap-latin1"}
-    names |= {"SNAP_GARBAGE": "snap-garbage", "CONTROL_LIST": "control-list", "CONTROL_STR": "control-str", "CONTROL_BAD": "control-bad"}
+    names |= {
+        "SNAP_NESTED": "snap-nested",
+        "SNAP_GARBAGE": "snap-garbage",
+        "CONTROL_LIST": "control-list",
+        "CONTROL_STR": "control-str",
+        "CONTROL_BAD": "control-bad",
+    }
     return t, {"CFG": str(TINY_CPU), **{k: str(t / v) for k, v in names.items()}}
 
 
@@ -371,6 +387,18 @@ def test_bad_command_line_in_a_real_process_is_one_line_and_bounded(odd_files, t
         assert len(errors) == 1 and fragment in errors[0], out + err
     assert list(tmp.iterdir()) == [], list(tmp.iterdir())  # nothing left behind (bench run directories)
     assert sorted(p.name for p in folder.iterdir()) == sorted(Path(v).name for k, v in names.items() if k != "CFG")  # no run dir made
+
+
+def test_up_with_stdout_closed_says_so_on_stderr_and_starts_nothing(tmp_path):
+    """`up ... >&-`: sys.stdout is None (its isatty raised AttributeError), and fd 1 would be the next file `up` opens."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(TINY_CPU), "--run-dir", str(tmp_path / "run")]
+    r = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", *argv], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == "error: stdout is closed: `up` reports its progress and how the run ended there; redirect it (>/dev/null)"
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_smollm2_converter_names_what_to_install_on_one_line(tmp_path):

@@ -103,6 +103,9 @@ CASES = [
     Case("teardown-negative", "run.teardown_grace_s", ">= 0", {"run.teardown_grace_s": -1}),
     Case("handshake-huge", "run.handshake_timeout_s", "<= 604800", {"run.handshake_timeout_s": 1e12}),
     Case("run-unknown-key", "run.nmae", "did you mean 'name'", {"run.nmae": "x"}),
+    Case("run-name-newline", "run.name", "control characters", {"run.name": "a\nb"}),
+    Case("run-dir-nul", "run.run_dir", "NUL", {"run.run_dir": "runs/a\0b"}),
+    Case("heartbeat-interval-1e-9", "run.heartbeat_interval_s", "at least 0.05 s", {"run.heartbeat_interval_s": 1e-9}),
     # topology: devices
     Case("device-not-a-device", "topology.targets[1]", "not a device", {"topology.targets": ["cpu", "gpu1"]}),
     Case(
@@ -277,6 +280,8 @@ CASES = [
     Case("num-epochs-huge", "data.num_epochs", "at most 1000", {"data.num_epochs": 10**12}),
     Case("drafter-prefetch-huge", "transport.drafter_prefetch", "at most 64", {"transport.drafter_prefetch": 10**9}),
     Case("cache-dir-is-a-file", "data.cache_dir", "not a directory", {"data.cache_dir": "/etc/passwd"}),
+    Case("cache-dir-nul", "data.cache_dir", "NUL", {"data.cache_dir": "cache\0x"}),
+    Case("random-init-seed-negative", "target.random_init_seed", "[0, 2**32 - 1]", {"target.random_init_seed": -1}),
     Case("cache-dir-cannot-be-made", "data.cache_dir", "cannot be created", {"data.cache_dir": "/proc/nope/x"}),
     Case("builtin-unknown", "data.paths[0]", "builtin:stdlib-docs", {"data.paths": ["builtin:nope"]}),
     Case("builtin-unknown-holdout", "data.holdout_paths[0]", "no built-in corpus", {"data.holdout_paths": ["builtin:nope"]}),

@@ -88,6 +88,33 @@ def test_gpu_memory_refused_per_device():
         resources.check_fits(cfg, needs, resources.Available(host=1 << 40, shm=0, cuda={0: on_device - 1}))
 
 
+@pytest.mark.parametrize(
+    "name, patch, key, available_gib",
+    [
+        ("64 CPU drafters", {"topology": {"drafters": ["cpu"] * 64}}, "topology.drafters", 8),
+        ("200 CPU targets", {"topology": {"targets": ["cpu"] * 200}}, "topology.targets", 19),  # this test machine's 19 GiB
+        ("64 exec'd CPU drafters", {"topology": {"drafters": ["cpu"] * 64}, "run": {"launcher": "exec"}}, "topology.drafters", 16),
+    ],
+)
+def test_every_process_counts_its_own_memory(name, patch, key, available_gib):
+    """Each target and drafter holds ~0.2 GiB of its own (forked; ~0.3 GiB exec'd: resources.FORKED_PROCESS_HOST_BYTES):
+    many CPU processes were spawned against a host whose memory the items alone fit, and an OOM kill named a target."""
+    raw = base_config()
+    for section, table in patch.items():
+        raw[section].update(table)
+    cfg = config_from_dict(raw, "many.toml")
+    hf, ids, shape = tiny_shapes(cfg)
+    needs = resources.estimate(cfg, hf, ids, shape, "cpu-shm")
+    items = sum(n.nbytes for n in needs if n.place in (resources.HOST, resources.SHM) and "processes' own memory" not in n.what)
+    available = resources.Available(host=available_gib << 30, shm=1 << 40)
+    assert items < available.host, "the items alone fit: only the processes' own memory tells"
+    with pytest.raises(ConfigError) as ei:
+        check_memory(cfg, hf, ids, shape, available)
+    msg = str(ei.value)
+    assert msg.startswith(f"many.toml: {key}: the run needs at least ") and "processes' own memory (interpreter, torch: " in msg, msg
+    check_memory(config_from_dict(base_config(), "tiny.toml"), hf, ids, shape, resources.Available(host=2 << 30, shm=1 << 40))
+
+
 @pytest.mark.slow
 def test_up_in_a_small_dev_shm_is_refused_before_spawn(tmp_path):
     """The trial: 8 MiB /dev/shm died of SIGBUS after 105 s. Now `up` exits 2 naming /dev/shm, nothing spawned."""

@@ -29,11 +29,13 @@ import pytest
 import torch
 from conftest import tiny_cpu_config, write_toml
 from fault_harness import CLI, FULL, RUN_TIMEOUT_S, report
+from safetensors.torch import load_file, save_file
 
 from dflash_ipc.config import ConfigError, config_from_dict
 from dflash_ipc.data.builtin_corpus import builtin_conversations
 from dflash_ipc.drafter.checkpoint import NoUsableCheckpoint, load_latest_checkpoint
 from dflash_ipc.drafter.ckpt_layout import LEDGER_FILE, META_FILE, MODEL_FILE, OPTIM_FILE, TRAINER_FILE
+from dflash_ipc.drafter.ckpt_values import ModelShapes
 from dflash_ipc.drafter.ckpt_verify import DIGESTS_KEY, META_DIGEST_KEY, choose_checkpoint, meta_digest, read_plan, sha256_file
 from dflash_ipc.runtime.preflight import validate_for_up
 
@@ -150,6 +152,61 @@ def ledger_edit(edit: Callable[[list], list], *, resealed: bool = False) -> Call
     return damage
 
 
+def rewrite_model(edit: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
+    """model.safetensors rewritten with ``edit`` applied to its tensors, the manifest re-sealed."""
+
+    def damage(step_dir: Path) -> None:
+        tensors = load_file(step_dir / MODEL_FILE)
+        edit(tensors)
+        save_file(tensors, step_dir / MODEL_FILE)
+        reseal(step_dir)
+
+    return damage
+
+
+def add_tensor(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["layers.0.extra.weight"] = torch.zeros(4, 4)
+
+
+def transpose_first_rectangular(tensors: dict[str, torch.Tensor]) -> None:
+    name = next(n for n in sorted(tensors) if tensors[n].dim() == 2 and tensors[n].shape[0] != tensors[n].shape[1])
+    tensors[name] = tensors[name].t().contiguous()
+
+
+def set_trainer_step(step: int) -> Callable[[Path], None]:
+    def damage(step_dir: Path) -> None:
+        payload = torch.load(step_dir / TRAINER_FILE, weights_only=True)
+        payload["trainer"]["step"] = step
+        torch.save(payload, step_dir / TRAINER_FILE)
+        reseal(step_dir)
+
+    return damage
+
+
+def model_shapes(step_dir: Path) -> ModelShapes:
+    """The drafter model's shapes, as the untouched checkpoint ``step_dir`` of the same run holds them."""
+    weights = load_file(step_dir / MODEL_FILE)
+    moments = load_file(step_dir / OPTIM_FILE)
+    params = {int(k.split(".", 1)[0]): tuple(t.shape) for k, t in moments.items()}
+    return ModelShapes({n: tuple(t.shape) for n, t in weights.items()}, params)
+
+
+def nest(fname: str) -> Callable[[Path], None]:
+    """``fname`` replaced by 100,000 nested arrays (json.loads raised RecursionError: no fallback, a traceback);
+    the manifest records the new file so only its parse tells (meta.json itself has no manifest to record it)."""
+
+    def damage(step_dir: Path) -> None:
+        (step_dir / fname).write_text("[" * 100_000)
+        if fname != META_FILE:
+            meta = json.loads((step_dir / META_FILE).read_text())
+            meta["files"][fname] = (step_dir / fname).stat().st_size
+            meta[DIGESTS_KEY][fname] = sha256_file(step_dir / fname)
+            meta[META_DIGEST_KEY] = meta_digest(meta)
+            (step_dir / META_FILE).write_text(json.dumps(meta))
+
+    return damage
+
+
 def edit_meta_num_batches(step_dir: Path) -> None:
     path = step_dir / META_FILE
     path.write_text(path.read_text().replace('"num_batches": 24', '"num_batches": 23'))
@@ -197,8 +254,16 @@ CASES = [
     ("ledger-id-duplicated-padded", ledger_edit(lambda ids: ids[1:] + ids[1:2]), "ledger.json does not match the sha256"),
     ("ledger-id-outside-plan", ledger_edit(lambda ids: ids[1:] + [[0, 0, 9999]], resealed=True), "does not fit the plan"),
     ("ledger-id-duplicated-resealed", ledger_edit(lambda ids: ids[1:] + ids[1:2], resealed=True), "distinct"),
+    ("ledger-id-removed-resealed", ledger_edit(lambda ids: ids[1:], resealed=True), "holds 23 batches, but its steps trained 24"),
+    ("ledger-emptied-resealed", ledger_edit(lambda ids: [], resealed=True), "holds 0 batches, but its steps trained 24"),
+    ("1e18-weight-resealed", set_tensor(MODEL_FILE, is_model, 1e18, resealed=True), "past 1e+06 (exploded"),
+    ("extra-tensor-resealed", rewrite_model(add_tensor), "unexpected ['layers.0.extra.weight']"),
+    ("transposed-weight-resealed", rewrite_model(transpose_first_rectangular), "the model's is"),
+    ("trainer-step-negative-resealed", set_trainer_step(-5), "the trainer's step is -5"),
     ("meta-num-batches-edited", edit_meta_num_batches, "meta.json does not match its own sha256"),
     ("meta-missing", remove(META_FILE), "meta.json missing"),
+    ("meta-nested-json", nest(META_FILE), "meta.json unreadable: nested deeper"),
+    ("ledger-nested-json", nest(LEDGER_FILE), "ledger.json unreadable: nested deeper"),
     ("model-truncated", truncate(MODEL_FILE), "model.safetensors is"),
     ("optimizer-missing", remove(OPTIM_FILE), "optimizer.safetensors missing"),
 ]
@@ -209,9 +274,10 @@ CASES = [
 def test_damaged_newest_checkpoint_is_never_resumed(copy, case, damage, named):
     """Both readers pass over the damaged step 12 for step 8, and say why."""
     run_dir, root = copy / "run", copy / "run" / "checkpoints"
+    shapes = model_shapes(root / OLDER)
     damage(root / NEWEST)
     plan = read_plan(run_dir)
-    drafter = load_latest_checkpoint(root, plan=plan, strict=True)
+    drafter = load_latest_checkpoint(root, plan=plan, strict=True, expected_shapes=shapes)
     assert drafter.path.name == OLDER, (case, drafter.notes)
     assert any(NEWEST in n and named in n for n in drafter.notes), (case, drafter.notes)
     if case.endswith("-resealed"):  # the files are as their manifest says: only the values tell
@@ -270,6 +336,23 @@ def test_resume_falls_back_past_a_nan_checkpoint_and_trains_each_batch_once(copy
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, steps[-1] + 1))  # the steps after 8 were trained again, once
     report(f"tamper nan-weight end to end: resumed from step 8, {len(ids)} planned batches each once")
+
+
+@pytest.mark.slow
+def test_resume_falls_back_past_a_nested_manifest_and_a_checkpoint_of_other_shapes(copy):
+    """The newest checkpoint's meta.json 100,000 arrays deep (every reader of `up --resume` parses it: a
+    RecursionError before), the next one's weight transposed with its manifest re-sealed (the files verify, only
+    the model can tell; it failed after spawn). The drafter passes both over for step 4 before loading anything."""
+    run_dir, root = copy / "run", copy / "run" / "checkpoints"
+    nest(META_FILE)(root / NEWEST)
+    rewrite_model(transpose_first_rectangular)(root / OLDER)
+    proc = up(copy / "ck4.toml", run_dir, "--resume", "--max-steps", "5")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"[up] checkpoint: skipped {root / NEWEST}: meta.json unreadable: nested deeper" in proc.stdout, proc.stdout[-3000:]
+    assert f"[up] checkpoint: skipped {root / OLDER}: model.safetensors: " in proc.stdout, proc.stdout[-3000:]
+    assert "the model's is" in proc.stdout and f"resumed from {root / 'step-000004'} (step 4)" in proc.stdout, proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout and (root / "latest").read_text().strip() == "step-000005"
+    report("tamper nested meta.json + transposed weight end to end: resumed from step 4, trained step 5")
 
 
 def change_data(copy: Path) -> None:
@@ -333,6 +416,29 @@ def test_a_run_whose_updates_are_all_skipped_fails_without_export(trained, tmp_p
     assert "FAILED" in proc.stdout and "training diverged: 3 updates in a row skipped" in proc.stdout, proc.stdout[-3000:]
     assert not (run_dir / "export").exists()
     report(f"nan-training {name}: exit {proc.returncode}, no export")
+
+
+# A run shorter than training.max_consecutive_skipped_updates (20) that learned nothing:
+# (name, config patch, what the failure says)
+SHORT_DEAD_ENDS = [
+    ("lr-1e30", {"training": {"lr": 1e30}}, "past 1e+06 (exploded"),  # its first update applied: the weights 2e29
+    ("noise-std-1e300", {"drafter": {"noise_std": 1e300}}, "training learned nothing: none of the 6 updates"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, patch, why", SHORT_DEAD_ENDS, ids=[n for n, _, _ in SHORT_DEAD_ENDS])
+def test_a_short_run_that_learned_nothing_fails_without_checkpoint_or_export(trained, tmp_path, name, patch, why):
+    raw = config_raw(trained / "train.jsonl", checkpoint_every=0, max_steps=6)
+    for section, table in patch.items():
+        raw[section].update(table)
+    run_dir = tmp_path / "run"
+    proc = up(write_toml(tmp_path / f"{name}.toml", raw), run_dir)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    failed = proc.stdout[proc.stdout.index("[up] FAILED") :]
+    assert "TrainingDiverged" in failed and why in failed, failed[:3000]
+    assert not (run_dir / "export").exists() and list((run_dir / "checkpoints").iterdir()) == []
+    report(f"short dead end {name}: exit {proc.returncode}, no checkpoint, no export")
 
 
 @pytest.mark.parametrize("value, why", [(-1, "must be >= 0 (got -1)"), ("x", "must be an integer"), (2.5, "must be an integer")])
