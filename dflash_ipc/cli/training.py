@@ -32,6 +32,9 @@ def check_config(config_path: str, file_only: bool, set_values: tuple[str, ...])
         except (TokenizerError, OSError, ValueError) as e:
             click.echo(f"error: {config_path}: {e}", err=True)
             sys.exit(2)
+        from dflash_ipc.runtime.family_check import describe_target
+
+        click.echo(f"target: {describe_target(cfg)}", err=True)
         epochs = cfg.data.num_epochs
         data = DataLength(plan["n_batches"] * epochs, plan["data"]["samples"], epochs, len(cfg.topology.drafters))
     click.echo(json.dumps(cfg.to_dict(), indent=2))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from dflash_ipc.config import ConfigError, DFlashConfig, read_resolved_config, w
 from dflash_ipc.control.protocol import ProtocolError, Struct, from_wire, to_wire
 from dflash_ipc.fsutil import NotPrivate, make_private_dir
 from dflash_ipc.runtime import liveness, stop_signals
+from dflash_ipc.runtime.family_check import describe_target
 from dflash_ipc.runtime.forkserver import ForkServer
 from dflash_ipc.runtime.launch import child_env
 from dflash_ipc.runtime.preflight import check_machine, torch_loaded
@@ -92,6 +94,7 @@ class DataPlan(Struct):
     summary: str
     seconds: float
     fingerprint: dict | None = None  # data/fingerprint.py: which batches the plan's ids are
+    target: str = ""  # runtime.family_check.describe_target: what the target will run
 
     NON_NEGATIVE: ClassVar[frozenset[str]] = frozenset({"n_batches_total", "samples", "seconds"})
 
@@ -131,7 +134,7 @@ def check_and_plan(cfg: DFlashConfig, run_dir: Path | None, n_shards: int) -> Da
         return None
     make_private_dir(run_dir)
     make_private_dir(run_dir / "data", root=run_dir)
-    return plan_data(cfg, run_dir, n_shards)
+    return dataclasses.replace(plan_data(cfg, run_dir, n_shards), target=describe_target(cfg))
 
 
 def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:

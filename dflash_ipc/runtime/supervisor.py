@@ -169,6 +169,7 @@ class Supervisor:
         if self.stop_requested:  # nothing to tokenize for: the caller stops
             return
         plan = run_probe(self.cfg, run_dir, n_shards, launcher=self.launcher)
+        self.echo(f"[up] target: {plan.target}")
         self.echo(f"[up] data: {plan.summary} ({plan.seconds:.1f} s); plan: {plan.n_batches_total} batches over {n_shards} target shard(s)")
         data = DataLength(plan.n_batches_total, plan.samples, self.cfg.data.num_epochs, self.node.nnodes * len(self.cfg.topology.drafters))
         self.echo(f"[up] run length: {run_length_text(self.cfg.training.max_steps, self.cfg.training.max_seconds, data)}")

@@ -266,7 +266,7 @@ CASES = [
     Case(
         "attn-flex-unsupported",
         "target.attn_implementation",
-        "no flex_attention for Qwen3_5",
+        "no flex_attention attention for qwen3_5_text",
         {"target.attn_implementation": "flex_attention"},
     ),
     Case("drafter-flex-on-cpu", "drafter.attention", "CUDA", {"drafter.attention": "flex"}),
