@@ -193,6 +193,7 @@ def measure_shape(
 
     hf_config = shape_config(name)
     attention = family_of(hf_config).attention_implementation("auto")
+    torch.zeros(1, device=device)  # the caching allocator exists once the process touched the device
     torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     with torch.device(device):
