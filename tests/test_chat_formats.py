@@ -21,6 +21,7 @@ from transformers import GenerationConfig
 from dflash_ipc.config import DataConfig, TargetConfig, load_config
 from dflash_ipc.data.answer_message import answer_message
 from dflash_ipc.data.corpus import load_corpus
+from dflash_ipc.data.errors import DataError
 from dflash_ipc.data.records import ANSWER_IDS_FIELD
 from dflash_ipc.data.tokenizer import config_tokenizer, stop_token_ids, target_stop_ids
 from dflash_ipc.datagen.gen import GenOptions, answer_prompts
@@ -174,3 +175,34 @@ def test_gen_data_s_answer_message_falls_back_to_the_text_for_people_when_no_sha
     prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASKS[1]}]
     assert answer_message(tok, prompt, cut) == {"role": "assistant", "content": "analysis" + THOUGHTS[1]}
     assert answer_message(tok, prompt, _ids(tok, fmt.generated)) == {"role": "assistant", "thinking": THOUGHTS[1], "content": ANSWERS[1]}
+
+
+def test_a_null_reasoning_field_is_absent_and_a_non_string_one_a_bad_line(tmp_path):
+    # Parquet gives every message every field; gpt-oss's template renders an analysis message for any "thinking" key
+    fmt = FORMAT_BY_NAME["gpt_oss"]
+    tok = format_tokenizer(fmt)
+    plain = [*fmt.conversation[:4], {"role": "assistant", "content": ANSWERS[1]}]
+    nulls = [{**m, "thinking": None, "reasoning_content": None} for m in plain]
+    a, b = (_corpus(tmp_path, name, [{"conversations": c}], tok) for name, c in (("plain", plain), ("nulls", nulls)))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.loss_mask, b.loss_mask)
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"conversations": [*plain[:4], {**plain[4], "thinking": 5}]}) + "\n")
+    cfg = DataConfig(paths=[str(path)], max_seq_len=MAX_LEN, bucket_edges=[MAX_LEN], token_budget=MAX_LEN, on_bad_line="error")
+    with pytest.raises(DataError, match=rf"{path}:1: conversations\[4\]\.thinking must be a string, got int"):
+        load_corpus(cfg, tok, None)
+
+
+@pytest.mark.parametrize(
+    "reasoning",
+    [{"content": ANSWERS[1], "reasoning_content": THOUGHTS[1]}, {"content": f"<think>\n{THOUGHTS[1]}\n</think>\n\n{ANSWERS[1]}"}],
+    ids=["field", "inline"],
+)
+def test_a_reasoning_answer_under_a_prompt_that_closed_the_reasoning_is_a_bad_line(reasoning, tmp_path):
+    fmt = FORMAT_BY_NAME["qwen3_no_thinking"]
+    tok = format_tokenizer(fmt)
+    chat = [*fmt.conversation[:4], {"role": "assistant", **reasoning}]
+    path = tmp_path / "thinking.jsonl"
+    path.write_text(json.dumps({"conversations": chat}) + "\n")
+    cfg = DataConfig(paths=[str(path)], max_seq_len=MAX_LEN, bucket_edges=[MAX_LEN], token_budget=MAX_LEN, on_bad_line="error")
+    with pytest.raises(DataError, match=r"thinking turned off in \[chat_template\] kwargs\?"):
+        load_corpus(cfg, tok, None)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import re
 
 from dflash_ipc.data.chat_pieces import final_turn
-from dflash_ipc.data.chat_render import common_prefix, render, unused_mark
 from dflash_ipc.data.records import BadRecord
 
 __all__ = ["answer_message"]
@@ -49,21 +48,13 @@ def _harmony_fields(text: str) -> dict[str, str] | None:
     return None
 
 
-def _opened_by_prompt(tokenizer, prompt_messages: list[dict]) -> str:
-    """What the generation prompt writes beyond the rendered start of an assistant turn (R1: ``<think>\\n``)."""
-    prompt = render(tokenizer, prompt_messages, add_generation_prompt=True)
-    mark = unused_mark(prompt)
-    bare = render(tokenizer, [*prompt_messages, {"role": "assistant", "content": mark}], add_generation_prompt=False)
-    return prompt[common_prefix(prompt, bare) :]
-
-
 def answer_message(tokenizer, prompt_messages: list[dict], ids: list[int]) -> dict:
     """The assistant message whose rendering after ``prompt_messages`` is the text of ``ids`` (see the module docstring)."""
     text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     shapes = [fields] if (fields := _harmony_fields(text)) is not None else []
     shapes.append({"content": text})
-    try:
-        opened = _opened_by_prompt(tokenizer, prompt_messages)
+    try:  # what the generation prompt opened, for a template that strips it from the turn (R1)
+        opened = final_turn(tokenizer, [*prompt_messages, {"role": "assistant", "content": ""}]).opened
     except BadRecord:
         opened = ""
     if opened:

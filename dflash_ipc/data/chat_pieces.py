@@ -21,7 +21,9 @@ not. What the target wrote is, in order:
   (an empty think block, gpt-oss's final-channel header) is template text, not the target's: unsupervised;
 * else, when the template drops part of the answer (DeepSeek-R1 strips the reasoning of every turn), the
   content itself, less what the generation prompt already opened (R1's ``<think>\\n``) when it starts so;
-* else the turn as the template renders it, like an earlier turn.
+* else the turn as the template renders it, like an earlier turn. An answer the template writes apart from
+  a generation prompt that opened nothing (reasoning after a prompt that closed it: thinking turned off)
+  is a bad record: the target never writes it.
 
 **Earlier assistant turns** are context the template rewrites (reasoning stripped, ``<|end|>`` where
 gpt-oss's answer ended with ``<|return|>``): their content as the template writes it is supervised, and
@@ -58,6 +60,7 @@ class FinalTurn:
     scaffold: str  # what the template writes between the prompt and a bare content ("" when nothing)
     generated: str | None  # the text the target wrote after the prompt; None when the record cannot say
     tail: str  # what the template writes after the turn's content (its end-of-turn token first)
+    opened: str  # what the generation prompt writes beyond a bare turn's start (R1: "<think>\n"), the target's to close
 
 
 def _holds(rendered: str, content: str) -> bool:
@@ -78,11 +81,19 @@ def final_turn(tokenizer, messages: list[dict]) -> FinalTurn:
     bare = render(tokenizer, [*history, {"role": "assistant", "content": mark}], add_generation_prompt=False)
     at = bare.find(mark)
     scaffold = bare[len(prompt) : at] if bare.startswith(prompt) and at >= len(prompt) else ""
+    opened = prompt[common_prefix(prompt, bare) :]
     content, end = answer["content"], len(full) - len(tail)
-    if full.startswith(prompt) and full.endswith(tail) and end >= len(prompt) and _holds(full[len(prompt) : end], content):
-        return FinalTurn(prompt, scaffold, full[len(prompt) : end], tail)
-    opened = prompt[common_prefix(prompt, marked) :]  # what the generation prompt writes that the rendered turn does not
-    return FinalTurn(prompt, scaffold, content[len(opened) :] if content.startswith(opened) else None, tail)
+    if full.startswith(prompt):
+        written = full[len(prompt) : end] if full.endswith(tail) and end >= len(prompt) else ""
+        # the template writes the turn after the prompt; where it drops some of the content (R1's reasoning), the
+        # content is the answer as the target wrote it
+        return FinalTurn(prompt, scaffold, written if _holds(written, content) else content, tail, opened)
+    if not opened:
+        raise BadRecord(
+            "the chat template writes this answer apart from the generation prompt the target answers (reasoning where "
+            "the prompt has closed it: thinking turned off in [chat_template] kwargs?), so the target never writes it"
+        )
+    return FinalTurn(prompt, scaffold, content[len(opened) :] if content.startswith(opened) else None, tail, opened)
 
 
 def chat_pieces(
