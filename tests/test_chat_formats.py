@@ -197,7 +197,7 @@ def test_a_null_reasoning_field_is_absent_and_a_non_string_one_a_bad_line(tmp_pa
     [{"content": ANSWERS[1], "reasoning_content": THOUGHTS[1]}, {"content": f"<think>\n{THOUGHTS[1]}\n</think>\n\n{ANSWERS[1]}"}],
     ids=["field", "inline"],
 )
-def test_a_reasoning_answer_under_a_prompt_that_closed_the_reasoning_is_a_bad_line(reasoning, tmp_path):
+def test_a_reasoning_answer_under_a_prompt_that_closed_the_reasoning_is_a_bad_line_unless_its_ids_train(reasoning, tmp_path):
     fmt = FORMAT_BY_NAME["qwen3_no_thinking"]
     tok = format_tokenizer(fmt)
     chat = [*fmt.conversation[:4], {"role": "assistant", **reasoning}]
@@ -206,3 +206,8 @@ def test_a_reasoning_answer_under_a_prompt_that_closed_the_reasoning_is_a_bad_li
     cfg = DataConfig(paths=[str(path)], max_seq_len=MAX_LEN, bucket_edges=[MAX_LEN], token_budget=MAX_LEN, on_bad_line="error")
     with pytest.raises(DataError, match=r"thinking turned off in \[chat_template\] kwargs\?"):
         load_corpus(cfg, tok, None)
+    # the ids a target generated train whatever its text says
+    ids = _ids(tok, ANSWERS[1])
+    record = {"conversations": [*chat[:4], {**chat[4], ANSWER_IDS_FIELD: ids}]}
+    sample, mask = _corpus(tmp_path, "ids", [record], tok).sample(0)
+    assert supervised_runs(tok, sample, mask) == [fmt.earlier, ANSWERS[1] + fmt.stop]

@@ -61,6 +61,7 @@ class FinalTurn:
     generated: str | None  # the text the target wrote after the prompt; None when the record cannot say
     tail: str  # what the template writes after the turn's content (its end-of-turn token first)
     opened: str  # what the generation prompt writes beyond a bare turn's start (R1: "<think>\n"), the target's to close
+    unfit: str = ""  # why the record's text cannot be the target's answer ("": it can); its token_ids still can
 
 
 def _holds(rendered: str, content: str) -> bool:
@@ -89,10 +90,11 @@ def final_turn(tokenizer, messages: list[dict]) -> FinalTurn:
         # content is the answer as the target wrote it
         return FinalTurn(prompt, scaffold, written if _holds(written, content) else content, tail, opened)
     if not opened:
-        raise BadRecord(
+        unfit = (
             "the chat template writes this answer apart from the generation prompt the target answers (reasoning where "
             "the prompt has closed it: thinking turned off in [chat_template] kwargs?), so the target never writes it"
         )
+        return FinalTurn(prompt, scaffold, None, tail, opened, unfit)
     return FinalTurn(prompt, scaffold, content[len(opened) :] if content.startswith(opened) else None, tail, opened)
 
 
@@ -107,6 +109,8 @@ def chat_pieces(
             pieces = _turn_pieces(tokenizer, messages[:-1], turn.prompt, True, closings)
             pieces += [(list(answer_ids), True)] if answer_ids is not None else _answer_text_pieces(turn)
             return pieces if cut_at_end else pieces + _tail_pieces(turn.tail, closings)
+        if turn.unfit:
+            raise BadRecord(turn.unfit)
     if answer_ids is not None:
         raise BadRecord("the answer carries token_ids but no prompt precedes it")
     rendered = render(tokenizer, messages, add_generation_prompt=False)
