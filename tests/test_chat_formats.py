@@ -16,7 +16,7 @@ import pytest
 import torch
 from chat_formats import ANSWERS, ASKS, FORMAT_BY_NAME, FORMATS, SYSTEM, THOUGHTS, format_tokenizer
 from conftest import supervised_runs
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LlamaConfig
 
 from dflash_ipc.config import DataConfig, TargetConfig, load_config
 from dflash_ipc.data.answer_message import answer_message
@@ -57,6 +57,7 @@ class ScriptedTarget(torch.nn.Module):
         super().__init__()
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # gen-data finds the device through the parameters
         self.generation_config = GenerationConfig(eos_token_id=stops)
+        self.config = LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=1)  # a family left padding leaves alone
         self.script = script
         self.prompts: list[list[int]] = []
 
