@@ -446,3 +446,17 @@ def family_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
             pytest.skip(f"transformers {transformers.__version__} cannot build {name}: {e}")
 
     return checkpoint
+
+
+def supervised_runs(tok, ids, mask) -> list[str]:
+    """Decoded maximal runs of consecutive supervised tokens of a sample (``ids``, ``mask``: tensors)."""
+    runs, cur = [], []
+    for t, m in zip(ids.tolist(), mask.tolist()):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r) for r in runs]

@@ -83,7 +83,7 @@ def test_gen_data_stores_the_generated_ids_and_the_corpus_supervises_exactly_the
         prompt = _prompt_ids(tok, rec["conversations"][:-1])
         generated, finish = _greedy(lm, prompt, stops, max_new)
         assert answer["token_ids"] == generated and rec["finish"] == finish
-        assert answer["content"] == tok.decode(generated, skip_special_tokens=True)  # the text stays, for people
+        assert answer["content"] == tok.decode(generated)  # the text the template renders back into the generated one
         same_text_ids += tok(answer["content"], add_special_tokens=False)["input_ids"] == generated
         # the sample: the prompt as eval feeds it, then exactly the generated ids, supervised
         closing = [] if finish == "length" else [im_end] + newline

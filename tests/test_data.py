@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import supervised_runs
 
 from dflash_ipc.config import DataConfig
 from dflash_ipc.config.fields import FieldError
@@ -35,20 +36,6 @@ def write_jsonl(path: Path, rows: list) -> Path:
     lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def supervised_runs(tok, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    """Decoded maximal runs of consecutive supervised tokens."""
-    runs, cur = [], []
-    for t, m in zip(ids.tolist(), mask.tolist()):
-        if m:
-            cur.append(t)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    return [tok.decode(r) for r in runs]
 
 
 def cfg_for(*paths, **kw) -> DataConfig:

@@ -39,12 +39,13 @@ import torch
 
 from dflash_ipc.config import DataConfig
 from dflash_ipc.data.builtin_corpus import BUILTIN_STDLIB_DOCS, builtin_conversations
-from dflash_ipc.data.chat_pieces import Piece, answer_ids_pieces, chat_segments, turn_end_token
+from dflash_ipc.data.chat_pieces import Piece, chat_pieces
+from dflash_ipc.data.chat_render import closing_texts
 from dflash_ipc.data.errors import DataError
 from dflash_ipc.data.readers import is_table_source, iter_table_records
 from dflash_ipc.data.records import VOCAB_FIELD, BadRecord, answer_token_ids, parse_record
 from dflash_ipc.data.token_cache import cache_file_name, cache_key, open_cache_dir, read_cached, write_cache
-from dflash_ipc.data.tokenizer import vocab_identity
+from dflash_ipc.data.tokenizer import stop_token_ids, vocab_identity
 
 log = logging.getLogger("dflash_ipc.data.corpus")
 
@@ -150,7 +151,7 @@ class _Builder:
         self.cfg = cfg
         self.tok = tokenizer
         self.report = report
-        self.end_token = turn_end_token(tokenizer)
+        self.closings = closing_texts(tokenizer, stop_token_ids(tokenizer))  # the tokens that close a turn the target ends
         self.vocab_size = len(tokenizer)
         self.vocab: str | None = None  # vocab_identity, computed at the first record that stores ids
         self.pending: list[tuple[str, list[Piece], bool, int]] = []  # (where, pieces, cut before tokenizing, source)
@@ -179,11 +180,9 @@ class _Builder:
             if kind == "chat":
                 cut_at_end = obj.get("finish") == "length"
                 ids = answer_token_ids(value, self.vocab_size)
-                if ids is None:
-                    pieces = chat_segments(value, self.tok, self.end_token, cut_at_end)
-                else:
+                if ids is not None:
                     self.check_vocab(obj)
-                    pieces = answer_ids_pieces(value, ids, self.tok, self.end_token, cut_at_end)
+                pieces = chat_pieces(value, self.tok, self.closings, cut_at_end, answer_ids=ids)
             else:
                 pieces = [(value, True)]
         except BadRecord as e:

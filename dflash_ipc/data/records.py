@@ -15,6 +15,11 @@ ROLE_ALIASES = {
 }
 
 
+# The message fields chat templates read an answer's reasoning from: Qwen3's "reasoning_content",
+# gpt-oss's "thinking" (its analysis channel). Passed to the template as they are, like any other field.
+REASONING_FIELDS = ("reasoning_content", "thinking")
+
+
 class BadRecord(Exception):
     """A record that cannot be used; the message says why (reported with its place)."""
 
@@ -59,10 +64,17 @@ def parse_record(obj: Any) -> tuple[str, Any]:
                 raise BadRecord(f'{key}[{j}] has no "content"')
             if not isinstance(content, str):
                 raise BadRecord(f"{key}[{j}].{ck} must be a string, got {type(content).__name__}")
-            msg = {k: v for k, v in m.items() if k not in ("from", "value")}
+            # None is absent: a table's message struct gives every turn every field, and a template tests
+            # a field's presence (gpt-oss renders an analysis message for any "thinking" key)
+            msg = {k: v for k, v in m.items() if k not in ("from", "value") and v is not None}
             msg["role"] = ROLE_ALIASES.get(role, role)
             msg["content"] = _unicode(content, f"{key}[{j}].{ck}")
             _unicode(role, f"{key}[{j}].{rk}")
+            for field in REASONING_FIELDS:
+                if field in msg:
+                    if not isinstance(msg[field], str):
+                        raise BadRecord(f"{key}[{j}].{field} must be a string, got {type(msg[field]).__name__}")
+                    _unicode(msg[field], f"{key}[{j}].{field}")
             messages.append(msg)
         return "chat", messages
     if "text" in obj:

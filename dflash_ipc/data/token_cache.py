@@ -37,8 +37,9 @@ from dflash_ipc.fsutil import NotPrivate, check_own_private, make_private_dirs, 
 log = logging.getLogger("dflash_ipc.data.corpus")
 
 # 2: records cut to max_seq_len * MAX_CHARS_PER_TOKEN characters before tokenizing; 3: stored answer ids,
-# finish "length"; 4: each sample's source (its data.paths index, for the mix); 5: keyed by the sources' content
-CACHE_FORMAT = 5
+# finish "length"; 4: each sample's source (its data.paths index, for the mix); 5: keyed by the sources' content;
+# 6: the answer laid out as the target generated it (chat_pieces), every stop token closes a turn
+CACHE_FORMAT = 6
 _READ_CHUNK = 1 << 20
 
 

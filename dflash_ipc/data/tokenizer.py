@@ -132,16 +132,51 @@ def bind_chat_template_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: dict[s
     return tokenizer
 
 
+# The attribute a tokenizer bound by :func:`bind_target_stops` carries the target's generation-config eos ids in.
+TARGET_STOPS_ATTR = "dflash_target_stop_ids"
+
+
+def bind_target_stops(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> PreTrainedTokenizerBase:
+    """``tokenizer`` whose :func:`stop_token_ids` include ``ids`` (the target's generation-config eos ids),
+    so the corpus closes turns on the tokens gen-data and eval stop at without loading the model (Phi-3
+    ends a turn with ``<|end|>``, which its tokenizer's eos does not name; gpt-oss writes ``<|end|>``
+    inside an answer, so no name list can hold it). Part of :func:`tokenizer_identity`."""
+    if ids:
+        setattr(tokenizer, TARGET_STOPS_ATTR, sorted(set(ids)))
+    return tokenizer
+
+
+def target_stop_ids(target_cfg: Any, vocab_size: int) -> list[int]:
+    """The eos ids transformers' ``generate`` stops the target at: its checkpoint's ``generation_config.json``,
+    else the generation config of its model config (a random spec's too)."""
+    from transformers import GenerationConfig
+
+    from dflash_ipc.target_spec.hf_config import load_hf_config
+
+    generation = None
+    if target_cfg.model_path:
+        try:
+            generation = GenerationConfig.from_pretrained(target_cfg.model_path, local_files_only=True)
+        except OSError:  # no generation_config.json: transformers derives one from the model config
+            generation = None
+    if generation is None:
+        generation = GenerationConfig.from_model_config(load_hf_config(target_cfg, vocab_size=vocab_size))
+    eos = generation.eos_token_id
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+
+
 def config_tokenizer(cfg) -> PreTrainedTokenizerBase:
     """The tokenizer of a :class:`~dflash_ipc.config.DFlashConfig` (``target.tokenizer``) with its
-    ``[chat_template] kwargs`` bound: what every process that renders chats loads."""
-    return bind_chat_template_kwargs(load_tokenizer(cfg.target.tokenizer), cfg.chat_template.kwargs)
+    ``[chat_template] kwargs`` and the target's stop ids bound: what every process that renders chats loads."""
+    tokenizer = bind_chat_template_kwargs(load_tokenizer(cfg.target.tokenizer), cfg.chat_template.kwargs)
+    return bind_target_stops(tokenizer, target_stop_ids(cfg.target, len(tokenizer)))
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: Any = None) -> set[int]:
-    """Ids that end a generated turn: eos, ``<|im_end|>`` / ``<|endoftext|>`` where the vocabulary
-    has them, and the model's generation-config eos ids."""
-    ids: set[int] = set()
+    """Ids that end a generated turn: eos, ``<|im_end|>`` / ``<|endoftext|>`` / ``<|eot_id|>`` /
+    ``<end_of_turn>`` where the vocabulary has them, the target's eos ids bound by
+    :func:`bind_target_stops`, and ``generation_config``'s eos ids."""
+    ids: set[int] = set(getattr(tokenizer, TARGET_STOPS_ATTR, ()))
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     vocab = tokenizer.get_vocab()
@@ -229,8 +264,9 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
         h.update(repr(sorted(tokenizer.get_vocab().items())).encode())
     template = tokenizer.chat_template
     h.update(repr(template).encode())
-    if getattr(tokenizer, TEMPLATE_KWARGS_ATTR, None):  # only when set: unbound tokenizers keep their identity
-        h.update(json.dumps(getattr(tokenizer, TEMPLATE_KWARGS_ATTR), sort_keys=True).encode())
+    for bound in (TEMPLATE_KWARGS_ATTR, TARGET_STOPS_ATTR):  # only when set: unbound tokenizers keep their identity
+        if getattr(tokenizer, bound, None):
+            h.update(json.dumps(getattr(tokenizer, bound), sort_keys=True).encode())
     h.update(repr(sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())).encode())
     return h.hexdigest()
 

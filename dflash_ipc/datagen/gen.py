@@ -12,7 +12,10 @@ Output, one JSON object per line (the corpus's chat format, so it trains as is):
 
 ``token_ids`` are the answer's ids as the target generated them (the stop token left out); the
 corpus trains on them, not on the text, which is for people: decoding and re-tokenizing does not
-always give the same ids back. ``tokenizer_vocab`` (:func:`~dflash_ipc.data.tokenizer.vocab_identity`)
+always give the same ids back. The message's text fields are the ones the chat template renders
+back into the generated text (:func:`~dflash_ipc.data.answer_message.answer_message`: gpt-oss's
+analysis channel as ``thinking`` and its final channel as ``content``; a ``<think>`` block stays in
+the content, where Qwen3's and DeepSeek-R1's templates look for it). ``tokenizer_vocab`` (:func:`~dflash_ipc.data.tokenizer.vocab_identity`)
 says which vocabulary they belong to; the corpus refuses them under another one.
 
 The held-out split is by the *prompt* (:func:`prompt_key`: the system message and first user turn,
@@ -56,6 +59,7 @@ from pathlib import Path
 import torch
 
 from dflash_ipc.config import DFlashConfig
+from dflash_ipc.data.answer_message import answer_message
 from dflash_ipc.data.readers import iter_records, prompt_messages, record_id
 from dflash_ipc.data.records import ANSWER_IDS_FIELD, VOCAB_FIELD
 from dflash_ipc.families import family_of
@@ -314,8 +318,7 @@ def answer_prompts(
                 new_tokens = 0
                 for (rid, msgs, _), (ids, finish) in zip(batch, answers):
                     new_tokens += len(ids)
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    answer = {"role": "assistant", "content": text, ANSWER_IDS_FIELD: ids}
+                    answer = {**answer_message(tokenizer, msgs, ids), ANSWER_IDS_FIELD: ids}
                     record = {"id": rid, "conversations": msgs + [answer], "finish": finish, VOCAB_FIELD: vocab}
                     line = json.dumps(record, ensure_ascii=False)
                     held = is_holdout(prompt_key(msgs), opts.holdout_fraction)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ipc.config import DFlashConfig
+from dflash_ipc.data.answer_message import answer_message
 from dflash_ipc.data.records import ANSWER_IDS_FIELD, VOCAB_FIELD
 from dflash_ipc.datagen.gen import GenOptions, generate_batch, holdout_path, is_holdout, read_complete_jsonl
 from dflash_ipc.datagen.prequery import pre_query_template, user_turn_stops
@@ -75,8 +76,8 @@ def extend_turns(
     filt = PromptFilter(dataclasses.replace(sc, near_dup_threshold=1.0), list(tokenizer.all_special_tokens), dedup=False)
 
     def history(rec: dict) -> list[dict]:
-        u, a = rec["conversations"]
-        return [{"role": "user", "content": u["content"]}, {"role": "assistant", "content": a["content"]}]
+        u, a = rec["conversations"]  # the answer's text fields as gen-data wrote them (thinking, content)
+        return [{"role": "user", "content": u["content"]}, {k: v for k, v in a.items() if k != ANSWER_IDS_FIELD}]
 
     # 1. the next user turns still missing, sampled in batches (longest conversations together)
     missing = sorted((r for r, _ in todo if r["id"] not in turns), key=lambda r: r["id"])
@@ -119,7 +120,7 @@ def extend_turns(
             batch = pending[b : b + opts.batch_size]
             answers = generate_batch(lm, [p[3] for p in batch], pad_id, stops, opts, seed=opts.seed * 1_000_003 + 11 + b)
             for (rid, msgs, held, _), (ids, finish) in zip(batch, answers):
-                answer = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True), ANSWER_IDS_FIELD: ids}
+                answer = {**answer_message(tokenizer, msgs, ids), ANSWER_IDS_FIELD: ids}
                 rec = {"id": rid + TURN_SUFFIX, "conversations": msgs + [answer], "finish": finish, VOCAB_FIELD: vocab}
                 (f_hold if held else f_out).write(json.dumps(rec, ensure_ascii=False) + "\n")
                 result["turns_written"] += 1

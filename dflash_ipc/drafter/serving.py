@@ -72,24 +72,19 @@ def engine_reference(path: str) -> str:
 
 def serving_target(cfg) -> ServingTarget:
     """The run's target as the serving commands name it (reads its config, tokenizer and generation config)."""
-    from transformers import GenerationConfig
-
     from dflash_ipc.data.tokenizer import BUILTIN_SPEC, config_tokenizer, stop_token_ids
     from dflash_ipc.families import family_of
     from dflash_ipc.target_spec.hf_config import load_hf_config
 
-    tok = config_tokenizer(cfg)
+    tok = config_tokenizer(cfg)  # with the target's generation-config eos ids bound: what from_pretrained gives eval's target
     hf_config = load_hf_config(cfg.target, vocab_size=len(tok))
-    generation = GenerationConfig.from_model_config(hf_config)
     path = cfg.target.model_path
-    if path and (Path(path).expanduser() / "generation_config.json").is_file():
-        generation = GenerationConfig.from_pretrained(Path(path).expanduser())  # what from_pretrained gives eval's target
     spec = cfg.target.tokenizer
     return ServingTarget(
         name=engine_reference(path),
         tokenizer=spec if spec == BUILTIN_SPEC else engine_reference(spec),
         hybrid=family_of(hf_config).has_recurrent_layers(),
-        stop_token_ids=tuple(sorted(stop_token_ids(tok, generation))),
+        stop_token_ids=tuple(sorted(stop_token_ids(tok))),
         chat_template_kwargs=dict(cfg.chat_template.kwargs),
     )
 

@@ -410,6 +410,7 @@ class _Decoder:
 
     def decode(self, items: list[_Item], echo, names: list[str]) -> list[tuple]:
         """``[((set, prompt, turn), plain, spec)]``: every turn of every item, in order."""
+        from dflash_ipc.data.answer_message import answer_message
         from dflash_ipc.eval.spec import DrafterProposer, greedy_generate, speculative_generate
 
         if not self._warm and items:  # one untimed warm-up of each path (kernel selection, allocator)
@@ -426,7 +427,7 @@ class _Decoder:
                     # the next user turn after the target's own answer, as a chat client sends it back
                     answer = [t for t in out[-1][2].tokens if t not in self.stops]
                     messages += [
-                        {"role": "assistant", "content": self.tokenizer.decode(answer, skip_special_tokens=True)},
+                        answer_message(self.tokenizer, messages, answer),  # the fields the template reads (gpt-oss: thinking)
                         {"role": "user", "content": it.prompt.followups[turn - 1]},
                     ]
                     ids = render_prompt(self.tokenizer, it.prompt, self.cfg.data.max_seq_len, messages)
