@@ -212,10 +212,11 @@ def test_a_checkpoint_resumes_with_or_without_fp8(tmp_path, trained, resumed):
 def test_the_export_of_an_fp8_run_is_a_plain_drafter_and_needs_no_torchao(tmp_path, monkeypatch):
     cfg, model, trainer, _ = _train("rowwise", steps=2)
     cfg = load_config(str(TINY), sets=["drafter.fp8_linears='rowwise'"])  # the run's config says FP8
-    _save(trainer, tmp_path / "checkpoints", cfg)
+    run = tmp_path / "run"  # an export goes outside the run directory it reads
+    _save(trainer, run / "checkpoints", cfg)
     direct = export_drafter(model, tmp_path / "direct")
     _hide_torchao(monkeypatch)
-    result = export_checkpoint(tmp_path / "checkpoints", tmp_path / "export")
+    result = export_checkpoint(run / "checkpoints", tmp_path / "export")
     exported, live = load_file(str(result.out / "model.safetensors")), load_file(str(direct / "model.safetensors"))
     assert exported.keys() == live.keys() and {f"{n}.weight" for n in fp8_linear_names(model)} <= exported.keys()
     assert {t.dtype for t in exported.values()} == {torch.float32}
