@@ -120,7 +120,7 @@ def _listening(pids: list[int]) -> list[tuple[int, str, int]]:
     for pid in pids:
         try:
             conns = psutil.Process(pid).net_connections(kind="inet")
-        except psutil.NoSuchProcess:
+        except psutil.Error:  # gone (or a zombie) between the status read and this look
             continue
         out += [(pid, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
     return out
@@ -169,7 +169,9 @@ def tcp_run(tmp_path_factory):
             tree = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
             listening.update(_listening(tree + [p["pid"] for p in snap["processes"] if p["pid"]]))
             procs = {f"{p['role']}-{p['rank']}": p for p in snap["processes"]}
-            ok = snap["supervisor_rejected_by_kind"].get("unauthenticated_peer", 0) >= 2 * ROUNDS * len(STRANGER_KINDS) and all(
+            # a child's PULL may come up after its first heartbeat: keep sampling until every control port was seen
+            control_ports = {int(ep.rsplit(":", 1)[1]) for _, ep in endpoints.values()}
+            ok = control_ports <= {port for _, _, port in listening} and snap["supervisor_rejected_by_kind"].get("unauthenticated_peer", 0) >= 2 * ROUNDS * len(STRANGER_KINDS) and all(
                 procs[name]["rejected_by_kind"].get("unauthenticated_peer", 0) >= ROUNDS for name in pulls
             )
             return snap if ok or snap["state"] not in ("starting", "running") else None
