@@ -4,6 +4,11 @@ Which linears convert (at the Qwen3-8B and Qwen3.6-27B widths, on the meta devic
 drafter step on the CPU (torch's CPU ``_scaled_mm``: FP8 rounding, no speed) against the same step without
 FP8, checkpoints and the export across the two, the refusals (config, preflight, torchao missing), the bench
 variant; on a GPU, the compiled step really multiplies in FP8 and keeps the bf16 step's loss.
+
+oneDNN is off for these tests (``cpu_scaled_mm_without_onednn``): on a CPU with AMX-INT8 and without AMX-FP8, torch
+sends ``_scaled_mm`` to oneDNN's reference FP8 kernel (~0.5 s per call at these shapes, ~180 s for the module on 2
+cores); without oneDNN torch multiplies the same e4m3 operands in fp32 and applies the same scales (the same losses
+and gradients on this CPU, ~50 times faster), and every CPU runs the same kernel.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
 CPU = torch.device("cpu")
 LINEAR_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(autouse=True)
+def cpu_scaled_mm_without_onednn(monkeypatch):
+    """torch's CPU ``_scaled_mm`` without oneDNN (module docstring); the FP8 rounding is torchao's, before the call."""
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
 
 
 def _meta_drafter(shape: str, monkeypatch) -> DFlashDrafter:
