@@ -7,12 +7,13 @@ checkpoints go to. One node of one is the default: a run directory without the f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dflash_ipc import bounded_json
-from dflash_ipc.control.wire import Struct, from_wire, to_wire
 from dflash_ipc.fsutil import write_text_atomic
 
 NODE_FILE = "node.json"
@@ -24,7 +25,7 @@ class NodeOptionError(ValueError):
 
 
 @dataclass(frozen=True)
-class NodeSpec(Struct):
+class NodeSpec:
     """This node's place in the run (``node.json`` in the run dir; the children read it)."""
 
     nnodes: int = 1
@@ -68,9 +69,23 @@ class NodeSpec(Struct):
     def label(self) -> str:
         return f"node {self.node_rank}/{self.nnodes}"
 
+    @classmethod
+    def from_json(cls, value: Any, where: str = NODE_FILE) -> NodeSpec:
+        """``node.json``'s object, each key a field of its exact type (``bool`` is no ``int``) and a missing
+        one at its default: a damaged file is refused naming the key, never read back as another node."""
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected an object, got {type(value).__name__}")
+        kinds = {f.name: type(f.default) for f in dataclasses.fields(cls)}
+        for key, item in value.items():
+            if key not in kinds:
+                raise ValueError(f"{where}: unknown key {key!r}")
+            if type(item) is not kinds[key]:
+                raise ValueError(f"{where}.{key}: expected {kinds[key].__name__}, got {type(item).__name__}")
+        return cls(**value)
+
 
 def write_node_spec(run_dir: Path, spec: NodeSpec) -> None:
-    write_text_atomic(run_dir / NODE_FILE, json.dumps(to_wire(spec)) + "\n")
+    write_text_atomic(run_dir / NODE_FILE, json.dumps(dataclasses.asdict(spec)) + "\n")
 
 
 def read_node_spec(run_dir: Path) -> NodeSpec:
@@ -78,4 +93,4 @@ def read_node_spec(run_dir: Path) -> NodeSpec:
     path = run_dir / NODE_FILE
     if not path.exists():
         return NodeSpec()
-    return from_wire(NodeSpec, bounded_json.loads(path.read_text()), NODE_FILE)
+    return NodeSpec.from_json(bounded_json.loads(path.read_text()))
