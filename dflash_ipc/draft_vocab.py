@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.rundir.fsutil import write_text_atomic
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 #: the draft rows of exports written before they travelled as lm_head + d2t (still read by eval)

@@ -259,7 +259,7 @@ def test_every_from_import_of_the_package_resolves():
 # --------------------------------------------------------------------------- layers point down
 
 #: The layers, lowest first. A unit is a sub-package (``dflash_ipc.data``) or a top-level module
-#: (``dflash_ipc.ledger``); ``dflash_ipc.procs`` is the process shells. A unit imports only units of
+#: (``dflash_ipc.draft_vocab``); ``dflash_ipc.procs`` is the process shells. A unit imports only units of
 #: the layers below its own; within one layer only the leaves import each other (the package-level
 #: cycle test keeps that acyclic). ``target`` and ``drafter`` share a layer, so neither role imports
 #: the other: what both read of the frozen target lives in the leaf ``target_spec``.
@@ -271,22 +271,19 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
             {
                 "dflash_ipc",
                 "assets",
-                "bounded_json",
                 "config",
                 "cli_options",
                 "devices",
                 "draft_vocab",
                 "families",
-                "fence",
                 "fp8",
-                "fsutil",
-                "ledger",
+                "rundir",
                 "target_spec",
                 "third_party_logs",
             },
         ),  # fmt: skip
         ("control", {"control"}),
-        ("transport", {"transport", "node_spec"}),
+        ("transport", {"transport"}),
         ("data", {"data"}),
         ("roles", {"target", "drafter"}),
         ("eval", {"eval"}),
@@ -303,7 +300,7 @@ ROLES = ("target", "drafter")
 
 
 def unit_of(module: str) -> str:
-    """``dflash_ipc.data.corpus`` -> ``data``; ``dflash_ipc.ledger`` -> ``ledger``; ``dflash_ipc`` -> ``dflash_ipc``."""
+    """``dflash_ipc.data.corpus`` -> ``data``; ``dflash_ipc.rundir.ledger`` -> ``rundir``; ``dflash_ipc`` -> ``dflash_ipc``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -366,9 +363,7 @@ def test_data_imports_neither_eval_nor_a_role():
 
 def test_no_role_imports_another_roles_package():
     bad = cross_role_imports(import_graph())
-    assert not bad, "a role imports another role's package (share it through a leaf, e.g. target_spec, ledger, node_spec):\n" + "\n".join(
-        bad
-    )
+    assert not bad, "a role imports another role's package (share it through a leaf, e.g. target_spec, rundir):\n" + "\n".join(bad)
 
 
 def test_no_private_name_is_imported_across_modules():
@@ -383,12 +378,12 @@ def test_no_private_name_is_imported_across_modules():
 
 def test_the_layer_rules_catch_planted_violations():
     graph = {
-        "dflash_ipc.target.core": {"dflash_ipc.runtime.nodes", "dflash_ipc.drafter.checkpoint", "dflash_ipc.ledger"},
+        "dflash_ipc.target.core": {"dflash_ipc.runtime.nodes", "dflash_ipc.drafter.checkpoint", "dflash_ipc.rundir.ledger"},
         "dflash_ipc.drafter.core": {"dflash_ipc.target_spec.hf_config", "dflash_ipc.procs.target"},
         "dflash_ipc.data.tokenizer": {"dflash_ipc.eval.target_lm", "dflash_ipc.target_spec.hf_config"},
         "dflash_ipc.eval.target_lm": {"dflash_ipc.data.readers"},
         "dflash_ipc.runtime.supervisor": {"dflash_ipc.target.core"},
-        "dflash_ipc.config": {"dflash_ipc.fsutil"},
+        "dflash_ipc.config": {"dflash_ipc.rundir.fsutil"},
         "dflash_ipc.gadget": set(),
     }
     assert layer_violations(graph) == [

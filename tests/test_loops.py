@@ -191,7 +191,7 @@ def test_the_forward_only_ceiling_times_a_warm_forward_that_ships_what_a_plain_f
     baseline are added, and counted apart."""
     import torch
 
-    from dflash_ipc.ledger import BatchLedger
+    from dflash_ipc.rundir.ledger import BatchLedger
     from dflash_ipc.target.core import TargetCore
 
     cfg = small_config(tmp_path, targets=1)

@@ -43,7 +43,7 @@ from dflash_ipc.config.target import TargetConfig
 from dflash_ipc.config.topology import TopologyConfig
 from dflash_ipc.config.training import TrainingConfig
 from dflash_ipc.config.transport import TransportConfig
-from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.rundir.fsutil import write_text_atomic
 
 __all__ = [
     "RESOLVED_CONFIG_FILE",

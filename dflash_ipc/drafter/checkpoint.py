@@ -78,9 +78,9 @@ from dflash_ipc.drafter.ckpt_verify import (  # noqa: F401 - the errors, re-expo
     verify_files,
 )
 from dflash_ipc.drafter.safetensors_stream import write_safetensors
-from dflash_ipc.fence import Fence
-from dflash_ipc.fsutil import LinkRefused
-from dflash_ipc.ledger import BatchId, BatchLedger  # noqa: F401 - re-exported for the checkpoint's readers
+from dflash_ipc.rundir.fence import Fence
+from dflash_ipc.rundir.fsutil import LinkRefused
+from dflash_ipc.rundir.ledger import BatchId, BatchLedger  # noqa: F401 - re-exported for the checkpoint's readers
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ def save_checkpoint(
 ) -> Path:
     """Write ``ckpt_root/step-NNNNNN`` atomically, point ``latest`` at it, keep the newest ``keep``.
 
-    ``fence`` (:mod:`dflash_ipc.fence`): checked before anything is written, and held from
+    ``fence`` (:mod:`dflash_ipc.rundir.fence`): checked before anything is written, and held from
     the commit through ``latest`` and the retention's deletes: a process whose run directory a
     newer `up` owns writes and deletes nothing there (FencedOut).
 

@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dflash_ipc import bounded_json
-from dflash_ipc.ledger import LEDGER_FILE, LEDGER_FORMAT  # noqa: F401 - a checkpoint's names, the ledger's among them
+from dflash_ipc.rundir import bounded_json
+from dflash_ipc.rundir.ledger import LEDGER_FILE, LEDGER_FORMAT  # noqa: F401 - a checkpoint's names, the ledger's among them
 
 CKPT_FORMAT = "dflash-ipc-ckpt/1"
 MODEL_FILE = "model.safetensors"

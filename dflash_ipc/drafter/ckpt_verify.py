@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_ipc import bounded_json
 from dflash_ipc.data.fingerprint import same_data
 from dflash_ipc.drafter.ckpt_layout import (
     CKPT_FORMAT,
@@ -39,7 +38,8 @@ from dflash_ipc.drafter.ckpt_layout import (
     TRAINER_FILE,
     read_latest_pointer,
 )
-from dflash_ipc.ledger import BatchLedger
+from dflash_ipc.rundir import bounded_json
+from dflash_ipc.rundir.ledger import BatchLedger
 
 DIGESTS_KEY = "sha256"
 #: meta.json's ``extra`` key: the batches the steps trained since the ledger began, counted step by step apart

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from dflash_ipc import bounded_json
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.control.drafter_tau import TRAINING_TAU_STEPS, DrafterTau, drafter_tau
 from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
@@ -60,9 +59,10 @@ from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
 from dflash_ipc.drafter.model import num_parameters
 from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
 from dflash_ipc.drafter.trainer import DrafterTrainer
-from dflash_ipc.fence import Fence
-from dflash_ipc.fsutil import make_private_dir, open_append, write_text_atomic
-from dflash_ipc.node_spec import read_node_spec
+from dflash_ipc.rundir import bounded_json
+from dflash_ipc.rundir.fence import Fence
+from dflash_ipc.rundir.fsutil import make_private_dir, open_append, write_text_atomic
+from dflash_ipc.rundir.node_spec import read_node_spec
 from dflash_ipc.transport.slots import SlotViews
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class DrafterCore:
     ):
         self.cfg = cfg
         self.run_dir = run_dir
-        # Every write to the run directory is fenced: refused once a newer `up` owns it (dflash_ipc.fence).
+        # Every write to the run directory is fenced: refused once a newer `up` owns it (dflash_ipc.rundir.fence).
         self.fence = fence or Fence.none()
         self.world = world
         self.device = device

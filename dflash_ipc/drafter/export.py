@@ -24,7 +24,7 @@ from dflash_ipc.drafter.frozen_head import (
 )
 from dflash_ipc.drafter.model import FULL, SLIDING, DFlashDrafter, DrafterModelConfig
 from dflash_ipc.drafter.safetensors_stream import write_safetensors
-from dflash_ipc.fsutil import replace_dir
+from dflash_ipc.rundir.fsutil import replace_dir
 
 EXPORT_WEIGHTS_FILE = "model.safetensors"
 
@@ -183,7 +183,7 @@ def export_drafter(
 
     Every file is written 0644, beside a marker (:data:`.export_target.EXPORT_MARKER`) naming them. ``out_dir``
     must be missing, empty or a previous export (:func:`.export_target.check_replaceable`); the export is
-    written beside it and swapped in whole (:func:`dflash_ipc.fsutil.replace_dir`): a kill leaves the previous
+    written beside it and swapped in whole (:func:`dflash_ipc.rundir.fsutil.replace_dir`): a kill leaves the previous
     one as it was. ``root``: a directory trusted as given (the run's, for the export ``up`` writes) below which
     no link is followed; without it ``out_dir``'s links are resolved first.
     Note: vLLM needs its V2 model runner for drafters that mix sliding and full layers.

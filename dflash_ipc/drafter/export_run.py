@@ -42,7 +42,7 @@ class ExportResult:
 
 def _source_dirs(src: Path) -> tuple[Path, Path, Path | None]:
     """(checkpoint root, run directory, the one checkpoint asked for or None) of ``src``, nothing loaded."""
-    from dflash_ipc.node_spec import read_node_spec
+    from dflash_ipc.rundir.node_spec import read_node_spec
 
     if not src.is_dir():
         raise ValueError(f"{src}: not a directory; give a run directory or one of its checkpoints/step-NNNNNN")

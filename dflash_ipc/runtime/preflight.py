@@ -40,7 +40,7 @@ from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, blame_sets, load_config
 from dflash_ipc.config.topology import valid_device
-from dflash_ipc.fsutil import NotPrivate, check_own_private, links_below
+from dflash_ipc.rundir.fsutil import NotPrivate, check_own_private, links_below
 from dflash_ipc.runtime.family_check import check_target_family
 from dflash_ipc.runtime.resume_check import check_resume_checkpoints, check_resume_config
 from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned

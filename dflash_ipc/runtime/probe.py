@@ -40,7 +40,7 @@ from typing import ClassVar
 
 from dflash_ipc.config import ConfigError, DFlashConfig, read_resolved_config, write_resolved_config
 from dflash_ipc.control.protocol import ProtocolError, Struct, from_wire, to_wire
-from dflash_ipc.fsutil import NotPrivate, make_private_dir
+from dflash_ipc.rundir.fsutil import NotPrivate, make_private_dir
 from dflash_ipc.runtime import liveness, stop_signals
 from dflash_ipc.runtime.family_check import describe_target
 from dflash_ipc.runtime.forkserver import ForkServer

@@ -29,11 +29,11 @@ import json
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dflash_ipc import bounded_json
 from dflash_ipc.config import RESOLVED_CONFIG_FILE, ConfigError, DFlashConfig
 from dflash_ipc.data.fingerprint import describe_changes, same_data
 from dflash_ipc.drafter.ckpt_layout import CKPT_FORMAT, META_FILE, STEP_DIR_RE, run_config_hash
 from dflash_ipc.drafter.ckpt_verify import NoUsableCheckpoint, ResumeChoice, choose_checkpoint
+from dflash_ipc.rundir import bounded_json
 
 KEY = "--resume"
 # Dotted keys (or whole sections, ending in ".") a resumed run may change.

@@ -60,10 +60,10 @@ from dflash_ipc.control.stats import DrafterStats, DrafterSummary
 from dflash_ipc.control.status import ENDED_STATES, SCHEMA_VERSION, StatusSnapshot, Totals
 from dflash_ipc.data.run_length import DataLength, run_length_text
 from dflash_ipc.drafter.ckpt_layout import latest_committed_step
-from dflash_ipc.fsutil import make_private_dir, open_append, write_text_atomic
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests
+from dflash_ipc.rundir.fsutil import make_private_dir, open_append, write_text_atomic
 from dflash_ipc.runtime import liveness, progress, stop_signals
 from dflash_ipc.runtime.children import Child, teardown
 from dflash_ipc.runtime.forkserver import ForkServer, launcher_for, popen_with
@@ -283,7 +283,7 @@ class Supervisor:
             env = dict(base_env)
             key_fd = key_pipe(self._auth.key)
             argv = child_argv(ch.role, parent, key_fd) + ["--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
-            argv += ["--generation", self.dir_lock.own_fence().argv_value]  # its writes there are fenced (dflash_ipc.fence)
+            argv += ["--generation", self.dir_lock.own_fence().argv_value]  # its writes there are fenced (dflash_ipc.rundir.fence)
             argv += self._control.child_argv
             if self.forward_only:
                 argv += ["--forward-only", str(self.forward_only)]

@@ -29,8 +29,8 @@ from dflash_ipc.control.stats import GpuMemory, TargetWork
 from dflash_ipc.data.corpus import Corpus, load_corpus
 from dflash_ipc.data.plan import PlannedBatch, plan_epoch
 from dflash_ipc.data.tokenizer import config_tokenizer
-from dflash_ipc.ledger import BatchLedger
-from dflash_ipc.node_spec import NodeSpec, read_node_spec
+from dflash_ipc.rundir.ledger import BatchLedger
+from dflash_ipc.rundir.node_spec import NodeSpec, read_node_spec
 from dflash_ipc.target.fast_path import fast_path_report
 from dflash_ipc.target.model import TargetModel, build_target
 from dflash_ipc.target.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta

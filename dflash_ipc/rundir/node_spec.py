@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_ipc import bounded_json
-from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.rundir import bounded_json
+from dflash_ipc.rundir.fsutil import write_text_atomic
 
 NODE_FILE = "node.json"
 MAX_NODES = 4096

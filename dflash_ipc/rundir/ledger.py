@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash_ipc import bounded_json
+from dflash_ipc.rundir import bounded_json
 
 LEDGER_FORMAT = "dflash-ipc-ledger/1"
 LEDGER_FILE = "ledger.json"
