@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--route", choices=("automodel", "zlab"), default="automodel")
     args = p.parse_args(argv)
-    from dflash_ipc.third_party_logs import quiet_import_notes
+    from dflash_ipc.platform.third_party_logs import quiet_import_notes
 
     quiet_import_notes()  # transformers imports torchao with the models: its notes are noise here
     import dflash.model as zl

@@ -386,7 +386,7 @@ def main(argv=None) -> dict:
     from dflash_ipc.config import load_config
     from dflash_ipc.data.corpus import load_corpus
     from dflash_ipc.data.tokenizer import config_tokenizer
-    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.platform.devices import dtype_from_name
     from dflash_ipc.target_spec.heads import target_head_weights
 
     # a bad config or batching is refused before SpecForge's process group starts

@@ -55,7 +55,6 @@ from dflash_ipc.bench.op_profile import format_table, profile_classes
 from dflash_ipc.config import DFlashConfig, load_config
 from dflash_ipc.config.fields import FieldError
 from dflash_ipc.data.tokenizer import load_tokenizer
-from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.draft_vocab import DraftVocab
 from dflash_ipc.drafter.build import build_drafter, drafter_for_target
 from dflash_ipc.drafter.fp8_linears import fp8_linear_names
@@ -63,6 +62,7 @@ from dflash_ipc.drafter.loss import compute_loss
 from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
 from dflash_ipc.drafter.model import ATTENTION_KERNELS, DFlashDrafter
 from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.platform.devices import dtype_from_name
 from dflash_ipc.target_spec.hf_config import make_hf_config, qwen36_27b_spec, resolve_layer_ids, smollm2_135m_config, target_vocab_size
 from dflash_ipc.transport.slots import SlotViews
 

@@ -16,7 +16,7 @@ from dflash_ipc.cli.drafters import eval_cmd, export_cmd, export_untrained_cmd
 from dflash_ipc.cli.gen_data import gen_data_cmd
 from dflash_ipc.cli.training import check_config, plan, status, up
 from dflash_ipc.ops.systemd_cli import systemd_group
-from dflash_ipc.third_party_logs import quiet_import_notes
+from dflash_ipc.platform.third_party_logs import quiet_import_notes
 
 
 @click.group()

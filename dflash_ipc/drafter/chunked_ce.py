@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from dflash_ipc.drafter.fp8_head import Fp8Head, pad_columns
 from dflash_ipc.drafter.frozen_head import finish_logits_fp32, logit_slope, transforms_logits
 from dflash_ipc.families.traits import FrozenHead
-from dflash_ipc.fp8 import E4M3, E4M3_MAX, quantize_rows
+from dflash_ipc.platform.e4m3 import E4M3, E4M3_MAX, quantize_rows
 
 __all__ = ["ChunkedLossResult", "chunked_lm_loss"]
 

@@ -37,7 +37,6 @@ from dflash_ipc.config import DFlashConfig
 from dflash_ipc.control.drafter_tau import TRAINING_TAU_STEPS, DrafterTau, drafter_tau
 from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
 from dflash_ipc.control.wire import to_wire
-from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.drafter.anchor_budget import AnchorBudget
 from dflash_ipc.drafter.build import build_drafter, run_draft_vocab
 from dflash_ipc.drafter.checkpoint import (
@@ -59,6 +58,7 @@ from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
 from dflash_ipc.drafter.model import num_parameters
 from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
 from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.platform.devices import dtype_from_name
 from dflash_ipc.rundir import bounded_json
 from dflash_ipc.rundir.fence import Fence
 from dflash_ipc.rundir.fsutil import make_private_dir, open_append, write_text_atomic

@@ -3,7 +3,7 @@
 The drafter never trains its head, so it is quantized once per model (:meth:`DFlashDrafter.fp8_head
 <dflash_ipc.drafter.model.DFlashDrafter.fp8_head>`), into two copies, each scaled along the dimension its
 GEMM reduces (``torch._scaled_mm``'s row-wise scales lie on the product's outer dimensions,
-:mod:`dflash_ipc.fp8`):
+:mod:`dflash_ipc.platform.e4m3`):
 
 * ``logits = X @ W^T``: ``W`` [V, H] row-major, one fp32 scale per vocabulary row; its ``.t()`` is the
   column-major [H, V] operand;
@@ -11,7 +11,7 @@ GEMM reduces (``torch._scaled_mm``'s row-wise scales lie on the product's outer 
   column-major [V, H] operand.
 
 Each chunk's rows (hidden states, the logits' gradient) come quantized per row
-(:mod:`dflash_ipc.drafter.chunked_ce`). Widths that are not multiples of :data:`~dflash_ipc.fp8.ALIGN`
+(:mod:`dflash_ipc.drafter.chunked_ce`). Widths that are not multiples of :data:`~dflash_ipc.platform.e4m3.ALIGN`
 are padded with zeros (a zero row or column adds nothing to a product) and the outputs sliced back.
 
 Not state: the copies are derived from the frozen head, so no ``state_dict``, checkpoint or export holds
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_ipc.fp8 import ALIGN, E4M3, quantize_rows
+from dflash_ipc.platform.e4m3 import ALIGN, E4M3, quantize_rows
 
 __all__ = ["Fp8Head", "fp8_head_bytes", "pad_columns"]
 

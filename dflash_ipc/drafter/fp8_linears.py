@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflash_ipc.fp8 import fp8_device_problem
+from dflash_ipc.platform.e4m3 import fp8_device_problem
 
 __all__ = [
     "INSTALL_HINT",

@@ -40,12 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ipc.config import DrafterConfig
-from dflash_ipc.devices import as_device, fill_normal_
 from dflash_ipc.drafter.blockwise import BlockwiseMask, blockwise_attention
 from dflash_ipc.drafter.fp8_head import Fp8Head
 from dflash_ipc.drafter.frozen_head import embed_rows
 from dflash_ipc.families import FrozenHead, family_of
-from dflash_ipc.fp8 import fp8_device_problem
+from dflash_ipc.platform.devices import as_device, fill_normal_
+from dflash_ipc.platform.e4m3 import fp8_device_problem
 from dflash_ipc.target_spec.hf_config import rope_theta, text_config
 
 try:  # flex_attention exists in every supported torch (>= 2.11); keep the import soft anyway.

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.families import family_of
+from dflash_ipc.platform.devices import dtype_from_name
 
 log = logging.getLogger(__name__)
 

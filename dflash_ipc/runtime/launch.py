@@ -31,8 +31,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_ipc.platform.third_party_logs import quiet_import_notes
 from dflash_ipc.runtime import stop_signals
-from dflash_ipc.third_party_logs import quiet_import_notes
 
 _PR_SET_PDEATHSIG = 1
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)

@@ -169,7 +169,7 @@ def check_quantization_devices(source: str, quantization: str, dtype: str, devic
     """``target.quantization = "fp8"`` only on devices that run FP8 GEMMs (CUDA, capability >= 8.9)."""
     if quantization == "none":
         return
-    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.platform.devices import dtype_from_name
     from dflash_ipc.target.fp8 import fp8_device_problem
 
     for i, dev in enumerate(devices):
@@ -195,7 +195,7 @@ def check_ce_fp8_devices(source: str, ce_fp8: bool, devices: list[str]) -> None:
     """``training.ce_fp8`` only on drafter devices that run FP8 GEMMs: CUDA of capability >= 8.9, or the CPU."""
     if not ce_fp8:
         return
-    from dflash_ipc.fp8 import fp8_device_problem
+    from dflash_ipc.platform.e4m3 import fp8_device_problem
 
     for i, dev in enumerate(devices):
         if dev.startswith("cuda") and (problem := fp8_device_problem(dev)):

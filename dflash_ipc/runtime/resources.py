@@ -132,7 +132,7 @@ def target_weight_params(cfg: TargetConfig, hf_config: Any, n_build: int) -> int
 def target_weight_bytes(cfg: TargetConfig, hf_config: Any, n_build: int) -> int:
     """Bytes of the weights the target process loads in ``cfg.dtype``: the spec's stack, or every tensor of the
     checkpoint (every expert of an MoE) as :func:`checkpoint_weight_bytes` sizes it."""
-    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.platform.devices import dtype_from_name
 
     itemsize = dtype_from_name(cfg.dtype).itemsize
     if cfg.model_path:
@@ -207,7 +207,7 @@ def _safetensors_tensors(path: Path) -> list[tuple[str, int]]:
 
 def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_shape: Any, backend: str) -> list[Need]:
     """What the run will hold, item by item (see the module docstring)."""
-    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.platform.devices import dtype_from_name
     from dflash_ipc.target_spec.hf_config import text_config
 
     tc = text_config(hf_config)
@@ -352,8 +352,8 @@ def target_need_bytes(cfg, device) -> int:
     import torch
 
     from dflash_ipc.data.tokenizer import load_tokenizer
-    from dflash_ipc.devices import dtype_from_name
     from dflash_ipc.drafter.model import DrafterModelConfig
+    from dflash_ipc.platform.devices import dtype_from_name
     from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 
     place = str(torch.device(device))

@@ -43,7 +43,7 @@ from dflash_ipc.control.ring_descriptor import (
     GpuIdentity,
     RingDescriptor,
 )
-from dflash_ipc.devices import cuda_device
+from dflash_ipc.platform.devices import cuda_device
 from dflash_ipc.transport.cuda_common import (
     AFTER_CURRENT,
     CudaCopyTicket,

@@ -15,7 +15,7 @@ from dflash_ipc.control.ring_descriptor import (
     DESCRIPTOR_VERSION,
     RingDescriptor,
 )
-from dflash_ipc.devices import DeviceLike, as_device, cuda_device
+from dflash_ipc.platform.devices import DeviceLike, as_device, cuda_device
 from dflash_ipc.transport.cpu_shm import CpuShmConsumerRing, CpuShmProducerRing
 from dflash_ipc.transport.cuda_ipc import CudaIpcConsumerRing, CudaIpcProducerRing
 from dflash_ipc.transport.host_pinned import (

@@ -16,7 +16,7 @@ import time
 import torch
 
 from dflash_ipc.control.ring_descriptor import GpuIdentity, RingDescriptor, ShmSegment
-from dflash_ipc.devices import cuda_device
+from dflash_ipc.platform.devices import cuda_device
 from dflash_ipc.transport.cuda_common import (
     AFTER_CURRENT,
     CudaCopyTicket,

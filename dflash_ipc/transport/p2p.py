@@ -44,7 +44,7 @@ from datetime import timedelta
 import torch
 
 from dflash_ipc.control.ring_descriptor import PairRendezvous, RingDescriptor
-from dflash_ipc.devices import cuda_device
+from dflash_ipc.platform.devices import cuda_device
 from dflash_ipc.transport.rendezvous import is_loopback, tcp_store
 from dflash_ipc.transport.ring import InPlaceStaging, SlotRingBase, describe, layout_from_descriptor
 from dflash_ipc.transport.slots import SlotLayout, coalesce
