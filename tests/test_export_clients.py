@@ -178,7 +178,7 @@ def test_the_d2t_table_maps_each_head_row_to_the_target_id_it_drafts(trained):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from dflash_ipc.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
+    from dflash_ipc.data.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 
     _, run_dir, outs = trained
     chosen = read_draft_vocab(run_dir / DRAFT_VOCAB_FILE).tensor()

@@ -54,8 +54,8 @@ from dflash_ipc.bench.mps import mps_status
 from dflash_ipc.bench.op_profile import format_table, profile_classes
 from dflash_ipc.config import DFlashConfig, load_config
 from dflash_ipc.config.fields import FieldError
+from dflash_ipc.data.draft_vocab import DraftVocab
 from dflash_ipc.data.tokenizer import load_tokenizer
-from dflash_ipc.draft_vocab import DraftVocab
 from dflash_ipc.drafter.build import build_drafter, drafter_for_target
 from dflash_ipc.drafter.fp8_linears import fp8_linear_names
 from dflash_ipc.drafter.loss import compute_loss

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from dflash_ipc.config import DFlashConfig
+from dflash_ipc.data.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, read_draft_vocab
 from dflash_ipc.data.tokenizer import choose_mask_token, load_tokenizer
-from dflash_ipc.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, read_draft_vocab
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.fp8_linears import convert_fp8_linears
 from dflash_ipc.drafter.init_from_target import apply_init, plan_init

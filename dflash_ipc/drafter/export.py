@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from dflash_ipc.control.drafter_tau import DrafterTau
-from dflash_ipc.draft_vocab import EXPORT_FILE as DRAFT_VOCAB_EXPORT_FILE
-from dflash_ipc.draft_vocab import EXPORT_TENSOR as DRAFT_VOCAB_TENSOR
+from dflash_ipc.data.draft_vocab import EXPORT_FILE as DRAFT_VOCAB_EXPORT_FILE
+from dflash_ipc.data.draft_vocab import EXPORT_TENSOR as DRAFT_VOCAB_TENSOR
 from dflash_ipc.drafter.export_target import EXPORT_MARKER, check_replaceable, marker_text
 from dflash_ipc.drafter.frozen_head import (
     EMBED_TENSOR,

@@ -92,7 +92,7 @@ class DrafterModelConfig:
     # Decoder layers of the target (0: unknown); exported as ``num_target_layers``.
     num_target_layers: int = 0
     initializer_range: float = 0.02
-    # Rows of the drafter's head (dflash_ipc/draft_vocab.py); 0: the whole vocabulary.
+    # Rows of the drafter's head (dflash_ipc/data/draft_vocab.py); 0: the whole vocabulary.
     draft_vocab_size: int = 0
     # What the target applies around its embedding table and LM head (families.traits.FrozenHead).
     frozen_head: FrozenHead = FrozenHead()
@@ -395,7 +395,7 @@ class DFlashDrafter(nn.Module):
         compile_dense: run each layer's dense parts through ``torch.compile`` in :meth:`forward` while
             grad is on (``DrafterConfig.compile``; :meth:`DFlashDecoderLayer.forward`).
         draft_token_ids: ascending target ids ``[config.draft_vocab_size]`` the head keeps
-            (``dflash_ipc.draft_vocab``); then ``lm_head_weight`` holds those rows only and
+            (``dflash_ipc.data.draft_vocab``); then ``lm_head_weight`` holds those rows only and
             :meth:`compute_logits` puts ``-inf`` everywhere else. Required iff the size is non-zero.
         target_dtype: the dtype the target computes its embeddings in, where ``config.frozen_head`` scales
             them (a bf16 target rounds scale and product in bf16); None: the embedding table's.

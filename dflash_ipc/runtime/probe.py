@@ -171,7 +171,7 @@ def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
     )
     summary = corpus.report.summary()
     if cfg.drafter.draft_vocab_size:
-        from dflash_ipc.draft_vocab import ensure_draft_vocab
+        from dflash_ipc.data.draft_vocab import ensure_draft_vocab
         from dflash_ipc.target_spec.hf_config import target_vocab_size
 
         vocab_size = target_vocab_size(cfg.target, len(tok))
