@@ -259,7 +259,7 @@ def test_every_from_import_of_the_package_resolves():
 # --------------------------------------------------------------------------- layers point down
 
 #: The layers, lowest first. A unit is a sub-package (``dflash_ipc.data``) or a top-level module
-#: (``dflash_ipc.cli_options``); ``dflash_ipc.procs`` is the process shells. A unit imports only units of
+#: (``dflash_ipc.cli.options``); ``dflash_ipc.procs`` is the process shells. A unit imports only units of
 #: the layers below its own; within one layer only the leaves import each other (the package-level
 #: cycle test keeps that acyclic). ``target`` and ``drafter`` share a layer, so neither role imports
 #: the other: what both read of the frozen target lives in the leaf ``target_spec``.
@@ -272,7 +272,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "dflash_ipc",
                 "assets",
                 "config",
-                "cli_options",
                 "families",
                 "platform",
                 "rundir",

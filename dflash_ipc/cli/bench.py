@@ -1,5 +1,6 @@
 """`dflash-ipc bench ...`: benchmarks that report ratios against a baseline measured in the same run
-(transport rings, GPU rings, pipeline variants; drafter-step, gen-decode and drafter-serve live with their benches)."""
+(transport rings, GPU rings, pipeline variants, family forwards here; drafter-step, gen-decode, drafter-serve and
+target-forward in their own ``cli.bench_*`` modules)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import sys
 
 import click
 
-from dflash_ipc.bench.drafter_serve import drafter_serve_command
-from dflash_ipc.bench.drafter_step_cli import drafter_step_cmd
-from dflash_ipc.bench.gen_decode_cli import gen_decode_cmd
+from dflash_ipc.cli.bench_drafter_serve import drafter_serve_cmd
+from dflash_ipc.cli.bench_drafter_step import drafter_step_cmd
+from dflash_ipc.cli.bench_gen_decode import gen_decode_cmd
+from dflash_ipc.cli.bench_target_forward import target_forward_cmd
 from dflash_ipc.cli.common import check_device_option, load_or_exit
-from dflash_ipc.cli_options import choice_option, config_option, int_option, json_option, set_option
+from dflash_ipc.cli.options import choice_option, config_option, int_option, json_option, set_option
 from dflash_ipc.config import ConfigError, blame_sets
 from dflash_ipc.control.ring_descriptor import BACKENDS
 
@@ -22,9 +24,8 @@ def bench() -> None:
     """Benchmarks that report ratios against a baseline measured in the same run."""
 
 
-bench.add_command(drafter_step_cmd)
-bench.add_command(gen_decode_cmd)
-bench.add_command(drafter_serve_command())
+for command in (drafter_step_cmd, gen_decode_cmd, drafter_serve_cmd, target_forward_cmd):
+    bench.add_command(command)
 
 
 @bench.command("transport")

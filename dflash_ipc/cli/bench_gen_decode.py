@@ -6,7 +6,7 @@ import json
 
 import click
 
-from dflash_ipc.cli_options import int_option, json_option
+from dflash_ipc.cli.options import int_option, json_option
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from dflash_ipc.cli_options import int_option
+from dflash_ipc.cli.options import int_option
 from dflash_ipc.ops.systemd_units import (
     DEFAULT_TIMEOUT_START_S,
     DEFAULT_TIMEOUT_STOP_S,
