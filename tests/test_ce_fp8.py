@@ -1,4 +1,4 @@
-"""``training.ce_fp8``: the frozen LM head's two GEMMs in the chunked CE in e4m3 (drafter/fp8_head.py, chunked_ce.py).
+"""``training.ce_fp8``: the frozen LM head's two GEMMs in the chunked CE in e4m3 (drafter/model/fp8_head.py, chunked_ce.py).
 
 The CPU runs ``torch._scaled_mm`` (slowly), so these tests run the product's FP8 path for real.
 
@@ -24,7 +24,7 @@ from test_draft_vocab import reduced_twin
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TrainingConfig, load_config
 from dflash_ipc.drafter import loss as L
-from dflash_ipc.drafter.fp8_head import Fp8Head, fp8_head_bytes
+from dflash_ipc.drafter.model.fp8_head import Fp8Head, fp8_head_bytes
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.platform.e4m3 import E4M3, E4M3_MAX, quantize_rows
 from dflash_ipc.runtime.preflight import check_ce_fp8_devices, check_machine

@@ -13,7 +13,7 @@ from dflash_ipc.config import DrafterConfig, TrainingConfig
 from dflash_ipc.drafter import blocks as B
 from dflash_ipc.drafter import loss as L
 from dflash_ipc.drafter import masks as M
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.transport.slots import SlotViews
 
 H, V = 64, 300

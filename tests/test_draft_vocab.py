@@ -25,7 +25,7 @@ from dflash_ipc.data.draft_vocab import (
 from dflash_ipc.drafter import blocks as B
 from dflash_ipc.drafter import loss as L
 from dflash_ipc.drafter.export import export_drafter, load_exported_drafter, read_export
-from dflash_ipc.drafter.model import DFlashDrafter
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter
 
 # --------------------------------------------------------------------------- the choice
 
@@ -160,7 +160,7 @@ def test_the_export_carries_its_rows_and_eval_drafts_over_them_losslessly(tmp_pa
     from dflash_ipc.config import load_config
     from dflash_ipc.data.draft_vocab import DraftVocab
     from dflash_ipc.data.tokenizer import load_tokenizer
-    from dflash_ipc.drafter.build import drafter_for_target
+    from dflash_ipc.drafter.model.build import drafter_for_target
     from dflash_ipc.target_spec.heads import target_head_weights
     from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 

@@ -16,7 +16,7 @@ from dflash_ipc.config import load_config
 from dflash_ipc.data.tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.export_target import EXPORT_MARKER
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.eval.run import format_suite_table, load_prompts
 from dflash_ipc.eval.spec import GenResult, first_divergence, greedy_generate, speculative_generate, summarize
 from dflash_ipc.eval.target_lm import TargetLM, build_target_lm

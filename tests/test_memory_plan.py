@@ -110,7 +110,7 @@ def test_auto_is_a_config_value_refused_with_follow_wait_and_resolved_on_cpu(tmp
 def test_the_fp8_head_copies_count_in_the_drafters_fixed_state():
     """``training.ce_fp8``: two e4m3 copies of the head (~0.6 GB each at Qwen3-8B's), planned before the first
     step makes them, and exactly what it makes."""
-    from dflash_ipc.drafter.fp8_head import fp8_head_bytes
+    from dflash_ipc.drafter.model.fp8_head import fp8_head_bytes
 
     model, _ = tiny_model(["full_attention"])
     plain = M.drafter_fixed_bytes(model)

@@ -9,7 +9,7 @@ import shlex
 
 from loop_harness import small_config
 
-from dflash_ipc.drafter.model import DrafterModelConfig
+from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
 from dflash_ipc.drafter.serving import ENGINES_BY_CLIENT, TARGET_PLACEHOLDER, engine_reference, render_serving_commands, serving_target
 
 HYBRID_FLAG = "--mamba-scheduler-strategy extra_buffer"

@@ -107,7 +107,7 @@ def drafter_shape(cfg, tokenizer):
     and the target's HF config."""
     from specforge.training.model_utils import resolve_mask_token_id
 
-    from dflash_ipc.drafter.model import DrafterModelConfig
+    from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
     from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 
     hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))

@@ -4,7 +4,7 @@
 
 * **Model**: the config's drafter (random weights, ``run.seed``) on its target's shapes: the target
   model folder's config and LM head (``target.model_path``) or ``target.spec``, as training builds it
-  (:func:`~dflash_ipc.drafter.build.build_drafter`); ``--random-target``: SmolLM2-135M's shapes
+  (:func:`~dflash_ipc.drafter.model.build.build_drafter`); ``--random-target``: SmolLM2-135M's shapes
   (:func:`~dflash_ipc.target_spec.hf_config.smollm2_135m_config`) with random heads, for a machine
   without the checkpoint; ``--target-shape`` picks Qwen3-8B's or Qwen3.6-27B's widths instead
   (:data:`RANDOM_TARGETS`).
@@ -56,11 +56,11 @@ from dflash_ipc.config import DFlashConfig, load_config
 from dflash_ipc.config.fields import FieldError
 from dflash_ipc.data.draft_vocab import DraftVocab
 from dflash_ipc.data.tokenizer import load_tokenizer
-from dflash_ipc.drafter.build import build_drafter, drafter_for_target
-from dflash_ipc.drafter.fp8_linears import fp8_linear_names
 from dflash_ipc.drafter.loss import compute_loss
 from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
-from dflash_ipc.drafter.model import ATTENTION_KERNELS, DFlashDrafter
+from dflash_ipc.drafter.model.build import build_drafter, drafter_for_target
+from dflash_ipc.drafter.model.dflash_drafter import ATTENTION_KERNELS, DFlashDrafter
+from dflash_ipc.drafter.model.fp8_linears import fp8_linear_names
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.platform.devices import dtype_from_name
 from dflash_ipc.target_spec.hf_config import make_hf_config, qwen36_27b_spec, resolve_layer_ids, smollm2_135m_config, target_vocab_size

@@ -147,7 +147,7 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str, set_values
     """Export a freshly initialised drafter (as `up` starts it) in the trained export's layout: eval's untrained floor."""
     from pathlib import Path
 
-    from dflash_ipc.drafter.build import export_untrained
+    from dflash_ipc.drafter.model.build import export_untrained
 
     cfg = load_or_exit(config_path, set_values)
     check_device_option("--device", device, "cpu", "cpu")

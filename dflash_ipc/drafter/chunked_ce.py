@@ -6,7 +6,7 @@ taken while the chunk's logits exist, two head GEMMs per row; a trainable head r
 (three). ``training.ce_compile`` runs each chunk's fp32 work after the GEMM through ``torch.compile``.
 
 ``training.ce_fp8`` (a frozen head's gradient taken in forward): both head GEMMs in e4m3 with row-wise
-scales (:class:`~dflash_ipc.drafter.fp8_head.Fp8Head`): each chunk's hidden rows are quantized per row
+scales (:class:`~dflash_ipc.drafter.model.fp8_head.Fp8Head`): each chunk's hidden rows are quantized per row
 before ``logits = X @ W^T``, and its gradient rows before ``dX = G @ W``. The gradient's label entry
 (``softmax * scale - 1``, the one entry near -1) is taken out before that quantization and added back
 exactly as ``coef * W[label]``: left in, it would set every row's scale, and the rest of the row (the
@@ -15,7 +15,7 @@ to zero. Without a gradient (held-out passes) the logits stay the bf16 GEMM's, a
 the KL term's target distribution (a constant of the loss).
 
 A target whose logits are finished after its head's matmul (``frozen_head``: Granite divides them, Gemma
-soft-caps them; :mod:`~dflash_ipc.drafter.frozen_head`) has its draft and target logits finished in fp32 the
+soft-caps them; :mod:`~dflash_ipc.drafter.model.frozen_head`) has its draft and target logits finished in fp32 the
 same way before the softmax; each chunk's gradient, taken with respect to the finished logits, is multiplied
 by their slope (``d finished / d raw``) before the head's GEMM, in fp32, as the KL term's is adjusted.
 """
@@ -29,8 +29,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dflash_ipc.drafter.fp8_head import Fp8Head, pad_columns
-from dflash_ipc.drafter.frozen_head import finish_logits_fp32, logit_slope, transforms_logits
+from dflash_ipc.drafter.model.fp8_head import Fp8Head, pad_columns
+from dflash_ipc.drafter.model.frozen_head import finish_logits_fp32, logit_slope, transforms_logits
 from dflash_ipc.families.traits import FrozenHead
 from dflash_ipc.platform.e4m3 import E4M3, E4M3_MAX, quantize_rows
 

@@ -38,7 +38,6 @@ from dflash_ipc.control.drafter_tau import TRAINING_TAU_STEPS, DrafterTau, draft
 from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
 from dflash_ipc.control.wire import to_wire
 from dflash_ipc.drafter.anchor_budget import AnchorBudget
-from dflash_ipc.drafter.build import build_drafter, run_draft_vocab
 from dflash_ipc.drafter.checkpoint import (
     BatchLedger,
     gather_ledger,
@@ -55,7 +54,8 @@ from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
 from dflash_ipc.drafter.learning import UpdateTally
 from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
-from dflash_ipc.drafter.model import num_parameters
+from dflash_ipc.drafter.model.build import build_drafter, run_draft_vocab
+from dflash_ipc.drafter.model.dflash_drafter import num_parameters
 from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.platform.devices import dtype_from_name

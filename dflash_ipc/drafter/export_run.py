@@ -21,7 +21,7 @@ from pathlib import Path
 from dflash_ipc.drafter.ckpt_layout import STEP_DIR_RE
 from dflash_ipc.drafter.export import CLIENTS
 from dflash_ipc.drafter.export_target import check_outside_run, check_replaceable
-from dflash_ipc.drafter.model import DrafterModelConfig
+from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
 
 
 @dataclass
@@ -79,8 +79,8 @@ def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", dev
     import torch
 
     from dflash_ipc.config import ConfigError, config_from_dict
-    from dflash_ipc.drafter.build import build_drafter, run_draft_vocab
     from dflash_ipc.drafter.export import export_drafter
+    from dflash_ipc.drafter.model.build import build_drafter, run_draft_vocab
     from dflash_ipc.drafter.serving import TARGET_PLACEHOLDER, render_serving_commands, serving_target, speculators_note
 
     ckpt = _load_source(root, step_dir)

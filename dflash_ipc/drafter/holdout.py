@@ -34,7 +34,7 @@ import torch
 from dflash_ipc.config import DrafterConfig, TrainingConfig
 from dflash_ipc.drafter.blocks import document_index, sample_anchors, valid_anchor_mask
 from dflash_ipc.drafter.loss import compute_loss
-from dflash_ipc.drafter.model import DFlashDrafter
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter
 from dflash_ipc.transport.slots import SlotViews
 
 __all__ = ["HoldoutScore", "answer_spans", "chained_counts", "chained_decode", "score_holdout_batch"]

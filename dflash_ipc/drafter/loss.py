@@ -34,7 +34,7 @@ from dflash_ipc.config import DrafterConfig, TrainingConfig
 from dflash_ipc.drafter.blocks import BlockLabels, block_labels, build_block_layout, document_index, sample_anchors
 from dflash_ipc.drafter.chunked_ce import ChunkedLossResult, chunked_lm_loss
 from dflash_ipc.drafter.masks import build_attention_masks
-from dflash_ipc.drafter.model import DFlashDrafter
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter
 from dflash_ipc.transport.slots import SlotViews
 
 __all__ = [

@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 import torch
 
 from dflash_ipc.drafter.blocks import BlockLayout, MaskIndex
-from dflash_ipc.drafter.blockwise import BlockwiseMask, merge_groups
-from dflash_ipc.drafter.model import FULL, SLIDING
+from dflash_ipc.drafter.model.blockwise import BlockwiseMask, merge_groups
+from dflash_ipc.drafter.model.dflash_drafter import FULL, SLIDING
 
 try:
     from torch.nn.attention.flex_attention import BlockMask
@@ -71,7 +71,7 @@ def dense_attention_mask(layout: BlockLayout, layer_type: str, sliding_window: i
 
 
 def blockwise_mask(layout: BlockLayout, layer_type: str, sliding_window: int) -> BlockwiseMask:
-    """The groups, context masks and own-block rule of :func:`~dflash_ipc.drafter.blockwise.blockwise_attention`:
+    """The groups, context masks and own-block rule of :func:`~dflash_ipc.drafter.model.blockwise.blockwise_attention`:
     a group per run of blocks over one document (adjacent ones merged while cheap), scoring the union
     of its rows' visible context ranges (:class:`_RowRanges`); the same element-wise rule as the dense mask."""
     causal, window = _layer_rule(layer_type, sliding_window)
@@ -250,7 +250,7 @@ def build_attention_masks(
     flex_tile: int | tuple[int, int] = FLEX_TILE,
 ) -> dict[str, Any]:
     """One mask per layer type present: flex ``BlockMask`` (``backend="flex"``), dense bool ("sdpa") or
-    :class:`~dflash_ipc.drafter.blockwise.BlockwiseMask` ("blockwise")."""
+    :class:`~dflash_ipc.drafter.model.blockwise.BlockwiseMask` ("blockwise")."""
     out: dict[str, Any] = {}
     for lt in dict.fromkeys(layer_types):
         if backend == "flex":

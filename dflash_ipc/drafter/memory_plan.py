@@ -40,7 +40,7 @@ GRANULE = 128
 RESERVE_BYTES = 6 << 30
 #: the chunked CE's transient bytes per logit: the GEMM's output, its fp32 copy and the fp32 gradient or softmax
 CE_BYTES_PER_LOGIT_FP32 = 12
-#: and under a target's final soft-cap (Gemma), the fp32 slope of the capped logits (drafter/frozen_head.py)
+#: and under a target's final soft-cap (Gemma), the fp32 slope of the capped logits (drafter/model/frozen_head.py)
 CE_BYTES_PER_LOGIT_SOFTCAP = 4
 
 
@@ -137,8 +137,8 @@ def drafter_widths(model, cfg) -> DrafterWidths:
 def drafter_fixed_bytes(model, ce_fp8: bool = False) -> int:
     """The drafter's fixed state: its parameters in the compute dtype, and per trainable parameter an
     fp32 master, gradient and two AdamW moments (:mod:`dflash_ipc.drafter.trainer`); ``ce_fp8``
-    (``training.ce_fp8``): the head's e4m3 copies too, made at the first step (:mod:`~dflash_ipc.drafter.fp8_head`)."""
-    from dflash_ipc.drafter.fp8_head import fp8_head_bytes
+    (``training.ce_fp8``): the head's e4m3 copies too, made at the first step (:mod:`~dflash_ipc.drafter.model.fp8_head`)."""
+    from dflash_ipc.drafter.model.fp8_head import fp8_head_bytes
 
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_ipc.drafter.export import carries_reduced_head
-from dflash_ipc.drafter.model import FULL, SLIDING, DrafterModelConfig
+from dflash_ipc.drafter.model.dflash_drafter import FULL, SLIDING, DrafterModelConfig
 
 #: the engine versions whose DFlash loaders the export layout was written against (drafter/export.py)
 SUPPORTED = {

@@ -183,7 +183,7 @@ def check_fp8_linears(source: str, recipe: str, devices: list[str]) -> None:
     capability >= 8.9, or the CPU: no speed-up there, the same numerics)."""
     if recipe == "none":
         return
-    from dflash_ipc.drafter.fp8_linears import fp8_linears_problem
+    from dflash_ipc.drafter.model.fp8_linears import fp8_linears_problem
 
     for i, dev in enumerate(devices):
         if problem := fp8_linears_problem(dev):
@@ -385,7 +385,7 @@ def _check_model(cfg: DFlashConfig) -> None:
 
 def _check_drafter_resolves(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], mask_id: int) -> Any:
     """What the drafter process will build from these configs: any remaining refusal, before spawn."""
-    from dflash_ipc.drafter.model import DrafterModelConfig
+    from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
 
     try:
         shape = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
@@ -398,7 +398,7 @@ def _check_drafter_resolves(cfg: DFlashConfig, hf_config: Any, layer_ids: list[i
 
 def _check_init_from_target(cfg: DFlashConfig, shape: Any) -> None:
     """``drafter.init_from_target`` against the checkpoint's tensor shapes (its headers only)."""
-    from dflash_ipc.drafter.init_from_target import plan_init
+    from dflash_ipc.drafter.model.init_from_target import plan_init
     from dflash_ipc.target_spec.heads import decoder_stack_shapes
 
     if not cfg.target.model_path:

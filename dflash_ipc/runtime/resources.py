@@ -116,7 +116,7 @@ def slot_bytes(cfg: DFlashConfig, num_planes: int, hidden: int) -> int:
 
 def drafter_trainable_params(m: Any) -> int:
     """Trainable parameters of a DFlash drafter of shape ``m`` (a DrafterModelConfig), as
-    :class:`~dflash_ipc.drafter.model.DFlashDrafter` declares them (tests/test_resources.py holds the two equal)."""
+    :class:`~dflash_ipc.drafter.model.dflash_drafter.DFlashDrafter` declares them (tests/test_resources.py holds the two equal)."""
     h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     per_layer = 2 * h + h * q + 2 * h * kv + q * h + 2 * m.head_dim + 3 * h * m.intermediate_size
     return m.num_context_planes * h * h + 2 * h + m.num_layers * per_layer
@@ -234,7 +234,7 @@ def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_sh
     ring = cfg.transport.ring_slots * slot_bytes(cfg, num_planes, hidden)
     trainable = drafter_trainable_params(drafter_shape)
     heads = (1 if _tied(hf_config) else 2) * vocab * hidden * d_size
-    heads += 2 * vocab * hidden if cfg.training.ce_fp8 else 0  # the head's two e4m3 copies (drafter/fp8_head.py)
+    heads += 2 * vocab * hidden if cfg.training.ce_fp8 else 0  # the head's two e4m3 copies (drafter/model/fp8_head.py)
     drafter_bytes = trainable * (OPTIMIZER_BYTES_PER_PARAM + (0 if d_size == 4 else d_size)) + heads
     d_ref = DrafterConfig()
     drafter_factors = [
@@ -352,7 +352,7 @@ def target_need_bytes(cfg, device) -> int:
     import torch
 
     from dflash_ipc.data.tokenizer import load_tokenizer
-    from dflash_ipc.drafter.model import DrafterModelConfig
+    from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
     from dflash_ipc.platform.devices import dtype_from_name
     from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from family_zoo import build_checkpoint
 from loop_harness import small_config
 
-from dflash_ipc.drafter.build import drafter_for_target
 from dflash_ipc.drafter.chunked_ce import chunked_lm_loss
 from dflash_ipc.drafter.export import EXPORT_WEIGHTS_FILE, export_drafter, load_exported_drafter
-from dflash_ipc.drafter.fp8_head import Fp8Head
-from dflash_ipc.drafter.frozen_head import EMBED_TENSOR
+from dflash_ipc.drafter.model.build import drafter_for_target
+from dflash_ipc.drafter.model.fp8_head import Fp8Head
+from dflash_ipc.drafter.model.frozen_head import EMBED_TENSOR
 from dflash_ipc.families import FrozenHead
 from dflash_ipc.target_spec.heads import target_head_weights
 from dflash_ipc.target_spec.hf_config import load_hf_config

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ipc.drafter.model import DFlashDecoderLayer, DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDecoderLayer, DFlashDrafter, DrafterModelConfig
 
 __all__ = ["InitPlan", "apply_init", "drafter_layer_shapes", "nearest_plane", "plan_init"]
 

@@ -16,9 +16,9 @@ from dflash_ipc.config import DFlashConfig
 from dflash_ipc.data.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, read_draft_vocab
 from dflash_ipc.data.tokenizer import choose_mask_token, load_tokenizer
 from dflash_ipc.drafter.export import export_drafter
-from dflash_ipc.drafter.fp8_linears import convert_fp8_linears
-from dflash_ipc.drafter.init_from_target import apply_init, plan_init
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.model.fp8_linears import convert_fp8_linears
+from dflash_ipc.drafter.model.init_from_target import apply_init, plan_init
 from dflash_ipc.platform.devices import dtype_from_name
 from dflash_ipc.target_spec.heads import decoder_stack_shapes, read_decoder_stack, target_head_weights
 from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config

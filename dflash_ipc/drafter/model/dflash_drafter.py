@@ -15,7 +15,7 @@ vLLM serving implementations):
 * **Head.** Final ``norm``, then the *target's* (frozen) LM head.
 * **The target's effective tables.** Where the target's family scales its embeddings or transforms its
   logits (``DrafterModelConfig.frozen_head``: Gemma, Granite), :meth:`~DFlashDrafter.embed` and
-  :meth:`~DFlashDrafter.compute_logits` do the same (:mod:`dflash_ipc.drafter.frozen_head`).
+  :meth:`~DFlashDrafter.compute_logits` do the same (:mod:`dflash_ipc.drafter.model.frozen_head`).
 
 The embedding and LM head are given to the constructor as tensors and kept as frozen
 parameters (``requires_grad=False``) that are left out of :meth:`~torch.nn.Module.state_dict`,
@@ -23,7 +23,7 @@ so checkpoints and exports hold only the drafter's own weights.
 
 Attention runs through ``torch.nn.attention.flex_attention`` with a ``BlockMask`` (compiled on
 CUDA), through ``F.scaled_dot_product_attention`` with a dense boolean mask, or blockwise
-(:mod:`dflash_ipc.drafter.blockwise`: each document's context range and each block's own keys,
+(:mod:`dflash_ipc.drafter.model.blockwise`: each document's context range and each block's own keys,
 the CPU's default); the masks themselves are built by :mod:`dflash_ipc.drafter.masks` and passed per layer type.
 Export for SGLang / vLLM: :mod:`dflash_ipc.drafter.export`.
 """
@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ipc.config import DrafterConfig
-from dflash_ipc.drafter.blockwise import BlockwiseMask, blockwise_attention
-from dflash_ipc.drafter.fp8_head import Fp8Head
-from dflash_ipc.drafter.frozen_head import embed_rows
+from dflash_ipc.drafter.model.blockwise import BlockwiseMask, blockwise_attention
+from dflash_ipc.drafter.model.fp8_head import Fp8Head
+from dflash_ipc.drafter.model.frozen_head import embed_rows
 from dflash_ipc.families import FrozenHead, family_of
 from dflash_ipc.platform.devices import as_device, fill_normal_
 from dflash_ipc.platform.e4m3 import fp8_device_problem
@@ -483,7 +483,7 @@ class DFlashDrafter(nn.Module):
                     nn.init.ones_(m.weight)
 
     def fp8_head(self) -> Fp8Head:
-        """The frozen head's e4m3 copies for the loss's GEMMs (``training.ce_fp8``, :mod:`dflash_ipc.drafter.fp8_head`):
+        """The frozen head's e4m3 copies for the loss's GEMMs (``training.ce_fp8``, :mod:`dflash_ipc.drafter.model.fp8_head`):
         quantized at the first call and kept, the head never changing (made again only for a head moved or
         replaced). Neither parameter nor buffer: no ``state_dict``, checkpoint or export holds them."""
         if self._fp8_head is None or not self._fp8_head.made_from(self.lm_head_weight):

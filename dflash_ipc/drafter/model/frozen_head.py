@@ -11,7 +11,7 @@ hidden state the target's layer 0 sees, and its logits are the ones the target's
   where the loss's softmax runs) and its derivative, ``d final / d raw``, by which the chunked CE multiplies
   its gradient before the head's GEMM (:mod:`~dflash_ipc.drafter.chunked_ce`).
 
-Eval decodes through :meth:`~dflash_ipc.drafter.model.DFlashDrafter.compute_logits`, which finishes the
+Eval decodes through :meth:`~dflash_ipc.drafter.model.dflash_drafter.DFlashDrafter.compute_logits`, which finishes the
 logits in their own dtype, as transformers does after its head.
 
 The export (:func:`frozen_head_config`, :func:`scaled_table`) records what each serving engine reads to do the

@@ -1,7 +1,7 @@
 """The frozen LM head in e4m3 for the chunked CE's two GEMMs (``training.ce_fp8``).
 
 The drafter never trains its head, so it is quantized once per model (:meth:`DFlashDrafter.fp8_head
-<dflash_ipc.drafter.model.DFlashDrafter.fp8_head>`), into two copies, each scaled along the dimension its
+<dflash_ipc.drafter.model.dflash_drafter.DFlashDrafter.fp8_head>`), into two copies, each scaled along the dimension its
 GEMM reduces (``torch._scaled_mm``'s row-wise scales lie on the product's outer dimensions,
 :mod:`dflash_ipc.platform.e4m3`):
 
