@@ -196,7 +196,7 @@ def test_import_reader_resolves_relative_function_level_and_procs_imports(tmp_pa
             "dflash_ipc.data.corpus",
             "dflash_ipc.data.tokenizer",
             "dflash_ipc.target.model",
-            "dflash_ipc.drafter.loss",
+            "dflash_ipc.drafter.loss.objective",
             "dflash_ipc.procs.target",
             "dflash_ipc.data",
         )

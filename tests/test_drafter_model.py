@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 from transformers import Qwen3_5TextConfig
 
 from dflash_ipc.config import DrafterConfig
-from dflash_ipc.drafter import blocks as B
-from dflash_ipc.drafter import loss as L
-from dflash_ipc.drafter import masks as M
 from dflash_ipc.drafter.export import export_drafter, load_exported_drafter
+from dflash_ipc.drafter.loss import blocks as B
+from dflash_ipc.drafter.loss import masks as M
+from dflash_ipc.drafter.loss import objective as L
 from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig, resolve_attention_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -299,9 +299,9 @@ def test_export_untrained_matches_the_trained_layout_and_evals_lossless(tmp_path
 
 
 def test_cached_context_keys_values_give_the_drafts_of_a_full_recompute(tiny, tmp_path):
-    from dflash_ipc.drafter.blocks import build_block_layout
     from dflash_ipc.drafter.export import load_exported_drafter
-    from dflash_ipc.drafter.masks import build_attention_masks
+    from dflash_ipc.drafter.loss.blocks import build_block_layout
+    from dflash_ipc.drafter.loss.masks import build_attention_masks
     from dflash_ipc.eval.spec import DrafterProposer
 
     cfg, tok, target, prompts, stops = tiny

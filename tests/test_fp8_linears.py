@@ -27,7 +27,7 @@ from dflash_ipc.config import ConfigError, DrafterConfig, load_config
 from dflash_ipc.drafter.checkpoint import BatchLedger, load_latest_checkpoint, rng_state, save_checkpoint
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.export_run import export_checkpoint
-from dflash_ipc.drafter.loss import compute_loss
+from dflash_ipc.drafter.loss.objective import compute_loss
 from dflash_ipc.drafter.model.build import build_drafter
 from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.drafter.model.fp8_linears import convert_fp8_linears, fp8_linear_names, skip_reason

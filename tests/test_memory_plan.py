@@ -15,9 +15,9 @@ import torch
 from test_dflash_loss import packed_views, tiny_model
 
 from dflash_ipc.config import ConfigError, DrafterConfig, TrainingConfig, load_config
-from dflash_ipc.drafter import chunked_ce as CE
-from dflash_ipc.drafter import loss as L
 from dflash_ipc.drafter import memory_plan as M
+from dflash_ipc.drafter.loss import chunked_ce as CE
+from dflash_ipc.drafter.loss import objective as L
 
 GIB = 2**30
 H200_TOTAL = int(139.8 * GIB)

@@ -13,7 +13,7 @@
   ``--doc-len``, each document's last ``--supervised`` share under the loss mask (a chat answer
   after its prompt), random planes in the target's dtype. Every batch has its own shape, as in
   training.
-* **Step**: the real path: :func:`~dflash_ipc.drafter.loss.compute_loss` (anchors, masks, drafter
+* **Step**: the real path: :func:`~dflash_ipc.drafter.loss.objective.compute_loss` (anchors, masks, drafter
   forward, chunked CE) and :meth:`~dflash_ipc.drafter.trainer.DrafterTrainer.step` (backward,
   clip, AdamW). Phases: ``prep`` (anchors, labels, masks), ``forward`` (the drafter's layers),
   ``loss`` (the chunked CE and metrics), ``backward``, ``optimizer``; CUDA events on GPU,
@@ -56,7 +56,7 @@ from dflash_ipc.config import DFlashConfig, load_config
 from dflash_ipc.config.fields import FieldError
 from dflash_ipc.data.draft_vocab import DraftVocab
 from dflash_ipc.data.tokenizer import load_tokenizer
-from dflash_ipc.drafter.loss import compute_loss
+from dflash_ipc.drafter.loss.objective import compute_loss
 from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
 from dflash_ipc.drafter.model.build import build_drafter, drafter_for_target
 from dflash_ipc.drafter.model.dflash_drafter import ATTENTION_KERNELS, DFlashDrafter

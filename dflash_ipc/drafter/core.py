@@ -52,7 +52,7 @@ from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
 from dflash_ipc.drafter.learning import UpdateTally
-from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
+from dflash_ipc.drafter.loss.objective import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
 from dflash_ipc.drafter.model.build import build_drafter, run_draft_vocab
 from dflash_ipc.drafter.model.dflash_drafter import num_parameters

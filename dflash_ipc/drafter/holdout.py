@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from dflash_ipc.config import DrafterConfig, TrainingConfig
-from dflash_ipc.drafter.blocks import document_index, sample_anchors, valid_anchor_mask
-from dflash_ipc.drafter.loss import compute_loss
+from dflash_ipc.drafter.loss.blocks import document_index, sample_anchors, valid_anchor_mask
+from dflash_ipc.drafter.loss.objective import compute_loss
 from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter
 from dflash_ipc.transport.slots import SlotViews
 

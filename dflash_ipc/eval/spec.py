@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_ipc.drafter.blocks import build_block_layout
-from dflash_ipc.drafter.masks import build_attention_masks
+from dflash_ipc.drafter.loss.blocks import build_block_layout
+from dflash_ipc.drafter.loss.masks import build_attention_masks
 from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter
 from dflash_ipc.eval.sampling import SpecSampler
 from dflash_ipc.eval.target_lm import TargetLM

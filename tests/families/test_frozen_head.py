@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from family_zoo import build_checkpoint
 from loop_harness import small_config
 
-from dflash_ipc.drafter.chunked_ce import chunked_lm_loss
 from dflash_ipc.drafter.export import EXPORT_WEIGHTS_FILE, export_drafter, load_exported_drafter
+from dflash_ipc.drafter.loss.chunked_ce import chunked_lm_loss
 from dflash_ipc.drafter.model.build import drafter_for_target
 from dflash_ipc.drafter.model.fp8_head import Fp8Head
 from dflash_ipc.drafter.model.frozen_head import EMBED_TENSOR
@@ -171,8 +171,8 @@ def test_a_training_steps_loss_is_the_cross_entropy_of_the_drafters_finished_log
     from test_dflash_loss import manual_loss, packed_views
 
     from dflash_ipc.config import DrafterConfig, TrainingConfig
-    from dflash_ipc.drafter import blocks as B
-    from dflash_ipc.drafter import loss as L
+    from dflash_ipc.drafter.loss import blocks as B
+    from dflash_ipc.drafter.loss import objective as L
 
     d = copy.deepcopy(zoo[name][2])
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """Blockwise DFlash attention: each document's context and each block's own keys, never the dense ``[Q, n+Q]``.
 
-A block query sees (``drafter/masks.py``) a contiguous range of its own document's context and keys of
+A block query sees (``drafter/loss/masks.py``) a contiguous range of its own document's context and keys of
 its own block only. The dense SDPA path still scores every query against all ``n + Q`` keys, almost all
 of them masked (under 1 % visible in a packed batch of many blocks); on the CPU, where no kernel skips
 masked tiles, that is most of a drafter step. Here the queries are cut into *groups* (runs of blocks

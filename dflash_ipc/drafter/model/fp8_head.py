@@ -11,7 +11,7 @@ GEMM reduces (``torch._scaled_mm``'s row-wise scales lie on the product's outer 
   column-major [V, H] operand.
 
 Each chunk's rows (hidden states, the logits' gradient) come quantized per row
-(:mod:`dflash_ipc.drafter.chunked_ce`). Widths that are not multiples of :data:`~dflash_ipc.platform.e4m3.ALIGN`
+(:mod:`dflash_ipc.drafter.loss.chunked_ce`). Widths that are not multiples of :data:`~dflash_ipc.platform.e4m3.ALIGN`
 are padded with zeros (a zero row or column adds nothing to a product) and the outputs sliced back.
 
 Not state: the copies are derived from the frozen head, so no ``state_dict``, checkpoint or export holds

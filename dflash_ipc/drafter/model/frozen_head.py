@@ -9,7 +9,7 @@ hidden state the target's layer 0 sees, and its logits are the ones the target's
   rounds the scale and the product in bf16), then cast to the drafter's dtype. A plain family is untouched.
 * :func:`finish_logits_fp32` and :func:`logit_slope`: the logit transform for the loss (computed in fp32,
   where the loss's softmax runs) and its derivative, ``d final / d raw``, by which the chunked CE multiplies
-  its gradient before the head's GEMM (:mod:`~dflash_ipc.drafter.chunked_ce`).
+  its gradient before the head's GEMM (:mod:`~dflash_ipc.drafter.loss.chunked_ce`).
 
 Eval decodes through :meth:`~dflash_ipc.drafter.model.dflash_drafter.DFlashDrafter.compute_logits`, which finishes the
 logits in their own dtype, as transformers does after its head.

@@ -1,4 +1,4 @@
-"""DFlash attention masks over a :class:`~dflash_ipc.drafter.blocks.BlockLayout`.
+"""DFlash attention masks over a :class:`~dflash_ipc.drafter.loss.blocks.BlockLayout`.
 
 **Attention** (:func:`build_attention_masks`): keys/values are ``[context (n) | blocks (Q)]``,
 queries the ``Q = N*block_size`` block tokens. A query of block ``j`` at position
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dflash_ipc.drafter.blocks import BlockLayout, MaskIndex
+from dflash_ipc.drafter.loss.blocks import BlockLayout, MaskIndex
 from dflash_ipc.drafter.model.blockwise import BlockwiseMask, merge_groups
 from dflash_ipc.drafter.model.dflash_drafter import FULL, SLIDING
 

@@ -15,7 +15,7 @@ documents back to back; RoPE positions restart at 0 in each.
   ``token[a_j + s]`` with weight ``exp(-(s-1)/gamma) * loss_mask[a_j+s] * [a_j+s in the
   same document]``; slot 0 (the anchor) has none.
 
-The attention rule over this layout is :mod:`dflash_ipc.drafter.masks`; the loss, :mod:`dflash_ipc.drafter.loss`.
+The attention rule over this layout is :mod:`dflash_ipc.drafter.loss.masks`; the loss, :mod:`dflash_ipc.drafter.loss.objective`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ planes, plus the target's last hidden state as plane ``k`` when the KL loss is o
 documents sit back to back; RoPE positions restart at 0 in each.
 
 One training step (:func:`compute_loss`): anchors, blocks and labels
-(:mod:`dflash_ipc.drafter.blocks`), attention masks (:mod:`dflash_ipc.drafter.masks`), the drafter
+(:mod:`dflash_ipc.drafter.loss.blocks`), attention masks (:mod:`dflash_ipc.drafter.loss.masks`), the drafter
 forward, then the loss (:func:`chunked_lm_loss`): full-vocabulary cross-entropy through the frozen
 LM head, its logits finished as the target finishes its own (``DrafterModelConfig.frozen_head``),
 ``ce_chunk_tokens`` rows at a time, as a custom autograd function that holds at most one
@@ -31,9 +31,9 @@ from typing import NamedTuple
 import torch
 
 from dflash_ipc.config import DrafterConfig, TrainingConfig
-from dflash_ipc.drafter.blocks import BlockLabels, block_labels, build_block_layout, document_index, sample_anchors
-from dflash_ipc.drafter.chunked_ce import ChunkedLossResult, chunked_lm_loss
-from dflash_ipc.drafter.masks import build_attention_masks
+from dflash_ipc.drafter.loss.blocks import BlockLabels, block_labels, build_block_layout, document_index, sample_anchors
+from dflash_ipc.drafter.loss.chunked_ce import ChunkedLossResult, chunked_lm_loss
+from dflash_ipc.drafter.loss.masks import build_attention_masks
 from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter
 from dflash_ipc.transport.slots import SlotViews
 
