@@ -11,7 +11,7 @@ import psutil
 from dflash_ipc.control import channels, handshake
 from dflash_ipc.control.protocol import Hello
 from dflash_ipc.control.stats import ChildInfo, FastPath
-from dflash_ipc.drafter.ckpt_verify import resume_ledger
+from dflash_ipc.drafter.checkpoint.verify import resume_ledger
 from dflash_ipc.platform.devices import gpu_memory_text
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.child import ChildContext, run_child

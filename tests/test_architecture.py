@@ -374,7 +374,7 @@ def test_no_private_name_is_imported_across_modules():
 
 def test_the_layer_rules_catch_planted_violations():
     graph = {
-        "dflash_ipc.target.core": {"dflash_ipc.runtime.nodes", "dflash_ipc.drafter.checkpoint", "dflash_ipc.rundir.ledger"},
+        "dflash_ipc.target.core": {"dflash_ipc.runtime.nodes", "dflash_ipc.drafter.checkpoint.store", "dflash_ipc.rundir.ledger"},
         "dflash_ipc.drafter.core": {"dflash_ipc.target_spec.hf_config", "dflash_ipc.procs.target"},
         "dflash_ipc.data.tokenizer": {"dflash_ipc.eval.target_lm", "dflash_ipc.target_spec.hf_config"},
         "dflash_ipc.eval.target_lm": {"dflash_ipc.data.readers"},
@@ -386,10 +386,10 @@ def test_the_layer_rules_catch_planted_violations():
         "gadget: in no layer (add it to LAYERS in tests/test_architecture.py)",
         "dflash_ipc.data.tokenizer -> dflash_ipc.eval.target_lm (data -> eval)",
         "dflash_ipc.drafter.core -> dflash_ipc.procs.target (roles -> procs)",
-        "dflash_ipc.target.core -> dflash_ipc.drafter.checkpoint (roles -> roles)",
+        "dflash_ipc.target.core -> dflash_ipc.drafter.checkpoint.store (roles -> roles)",
         "dflash_ipc.target.core -> dflash_ipc.runtime.nodes (roles -> runtime)",
     ]
-    assert cross_role_imports(graph) == ["dflash_ipc.target.core -> dflash_ipc.drafter.checkpoint"]
+    assert cross_role_imports(graph) == ["dflash_ipc.target.core -> dflash_ipc.drafter.checkpoint.store"]
     units = package_graph(graph)
     assert units["data"] == {"eval", "target_spec"} and units["eval"] == {"data"}
     assert import_cycles(units) == [["data", "eval", "data"], ["runtime", "target", "runtime"]]

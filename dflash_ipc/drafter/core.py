@@ -38,7 +38,8 @@ from dflash_ipc.control.drafter_tau import TRAINING_TAU_STEPS, DrafterTau, draft
 from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
 from dflash_ipc.control.wire import to_wire
 from dflash_ipc.drafter.anchor_budget import AnchorBudget
-from dflash_ipc.drafter.checkpoint import (
+from dflash_ipc.drafter.checkpoint.layout import run_config_hash
+from dflash_ipc.drafter.checkpoint.store import (
     BatchLedger,
     gather_ledger,
     load_latest_checkpoint,
@@ -46,8 +47,7 @@ from dflash_ipc.drafter.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash_ipc.drafter.ckpt_layout import run_config_hash
-from dflash_ipc.drafter.ckpt_verify import BATCHES_TRAINED_KEY, read_plan, resume_ledger
+from dflash_ipc.drafter.checkpoint.verify import BATCHES_TRAINED_KEY, read_plan, resume_ledger
 from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
@@ -162,7 +162,7 @@ class DrafterCore:
         self.recent = RecentRate(start_after=MEASURE_FROM)  # the time budget skips the same compiles
         self.last: dict = {}
         self.updates = UpdateTally()  # whether the run learned anything (drafter/learning.py), asked before writing weights
-        self.batches_trained = 0  # by every rank, since the ledger began: what the ledger must hold (ckpt_verify)
+        self.batches_trained = 0  # by every rank, since the ledger began: what the ledger must hold (checkpoint.verify)
         self.n_params = num_parameters(self.model)
         self.target_hidden_size = self.model.config.hidden_size  # equal to the target's (DrafterModelConfig.from_configs)
         self.warmup_s: float | None = None
@@ -230,9 +230,9 @@ class DrafterCore:
         self.trainer.load_state_dict(ckpt.trainer_state, master=ckpt.model_state, moments=ckpt.optimizer_tensors)
         set_rng_state(ckpt.rng_state)
         self.generator.manual_seed(self.cfg.run.seed * 1000 + self.world.rank + 7919 * ckpt.step)
-        # the targets skip the same batches (ckpt_verify.resume_ledger): none after `up --replan` re-planned changed data
+        # the targets skip the same batches (checkpoint.verify.resume_ledger): none after `up --replan` re-planned changed data
         self.ledger = resume_ledger(ckpt.path, self.run_dir)
-        self.batches_trained = len(self.ledger)  # as many as its steps trained (ckpt_verify checked); none after --replan
+        self.batches_trained = len(self.ledger)  # as many as its steps trained (checkpoint.verify checked); none after --replan
         self.step = ckpt.step
         self.updates.mark(ckpt.step)
         if self.anchor_budget is not None and "anchor_budget" in ckpt.extra:
@@ -349,7 +349,7 @@ class DrafterCore:
             count = torch.zeros(bs, device=self.device)
             accept = torch.zeros(2, device=self.device)
             n_tokens = 0
-        # the batches every rank trained this step, counted apart from their ids (the ledger must agree: ckpt_verify)
+        # the batches every rank trained this step, counted apart from their ids (the ledger must agree: checkpoint.verify)
         counts = torch.tensor([float(n_tokens), float(views is not None)], device=self.device)
         sums = torch.cat([correct.float(), count.float(), accept, counts])
         if self.world.is_distributed:

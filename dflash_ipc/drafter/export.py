@@ -13,6 +13,7 @@ import torch
 from dflash_ipc.control.drafter_tau import DrafterTau
 from dflash_ipc.data.draft_vocab import EXPORT_FILE as DRAFT_VOCAB_EXPORT_FILE
 from dflash_ipc.data.draft_vocab import EXPORT_TENSOR as DRAFT_VOCAB_TENSOR
+from dflash_ipc.drafter.checkpoint.safetensors_stream import write_safetensors
 from dflash_ipc.drafter.export_target import EXPORT_MARKER, check_replaceable, marker_text
 from dflash_ipc.drafter.model.dflash_drafter import FULL, SLIDING, DFlashDrafter, DrafterModelConfig
 from dflash_ipc.drafter.model.frozen_head import (
@@ -22,7 +23,6 @@ from dflash_ipc.drafter.model.frozen_head import (
     frozen_head_from_config,
     scaled_table,
 )
-from dflash_ipc.drafter.safetensors_stream import write_safetensors
 from dflash_ipc.platform.devices import dtype_name
 from dflash_ipc.rundir.fsutil import replace_dir
 

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_ipc.drafter.ckpt_layout import STEP_DIR_RE
+from dflash_ipc.drafter.checkpoint.layout import STEP_DIR_RE
 from dflash_ipc.drafter.export import CLIENTS
 from dflash_ipc.drafter.export_target import check_outside_run, check_replaceable
 from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
@@ -55,7 +55,7 @@ def _source_dirs(src: Path) -> tuple[Path, Path, Path | None]:
 
 def _load_source(root: Path, step_dir: Path | None):
     """The checkpoint ``step_dir``, else the newest complete one under ``root``; a ValueError saying what is missing."""
-    from dflash_ipc.drafter.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
+    from dflash_ipc.drafter.checkpoint.store import CheckpointError, load_checkpoint, load_latest_checkpoint
 
     if step_dir is not None:
         try:

@@ -10,7 +10,7 @@ waiting in a collective)::
         skipped_in_a_row reaches training.max_consecutive_skipped_updates (0: never) ─────────▶ DIVERGED
     before a checkpoint or the export:
         steps > 0 but applied == 0: not one update since the start or the last checkpoint ─▶ DIVERGED
-        a trainable weight non-finite or past ckpt_values.WEIGHT_ABS_BOUND (exploded) ──────▶ DIVERGED
+        a trainable weight non-finite or past checkpoint.values.WEIGHT_ABS_BOUND (exploded) ──────▶ DIVERGED
     DIVERGED: TrainingDiverged: nothing more is written; the drafter reports Dead and exits 1, `up` FAILED
 
 A stop before any step of this start (or since the last checkpoint) is no divergence: nothing was
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ipc.drafter.ckpt_values import WEIGHT_ABS_BOUND, value_problem
+from dflash_ipc.drafter.checkpoint.values import WEIGHT_ABS_BOUND, value_problem
 
 ADVICE = "Lower training.lr, check training.loss_gamma and drafter.noise_std, or resume from an earlier checkpoint"
 

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
-from dflash_ipc.drafter.checkpoint import cpu_snapshot
-from dflash_ipc.drafter.ckpt_values import ModelShapes
+from dflash_ipc.drafter.checkpoint.store import cpu_snapshot
+from dflash_ipc.drafter.checkpoint.values import ModelShapes
 from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.schedule import lr_at
 

@@ -1,6 +1,6 @@
 """The batch ledger: the ids of every batch whose gradient is inside a checkpoint's weights.
 
-A leaf both roles use: drafters write it with each checkpoint (``drafter/checkpoint.py``);
+A leaf both roles use: drafters write it with each checkpoint (``drafter/checkpoint/store.py``);
 targets read it on resume and skip exactly those batches, so no consumed batch repeats and
 none is skipped.
 """

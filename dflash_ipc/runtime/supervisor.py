@@ -59,7 +59,7 @@ from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Sh
 from dflash_ipc.control.stats import DrafterStats, DrafterSummary
 from dflash_ipc.control.status import ENDED_STATES, SCHEMA_VERSION, StatusSnapshot, Totals
 from dflash_ipc.data.run_length import DataLength, run_length_text
-from dflash_ipc.drafter.ckpt_layout import latest_committed_step
+from dflash_ipc.drafter.checkpoint.layout import latest_committed_step
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests

@@ -2,7 +2,7 @@
 
 The file names and the step-directory pattern live here so the supervisor (which never imports
 torch: runtime/probe.py) can tell how far a run got from ``latest`` and ``meta.json`` alone;
-:mod:`dflash_ipc.drafter.checkpoint` writes and loads the payloads under the same names.
+:mod:`dflash_ipc.drafter.checkpoint.store` writes and loads the payloads under the same names.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ counted apart from the ids: a ledger missing an id, or emptied, disagrees), the 
 (``meta_sha256``). :func:`verify_files` checks all of them and the ledger against them, so a
 flipped byte anywhere (tensor data, the RNG state in trainer.pt, a ledger id removed and padded
 back to the same size) is named, not trained on. What needs the tensors' values (non-finite or
-absurd weights and moments) is checked where torch loads them (``drafter/checkpoint.py``).
+absurd weights and moments) is checked where torch loads them (``drafter/checkpoint/store.py``).
 
 Three readers use these rules, so they pick the same checkpoint: ``up --resume`` before any
 process starts (``runtime/resume_check.py``: the cheap checks at the door, the digests, the plan
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ipc.data.fingerprint import same_data
-from dflash_ipc.drafter.ckpt_layout import (
+from dflash_ipc.drafter.checkpoint.layout import (
     CKPT_FORMAT,
     LATEST_FILE,
     LEDGER_FILE,

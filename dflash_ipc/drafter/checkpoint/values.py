@@ -1,5 +1,5 @@
 """What a checkpoint's tensors must be, checked once torch has loaded them (the files and the manifest
-are ``ckpt_verify``'s, without torch).
+are ``checkpoint.verify``'s, without torch).
 
 * **Values** (:func:`value_problem`): no finite training run writes a NaN or inf, a trainable weight
   past :data:`WEIGHT_ABS_BOUND` (a run whose learning rate or loss blew up: exploded), a moment past

@@ -19,8 +19,8 @@ Saving writes everything into ``.tmp-...`` in the same root, fsyncs each file an
 directory, renames it to ``step-NNNNNN`` (the commit point), fsyncs the root, then replaces
 ``latest``. A crash at any point leaves every earlier checkpoint intact; half-written
 ``.tmp-*`` directories are never considered and are removed by the next successful save.
-Loading validates a candidate fully (meta, sizes, sha256s and the ledger: ``ckpt_verify``; every
-payload parses; the tensors' values, set, shapes and step counts: ``ckpt_values``) and falls back
+Loading validates a candidate fully (meta, sizes, sha256s and the ledger: ``checkpoint.verify``; every
+payload parses; the tensors' values, set, shapes and step counts: ``checkpoint.values``) and falls back
 to the next newest good checkpoint, recording why in :attr:`Checkpoint.notes`; with ``strict``,
 checkpoints that all fail raise :class:`NoUsableCheckpoint`.
 
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file as _st_load_file
 
-from dflash_ipc.drafter.ckpt_layout import (  # noqa: F401 - the layout's names, re-exported for the modules that load checkpoints
+from dflash_ipc.drafter.checkpoint.layout import (  # noqa: F401 - the layout's names, re-exported for the modules that load checkpoints
     CKPT_FORMAT,
     LATEST_FILE,
     LEDGER_FILE,
@@ -65,8 +65,9 @@ from dflash_ipc.drafter.ckpt_layout import (  # noqa: F401 - the layout's names,
     read_latest_pointer,
     step_dir_name,
 )
-from dflash_ipc.drafter.ckpt_values import WEIGHT_ABS_BOUND, ModelShapes, named_tensors, shape_problem, step_problem, value_problem
-from dflash_ipc.drafter.ckpt_verify import (  # noqa: F401 - the errors, re-exported for the modules that load checkpoints
+from dflash_ipc.drafter.checkpoint.safetensors_stream import write_safetensors
+from dflash_ipc.drafter.checkpoint.values import WEIGHT_ABS_BOUND, ModelShapes, named_tensors, shape_problem, step_problem, value_problem
+from dflash_ipc.drafter.checkpoint.verify import (  # noqa: F401 - the errors, re-exported for the modules that load checkpoints
     DIGESTS_KEY,
     META_DIGEST_KEY,
     CheckpointError,
@@ -77,7 +78,6 @@ from dflash_ipc.drafter.ckpt_verify import (  # noqa: F401 - the errors, re-expo
     sha256_file,
     verify_files,
 )
-from dflash_ipc.drafter.safetensors_stream import write_safetensors
 from dflash_ipc.rundir.fence import Fence
 from dflash_ipc.rundir.fsutil import LinkRefused
 from dflash_ipc.rundir.ledger import BatchId, BatchLedger  # noqa: F401 - re-exported for the checkpoint's readers
@@ -453,7 +453,7 @@ def load_checkpoint(
     """Load and fully validate one checkpoint directory; raises :class:`CheckpointError` saying why.
 
     The files against meta.json's sizes and sha256s and the ledger against its count and the steps' record
-    (:func:`~dflash_ipc.drafter.ckpt_verify.verify_files`), then the tensors (``ckpt_values``): every weight
+    (:func:`~dflash_ipc.drafter.checkpoint.verify.verify_files`), then the tensors (``checkpoint.values``): every weight
     finite and within ``WEIGHT_ABS_BOUND``, every optimizer tensor within ``MAX_ABS_VALUE``, every
     ``exp_avg_sq`` >= 0, the trainer's step counts consistent, and with ``expected_shapes`` (the loading
     model's, ``DrafterTrainer.checkpoint_shapes``) exactly its tensors at its shapes."""
