@@ -15,8 +15,8 @@ from dflash_ipc.control import channels, handshake
 from dflash_ipc.control.protocol import Hello
 from dflash_ipc.control.stats import ChildInfo
 from dflash_ipc.drafter.core import DrafterCore
-from dflash_ipc.drafter.distributed import destroy_distributed, init_distributed
 from dflash_ipc.drafter.loop import DrafterLoop
+from dflash_ipc.drafter.training.distributed import destroy_distributed, init_distributed
 from dflash_ipc.platform.devices import gpu_memory_text
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.child import ChildContext, run_child

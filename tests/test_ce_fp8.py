@@ -25,7 +25,7 @@ from test_draft_vocab import reduced_twin
 from dflash_ipc.config import ConfigError, DFlashConfig, TrainingConfig, load_config
 from dflash_ipc.drafter.loss import objective as L
 from dflash_ipc.drafter.model.fp8_head import Fp8Head, fp8_head_bytes
-from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.drafter.training.trainer import DrafterTrainer
 from dflash_ipc.platform.e4m3 import E4M3, E4M3_MAX, quantize_rows
 from dflash_ipc.runtime.preflight import check_ce_fp8_devices, check_machine
 

@@ -29,7 +29,7 @@ from dflash_ipc.drafter.checkpoint.store import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.drafter.training.trainer import DrafterTrainer
 
 CFG = TrainingConfig(lr=1e-2, warmup_steps=2, max_steps=50, grad_clip=0.5)
 

@@ -31,7 +31,7 @@ from dflash_ipc.drafter.loss.objective import compute_loss
 from dflash_ipc.drafter.model.build import build_drafter
 from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.drafter.model.fp8_linears import convert_fp8_linears, fp8_linear_names, skip_reason
-from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.drafter.training.trainer import DrafterTrainer
 from dflash_ipc.runtime.preflight import check_environment, check_fp8_linears
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")

@@ -15,8 +15,8 @@ from loop_harness import InprocIO, InprocRun, small_config
 
 from dflash_ipc.control.protocol import Done, EndOfData, Shutdown, SlotReady
 from dflash_ipc.drafter import loop as drafter_loop
-from dflash_ipc.drafter.anchor_budget import AnchorBudget
 from dflash_ipc.drafter.checkpoint.store import load_latest_checkpoint, read_latest_pointer
+from dflash_ipc.drafter.training.anchor_budget import AnchorBudget
 
 
 def metrics(run: InprocRun) -> list[dict]:

@@ -1,4 +1,4 @@
-"""``drafter.anchor_chunk = "auto"`` (drafter/memory_plan.py) and the chunked CE's in-place passes.
+"""``drafter.anchor_chunk = "auto"`` (drafter/training/memory_plan.py) and the chunked CE's in-place passes.
 
 The chunk choice is a pure function of widths and memory figures: given an H200's numbers with a target
 beside the drafter, 4,096 anchors at Qwen3-8B and Qwen3.6-27B widths get a chunk whose planned bytes fit,
@@ -15,9 +15,9 @@ import torch
 from test_dflash_loss import packed_views, tiny_model
 
 from dflash_ipc.config import ConfigError, DrafterConfig, TrainingConfig, load_config
-from dflash_ipc.drafter import memory_plan as M
 from dflash_ipc.drafter.loss import chunked_ce as CE
 from dflash_ipc.drafter.loss import objective as L
+from dflash_ipc.drafter.training import memory_plan as M
 
 GIB = 2**30
 H200_TOTAL = int(139.8 * GIB)

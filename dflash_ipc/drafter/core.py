@@ -12,7 +12,7 @@ One training step, identical on every drafter rank (data parallel, lockstep)::
         │   (a rank without a batch steps with zero weight, so collectives never hang)
     ledger += batch id ─▶ metrics.jsonl (+ TensorBoard events if run.tensorboard; rank 0)
         │
-    anchor budget (follow-wait, drafter/anchor_budget.py): fed this step's wait_s and step_s; every
+    anchor budget (follow-wait, drafter/training/anchor_budget.py): fed this step's wait_s and step_s; every
         │         drafter.anchor_window steps one all-reduce of the window's sums, the same move on every rank
     checkpoint every N steps (with the budget: a resumed run continues at the same anchors per batch)
 
@@ -37,7 +37,6 @@ from dflash_ipc.config import DFlashConfig
 from dflash_ipc.control.drafter_tau import TRAINING_TAU_STEPS, DrafterTau, drafter_tau
 from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
 from dflash_ipc.control.wire import to_wire
-from dflash_ipc.drafter.anchor_budget import AnchorBudget
 from dflash_ipc.drafter.checkpoint.layout import run_config_hash
 from dflash_ipc.drafter.checkpoint.store import (
     BatchLedger,
@@ -48,16 +47,17 @@ from dflash_ipc.drafter.checkpoint.store import (
     set_rng_state,
 )
 from dflash_ipc.drafter.checkpoint.verify import BATCHES_TRAINED_KEY, read_plan, resume_ledger
-from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.export import export_drafter
-from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
-from dflash_ipc.drafter.learning import UpdateTally
 from dflash_ipc.drafter.loss.objective import accuracy_per_pos, compute_loss, expected_acceptance_length
-from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
 from dflash_ipc.drafter.model.build import build_drafter, run_draft_vocab
 from dflash_ipc.drafter.model.dflash_drafter import num_parameters
-from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
-from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.drafter.training.anchor_budget import AnchorBudget
+from dflash_ipc.drafter.training.distributed import DistInfo
+from dflash_ipc.drafter.training.holdout import HoldoutScore, score_holdout_batch
+from dflash_ipc.drafter.training.learning import UpdateTally
+from dflash_ipc.drafter.training.memory_plan import resolve_anchor_chunk
+from dflash_ipc.drafter.training.time_budget import MEASURE_FROM, TimeBudget
+from dflash_ipc.drafter.training.trainer import DrafterTrainer
 from dflash_ipc.platform.devices import dtype_from_name
 from dflash_ipc.rundir import bounded_json
 from dflash_ipc.rundir.fence import Fence
@@ -161,7 +161,7 @@ class DrafterCore:
         self.time_budget = TimeBudget(cfg.training.max_seconds, cfg.training.max_steps) if cfg.training.max_seconds > 0 else None
         self.recent = RecentRate(start_after=MEASURE_FROM)  # the time budget skips the same compiles
         self.last: dict = {}
-        self.updates = UpdateTally()  # whether the run learned anything (drafter/learning.py), asked before writing weights
+        self.updates = UpdateTally()  # whether the run learned anything (drafter/training/learning.py), asked before writing weights
         self.batches_trained = 0  # by every rank, since the ledger began: what the ledger must hold (checkpoint.verify)
         self.n_params = num_parameters(self.model)
         self.target_hidden_size = self.model.config.hidden_size  # equal to the target's (DrafterModelConfig.from_configs)
@@ -420,7 +420,7 @@ class DrafterCore:
 
     # -- held-out passes
     def evaluate_holdout(self, views: SlotViews, batch_id: list, pass_batches: int) -> dict | None:
-        """Held-out τ of a batch by simulated decoding (drafter/holdout.py): no gradient, no optimizer
+        """Held-out τ of a batch by simulated decoding (drafter/training/holdout.py): no gradient, no optimizer
         step, no ledger, no collective, noise off, the training RNG stream untouched.
 
         ``tau_holdout``: eval's decode replayed on the answers (blocks at every position, chained from

@@ -345,7 +345,7 @@ def test_the_export_notes_say_which_engine_cannot_compute_the_targets_embeddings
 
 def test_the_memory_plan_counts_the_soft_caps_slope(zoo):
     """The chunked CE keeps the capped logits' slope per chunk (fp32): planned for Gemma, not for the others."""
-    from dflash_ipc.drafter.memory_plan import drafter_widths, shared_step_bytes
+    from dflash_ipc.drafter.training.memory_plan import drafter_widths, shared_step_bytes
 
     widths = {name: drafter_widths(zoo[name][2], zoo[name][3]) for name in FAMILIES}
     assert [widths[name].ce_softcap for name in FAMILIES] == [True, False, False]

@@ -104,7 +104,7 @@ def cpu_snapshot(obj: Any) -> Any:
 def gather_ledger(local_new_ids: Iterable[Sequence[int]], world: Any = None) -> list[BatchId]:
     """All ranks' newly consumed ids, sorted and de-duplicated. A collective on every rank.
 
-    ``world`` is a :class:`dflash_ipc.drafter.distributed.DistInfo` (or None for a single process).
+    ``world`` is a :class:`dflash_ipc.drafter.training.distributed.DistInfo` (or None for a single process).
     """
     local = sorted({BatchLedger._norm(b) for b in local_new_ids})
     distributed = world is not None and getattr(world, "world_size", 1) > 1 and dist.is_available() and dist.is_initialized()

@@ -4,7 +4,7 @@ are ``checkpoint.verify``'s, without torch).
 * **Values** (:func:`value_problem`): no finite training run writes a NaN or inf, a trainable weight
   past :data:`WEIGHT_ABS_BOUND` (a run whose learning rate or loss blew up: exploded), a moment past
   :data:`MAX_ABS_VALUE`, or a negative ``exp_avg_sq``. The same bound ends a run whose own weights
-  exploded before it writes them (``drafter/learning.py``).
+  exploded before it writes them (``drafter/training/learning.py``).
 * **The model** (:func:`shape_problem`): the drafter that loads a checkpoint knows its trainable tensors;
   the checkpoint's weights must be exactly that set at exactly those shapes, and each moment one of a
   trainable tensor's, at its shape (an extra, missing or transposed tensor would fail after the load).

@@ -171,7 +171,7 @@ def _check_batch(model: DFlashDrafter, planes: torch.Tensor, drafter_cfg: Drafte
     if not isinstance(drafter_cfg.anchor_chunk, int):
         raise ValueError(
             f"drafter.anchor_chunk = {drafter_cfg.anchor_chunk!r} is chosen per device before the first step "
-            "(dflash_ipc.drafter.memory_plan.resolve_anchor_chunk)"
+            "(dflash_ipc.drafter.training.memory_plan.resolve_anchor_chunk)"
         )
     k = mcfg.num_context_planes
     if planes.dim() != 3 or planes.shape[0] not in (k, k + 1):

@@ -5,7 +5,7 @@ Each converted ``nn.Linear`` becomes torchao's ``Float8Linear``, a subclass of i
 Parameter. Its forward casts the input and the weight to float8 with dynamic scales (per row, or one per tensor:
 the recipe's) and multiplies them with ``torch._scaled_mm``; its backward does the same for the input and weight
 gradients. Everything around it is unchanged: the trainer keeps the fp32 master weights, gradients and AdamW state
-(:mod:`dflash_ipc.drafter.trainer`), the parameter names and the state_dict are a plain drafter's, so checkpoints,
+(:mod:`dflash_ipc.drafter.training.trainer`), the parameter names and the state_dict are a plain drafter's, so checkpoints,
 resume and ``dflash-ipc export`` read and write what a drafter without FP8 does, and either loads into the other.
 
 Which linears convert (:func:`skip_reason`): the trainable ones (the frozen embedding and LM head never: they are

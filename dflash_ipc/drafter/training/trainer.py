@@ -39,8 +39,8 @@ from torch import nn
 from dflash_ipc.config import TrainingConfig
 from dflash_ipc.drafter.checkpoint.store import cpu_snapshot
 from dflash_ipc.drafter.checkpoint.values import ModelShapes
-from dflash_ipc.drafter.distributed import DistInfo
-from dflash_ipc.drafter.schedule import lr_at
+from dflash_ipc.drafter.training.distributed import DistInfo
+from dflash_ipc.drafter.training.schedule import lr_at
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class DrafterTrainer:
 
     def set_total_steps(self, total_steps: int) -> None:
         """Update the schedule length: the data's estimate (training.max_steps = 0) or the time budget's plan
-        (training.max_seconds, drafter/time_budget.py; it already respects max_steps)."""
+        (training.max_seconds, drafter/training/time_budget.py; it already respects max_steps)."""
         if self.cfg.max_seconds > 0:
             self.total_steps = max(1, int(total_steps))
             return

@@ -136,7 +136,7 @@ def drafter_widths(model, cfg) -> DrafterWidths:
 
 def drafter_fixed_bytes(model, ce_fp8: bool = False) -> int:
     """The drafter's fixed state: its parameters in the compute dtype, and per trainable parameter an
-    fp32 master, gradient and two AdamW moments (:mod:`dflash_ipc.drafter.trainer`); ``ce_fp8``
+    fp32 master, gradient and two AdamW moments (:mod:`dflash_ipc.drafter.training.trainer`); ``ce_fp8``
     (``training.ce_fp8``): the head's e4m3 copies too, made at the first step (:mod:`~dflash_ipc.drafter.model.fp8_head`)."""
     from dflash_ipc.drafter.model.fp8_head import fp8_head_bytes
 
