@@ -395,6 +395,33 @@ def test_the_layer_rules_catch_planted_violations():
     assert import_cycles(units) == [["data", "eval", "data"], ["runtime", "target", "runtime"]]
 
 
+#: The drafter's rooms, lowest first: a module of one imports only its own room and those below it; the
+#: core and the loop (``dflash_ipc.drafter.core``, ``.loop``) sit above them all.
+DRAFTER_ROOMS = ("model", "loss", "checkpoint", "training", "export")
+
+
+def drafter_room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import between the drafter's modules that points to a higher room (or to the core and loop)."""
+
+    def rank(module: str) -> int:
+        room = module.split(".")[2]
+        return DRAFTER_ROOMS.index(room) if room in DRAFTER_ROOMS else len(DRAFTER_ROOMS)
+
+    inside = [m for m in graph if m.startswith("dflash_ipc.drafter.")]
+    return sorted(f"{m} -> {d}" for m in inside for d in graph[m] if d.startswith("dflash_ipc.drafter.") and rank(d) > rank(m))
+
+
+def test_the_drafters_rooms_point_down():
+    planted = {
+        "dflash_ipc.drafter.model.build": {"dflash_ipc.drafter.export.layout"},
+        "dflash_ipc.drafter.core": {"dflash_ipc.drafter.loop"},
+    }
+    assert drafter_room_violations(planted) == ["dflash_ipc.drafter.model.build -> dflash_ipc.drafter.export.layout"]
+    bad = drafter_room_violations(import_graph())
+    order = " < ".join([*DRAFTER_ROOMS, "core/loop"])
+    assert not bad, f"drafter imports that do not point down ({order}):\n" + "\n".join(bad)
+
+
 # --------------------------------------------------------------------------- functions stay short
 
 MAX_FUNCTION_LINES = 100

@@ -230,7 +230,7 @@ def test_compute_loss_with_ce_fp8_trains_the_drafter_like_bf16(draft_vocab):
 def test_the_copies_are_neither_state_nor_checkpoint_nor_export(tmp_path):
     from safetensors import safe_open
 
-    from dflash_ipc.drafter.export import export_drafter
+    from dflash_ipc.drafter.export.layout import export_drafter
 
     model, dc = tiny_model(["full_attention"], block_size=4)
     keys = set(model.state_dict())

@@ -22,7 +22,7 @@ from dflash_ipc.data.draft_vocab import (
     ensure_draft_vocab,
     read_draft_vocab,
 )
-from dflash_ipc.drafter.export import export_drafter, load_exported_drafter, read_export
+from dflash_ipc.drafter.export.layout import export_drafter, load_exported_drafter, read_export
 from dflash_ipc.drafter.loss import blocks as B
 from dflash_ipc.drafter.loss import objective as L
 from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter

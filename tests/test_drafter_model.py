@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3_5TextConfig
 
 from dflash_ipc.config import DrafterConfig
-from dflash_ipc.drafter.export import export_drafter, load_exported_drafter
+from dflash_ipc.drafter.export.layout import export_drafter, load_exported_drafter
 from dflash_ipc.drafter.loss import blocks as B
 from dflash_ipc.drafter.loss import masks as M
 from dflash_ipc.drafter.loss import objective as L

@@ -25,8 +25,8 @@ from dflash_ipc.bench.drafter_step import RANDOM_TARGETS, build_bench_drafter, s
 from dflash_ipc.cli import main
 from dflash_ipc.config import ConfigError, DrafterConfig, load_config
 from dflash_ipc.drafter.checkpoint.store import BatchLedger, load_latest_checkpoint, rng_state, save_checkpoint
-from dflash_ipc.drafter.export import export_drafter
-from dflash_ipc.drafter.export_run import export_checkpoint
+from dflash_ipc.drafter.export.from_checkpoint import export_checkpoint
+from dflash_ipc.drafter.export.layout import export_drafter
 from dflash_ipc.drafter.loss.objective import compute_loss
 from dflash_ipc.drafter.model.build import build_drafter
 from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig

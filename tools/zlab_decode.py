@@ -45,7 +45,7 @@ def main(argv=None) -> dict:
 
     from dflash_ipc.config import load_config
     from dflash_ipc.data.tokenizer import config_tokenizer, stop_token_ids
-    from dflash_ipc.drafter.hf_modeling import crops_exactly, rollback_cache
+    from dflash_ipc.drafter.export.hf_modeling import crops_exactly, rollback_cache
     from dflash_ipc.eval.run import load_prompts
     from dflash_ipc.families import family_of
 

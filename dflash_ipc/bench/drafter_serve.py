@@ -10,7 +10,7 @@ tokens), one block of ``block_size`` tokens through the layers, then the head on
 * ``reduced-scatter``: the ``N`` rows' logits scattered into a ``-inf`` ``[V]`` row, then argmax
   (vLLM's ``DFlashQwen3ForCausalLM.compute_logits``: its sampler takes full-vocabulary logits).
 
-Random bf16 weights of the export's own modeling code (:mod:`dflash_ipc.drafter.hf_modeling`) at the
+Random bf16 weights of the export's own modeling code (:mod:`dflash_ipc.drafter.export.hf_modeling`) at the
 given shapes (default: a 5-layer drafter at Qwen3.6-27B's widths and 248,320-token vocabulary, 32,768
 draft rows). Each (batch, head) cell: ``--warmup`` untimed steps, then the median of ``--steps``
 CUDA-event-timed steps (wall clock on a CPU). Ratios are against ``whole`` at the same batch. The
@@ -96,7 +96,7 @@ def _step(model, whole, head: str, pos, noise, new, cache, keep: int):
     """One served step: the body on one block over the cached context, then ``head``'s greedy pick."""
     import torch
 
-    from dflash_ipc.drafter.hf_modeling import crop_cache
+    from dflash_ipc.drafter.export.hf_modeling import crop_cache
 
     with torch.inference_mode():
         h = model(pos, noise, new, past_key_values=cache, use_cache=True)[:, 1:]
@@ -113,7 +113,7 @@ def run_drafter_serve_bench(shape: ServeShape, batches: list[int], *, device: st
     import torch
     from transformers import DynamicCache
 
-    from dflash_ipc.drafter.hf_modeling import DFlashIpcDraftModel, crop_cache
+    from dflash_ipc.drafter.export.hf_modeling import DFlashIpcDraftModel, crop_cache
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

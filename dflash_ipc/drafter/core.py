@@ -47,7 +47,7 @@ from dflash_ipc.drafter.checkpoint.store import (
     set_rng_state,
 )
 from dflash_ipc.drafter.checkpoint.verify import BATCHES_TRAINED_KEY, read_plan, resume_ledger
-from dflash_ipc.drafter.export import export_drafter
+from dflash_ipc.drafter.export.layout import export_drafter
 from dflash_ipc.drafter.loss.objective import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter.model.build import build_drafter, run_draft_vocab
 from dflash_ipc.drafter.model.dflash_drafter import num_parameters

@@ -149,7 +149,7 @@ def run_suite(
     """Decode the first ``n`` prompts of each ``(name, source)`` set (source None: ``data.paths``) both
     ways; ``{"sets": {name: summarize report + speed fields}, ...run-wide fields}``."""
     from dflash_ipc.data.tokenizer import check_target_tokenizer, config_tokenizer
-    from dflash_ipc.drafter.export import read_export
+    from dflash_ipc.drafter.export.layout import read_export
 
     _check_suite_options(sets, workers, speed_prompts, temperature, top_p)
     names = [name for name, _ in sets]
@@ -273,7 +273,7 @@ def _add_lossless_check(rep: dict, name: str, temperature: float, echo) -> None:
 
 def check_template_kwargs(cfg: DFlashConfig, drafter_dir: str, echo) -> None:
     """Refuse a drafter trained on chats rendered with other ``[chat_template] kwargs`` than eval's."""
-    from dflash_ipc.drafter.export import recorded_chat_template_kwargs
+    from dflash_ipc.drafter.export.layout import recorded_chat_template_kwargs
 
     recorded, configured = recorded_chat_template_kwargs(drafter_dir), cfg.chat_template.kwargs
     if recorded is None:
@@ -329,7 +329,7 @@ class _Decoder:
 
     def __init__(self, job: _Job, tdev_name: str, ddev_name: str):
         from dflash_ipc.data.tokenizer import config_tokenizer
-        from dflash_ipc.drafter.export import load_exported_drafter
+        from dflash_ipc.drafter.export.layout import load_exported_drafter
         from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
         from dflash_ipc.families import family_of
         from dflash_ipc.platform.devices import dtype_from_name

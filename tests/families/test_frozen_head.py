@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from family_zoo import build_checkpoint
 from loop_harness import small_config
 
-from dflash_ipc.drafter.export import EXPORT_WEIGHTS_FILE, export_drafter, load_exported_drafter
+from dflash_ipc.drafter.export.layout import EXPORT_WEIGHTS_FILE, export_drafter, load_exported_drafter
 from dflash_ipc.drafter.loss.chunked_ce import chunked_lm_loss
 from dflash_ipc.drafter.model.build import drafter_for_target
 from dflash_ipc.drafter.model.fp8_head import Fp8Head
@@ -332,7 +332,7 @@ def test_the_export_carries_what_vllm_reads_the_scaled_table_and_the_logit_scale
 def test_the_export_notes_say_which_engine_cannot_compute_the_targets_embeddings_or_logits(zoo):
     """vLLM reads no soft-cap (Gemma); SGLang reads no embedding scale (both families; its Gemma module scales);
     a layout for one engine notes only its own; a plain family none."""
-    from dflash_ipc.drafter.export_run import client_notes
+    from dflash_ipc.drafter.export.from_checkpoint import client_notes
 
     def engines(name, client):
         return sorted(n.split()[0] for n in client_notes(zoo[name][2].config, client))

@@ -1,12 +1,11 @@
 """Building a drafter: freshly initialised (seeded by run.seed) over the target's frozen embedding and LM
 head, its layers optionally copied from the target (``drafter.init_from_target``), over the run's draft
 vocabulary when it has one, its trainable linears in FP8 with ``drafter.fp8_linears`` (before anything
-compiles or the trainer takes the parameters); and the untrained export (eval's floor). What training starts
-from, and what benches and the export rebuild (the export without FP8: it only reads the weights)."""
+compiles or the trainer takes the parameters). What training starts from, and what benches and the export
+rebuild (the export without FP8: it only reads the weights)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -15,7 +14,6 @@ import torch
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.data.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, read_draft_vocab
 from dflash_ipc.data.tokenizer import choose_mask_token, load_tokenizer
-from dflash_ipc.drafter.export import export_drafter
 from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.drafter.model.fp8_linears import convert_fp8_linears
 from dflash_ipc.drafter.model.init_from_target import apply_init, plan_init
@@ -105,12 +103,3 @@ def start_from_target(model: DFlashDrafter, cfg: DFlashConfig, device: torch.dev
     plan = plan_init(model.config, cfg.drafter.init_from_target, decoder_stack_shapes(cfg.target.model_path))
     apply_init(model, plan, read_decoder_stack(cfg.target.model_path, [src for _, src in plan.copies], device, dtype))
     log.info("drafter start: %s", plan.describe())
-
-
-def export_untrained(cfg: DFlashConfig, out_dir: Path, device: torch.device | str = "cpu") -> Path:
-    """Export the drafter exactly as step 0 of `up` initialises it: eval's untrained floor (tau ~ 1).
-    Over the whole vocabulary: an untrained head drafts nothing the target accepts either way, and the
-    floor needs no run directory. Without FP8: the weights are the same, and the export needs no torchao."""
-    drafter = dataclasses.replace(cfg.drafter, draft_vocab_size=0, fp8_linears="none")
-    model = build_drafter(dataclasses.replace(cfg, drafter=drafter), device)
-    return export_drafter(model, out_dir, chat_template_kwargs=cfg.chat_template.kwargs)

@@ -25,7 +25,7 @@ Attention runs through ``torch.nn.attention.flex_attention`` with a ``BlockMask`
 CUDA), through ``F.scaled_dot_product_attention`` with a dense boolean mask, or blockwise
 (:mod:`dflash_ipc.drafter.model.blockwise`: each document's context range and each block's own keys,
 the CPU's default); the masks themselves are built by :mod:`dflash_ipc.drafter.loss.masks` and passed per layer type.
-Export for SGLang / vLLM: :mod:`dflash_ipc.drafter.export`.
+Export for SGLang / vLLM: :mod:`dflash_ipc.drafter.export.layout`.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ __all__ = [
 EMBED_TENSOR = "embed_tokens.weight"
 #: the key of ``dflash_config`` holding the whole frozen head, for dflash-ipc's own loader
 FROZEN_HEAD_KEY = "frozen_head"
-#: the export layouts vLLM reads (drafter/export.py's CLIENTS)
+#: the export layouts vLLM reads (drafter/export/layout.py's CLIENTS)
 _VLLM_LAYOUTS = ("all", "vllm")
 
 

@@ -24,10 +24,10 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_ipc.drafter.export import carries_reduced_head
+from dflash_ipc.drafter.export.layout import carries_reduced_head
 from dflash_ipc.drafter.model.dflash_drafter import FULL, SLIDING, DrafterModelConfig
 
-#: the engine versions whose DFlash loaders the export layout was written against (drafter/export.py)
+#: the engine versions whose DFlash loaders the export layout was written against (drafter/export/layout.py)
 SUPPORTED = {
     "vllm": "vLLM 0.33",
     "sglang": "SGLang 0.5.23",

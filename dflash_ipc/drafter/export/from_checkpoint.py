@@ -5,11 +5,11 @@
       -> its config (meta.json's extra.config) + the run's draft vocabulary (RUN_DIR/draft_vocab.json)
       -> the drafter rebuilt over the target's frozen embedding / head, the checkpoint's weights loaded
       -> export_drafter(client) -> OUT (0644 files, swapped in whole; OUT missing, empty or a previous export:
-         drafter/export_target.py)  +  the serving command of each engine
+         drafter/export/destination.py)  +  the serving command of each engine
 
-Supported versions (their DFlash loaders were read for the layout: drafter/export.py): vLLM 0.33,
+Supported versions (their DFlash loaders were read for the layout: drafter/export/layout.py): vLLM 0.33,
 SGLang 0.5.23, z-lab ``dflash`` 0.1.0; speculators 0.9.0 converts the layouts without the reduced head rows
-with its DFlash converter. The commands per engine and target family: drafter/serving.py.
+with its DFlash converter. The commands per engine and target family: drafter/export/serving.py.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_ipc.drafter.checkpoint.layout import STEP_DIR_RE
-from dflash_ipc.drafter.export import CLIENTS
-from dflash_ipc.drafter.export_target import check_outside_run, check_replaceable
+from dflash_ipc.drafter.export.destination import check_outside_run, check_replaceable
+from dflash_ipc.drafter.export.layout import CLIENTS
 from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
 
 
@@ -79,9 +79,9 @@ def export_checkpoint(src: str | Path, out: str | Path, client: str = "all", dev
     import torch
 
     from dflash_ipc.config import ConfigError, config_from_dict
-    from dflash_ipc.drafter.export import export_drafter
+    from dflash_ipc.drafter.export.layout import export_drafter
+    from dflash_ipc.drafter.export.serving import TARGET_PLACEHOLDER, render_serving_commands, serving_target, speculators_note
     from dflash_ipc.drafter.model.build import build_drafter, run_draft_vocab
-    from dflash_ipc.drafter.serving import TARGET_PLACEHOLDER, render_serving_commands, serving_target, speculators_note
 
     ckpt = _load_source(root, step_dir)
     raw = ckpt.extra.get("config")

@@ -14,7 +14,7 @@ from dflash_ipc.control.drafter_tau import DrafterTau
 from dflash_ipc.data.draft_vocab import EXPORT_FILE as DRAFT_VOCAB_EXPORT_FILE
 from dflash_ipc.data.draft_vocab import EXPORT_TENSOR as DRAFT_VOCAB_TENSOR
 from dflash_ipc.drafter.checkpoint.safetensors_stream import write_safetensors
-from dflash_ipc.drafter.export_target import EXPORT_MARKER, check_replaceable, marker_text
+from dflash_ipc.drafter.export.destination import EXPORT_MARKER, check_replaceable, marker_text
 from dflash_ipc.drafter.model.dflash_drafter import FULL, SLIDING, DFlashDrafter, DrafterModelConfig
 from dflash_ipc.drafter.model.frozen_head import (
     EMBED_TENSOR,
@@ -174,15 +174,15 @@ def export_drafter(
     * ``all`` and ``zlab``: ``modeling_dflash_ipc.py`` (the project's own, :mod:`.hf_modeling`) and
       ``auto_map``, for ``AutoModel.from_pretrained(EXPORT, trust_remote_code=True)``.
     * A target that scales its embeddings or finishes its logits (Gemma, Granite: ``config.frozen_head``)
-      adds the keys and the tensor each engine reads to do the same (:func:`.frozen_head.frozen_head_config`;
+      adds the keys and the tensor each engine reads to do the same (:func:`~dflash_ipc.drafter.model.frozen_head.frozen_head_config`;
       which engine can, docs/EVAL.md).
     * ``chat_template_kwargs``: the ``[chat_template] kwargs`` the training data was rendered with
       (``{}``: none), for eval's check and the serving request; loaders ignore the key.
     * ``drafter_tau``: the τ these weights reached and whether that is worth serving
       (:mod:`dflash_ipc.control.drafter_tau`; absent when none was measured); loaders ignore the key.
 
-    Every file is written 0644, beside a marker (:data:`.export_target.EXPORT_MARKER`) naming them. ``out_dir``
-    must be missing, empty or a previous export (:func:`.export_target.check_replaceable`); the export is
+    Every file is written 0644, beside a marker (:data:`.destination.EXPORT_MARKER`) naming them. ``out_dir``
+    must be missing, empty or a previous export (:func:`.destination.check_replaceable`); the export is
     written beside it and swapped in whole (:func:`dflash_ipc.rundir.fsutil.replace_dir`): a kill leaves the previous
     one as it was. ``root``: a directory trusted as given (the run's, for the export ``up`` writes) below which
     no link is followed; without it ``out_dir``'s links are resolved first.
