@@ -1,4 +1,4 @@
-"""The drafter's pure core: trainer, ledger, checkpoints, metrics over a model built by ``drafter.build``. No sockets.
+"""The drafter's pure core: trainer, ledger, checkpoints, metrics over a model built by ``drafter.model.build``. No sockets.
 
 One training step, identical on every drafter rank (data parallel, lockstep)::
 
@@ -56,28 +56,16 @@ from dflash_ipc.drafter.training.distributed import DistInfo
 from dflash_ipc.drafter.training.holdout import HoldoutScore, score_holdout_batch
 from dflash_ipc.drafter.training.learning import UpdateTally
 from dflash_ipc.drafter.training.memory_plan import resolve_anchor_chunk
+from dflash_ipc.drafter.training.metrics_log import MetricsLog
 from dflash_ipc.drafter.training.time_budget import MEASURE_FROM, TimeBudget
 from dflash_ipc.drafter.training.trainer import DrafterTrainer
 from dflash_ipc.platform.devices import dtype_from_name
-from dflash_ipc.rundir import bounded_json
 from dflash_ipc.rundir.fence import Fence
-from dflash_ipc.rundir.fsutil import make_private_dir, open_append, write_text_atomic
+from dflash_ipc.rundir.fsutil import make_private_dir, write_text_atomic
 from dflash_ipc.rundir.node_spec import read_node_spec
 from dflash_ipc.transport.slots import SlotViews
 
 log = logging.getLogger(__name__)
-
-#: (metrics.jsonl key, TensorBoard tag) of the scalars written per step when run.tensorboard is on
-TENSORBOARD_SCALARS = (
-    ("loss", "train/loss"),
-    ("acc", "train/acc"),
-    ("tau", "train/tau"),
-    ("tokens_per_s", "train/tokens_per_s"),
-    ("lr", "train/lr"),
-    ("tau_holdout", "holdout/tau"),
-    ("tau_holdout_uniform", "holdout/tau_uniform"),
-    ("loss_holdout", "holdout/loss"),
-)
 
 
 class RecentRate:
@@ -154,7 +142,7 @@ class DrafterCore:
         self.plan = read_plan(run_dir)  # plan.json, written by `up` (None outside a run)
         self.trained_ids: list[tuple] = []  # every batch this rank trained on in this process (its own ledger)
         self.config_hash = run_config_hash(cfg.to_dict())
-        self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics = MetricsLog(run_dir, self.fence)  # written by global rank 0
         self.tokens_total = 0
         self.t_start = time.perf_counter()
         self.t_first_step: float | None = None  # when this process's first training step began
@@ -174,7 +162,8 @@ class DrafterCore:
         self.anchor_budget = self._anchor_budget()
         if resume:
             self._resume()
-        self._tensorboard = self._open_tensorboard(resume) if (cfg.run.tensorboard and world.is_main) else None
+        if cfg.run.tensorboard and world.is_main:
+            self.metrics.open_tensorboard(purge_step=self.step + 1 if resume else None)
 
     def _anchor_budget(self) -> AnchorBudget | None:
         d = self.cfg.drafter
@@ -204,19 +193,12 @@ class DrafterCore:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         return int(t.item())
 
-    def _open_tensorboard(self, resume: bool):
-        from torch.utils.tensorboard import SummaryWriter
-
-        # purge_step: a resumed run hides the events of steps after its checkpoint (or all of them,
-        # with none: trained again now), as _truncate_metrics does for metrics.jsonl.
-        purge = self.step + 1 if resume else None
-        return SummaryWriter(log_dir=str(self.run_dir), purge_step=purge, flush_secs=10)
+    @property
+    def metrics_path(self) -> Path:
+        return self.metrics.path
 
     def close(self) -> None:
-        """Close the TensorBoard writer (flushes its last events); metrics.jsonl is closed per line."""
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        self.metrics.close()
 
     def _resume(self) -> None:
         # strict: checkpoints that all fail verification end this process; it never trains again from step 0
@@ -225,7 +207,7 @@ class DrafterCore:
         if ckpt is None:
             log.info("resume: no checkpoint under %s, starting fresh", self.ckpt_root)
             if self.world.is_main:  # a run that crashed before its first checkpoint logged steps trained again now
-                self._truncate_metrics(0)
+                self.metrics.drop_after(0)
             return
         self.trainer.load_state_dict(ckpt.trainer_state, master=ckpt.model_state, moments=ckpt.optimizer_tensors)
         set_rng_state(ckpt.rng_state)
@@ -249,25 +231,8 @@ class DrafterCore:
         self.resumed_from = ResumePoint(checkpoint=str(ckpt.path), step=ckpt.step, notes=list(ckpt.notes))
         self.last_checkpoint = (ckpt.step, ckpt.path)
         if self.world.is_main:
-            self._truncate_metrics(ckpt.step)
+            self.metrics.drop_after(ckpt.step)
         log.info("resumed from %s: step %d, %d batches in the ledger", ckpt.path, ckpt.step, len(self.ledger))
-
-    def _truncate_metrics(self, step: int) -> None:
-        """Drop metrics of steps after the checkpoint (trained before a crash, trained again now)."""
-        if not self.metrics_path.exists():
-            return
-        lines = self.metrics_path.read_text().splitlines()
-        kept = []
-        for ln in lines:
-            try:
-                if bounded_json.loads(ln)["step"] <= step:
-                    kept.append(ln)
-            except (ValueError, KeyError, TypeError):
-                pass  # a torn last line of a crashed run
-        if len(kept) != len(lines):
-            with self.fence.guard("metrics.jsonl (dropping the steps after the checkpoint)"):
-                write_text_atomic(self.metrics_path, "".join(ln + "\n" for ln in kept))
-            log.info("resume: dropped %d metrics lines after step %d", len(lines) - len(kept), step)
 
     # -- warm-up
     def warm_up(self) -> float:
@@ -412,7 +377,7 @@ class DrafterCore:
             self._holdout_unlogged = {}
         self.last = rec
         if self.world.is_main:
-            self._write_metrics(rec)
+            self.metrics.write(rec)
         # global figures (all-reduced): every rank raises at the same step, no collective is left waiting
         limit = self.cfg.training.max_consecutive_skipped_updates
         self.updates.observe(self.step, stats.skipped, stats.grad_norm, stats.global_weight, stats.global_loss, limit)
@@ -464,15 +429,6 @@ class DrafterCore:
             rec["loss_holdout"],
         )
         return rec
-
-    def _write_metrics(self, rec: dict) -> None:
-        with self.fence.guard(f"metrics.jsonl (step {rec['step']})"), open_append(self.metrics_path) as f:
-            f.write(json.dumps(rec) + "\n")
-        if self._tensorboard is not None:
-            for key, tag in TENSORBOARD_SCALARS:
-                value = rec.get(key)
-                if value is not None and math.isfinite(value):
-                    self._tensorboard.add_scalar(tag, value, rec["step"])
 
     # -- checkpoints
     def checkpoint(self, reason: str) -> Path | None:
