@@ -16,7 +16,7 @@ from dflash_ipc.cli.bench_target_forward import target_forward_cmd
 from dflash_ipc.cli.common import check_device_option, load_or_exit
 from dflash_ipc.cli.options import choice_option, config_option, int_option, json_option, set_option
 from dflash_ipc.config import ConfigError, blame_sets
-from dflash_ipc.control.ring_descriptor import BACKENDS
+from dflash_ipc.config.transport import BACKENDS
 
 
 @click.group()
@@ -29,7 +29,7 @@ for command in (drafter_step_cmd, gen_decode_cmd, drafter_serve_cmd, target_forw
 
 
 @bench.command("transport")
-@choice_option("--backend", choices=BACKENDS)
+@choice_option("--backend", choices=tuple(BACKENDS))
 @click.option("--producers", type=click.IntRange(1, 16), default=2, show_default=True)
 @click.option("--consumers", type=click.IntRange(1, 16), default=2, show_default=True)
 @click.option("--slots", type=click.IntRange(2, 64), default=4, show_default=True)
@@ -70,7 +70,7 @@ def bench_transport_cmd(
     """Move real data through the slot rings between real processes; verify every slot."""
     from dflash_ipc.bench.transport import BenchArgs, run_transport_bench
 
-    gpu = backend != "cpu-shm"
+    gpu = BACKENDS[backend].devices != "cpu"
     given = {
         "--producer-device": producer_device,
         "--consumer-device": consumer_device if consumer_device not in (None, "other", "same") else None,

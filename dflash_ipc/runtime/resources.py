@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DataConfig, DFlashConfig, DrafterConfig, TargetConfig, TopologyConfig, TransportConfig
+from dflash_ipc.config.transport import BACKENDS
 from dflash_ipc.families import family_of
 from dflash_ipc.transport.shm_names import SHM_DIR, shm_free_bytes
 
@@ -250,7 +251,7 @@ def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_sh
         weights_what = f"target-{rank} weights ({_count(weights // t_size)} parameters, {cfg.target.dtype})"
         needs.append(Need(weights_what, place, weights, spec_factors or [("target.model_path", 1, 1)]))
         needs.append(Need(f"target-{rank} captured planes", place, num_planes * tokens * hidden * t_size, plane_factors))
-        ring_place = SHM if backend in ("cpu-shm", "host-pinned") else place
+        ring_place = SHM if backend in BACKENDS and BACKENDS[backend].ring_memory == "host" else place
         ring_what = f"target-{rank} ring ({cfg.transport.ring_slots} slots x {human(ring // cfg.transport.ring_slots)})"
         needs.append(Need(ring_what, ring_place, ring, ring_factors))
     for rank, dev in enumerate(cfg.topology.drafters):
