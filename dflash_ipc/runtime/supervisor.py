@@ -97,6 +97,7 @@ class Supervisor:
         max_restarts: int = 0,
         echo=print,
         forward_only: int = 0,
+        bench_counters: bool = False,
         live_progress: bool = False,
         node: NodeSpec | None = None,
     ):
@@ -129,6 +130,7 @@ class Supervisor:
         self._last_snapshot: StatusSnapshot | None = None
         # Benchmark ceiling: only targets, N batches each, slots released as soon as packed.
         self.forward_only = forward_only
+        self.bench_counters = bench_counters  # a benchmark's figures from every target (bench/target_counters.py)
         self.dir_lock: RunDirLock = lock_run_dirs(run_dir, self.node)  # one supervisor per run dir: taken by prepare (or earlier)
         self.launcher: ForkServer | None = None  # run.launcher or one set before prepare: probe and children fork from it; closed at end
 
@@ -287,6 +289,8 @@ class Supervisor:
             argv += self._control.child_argv
             if self.forward_only:
                 argv += ["--forward-only", str(self.forward_only)]
+            if self.bench_counters and ch.role == "target":
+                argv.append("--bench-counters")
             if cpu_shares:
                 argv += ["--cpus", ",".join(map(str, cpu_shares[i]))]
             if ch.role == "drafter":
