@@ -1,5 +1,7 @@
 """Architecture rules, checked on the source: no import cycle between modules nor between packages,
-packages import only the layers below them, no module over 600 lines, no function over 100 lines.
+packages import only the layers below them, no private name crosses modules, the drafter's rooms point down,
+the package's top holds only packages, click lives in ``cli/`` alone, the process shells only wire, and no
+function runs over 100 lines. Modules have no length cap: a module holds one idea, however long.
 
 Imports are read with ``ast`` (never executed): module-level and function-level ``import`` /
 ``from ... import``, relative ones resolved against the importing module's package. Imports under
@@ -15,7 +17,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"dflash_ipc": REPO / "dflash_ipc", "dflash_ipc.procs": REPO / "procs"}
-MAX_LINES = 600
 
 
 def package_modules() -> dict[str, Path]:
@@ -221,11 +222,38 @@ def test_no_import_cycles():
     assert not cycles, f"{len(cycles)} import cycle(s) between modules:\n{text}"
 
 
-def test_no_module_over_600_lines():
-    modules = package_modules()
-    too_long = {name: n for name, path in modules.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    text = "\n".join(f"{modules[m].relative_to(REPO)}: {n} lines" for m, n in sorted(too_long.items()))
-    assert not too_long, f"{len(too_long)} module(s) over {MAX_LINES} lines:\n{text}"
+def test_the_package_top_holds_only_its_face_and_packages():
+    """Every module has a named home: ``dflash_ipc/`` itself holds ``__init__.py`` and sub-packages, nothing loose."""
+    loose = sorted(p.name for p in (REPO / "dflash_ipc").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules loose at dflash_ipc/'s top (give each its package): {loose}"
+
+
+def test_every_click_command_lives_in_cli():
+    """One precedent for a new command: click is imported under ``dflash_ipc/cli/`` and nowhere else."""
+    found = []
+    for name, path in package_modules().items():
+        if name.startswith("dflash_ipc.cli"):
+            continue
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+            imported = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(m == "click" or m.startswith("click.") for m in imported):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, "click imported outside dflash_ipc/cli/:\n" + "\n".join(found)
+
+
+def test_the_process_shells_only_wire():
+    """``procs/<role>.py`` starts one OS process: its ``run_<role>_process`` wires a core, rings, a data plane and
+    a loop together. A class there would be policy, which belongs to the role's core or loop, or the runtime."""
+    bad = []
+    for path in sorted((REPO / "procs").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        bad += [f"{path.name}:{n.lineno}: class {n.name}" for n in tree.body if isinstance(n, ast.ClassDef)]
+        entry = f"run_{path.stem}_process"
+        if not any(isinstance(n, ast.FunctionDef) and n.name == entry for n in tree.body):
+            bad.append(f"{path.name}: no {entry}")
+    assert not bad, "process shells only wire:\n" + "\n".join(bad)
 
 
 def test_every_subpackage_is_installed():
@@ -258,8 +286,8 @@ def test_every_from_import_of_the_package_resolves():
 
 # --------------------------------------------------------------------------- layers point down
 
-#: The layers, lowest first. A unit is a sub-package (``dflash_ipc.data``) or a top-level module
-#: (``dflash_ipc.cli.options``); ``dflash_ipc.procs`` is the process shells. A unit imports only units of
+#: The layers, lowest first. A unit is a sub-package (``dflash_ipc.data``; ``dflash_ipc`` itself is the
+#: package's face); ``dflash_ipc.procs`` is the process shells. A unit imports only units of
 #: the layers below its own; within one layer only the leaves import each other (the package-level
 #: cycle test keeps that acyclic). ``target`` and ``drafter`` share a layer, so neither role imports
 #: the other: what both read of the frozen target lives in the leaf ``target_spec``.

@@ -46,7 +46,7 @@ from dflash_ipc.drafter.checkpoint.store import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash_ipc.drafter.checkpoint.verify import BATCHES_TRAINED_KEY, read_plan, resume_ledger
+from dflash_ipc.drafter.checkpoint.verify import BATCHES_TRAINED_KEY, PLAN_FILE, read_plan, resume_ledger
 from dflash_ipc.drafter.export.layout import export_drafter
 from dflash_ipc.drafter.loss.objective import accuracy_per_pos, compute_loss, expected_acceptance_length
 from dflash_ipc.drafter.model.build import build_drafter, run_draft_vocab
@@ -66,6 +66,13 @@ from dflash_ipc.rundir.node_spec import read_node_spec
 from dflash_ipc.transport.slots import SlotViews
 
 log = logging.getLogger(__name__)
+
+
+def planned_steps(cfg: DFlashConfig, run_dir: Path, world_size: int) -> int:
+    """The optimizer steps a run plans: ``training.max_steps``, or every batch of the run's plan (``plan.json``,
+    written by `up`) shared by the ``world_size`` data-parallel ranks."""
+    plan = json.loads((run_dir / PLAN_FILE).read_text())
+    return cfg.training.max_steps or max(1, -(-plan["n_batches_total"] // world_size))
 
 
 class RecentRate:

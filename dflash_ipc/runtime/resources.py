@@ -346,6 +346,12 @@ def _refuse(cfg: DFlashConfig, needs: list[Need], headline: str, hint: str) -> N
     raise ConfigError.at(cfg.source, key, message)
 
 
+def anchor_chunk_target_need(cfg, device) -> int | None:
+    """What a drafter on ``device`` leaves to a target sharing its GPU when it sizes its anchor chunk to the GPU
+    (``drafter.anchor_chunk = "auto"``: :func:`target_need_bytes`); None when the chunk is a fixed number."""
+    return target_need_bytes(cfg, device) if cfg.drafter.anchor_chunk == "auto" else None
+
+
 def target_need_bytes(cfg, device) -> int:
     """A target's certain needs on ``device`` when one shares it (0 otherwise): the preflight's weights,
     planes and ring (:func:`estimate`), plus one decoder layer's forward

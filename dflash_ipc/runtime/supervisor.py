@@ -86,6 +86,14 @@ class StoppedDuringStart(RuntimeError):
     pass
 
 
+def run_end(stop_requested: str, summary: DrafterSummary | None) -> tuple[str, str | None]:
+    """The state and end_reason of a run whose drafters all sent Done: "stopped" when a signal asked for
+    it (the step it stopped at: resumable), else "finished" (their own end: max_steps, max_seconds, data exhausted)."""
+    if stop_requested:
+        return "stopped", f"{stop_requested} at step {summary.final.work.step if summary else 0}"
+    return "finished", summary.reason if summary else None
+
+
 class Supervisor:
     def __init__(
         self,
@@ -455,7 +463,7 @@ class Supervisor:
                         )
                     for c in liveness.wait_for_exits(drafters, max(5.0, cfg.run.teardown_grace_s)):
                         self.echo(f"[up] {c.name} finished but is still running after run.teardown_grace_s; stopping it")
-                    self.state, self.end_reason = progress.run_end(self.stop_requested, self._summary)
+                    self.state, self.end_reason = run_end(self.stop_requested, self._summary)
                     self._write_status()
                     self._close_progress()
                     self.echo(finished_summary(self.run_dir, self._summary, time.time() - self.started_unix, self.state == "stopped"))

@@ -303,6 +303,15 @@ def reads_in_place(rings: list[ConsumerRing], setting: bool | str) -> list[bool]
     return [c and bool(setting) for c in can]
 
 
+def copy_buffers(rings: list[ConsumerRing], in_place: bool | str, prefetch: int, device: torch.device) -> list[torch.Tensor]:
+    """The slot-sized buffers a consumer copies slots into: ``prefetch`` + 1 (the batch in use and those ready
+    behind it), none when every ring is read in place (``in_place``: ``transport.drafter_in_place``)."""
+    if all(reads_in_place(rings, in_place)):
+        return []
+    slot_bytes = max(r.layout.slot_bytes for r in rings)
+    return [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(prefetch + 1)]
+
+
 class ConsumerDataPlane:
     """A drafter's side: hold slots, copy out into local buffers and return slots at once, or (``in_place``,
     rings that can) hand the slot itself to the step and return it once the step's reads are done.
