@@ -1,7 +1,8 @@
 """Architecture rules, checked on the source: no import cycle between modules nor between packages,
 packages import only the layers below them, no private name crosses modules, the drafter's rooms point down,
-the package's top holds only packages, click lives in ``cli/`` alone, the process shells only wire, and no
-function runs over 100 lines. Modules have no length cap: a module holds one idea, however long.
+the package's top holds only packages, click lives in ``cli/`` alone, the process shells only wire, docs/DESIGN.md's
+map names every package and only packages, and no function runs over 100 lines. Modules have no length cap: a
+module holds one idea, however long.
 
 Imports are read with ``ast`` (never executed): module-level and function-level ``import`` /
 ``from ... import``, relative ones resolved against the importing module's package. Imports under
@@ -12,6 +13,7 @@ Imports are read with ``ast`` (never executed): module-level and function-level 
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -254,6 +256,31 @@ def test_the_process_shells_only_wire():
         if not any(isinstance(n, ast.FunctionDef) and n.name == entry for n in tree.body):
             bad.append(f"{path.name}: no {entry}")
     assert not bad, "process shells only wire:\n" + "\n".join(bad)
+
+
+def design_map_packages(design: str) -> set[str]:
+    """The packages DESIGN.md's map names: each line of the block under "## Packages by role" that starts with
+    ``name/`` names one (``drafter/model`` when indented under ``drafter/``)."""
+    block = design.split("## Packages by role", 1)[1].split("```", 2)[1]
+    names, top = set(), ""
+    for line in block.splitlines():
+        m = re.match(r"( +)([a-z_]+)/", line)
+        if m is None:
+            continue
+        if len(m.group(1)) == 1:
+            top = m.group(2)
+            names.add(top)
+        else:
+            names.add(f"{top}/{m.group(2)}")
+    return names
+
+
+def test_the_design_map_names_every_package_and_only_packages():
+    assert design_map_packages("## Packages by role\n```\n a/   x\n   b/  y\n c/ z ─ w/\n```\n") == {"a", "a/b", "c"}
+    mapped = design_map_packages((REPO / "docs" / "DESIGN.md").read_text())
+    on_disk = {p.parent.relative_to(REPO / "dflash_ipc").as_posix() for p in (REPO / "dflash_ipc").rglob("__init__.py")} - {"."}
+    on_disk.add("procs")
+    assert mapped == on_disk, f"docs/DESIGN.md's map lacks {sorted(on_disk - mapped)}; names no package {sorted(mapped - on_disk)}"
 
 
 def test_every_subpackage_is_installed():

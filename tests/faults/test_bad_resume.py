@@ -1,7 +1,7 @@
 """`up --resume` from checkpoints another config wrote: refused before any process starts, naming
 the keys that differ, from the config stored in the checkpoint's meta.json.
 
-Checkpoints are written by the real writer (``drafter.checkpoint.save_checkpoint``) with the
+Checkpoints are written by the real writer (``drafter.checkpoint.store.save_checkpoint``) with the
 ``extra`` and ``config_hash`` a drafter gives it; the refusals come from
 ``preflight.validate_for_up`` (the entry point of `up`) and once from the real `dflash-ipc up`.
 """
