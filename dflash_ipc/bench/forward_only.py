@@ -12,17 +12,20 @@ and then the target sends Done with its figures, the ceiling counters of
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+from dflash_ipc.control.loop_io import LoopIO
 from dflash_ipc.control.protocol import Done
 from dflash_ipc.target.loop import TargetLoop
+from dflash_ipc.transport.dataplane import ProducerDataPlane
 
 log = logging.getLogger(__name__)
 
 
 class ForwardOnlyLoop(TargetLoop):
-    def __init__(self, *args, batches: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.batches = batches
+    def __init__(self, core: Any, ring: Any, plane: ProducerDataPlane, io: LoopIO, *, heartbeat_interval_s: float, batches: int):
+        super().__init__(core, ring, plane, io, heartbeat_interval_s=heartbeat_interval_s)
+        self.batches = batches  # forwards each target makes, unless its data runs out first
         self.done_sent = False
 
     def commit(self) -> None:
