@@ -25,12 +25,12 @@ python -c "import torch, fla; assert torch.cuda.is_available(), 'no CUDA device'
 
 if want fwd27b; then
   stage "27B-shape target forward, 16 of 64 layers, 8 batches: padded / packed, bf16 / FP8, fused"
-  python -m dflash_ipc.bench.target_forward --config configs/h200-1gpu.toml --layers 16 --batches 8 --profile --fuse \
+  dflash-ipc bench target-forward --config configs/h200-1gpu.toml --layers 16 --batches 8 --profile --fuse \
     --out "$OUT_DIR/fwd27b.json"
 fi
 if want fwd9b; then
   stage "9B-class target forward, 32 layers, 8 batches"
-  python -m dflash_ipc.bench.target_forward --config configs/bench-9b-x2.toml --device cuda:0 --batches 8 --fuse \
+  dflash-ipc bench target-forward --config configs/bench-9b-x2.toml --device cuda:0 --batches 8 --fuse \
     --out "$OUT_DIR/fwd9b.json"
 fi
 if want pipeline; then

@@ -5,23 +5,21 @@ forward+backward on a dummy batch, before Hello), handshakes, opens the rings, t
 
 from __future__ import annotations
 
-import json
 import os
 
 import psutil
-import torch
 
 from dflash_ipc.control import channels, handshake
 from dflash_ipc.control.protocol import Hello
 from dflash_ipc.control.stats import ChildInfo
-from dflash_ipc.devices import gpu_memory_text
-from dflash_ipc.drafter.core import DrafterCore
-from dflash_ipc.drafter.distributed import destroy_distributed, init_distributed
+from dflash_ipc.drafter.core import DrafterCore, planned_steps
 from dflash_ipc.drafter.loop import DrafterLoop
+from dflash_ipc.drafter.training.distributed import destroy_distributed, init_distributed
+from dflash_ipc.platform.devices import gpu_memory_text
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.child import ChildContext, run_child
-from dflash_ipc.runtime.resources import target_need_bytes
-from dflash_ipc.transport.dataplane import ConsumerDataPlane, reads_in_place
+from dflash_ipc.runtime.resources import anchor_chunk_target_need
+from dflash_ipc.transport.dataplane import ConsumerDataPlane, copy_buffers
 from dflash_ipc.transport.factory import open_consumer_ring
 
 
@@ -43,10 +41,8 @@ def drafter_main(child: ChildContext) -> int:
     proc = psutil.Process()
     world = init_distributed(cfg.topology.resolved_dist_backend(), timeout_s=max(600.0, cfg.run.handshake_timeout_s), device=device)
     child.closing.callback(destroy_distributed)
-    plan = json.loads((run_dir / "plan.json").read_text())
-    total_steps = cfg.training.max_steps or max(1, -(-plan["n_batches_total"] // world.world_size))
-    # drafter.anchor_chunk = "auto": the chunk is sized around what a target sharing this GPU needs
-    target_need = target_need_bytes(cfg, device) if cfg.drafter.anchor_chunk == "auto" else None
+    total_steps = planned_steps(cfg, run_dir, world.world_size)
+    target_need = anchor_chunk_target_need(cfg, device)
     core = DrafterCore(cfg, run_dir, world, device, total_steps, child.args.resume, fence=child.fence, target_need=target_need)
     child.closing.callback(core.close)
     log.info(
@@ -67,10 +63,7 @@ def drafter_main(child: ChildContext) -> int:
         rings.append(open_consumer_ring(d, device, consumer_rank=rank, timeout_s=cfg.run.handshake_timeout_s))
         child.closing.callback(rings[-1].close)
     socks.connect_peers(start.target_endpoints, "target")
-    slot_bytes = max(r.layout.slot_bytes for r in rings)
-    in_place = reads_in_place(rings, cfg.transport.drafter_in_place)
-    n_buffers = 0 if all(in_place) else cfg.transport.drafter_prefetch + 1  # slots read in place need no local copy
-    buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(n_buffers)]
+    buffers = copy_buffers(rings, cfg.transport.drafter_in_place, cfg.transport.drafter_prefetch, device)
     plane = ConsumerDataPlane(
         rank,
         rings,
@@ -80,8 +73,8 @@ def drafter_main(child: ChildContext) -> int:
         in_place=cfg.transport.drafter_in_place,
         deterministic=cfg.run.deterministic,
     )
-    if any(in_place):
-        log.info("reading %d of %d rings in place (transport.drafter_in_place)", sum(in_place), len(rings))
+    if any(plane.reads_in_place):
+        log.info("reading %d of %d rings in place (transport.drafter_in_place)", sum(plane.reads_in_place), len(rings))
     handshake.send_ready(socks.dealer, "drafter", rank, socks.auth)
     child.start_heartbeats(cfg.run.heartbeat_interval_s)
     memory = lambda: liveness.host_memory_text(proc, gpu_memory_text(device))  # noqa: E731

@@ -8,11 +8,13 @@ import os
 
 import psutil
 
+from dflash_ipc.bench.forward_only import ForwardOnlyLoop
+from dflash_ipc.bench.target_counters import TargetBenchCounters
 from dflash_ipc.control import channels, handshake
 from dflash_ipc.control.protocol import Hello
 from dflash_ipc.control.stats import ChildInfo, FastPath
-from dflash_ipc.devices import gpu_memory_text
-from dflash_ipc.drafter.ckpt_verify import resume_ledger
+from dflash_ipc.drafter.checkpoint.verify import resume_ledger
+from dflash_ipc.platform.devices import gpu_memory_text
 from dflash_ipc.runtime import liveness
 from dflash_ipc.runtime.child import ChildContext, run_child
 from dflash_ipc.target.core import TargetCore
@@ -27,16 +29,25 @@ def run_target_process(argv: list[str] | None = None) -> int:
         "target",
         target_main,
         pull_endpoint=channels.target_endpoint,
-        add_arguments=lambda ap: ap.add_argument("--forward-only", type=int, default=0, help="benchmark: run N batches with no drafters"),
+        add_arguments=add_bench_arguments,
         argv=argv,
         description="dflash-ipc target process (started by `dflash-ipc up`)",
     )
+
+
+def add_bench_arguments(ap) -> None:
+    """What `bench pipeline` asks of a target (the supervisor's ``bench_counters`` and ``forward_only``)."""
+    ap.add_argument("--bench-counters", action="store_true", help="benchmark: count steady-state figures")
+    ap.add_argument("--forward-only", type=int, default=0, help="benchmark: run N batches with no drafters")
 
 
 def target_main(child: ChildContext) -> int:
     cfg, rank, run_dir, device, log, socks = child.config, child.rank, child.run_dir, child.device, child.log, child.socks
     core = TargetCore(cfg, rank, run_dir, device)
     child.closing.callback(core.close)
+    forward_only = child.args.forward_only
+    if child.args.bench_counters or forward_only:
+        core.observers.append(TargetBenchCounters(ceiling=bool(forward_only)))
     log.info("target %d: %s, layers %s; %s", rank, device, core.model.layer_ids, core.describe_kernels())
     log.info("target %d: forward %s; %s", rank, core.describe_forward(), liveness.host_memory_text(psutil.Process()))
     log.info("data: %s", core.corpus.report.summary())
@@ -68,7 +79,11 @@ def target_main(child: ChildContext) -> int:
     )  # fmt: skip
     handshake.send_ready(socks.dealer, "target", rank, socks.auth)
     child.start_heartbeats(cfg.run.heartbeat_interval_s)
-    TargetLoop(core, ring, plane, child, heartbeat_interval_s=cfg.run.heartbeat_interval_s, forward_only=child.args.forward_only).run()
+    beat = cfg.run.heartbeat_interval_s
+    if forward_only:  # the benchmark's ceiling: no drafters (bench/forward_only.py)
+        ForwardOnlyLoop(core, ring, plane, child, heartbeat_interval_s=beat, batches=forward_only).run()
+    else:
+        TargetLoop(core, ring, plane, child, heartbeat_interval_s=beat).run()
     memory = liveness.host_memory_text(psutil.Process(), gpu_memory_text(device))
     log.info("stopping: %s; slots routed per drafter: %s; %s", child.stop.reason, plane.router.routed_total, memory)
     log.info("%s", core.describe_pack_overlap())

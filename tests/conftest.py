@@ -286,7 +286,7 @@ def free_port() -> int:
 
 
 #: What every rank of spawn_ranks imports (torch.distributed, the drafter's core and trainer), imported once.
-RANK_PRELOAD = ["torch", "torch.distributed", "transformers", "dflash_ipc.drafter.core", "dflash_ipc.drafter.trainer"]
+RANK_PRELOAD = ["torch", "torch.distributed", "transformers", "dflash_ipc.drafter.core", "dflash_ipc.drafter.training.trainer"]
 
 
 def spawn_ranks(fn: Any, args: tuple, nprocs: int = 2) -> None:
@@ -312,7 +312,7 @@ def process_group_rank(rank: int, port: int, backend: str = "gloo", timeout_s: f
     left no stack). A rank that finished its body meets the other at a barrier before the group
     is destroyed: no rank tears its connections down while the peer's last collective is still
     in flight. A rank that raised skips the barrier (the peer may never come)."""
-    from dflash_ipc.drafter.distributed import init_distributed
+    from dflash_ipc.drafter.training.distributed import init_distributed
 
     faulthandler.enable()
     if backend == "gloo":

@@ -26,9 +26,9 @@ from dflash_ipc.control import protocol
 from dflash_ipc.control.protocol import Heartbeat, Message, RejectCounter, Shutdown
 from dflash_ipc.control.stats import Vitals
 from dflash_ipc.drafter.core import DrafterCore
-from dflash_ipc.drafter.distributed import DistInfo
 from dflash_ipc.drafter.loop import DrafterLoop
-from dflash_ipc.ledger import BatchLedger, read_ledger
+from dflash_ipc.drafter.training.distributed import DistInfo
+from dflash_ipc.rundir.ledger import BatchLedger, read_ledger
 from dflash_ipc.runtime.child import StopFlag
 from dflash_ipc.target.core import TargetCore
 from dflash_ipc.target.loop import TargetLoop

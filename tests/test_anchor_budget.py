@@ -1,4 +1,4 @@
-"""The follow-wait anchor budget (drafter/anchor_budget.py) on scripted step times: it grows by one
+"""The follow-wait anchor budget (drafter/training/anchor_budget.py) on scripted step times: it grows by one
 chunk per window while the drafter waits, stops at the cap, steps down when the drafter becomes the
 bound without swinging back, never goes below the start, and restores from its state."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_ipc.drafter.anchor_budget import RETRY_AFTER_WINDOWS, AnchorBudget, BudgetChange
+from dflash_ipc.drafter.training.anchor_budget import RETRY_AFTER_WINDOWS, AnchorBudget, BudgetChange
 
 
 def budget(**kw) -> AnchorBudget:

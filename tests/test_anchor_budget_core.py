@@ -15,7 +15,7 @@ from test_drafter_warmup import batches
 
 from dflash_ipc.config import load_config
 from dflash_ipc.drafter.core import DrafterCore
-from dflash_ipc.drafter.distributed import DistInfo
+from dflash_ipc.drafter.training.distributed import DistInfo
 
 FOLLOW_WAIT = {"anchor_budget": "follow-wait", "anchor_chunk": 8, "max_anchors_per_batch": 8, "max_anchors_auto": 24, "anchor_window": 2}
 SETTLE = 4  # transport.ring_slots (2) + 2 steps not counted after each (re)start

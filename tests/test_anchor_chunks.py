@@ -17,8 +17,8 @@ from conftest import free_port, process_group_rank, spawn_ranks
 from test_dflash_loss import packed_views, tiny_model
 
 from dflash_ipc.config import DrafterConfig, TrainingConfig
-from dflash_ipc.drafter import loss as L
-from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.drafter.loss import objective as L
+from dflash_ipc.drafter.training.trainer import DrafterTrainer
 from dflash_ipc.transport.slots import SlotViews
 
 LAYERS = ["sliding_attention", "full_attention"]

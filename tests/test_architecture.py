@@ -1,5 +1,8 @@
 """Architecture rules, checked on the source: no import cycle between modules nor between packages,
-packages import only the layers below them, no module over 600 lines, no function over 100 lines.
+packages import only the layers below them, no private name crosses modules, the drafter's rooms point down,
+the package's top holds only packages, click lives in ``cli/`` alone, the process shells only wire, docs/DESIGN.md's
+map names every package and only packages, and no function runs over 100 lines. Modules have no length cap: a
+module holds one idea, however long.
 
 Imports are read with ``ast`` (never executed): module-level and function-level ``import`` /
 ``from ... import``, relative ones resolved against the importing module's package. Imports under
@@ -10,12 +13,12 @@ Imports are read with ``ast`` (never executed): module-level and function-level 
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"dflash_ipc": REPO / "dflash_ipc", "dflash_ipc.procs": REPO / "procs"}
-MAX_LINES = 600
 
 
 def package_modules() -> dict[str, Path]:
@@ -196,7 +199,7 @@ def test_import_reader_resolves_relative_function_level_and_procs_imports(tmp_pa
             "dflash_ipc.data.corpus",
             "dflash_ipc.data.tokenizer",
             "dflash_ipc.target.model",
-            "dflash_ipc.drafter.loss",
+            "dflash_ipc.drafter.loss.objective",
             "dflash_ipc.procs.target",
             "dflash_ipc.data",
         )
@@ -221,11 +224,63 @@ def test_no_import_cycles():
     assert not cycles, f"{len(cycles)} import cycle(s) between modules:\n{text}"
 
 
-def test_no_module_over_600_lines():
-    modules = package_modules()
-    too_long = {name: n for name, path in modules.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    text = "\n".join(f"{modules[m].relative_to(REPO)}: {n} lines" for m, n in sorted(too_long.items()))
-    assert not too_long, f"{len(too_long)} module(s) over {MAX_LINES} lines:\n{text}"
+def test_the_package_top_holds_only_its_face_and_packages():
+    """Every module has a named home: ``dflash_ipc/`` itself holds ``__init__.py`` and sub-packages, nothing loose."""
+    loose = sorted(p.name for p in (REPO / "dflash_ipc").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules loose at dflash_ipc/'s top (give each its package): {loose}"
+
+
+def test_every_click_command_lives_in_cli():
+    """One precedent for a new command: click is imported under ``dflash_ipc/cli/`` and nowhere else."""
+    found = []
+    for name, path in package_modules().items():
+        if name.startswith("dflash_ipc.cli"):
+            continue
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+            imported = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(m == "click" or m.startswith("click.") for m in imported):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, "click imported outside dflash_ipc/cli/:\n" + "\n".join(found)
+
+
+def test_the_process_shells_only_wire():
+    """``procs/<role>.py`` starts one OS process: its ``run_<role>_process`` wires a core, rings, a data plane and
+    a loop together. A class there would be policy, which belongs to the role's core or loop, or the runtime."""
+    bad = []
+    for path in sorted((REPO / "procs").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        bad += [f"{path.name}:{n.lineno}: class {n.name}" for n in tree.body if isinstance(n, ast.ClassDef)]
+        entry = f"run_{path.stem}_process"
+        if not any(isinstance(n, ast.FunctionDef) and n.name == entry for n in tree.body):
+            bad.append(f"{path.name}: no {entry}")
+    assert not bad, "process shells only wire:\n" + "\n".join(bad)
+
+
+def design_map_packages(design: str) -> set[str]:
+    """The packages DESIGN.md's map names: each line of the block under "## Packages by role" that starts with
+    ``name/`` names one (``drafter/model`` when indented under ``drafter/``)."""
+    block = design.split("## Packages by role", 1)[1].split("```", 2)[1]
+    names, top = set(), ""
+    for line in block.splitlines():
+        m = re.match(r"( +)([a-z_]+)/", line)
+        if m is None:
+            continue
+        if len(m.group(1)) == 1:
+            top = m.group(2)
+            names.add(top)
+        else:
+            names.add(f"{top}/{m.group(2)}")
+    return names
+
+
+def test_the_design_map_names_every_package_and_only_packages():
+    assert design_map_packages("## Packages by role\n```\n a/   x\n   b/  y\n c/ z ─ w/\n```\n") == {"a", "a/b", "c"}
+    mapped = design_map_packages((REPO / "docs" / "DESIGN.md").read_text())
+    on_disk = {p.parent.relative_to(REPO / "dflash_ipc").as_posix() for p in (REPO / "dflash_ipc").rglob("__init__.py")} - {"."}
+    on_disk.add("procs")
+    assert mapped == on_disk, f"docs/DESIGN.md's map lacks {sorted(on_disk - mapped)}; names no package {sorted(mapped - on_disk)}"
 
 
 def test_every_subpackage_is_installed():
@@ -258,8 +313,8 @@ def test_every_from_import_of_the_package_resolves():
 
 # --------------------------------------------------------------------------- layers point down
 
-#: The layers, lowest first. A unit is a sub-package (``dflash_ipc.data``) or a top-level module
-#: (``dflash_ipc.ledger``); ``dflash_ipc.procs`` is the process shells. A unit imports only units of
+#: The layers, lowest first. A unit is a sub-package (``dflash_ipc.data``; ``dflash_ipc`` itself is the
+#: package's face); ``dflash_ipc.procs`` is the process shells. A unit imports only units of
 #: the layers below its own; within one layer only the leaves import each other (the package-level
 #: cycle test keeps that acyclic). ``target`` and ``drafter`` share a layer, so neither role imports
 #: the other: what both read of the frozen target lives in the leaf ``target_spec``.
@@ -271,22 +326,15 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
             {
                 "dflash_ipc",
                 "assets",
-                "bounded_json",
                 "config",
-                "cli_options",
-                "devices",
-                "draft_vocab",
                 "families",
-                "fence",
-                "fp8",
-                "fsutil",
-                "ledger",
+                "platform",
+                "rundir",
                 "target_spec",
-                "third_party_logs",
             },
         ),  # fmt: skip
         ("control", {"control"}),
-        ("transport", {"transport", "node_spec"}),
+        ("transport", {"transport"}),
         ("data", {"data"}),
         ("roles", {"target", "drafter"}),
         ("eval", {"eval"}),
@@ -303,7 +351,7 @@ ROLES = ("target", "drafter")
 
 
 def unit_of(module: str) -> str:
-    """``dflash_ipc.data.corpus`` -> ``data``; ``dflash_ipc.ledger`` -> ``ledger``; ``dflash_ipc`` -> ``dflash_ipc``."""
+    """``dflash_ipc.data.corpus`` -> ``data``; ``dflash_ipc.rundir.ledger`` -> ``rundir``; ``dflash_ipc`` -> ``dflash_ipc``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -366,9 +414,7 @@ def test_data_imports_neither_eval_nor_a_role():
 
 def test_no_role_imports_another_roles_package():
     bad = cross_role_imports(import_graph())
-    assert not bad, "a role imports another role's package (share it through a leaf, e.g. target_spec, ledger, node_spec):\n" + "\n".join(
-        bad
-    )
+    assert not bad, "a role imports another role's package (share it through a leaf, e.g. target_spec, rundir):\n" + "\n".join(bad)
 
 
 def test_no_private_name_is_imported_across_modules():
@@ -383,25 +429,52 @@ def test_no_private_name_is_imported_across_modules():
 
 def test_the_layer_rules_catch_planted_violations():
     graph = {
-        "dflash_ipc.target.core": {"dflash_ipc.runtime.nodes", "dflash_ipc.drafter.checkpoint", "dflash_ipc.ledger"},
+        "dflash_ipc.target.core": {"dflash_ipc.runtime.nodes", "dflash_ipc.drafter.checkpoint.store", "dflash_ipc.rundir.ledger"},
         "dflash_ipc.drafter.core": {"dflash_ipc.target_spec.hf_config", "dflash_ipc.procs.target"},
         "dflash_ipc.data.tokenizer": {"dflash_ipc.eval.target_lm", "dflash_ipc.target_spec.hf_config"},
         "dflash_ipc.eval.target_lm": {"dflash_ipc.data.readers"},
         "dflash_ipc.runtime.supervisor": {"dflash_ipc.target.core"},
-        "dflash_ipc.config": {"dflash_ipc.fsutil"},
+        "dflash_ipc.config": {"dflash_ipc.rundir.fsutil"},
         "dflash_ipc.gadget": set(),
     }
     assert layer_violations(graph) == [
         "gadget: in no layer (add it to LAYERS in tests/test_architecture.py)",
         "dflash_ipc.data.tokenizer -> dflash_ipc.eval.target_lm (data -> eval)",
         "dflash_ipc.drafter.core -> dflash_ipc.procs.target (roles -> procs)",
-        "dflash_ipc.target.core -> dflash_ipc.drafter.checkpoint (roles -> roles)",
+        "dflash_ipc.target.core -> dflash_ipc.drafter.checkpoint.store (roles -> roles)",
         "dflash_ipc.target.core -> dflash_ipc.runtime.nodes (roles -> runtime)",
     ]
-    assert cross_role_imports(graph) == ["dflash_ipc.target.core -> dflash_ipc.drafter.checkpoint"]
+    assert cross_role_imports(graph) == ["dflash_ipc.target.core -> dflash_ipc.drafter.checkpoint.store"]
     units = package_graph(graph)
     assert units["data"] == {"eval", "target_spec"} and units["eval"] == {"data"}
     assert import_cycles(units) == [["data", "eval", "data"], ["runtime", "target", "runtime"]]
+
+
+#: The drafter's rooms, lowest first: a module of one imports only its own room and those below it; the
+#: core and the loop (``dflash_ipc.drafter.core``, ``.loop``) sit above them all.
+DRAFTER_ROOMS = ("model", "loss", "checkpoint", "training", "export")
+
+
+def drafter_room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import between the drafter's modules that points to a higher room (or to the core and loop)."""
+
+    def rank(module: str) -> int:
+        room = module.split(".")[2]
+        return DRAFTER_ROOMS.index(room) if room in DRAFTER_ROOMS else len(DRAFTER_ROOMS)
+
+    inside = [m for m in graph if m.startswith("dflash_ipc.drafter.")]
+    return sorted(f"{m} -> {d}" for m in inside for d in graph[m] if d.startswith("dflash_ipc.drafter.") and rank(d) > rank(m))
+
+
+def test_the_drafters_rooms_point_down():
+    planted = {
+        "dflash_ipc.drafter.model.build": {"dflash_ipc.drafter.export.layout"},
+        "dflash_ipc.drafter.core": {"dflash_ipc.drafter.loop"},
+    }
+    assert drafter_room_violations(planted) == ["dflash_ipc.drafter.model.build -> dflash_ipc.drafter.export.layout"]
+    bad = drafter_room_violations(import_graph())
+    order = " < ".join([*DRAFTER_ROOMS, "core/loop"])
+    assert not bad, f"drafter imports that do not point down ({order}):\n" + "\n".join(bad)
 
 
 # --------------------------------------------------------------------------- functions stay short

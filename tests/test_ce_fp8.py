@@ -1,4 +1,4 @@
-"""``training.ce_fp8``: the frozen LM head's two GEMMs in the chunked CE in e4m3 (drafter/fp8_head.py, chunked_ce.py).
+"""``training.ce_fp8``: the frozen LM head's two GEMMs in the chunked CE in e4m3 (drafter/model/fp8_head.py, chunked_ce.py).
 
 The CPU runs ``torch._scaled_mm`` (slowly), so these tests run the product's FP8 path for real.
 
@@ -23,10 +23,10 @@ from test_dflash_loss import loss_case, packed_views, reference_loss, tiny_model
 from test_draft_vocab import reduced_twin
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TrainingConfig, load_config
-from dflash_ipc.drafter import loss as L
-from dflash_ipc.drafter.fp8_head import Fp8Head, fp8_head_bytes
-from dflash_ipc.drafter.trainer import DrafterTrainer
-from dflash_ipc.fp8 import E4M3, E4M3_MAX, quantize_rows
+from dflash_ipc.drafter.loss import objective as L
+from dflash_ipc.drafter.model.fp8_head import Fp8Head, fp8_head_bytes
+from dflash_ipc.drafter.training.trainer import DrafterTrainer
+from dflash_ipc.platform.e4m3 import E4M3, E4M3_MAX, quantize_rows
 from dflash_ipc.runtime.preflight import check_ce_fp8_devices, check_machine
 
 E4M3_REL = 2.0**-4  # half an e4m3 ulp, relative
@@ -230,7 +230,7 @@ def test_compute_loss_with_ce_fp8_trains_the_drafter_like_bf16(draft_vocab):
 def test_the_copies_are_neither_state_nor_checkpoint_nor_export(tmp_path):
     from safetensors import safe_open
 
-    from dflash_ipc.drafter.export import export_drafter
+    from dflash_ipc.drafter.export.layout import export_drafter
 
     model, dc = tiny_model(["full_attention"], block_size=4)
     keys = set(model.state_dict())
@@ -302,7 +302,7 @@ def test_ce_fp8_is_refused_on_a_gpu_older_than_8_9_naming_the_key(monkeypatch, t
 def test_on_the_gpu_the_loss_runs_scaled_mm_compiled_and_matches_bf16(fresh_dynamo):
     """bf16 hidden states and head at a head's real alignment, ``ce_compile`` on: the profile shows the FP8
     GEMM (two per chunk), and the numbers match the bf16 path within e4m3's tolerance."""
-    from dflash_ipc.fp8 import fp8_device_problem
+    from dflash_ipc.platform.e4m3 import fp8_device_problem
 
     if problem := fp8_device_problem("cuda:0"):
         pytest.skip(problem)

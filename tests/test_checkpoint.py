@@ -19,8 +19,8 @@ from conftest import free_port, process_group_rank, spawn_ranks
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
-from dflash_ipc.drafter import checkpoint as ck
-from dflash_ipc.drafter.checkpoint import (
+from dflash_ipc.drafter.checkpoint import store as ck
+from dflash_ipc.drafter.checkpoint.store import (
     BatchLedger,
     gather_ledger,
     load_latest_checkpoint,
@@ -29,7 +29,7 @@ from dflash_ipc.drafter.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.drafter.training.trainer import DrafterTrainer
 
 CFG = TrainingConfig(lr=1e-2, warmup_steps=2, max_steps=50, grad_clip=0.5)
 
@@ -207,7 +207,7 @@ def test_killed_mid_save_and_leftover_tmp(tmp_path):
     script = textwrap.dedent(f"""
         import time, torch
         from pathlib import Path
-        from dflash_ipc.drafter import checkpoint as ck
+        from dflash_ipc.drafter.checkpoint import store as ck
         real = ck._write_torch
         def slow(path, obj):
             with open(path, "wb") as f:
@@ -347,7 +347,7 @@ def test_big_tensors_streamed_to_safetensors_resume_bit_exact(tmp_path):
 
 
 def test_latest_committed_step_reads_the_pointer_and_meta_without_torch(tmp_path):
-    from dflash_ipc.drafter.ckpt_layout import latest_committed_step
+    from dflash_ipc.drafter.checkpoint.layout import latest_committed_step
 
     assert latest_committed_step(tmp_path) is None  # nothing saved
     tr = make_trainer(torch.float32)
@@ -358,5 +358,5 @@ def test_latest_committed_step_reads_the_pointer_and_meta_without_torch(tmp_path
     assert latest_committed_step(tmp_path) is None  # unreadable: the caller falls back to a full load
     (tmp_path / ck.LATEST_FILE).write_text("elsewhere\n")
     assert latest_committed_step(tmp_path) is None
-    code = "import sys, dflash_ipc.drafter.ckpt_layout; print('torch' in sys.modules)"
+    code = "import sys, dflash_ipc.drafter.checkpoint.layout; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

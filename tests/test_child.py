@@ -19,7 +19,7 @@ import zmq
 
 from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.protocol import Dead, Ready, Shutdown
-from dflash_ipc.fsutil import make_private_dir
+from dflash_ipc.rundir.fsutil import make_private_dir
 from dflash_ipc.runtime.forkserver import ForkServer
 from dflash_ipc.runtime.launch import child_env
 

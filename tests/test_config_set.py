@@ -125,7 +125,7 @@ def test_every_config_command_refuses_a_bad_set_naming_the_key(tmp_path, command
 
 
 def test_target_forward_bench_refuses_a_bad_set():
-    cmd = [sys.executable, "-m", "dflash_ipc.bench.target_forward", "--config", str(TINY), "--out", "/nonexistent/x.json"]
+    cmd = [sys.executable, "-m", "dflash_ipc.cli", "bench", "target-forward", "--config", str(TINY), "--out", "/nonexistent/x.json"]
     r = subprocess.run([*cmd, "--set", "data.token_budget=0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "error: --set data.token_budget: must be >= data.max_seq_len" in r.stderr, r.stderr
 

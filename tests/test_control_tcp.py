@@ -27,7 +27,7 @@ from conftest import tiny_cpu_config, write_toml
 
 from dflash_ipc.control import channels, curve, plane
 from dflash_ipc.control.protocol import Hello, Load
-from dflash_ipc.drafter.checkpoint import LEDGER_FILE, read_latest_pointer
+from dflash_ipc.drafter.checkpoint.store import LEDGER_FILE, read_latest_pointer
 from dflash_ipc.ops import status_client
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from dflash_ipc.devices import gpu_memory_text
+from dflash_ipc.platform.devices import gpu_memory_text
 
 
 def test_gpu_memory_text_is_empty_on_cpu():

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from transformers import Qwen3_5TextConfig
 
 from dflash_ipc.config import DrafterConfig, TrainingConfig
-from dflash_ipc.drafter import blocks as B
-from dflash_ipc.drafter import loss as L
-from dflash_ipc.drafter import masks as M
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.loss import blocks as B
+from dflash_ipc.drafter.loss import masks as M
+from dflash_ipc.drafter.loss import objective as L
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.transport.slots import SlotViews
 
 H, V = 64, 300
@@ -516,7 +516,7 @@ def test_cuda_flex_matches_sdpa_loss_and_gradients():
 
 
 def test_max_anchors_per_batch_caps_a_batch_of_many_short_documents():
-    from dflash_ipc.drafter.blocks import sample_anchors
+    from dflash_ipc.drafter.loss.blocks import sample_anchors
 
     seq_lens = torch.tensor([20] * 30, dtype=torch.int32)
     loss_mask = torch.ones(600, dtype=torch.uint8)

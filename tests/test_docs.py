@@ -48,7 +48,8 @@ DOCS = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "do
 DOCS += sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").glob("*.sh"))
 # a path anchored at a top-level folder of the repository, or a module path inside the package
 TOP_PATH = re.compile(r"(?<![\w/.$~-])((?:dflash_ipc|procs|tests|tools|configs|docs|examples|systemd|\.ci)/[\w./@-]*[\w/])")
-PKG_MODULE = re.compile(r"(?<![\w/.$~-])((?:control|transport|data|target|drafter|eval|runtime|ops|bench)/[\w/]+\.py)\b")
+PACKAGES = "control|transport|data|target|drafter|eval|runtime|ops|bench|cli|config|datagen|families|platform|rundir|target_spec"
+PKG_MODULE = re.compile(rf"(?<![\w/.$~-])((?:{PACKAGES})/[\w/]+\.py)\b")
 COMMAND = re.compile(r"\bdflash-ipc ([a-z][\w-]*)(?: ([a-z][\w-]*))?")
 
 

@@ -18,8 +18,8 @@ from test_anchor_chunks import DPACE, DPACE_W, LAYERS, LENS, TC, chunked
 from test_dflash_loss import manual_loss, packed_views, tiny_model
 
 from dflash_ipc.config import ConfigError, TrainingConfig, config_from_dict
-from dflash_ipc.drafter import blocks as B
-from dflash_ipc.drafter import loss as L
+from dflash_ipc.drafter.loss import blocks as B
+from dflash_ipc.drafter.loss import objective as L
 
 
 def loop_dpace(confidence: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The drafter's draft vocabulary (``drafter.draft_vocab_size``, dflash_ipc/draft_vocab.py): the choice
+"""The drafter's draft vocabulary (``drafter.draft_vocab_size``, dflash_ipc/data/draft_vocab.py): the choice
 from the data, the run directory's copy, the head and loss over its rows, the export, eval over it,
 and a real in-process run from the probe's plan to the export."""
 
@@ -14,11 +14,18 @@ from click.testing import CliRunner
 from test_dflash_loss import V, manual_loss, packed_views, tiny_model
 
 from dflash_ipc.config import ConfigError, TrainingConfig, config_from_dict
-from dflash_ipc.draft_vocab import DRAFT_VOCAB_FILE, EXPORT_FILE, choose_draft_vocab, coverage_by_size, ensure_draft_vocab, read_draft_vocab
-from dflash_ipc.drafter import blocks as B
-from dflash_ipc.drafter import loss as L
-from dflash_ipc.drafter.export import export_drafter, load_exported_drafter, read_export
-from dflash_ipc.drafter.model import DFlashDrafter
+from dflash_ipc.data.draft_vocab import (
+    DRAFT_VOCAB_FILE,
+    EXPORT_FILE,
+    choose_draft_vocab,
+    coverage_by_size,
+    ensure_draft_vocab,
+    read_draft_vocab,
+)
+from dflash_ipc.drafter.export.layout import export_drafter, load_exported_drafter, read_export
+from dflash_ipc.drafter.loss import blocks as B
+from dflash_ipc.drafter.loss import objective as L
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter
 
 # --------------------------------------------------------------------------- the choice
 
@@ -151,9 +158,9 @@ def test_the_export_carries_its_rows_and_eval_drafts_over_them_losslessly(tmp_pa
 
     from dflash_ipc.cli import main
     from dflash_ipc.config import load_config
+    from dflash_ipc.data.draft_vocab import DraftVocab
     from dflash_ipc.data.tokenizer import load_tokenizer
-    from dflash_ipc.draft_vocab import DraftVocab
-    from dflash_ipc.drafter.build import drafter_for_target
+    from dflash_ipc.drafter.model.build import drafter_for_target
     from dflash_ipc.target_spec.heads import target_head_weights
     from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 

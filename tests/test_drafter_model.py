@@ -10,11 +10,11 @@ from safetensors.torch import load_file
 from transformers import Qwen3_5TextConfig
 
 from dflash_ipc.config import DrafterConfig
-from dflash_ipc.drafter import blocks as B
-from dflash_ipc.drafter import loss as L
-from dflash_ipc.drafter import masks as M
-from dflash_ipc.drafter.export import export_drafter, load_exported_drafter
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig, resolve_attention_backend
+from dflash_ipc.drafter.export.layout import export_drafter, load_exported_drafter
+from dflash_ipc.drafter.loss import blocks as B
+from dflash_ipc.drafter.loss import masks as M
+from dflash_ipc.drafter.loss import objective as L
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig, resolve_attention_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -207,7 +207,7 @@ def test_blockwise_matches_sdpa_outputs_and_gradients(monkeypatch, slack):
     """Blockwise attention scores each run of blocks against its visible context range only: the same
     outputs and parameter gradients as the dense mask, with blocks out of document order, a block with
     nothing visible, blocks at a document's start (no context) and a sliding window shorter than a document."""
-    import dflash_ipc.drafter.blockwise as BW
+    import dflash_ipc.drafter.model.blockwise as BW
 
     monkeypatch.setattr(BW, "MERGE_SLACK", slack)
     monkeypatch.setattr(BW.merge_groups, "__defaults__", (slack,))
@@ -236,7 +236,7 @@ def test_blockwise_matches_sdpa_outputs_and_gradients(monkeypatch, slack):
 
 
 def test_merged_groups_score_the_union_of_their_context_ranges():
-    from dflash_ipc.drafter.blockwise import merge_groups
+    from dflash_ipc.drafter.model.blockwise import merge_groups
 
     runs = [(0, 8, 0, 10), (8, 16, 10, 20), (16, 24, 5, 5), (24, 32, 40, 60)]  # the third sees no context
     assert merge_groups(runs, slack=0) == [(0, 8, 0, 10), (8, 16, 10, 20), (16, 24, 5, 5), (24, 32, 40, 60)]

@@ -22,7 +22,7 @@ from dflash_ipc.bench.drafter_step import (
 )
 from dflash_ipc.cli import main
 from dflash_ipc.config import load_config
-from dflash_ipc.drafter.loss import chunked_lm_loss, compute_loss
+from dflash_ipc.drafter.loss.objective import chunked_lm_loss, compute_loss
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.toml"
 # fp32 on the CPU: inductor's fused kernels sum in another order than eager's, so values agree to a

@@ -16,8 +16,8 @@ from conftest import tiny_cpu_config, write_toml
 
 from dflash_ipc.config import load_config
 from dflash_ipc.drafter.core import DrafterCore
-from dflash_ipc.drafter.distributed import DistInfo
-from dflash_ipc.drafter.time_budget import MEASURE_FROM
+from dflash_ipc.drafter.training.distributed import DistInfo
+from dflash_ipc.drafter.training.time_budget import MEASURE_FROM
 from dflash_ipc.transport.slots import SlotViews
 
 

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from dflash_ipc.cli import main
 from dflash_ipc.config import load_config
 from dflash_ipc.data.tokenizer import load_tokenizer, mask_token_id, stop_token_ids
-from dflash_ipc.drafter.export import export_drafter
-from dflash_ipc.drafter.export_target import EXPORT_MARKER
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.export.destination import EXPORT_MARKER
+from dflash_ipc.drafter.export.layout import export_drafter
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.eval.run import format_suite_table, load_prompts
 from dflash_ipc.eval.spec import GenResult, first_divergence, greedy_generate, speculative_generate, summarize
 from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
@@ -299,9 +299,9 @@ def test_export_untrained_matches_the_trained_layout_and_evals_lossless(tmp_path
 
 
 def test_cached_context_keys_values_give_the_drafts_of_a_full_recompute(tiny, tmp_path):
-    from dflash_ipc.drafter.blocks import build_block_layout
-    from dflash_ipc.drafter.export import load_exported_drafter
-    from dflash_ipc.drafter.masks import build_attention_masks
+    from dflash_ipc.drafter.export.layout import load_exported_drafter
+    from dflash_ipc.drafter.loss.blocks import build_block_layout
+    from dflash_ipc.drafter.loss.masks import build_attention_masks
     from dflash_ipc.eval.spec import DrafterProposer
 
     cfg, tok, target, prompts, stops = tiny

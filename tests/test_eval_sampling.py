@@ -120,7 +120,7 @@ def test_nucleus_is_applied_to_each_distribution():
 @pytest.fixture(scope="module")
 def llama_target(tiny_llama):
     """The random 4-layer Llama checkpoint of conftest (attention only: cache crop) and a DFlash drafter for it."""
-    from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
+    from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
     from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
     from dflash_ipc.target_spec.heads import target_head_weights
     from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids

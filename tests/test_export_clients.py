@@ -20,8 +20,8 @@ import torch
 from click.testing import CliRunner
 
 from dflash_ipc.cli import main
-from dflash_ipc.drafter.export import CLIENTS, D2T_TENSOR, HEAD_TENSOR, MODELING_FILE
-from dflash_ipc.drafter.serving import ENGINES_BY_CLIENT, EXAMPLE_MAX_NEW_LINE, EXAMPLE_MESSAGES_LINE
+from dflash_ipc.drafter.export.layout import CLIENTS, D2T_TENSOR, HEAD_TENSOR, MODELING_FILE
+from dflash_ipc.drafter.export.serving import ENGINES_BY_CLIENT, EXAMPLE_MAX_NEW_LINE, EXAMPLE_MESSAGES_LINE
 
 zl = pytest.importorskip("dflash.model", reason="z-lab's dflash (the test extra) is not installed")
 ZLAB_CUDA_TIME = zl._cuda_time  # z-lab's own timer (torch.cuda.synchronize()): a CPU run replaces it
@@ -178,7 +178,7 @@ def test_the_d2t_table_maps_each_head_row_to_the_target_id_it_drafts(trained):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from dflash_ipc.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
+    from dflash_ipc.data.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 
     _, run_dir, outs = trained
     chosen = read_draft_vocab(run_dir / DRAFT_VOCAB_FILE).tensor()
@@ -300,8 +300,8 @@ def test_speculators_converts_and_loads_the_export_with_the_ids_it_expects(train
 def test_a_drafter_reading_the_targets_last_layer_is_noted(trained):
     import dataclasses
 
-    from dflash_ipc.drafter.export import read_export
-    from dflash_ipc.drafter.export_run import client_notes
+    from dflash_ipc.drafter.export.from_checkpoint import client_notes
+    from dflash_ipc.drafter.export.layout import read_export
 
     conf = read_export(trained[2]["all"][0])
     assert client_notes(conf) == []

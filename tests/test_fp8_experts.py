@@ -15,7 +15,7 @@ from families.family_zoo import build_checkpoint, family_config
 
 import dflash_ipc.target.model as model_mod
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.fp8 import E4M3, quantize_rows
+from dflash_ipc.platform.e4m3 import E4M3, quantize_rows
 from dflash_ipc.target.fp8_experts import Fp8Experts, grouped_gemm_runs, quantize_experts
 from dflash_ipc.target.model import build_target
 

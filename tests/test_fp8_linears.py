@@ -29,14 +29,14 @@ from torch import nn
 from dflash_ipc.bench.drafter_step import RANDOM_TARGETS, build_bench_drafter, synthetic_batches, variant_config, variant_overrides
 from dflash_ipc.cli import main
 from dflash_ipc.config import ConfigError, DrafterConfig, load_config
-from dflash_ipc.drafter.build import build_drafter
-from dflash_ipc.drafter.checkpoint import BatchLedger, load_latest_checkpoint, rng_state, save_checkpoint
-from dflash_ipc.drafter.export import export_drafter
-from dflash_ipc.drafter.export_run import export_checkpoint
-from dflash_ipc.drafter.fp8_linears import convert_fp8_linears, fp8_linear_names, skip_reason
-from dflash_ipc.drafter.loss import compute_loss
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
-from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.drafter.checkpoint.store import BatchLedger, load_latest_checkpoint, rng_state, save_checkpoint
+from dflash_ipc.drafter.export.from_checkpoint import export_checkpoint
+from dflash_ipc.drafter.export.layout import export_drafter
+from dflash_ipc.drafter.loss.objective import compute_loss
+from dflash_ipc.drafter.model.build import build_drafter
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.model.fp8_linears import convert_fp8_linears, fp8_linear_names, skip_reason
+from dflash_ipc.drafter.training.trainer import DrafterTrainer
 from dflash_ipc.runtime.preflight import check_environment, check_fp8_linears
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -111,12 +111,12 @@ def test_skip_reasons_frozen_unaligned_small_and_the_size_floor_off():
 def test_the_build_converts_as_the_config_says_and_logs_how_many(caplog):
     # 1040-wide SwiGLU: gate/up (N = 1040 > 1024) gain under tensorwise; the 64-wide rest does not
     sets = ["drafter.intermediate_size=1040", "drafter.fp8_linears='tensorwise'"]
-    with caplog.at_level(logging.INFO, logger="dflash_ipc.drafter.build"):
+    with caplog.at_level(logging.INFO, logger="dflash_ipc.drafter.model.build"):
         model = build_drafter(load_config(str(TINY), sets=sets), CPU, log_mask_token=False)
     assert sorted(fp8_linear_names(model)) == [f"layers.{i}.mlp.{k}" for i in (0, 1) for k in ("gate_proj", "up_proj")]
     assert "'tensorwise': 4 of 15 linear layers train in FP8" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="dflash_ipc.drafter.build"):
+    with caplog.at_level(logging.INFO, logger="dflash_ipc.drafter.model.build"):
         model = build_drafter(load_config(str(TINY), sets=["drafter.fp8_linears='rowwise'"]), CPU, log_mask_token=False)
     assert fp8_linear_names(model) == []
     assert "0 of 15" in caplog.text and "no linear layer of this drafter is large enough" in caplog.text
@@ -287,7 +287,7 @@ def test_the_bench_reaches_fp8_by_a_variant(tmp_path):
 def test_on_the_gpu_the_compiled_step_multiplies_in_fp8_and_keeps_the_bf16_loss():
     """Qwen3-8B widths, one layer, bf16, compiled: the converted layers run ``_scaled_mm`` (seen by the profiler),
     the loss stays within FP8 rounding of the bf16 step's and the converted layers' gradients point the same way."""
-    from dflash_ipc.drafter.fp8_linears import fp8_linears_problem
+    from dflash_ipc.drafter.model.fp8_linears import fp8_linears_problem
 
     if not torch.cuda.is_available() or fp8_linears_problem("cuda:0"):
         pytest.skip("needs a CUDA GPU of capability >= 8.9 and torchao")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ipc.fsutil import (
+from dflash_ipc.rundir.fsutil import (
     LinkRefused,
     NotPrivate,
     check_own_private,

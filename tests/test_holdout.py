@@ -17,8 +17,8 @@ from loop_harness import InprocRun, small_config
 from dflash_ipc.cli import main
 from dflash_ipc.config import ConfigError, config_from_dict
 from dflash_ipc.control.drafter_tau import NOT_WORTH_SERVING, WORTH_SERVING_TAU, DrafterTau
-from dflash_ipc.drafter.checkpoint import LEDGER_FILE, read_latest_pointer
-from dflash_ipc.drafter.export import DRAFTER_TAU_KEY
+from dflash_ipc.drafter.checkpoint.store import LEDGER_FILE, read_latest_pointer
+from dflash_ipc.drafter.export.layout import DRAFTER_TAU_KEY
 
 
 def _ledger(run_dir: Path) -> set[tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""Held-out τ by simulated decoding (drafter/holdout.py): the chaining rule on hand-made acceptance
+"""Held-out τ by simulated decoding (drafter/training/holdout.py): the chaining rule on hand-made acceptance
 lengths, and the proof that it equals `dflash-ipc eval`'s τ on the target's own greedy answers."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_ipc.config import ConfigError, config_from_dict, load_config
-from dflash_ipc.drafter.holdout import answer_spans, chained_counts, chained_decode
+from dflash_ipc.drafter.training.holdout import answer_spans, chained_counts, chained_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.toml"
@@ -121,7 +121,7 @@ def test_simulated_holdout_tau_equals_eval_on_the_targets_greedy_answers(tmp_pat
     from dflash_ipc.data.builtin_corpus import builtin_conversations
     from dflash_ipc.data.tokenizer import load_tokenizer
     from dflash_ipc.drafter.core import DrafterCore
-    from dflash_ipc.drafter.distributed import DistInfo
+    from dflash_ipc.drafter.training.distributed import DistInfo
     from dflash_ipc.eval.run import load_prompts, run_eval
 
     n, max_new = 4, 24

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dflash_ipc.config import ConfigError, load_config
-from dflash_ipc.drafter.build import build_drafter
-from dflash_ipc.drafter.init_from_target import drafter_layer_shapes, nearest_plane, plan_init
+from dflash_ipc.drafter.model.build import build_drafter
+from dflash_ipc.drafter.model.init_from_target import drafter_layer_shapes, nearest_plane, plan_init
 from dflash_ipc.runtime.preflight import check_environment
 from dflash_ipc.target_spec.heads import decoder_stack_shapes
 from dflash_ipc.target_spec.hf_config import default_layer_ids
@@ -104,7 +104,7 @@ def test_a_qwen3_5_checkpoint_is_read_through_its_prefix_and_its_layers_are_refu
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from dflash_ipc.config import DrafterConfig
-    from dflash_ipc.drafter.model import DrafterModelConfig
+    from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
     from dflash_ipc.target_spec.heads import read_decoder_stack
     from dflash_ipc.target_spec.hf_config import tiny_spec
 

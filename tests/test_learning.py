@@ -1,4 +1,4 @@
-"""drafter/learning.py: a run that learned nothing since its start or its last checkpoint, or whose weights
+"""drafter/training/learning.py: a run that learned nothing since its start or its last checkpoint, or whose weights
 exploded, is refused before it writes a checkpoint or an export (the real runs: tests/faults/test_tamper.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_ipc.drafter.learning import TrainingDiverged, UpdateTally
+from dflash_ipc.drafter.training.learning import TrainingDiverged, UpdateTally
 
 SOUND = [("fc.weight", torch.full((4, 4), 0.5)), ("norm.weight", torch.ones(4))]
 NAN = float("nan")

@@ -15,8 +15,8 @@ from loop_harness import InprocIO, InprocRun, small_config
 
 from dflash_ipc.control.protocol import Done, EndOfData, Shutdown, SlotReady
 from dflash_ipc.drafter import loop as drafter_loop
-from dflash_ipc.drafter.anchor_budget import AnchorBudget
-from dflash_ipc.drafter.checkpoint import load_latest_checkpoint, read_latest_pointer
+from dflash_ipc.drafter.checkpoint.store import load_latest_checkpoint, read_latest_pointer
+from dflash_ipc.drafter.training.anchor_budget import AnchorBudget
 
 
 def metrics(run: InprocRun) -> list[dict]:
@@ -185,23 +185,25 @@ def test_the_anchor_budget_moves_on_the_wait_the_loop_measures(tmp_path, inproc)
 
 
 def test_the_forward_only_ceiling_times_a_warm_forward_that_ships_what_a_plain_forward_ships(tmp_path):
-    """The benchmark ceiling (``forward_next(bare_baseline=True)``) forwards each batch once untimed
-    (its first pass: a new shape's compiles), then bare and captured: what it ships is what the
+    """The benchmark ceiling (a core observed by ``TargetBenchCounters(ceiling=True)``) forwards each batch once
+    untimed (its first pass: a new shape's compiles), then bare and captured: what it ships is what the
     training path's single forward ships, batch for batch; only the first pass and the bare
     baseline are added, and counted apart."""
     import torch
 
-    from dflash_ipc.ledger import BatchLedger
+    from dflash_ipc.bench.target_counters import TargetBenchCounters
+    from dflash_ipc.rundir.ledger import BatchLedger
     from dflash_ipc.target.core import TargetCore
 
     cfg = small_config(tmp_path, targets=1)
     plain = TargetCore(cfg, 0, tmp_path / "plain", torch.device("cpu"))
     ceiling = TargetCore(cfg, 0, tmp_path / "ceiling", torch.device("cpu"))
+    ceiling.observers.append(TargetBenchCounters(ceiling=True))
     try:
         for core in (plain, ceiling):
             core.start(BatchLedger())
         for _ in range(3):
-            a, b = plain.forward_next(), ceiling.forward_next(bare_baseline=True)
+            a, b = plain.forward_next(), ceiling.forward_next()
             assert a.wire_id == b.wire_id and torch.equal(a.meta.token_ids, b.meta.token_ids)
             assert len(a.planes) == len(b.planes) and all(torch.equal(x, y) for x, y in zip(a.planes, b.planes))
         ran, timed = ceiling.stats(), plain.stats()

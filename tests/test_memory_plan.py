@@ -1,4 +1,4 @@
-"""``drafter.anchor_chunk = "auto"`` (drafter/memory_plan.py) and the chunked CE's in-place passes.
+"""``drafter.anchor_chunk = "auto"`` (drafter/training/memory_plan.py) and the chunked CE's in-place passes.
 
 The chunk choice is a pure function of widths and memory figures: given an H200's numbers with a target
 beside the drafter, 4,096 anchors at Qwen3-8B and Qwen3.6-27B widths get a chunk whose planned bytes fit,
@@ -15,9 +15,9 @@ import torch
 from test_dflash_loss import packed_views, tiny_model
 
 from dflash_ipc.config import ConfigError, DrafterConfig, TrainingConfig, load_config
-from dflash_ipc.drafter import chunked_ce as CE
-from dflash_ipc.drafter import loss as L
-from dflash_ipc.drafter import memory_plan as M
+from dflash_ipc.drafter.loss import chunked_ce as CE
+from dflash_ipc.drafter.loss import objective as L
+from dflash_ipc.drafter.training import memory_plan as M
 
 GIB = 2**30
 H200_TOTAL = int(139.8 * GIB)
@@ -110,7 +110,7 @@ def test_auto_is_a_config_value_refused_with_follow_wait_and_resolved_on_cpu(tmp
 def test_the_fp8_head_copies_count_in_the_drafters_fixed_state():
     """``training.ce_fp8``: two e4m3 copies of the head (~0.6 GB each at Qwen3-8B's), planned before the first
     step makes them, and exactly what it makes."""
-    from dflash_ipc.drafter.fp8_head import fp8_head_bytes
+    from dflash_ipc.drafter.model.fp8_head import fp8_head_bytes
 
     model, _ = tiny_model(["full_attention"])
     plain = M.drafter_fixed_bytes(model)

@@ -26,7 +26,7 @@ import psutil
 import pytest
 from conftest import tiny_cpu_config, write_toml
 
-from dflash_ipc.drafter.checkpoint import LEDGER_FILE, read_latest_pointer
+from dflash_ipc.drafter.checkpoint.store import LEDGER_FILE, read_latest_pointer
 from dflash_ipc.transport.shm_names import list_run_shm, sweep_run_shm
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 from dflash_ipc.bench.drafter_step import gemm_flops, synthetic_batches
 from dflash_ipc.config import load_config
 from dflash_ipc.config.drafter import DrafterConfig
-from dflash_ipc.drafter.build import drafter_for_target
-from dflash_ipc.drafter.loss import compute_loss
+from dflash_ipc.drafter.loss.objective import compute_loss
+from dflash_ipc.drafter.model.build import drafter_for_target
 from dflash_ipc.target_spec.hf_config import resolve_layer_ids
 
 ROOT = Path(__file__).resolve().parents[1]

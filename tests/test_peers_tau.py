@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_ipc.cli import main as cli
-from dflash_ipc.drafter.export import load_exported_drafter
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.export.layout import load_exported_drafter
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.eval.spec import DrafterProposer
 from dflash_ipc.eval.target_lm import TargetLM
 

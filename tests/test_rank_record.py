@@ -13,7 +13,7 @@ from conftest import tiny_cpu_config, write_toml
 
 from dflash_ipc.config import load_config
 from dflash_ipc.drafter.core import DrafterCore
-from dflash_ipc.drafter.distributed import DistInfo
+from dflash_ipc.drafter.training.distributed import DistInfo
 
 
 def make_core(tmp_path: Path, name: str) -> DrafterCore:

@@ -7,7 +7,7 @@ import torch
 from conftest import TINY_CPU
 
 from dflash_ipc.config import ConfigError, config_from_dict, load_config
-from dflash_ipc.drafter.model import DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter, DrafterModelConfig
 from dflash_ipc.runtime import resources
 from dflash_ipc.runtime.preflight import check_memory
 from dflash_ipc.target.model import build_target

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dflash_ipc.drafter.safetensors_stream import write_safetensors
+from dflash_ipc.drafter.checkpoint.safetensors_stream import write_safetensors
 
 
 def test_round_trip_every_dtype_and_shape_through_the_library(tmp_path):

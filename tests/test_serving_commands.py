@@ -1,4 +1,4 @@
-"""The serving commands as `export` prints them, per target family (dflash_ipc/drafter/serving.py): the target
+"""The serving commands as `export` prints them, per target family (dflash_ipc/drafter/export/serving.py): the target
 read from the run's config as the loaders read it, SGLang's flag for hybrid targets, absolute paths, and the
 speculators entry for the layouts its converter reads. Executing the printed Python routes against eval:
 tests/test_export_clients.py."""
@@ -9,8 +9,14 @@ import shlex
 
 from loop_harness import small_config
 
-from dflash_ipc.drafter.model import DrafterModelConfig
-from dflash_ipc.drafter.serving import ENGINES_BY_CLIENT, TARGET_PLACEHOLDER, engine_reference, render_serving_commands, serving_target
+from dflash_ipc.drafter.export.serving import (
+    ENGINES_BY_CLIENT,
+    TARGET_PLACEHOLDER,
+    engine_reference,
+    render_serving_commands,
+    serving_target,
+)
+from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
 
 HYBRID_FLAG = "--mamba-scheduler-strategy extra_buffer"
 

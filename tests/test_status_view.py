@@ -13,12 +13,13 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from status_examples import example_status
 
 from dflash_ipc.control.protocol import ProtocolError, to_wire
-from dflash_ipc.control.status import StatusSnapshot, decode_status, example_status
-from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.control.status import StatusSnapshot, decode_status
 from dflash_ipc.ops import status_view as sv
 from dflash_ipc.ops.prometheus import render_prometheus
+from dflash_ipc.rundir.fsutil import write_text_atomic
 
 NOW = 1_800_000_000.0
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from dflash_ipc.cli.systemd import systemd_group
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops import systemd_units as sd
-from dflash_ipc.ops.systemd_cli import systemd_group
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_ANALYZE = shutil.which("systemd-analyze") is not None

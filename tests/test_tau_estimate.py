@@ -7,7 +7,7 @@ import torch
 from test_dflash_loss import manual_loss, packed_views, tiny_model
 
 from dflash_ipc.config import TrainingConfig
-from dflash_ipc.drafter import loss as L
+from dflash_ipc.drafter.loss import objective as L
 from dflash_ipc.transport.slots import SlotViews
 
 

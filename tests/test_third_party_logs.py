@@ -1,4 +1,4 @@
-"""Third-party import notes a user cannot act on (dflash_ipc.third_party_logs) stay out of a process's
+"""Third-party import notes a user cannot act on (dflash_ipc.platform.third_party_logs) stay out of a process's
 output, and nothing else those loggers say does: real processes, real logging to stderr."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so: Could not l
 logging.getLogger("torch.utils._pytree").warning("<enum 'E'> is an Enum subclass and is now natively supported by torch.compile")
 logging.getLogger("torchao").warning("a note a user needs")
 """
-QUIET = "from dflash_ipc.third_party_logs import quiet_import_notes; quiet_import_notes(); quiet_import_notes()"
+QUIET = "from dflash_ipc.platform.third_party_logs import quiet_import_notes; quiet_import_notes(); quiet_import_notes()"
 
 
 def _stderr(code: str) -> str:
@@ -35,7 +35,7 @@ def test_the_import_notes_are_dropped_and_every_other_message_shows():
 def test_every_note_torchao_logs_while_transformers_builds_a_model_is_one_the_filter_drops():
     build = """
 import logging, sys
-from dflash_ipc.third_party_logs import IMPORT_NOTES, _DropImportNotes
+from dflash_ipc.platform.third_party_logs import IMPORT_NOTES, _DropImportNotes
 records = []
 class Keep(logging.Handler):
     def emit(self, record):

@@ -1,4 +1,4 @@
-"""training.max_seconds (drafter/time_budget.py): the schedule's length planned from the measured pace, so the
+"""training.max_seconds (drafter/training/time_budget.py): the schedule's length planned from the measured pace, so the
 cosine ends as the budget does; the pure planner on made-up clocks, then a real in-process run and its resume."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from loop_harness import InprocRun, small_config
 
 from dflash_ipc.config import ConfigError, config_from_dict
-from dflash_ipc.drafter.schedule import lr_at
-from dflash_ipc.drafter.time_budget import FIRST_PLAN_AFTER, MEASURE_FROM, PLAN_EVERY, TimeBudget
+from dflash_ipc.drafter.training.schedule import lr_at
+from dflash_ipc.drafter.training.time_budget import FIRST_PLAN_AFTER, MEASURE_FROM, PLAN_EVERY, TimeBudget
 
 
 def feed(budget: TimeBudget, clock, steps, start=1, reduce=None):

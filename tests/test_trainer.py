@@ -13,9 +13,9 @@ from conftest import free_port, process_group_rank, spawn_ranks
 from torch import nn
 
 from dflash_ipc.config import TrainingConfig
-from dflash_ipc.drafter.distributed import DistInfo, init_distributed
-from dflash_ipc.drafter.schedule import lr_at
-from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.drafter.training.distributed import DistInfo, init_distributed
+from dflash_ipc.drafter.training.schedule import lr_at
+from dflash_ipc.drafter.training.trainer import DrafterTrainer
 
 VOCAB, DIM, CLASSES = 11, 8, 5
 

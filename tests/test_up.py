@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_ipc.control import channels
 from dflash_ipc.control.status import decode_status
-from dflash_ipc.drafter.checkpoint import LEDGER_FILE, META_FILE, read_latest_pointer, step_dir_name
+from dflash_ipc.drafter.checkpoint.store import LEDGER_FILE, META_FILE, read_latest_pointer, step_dir_name
 from dflash_ipc.transport.shm_names import list_run_shm
 
 pytestmark = pytest.mark.slow

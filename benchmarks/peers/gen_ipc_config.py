@@ -8,7 +8,7 @@ Variants (the work per step is what differs):
            tokens have no frequencies), 8B and 27B max_anchors_per_batch 1024 (bench-9b-x2.toml / h200-1gpu.toml).
 
 Speed options (``--levers``): ``on`` (default): drafter.compile + training.ce_compile at every size,
-drafter.anchor_chunk "auto" (drafter/memory_plan.py) and the drafter reading same-GPU ring slots in place
+drafter.anchor_chunk "auto" (drafter/training/memory_plan.py) and the drafter reading same-GPU ring slots in place
 (transport.drafter_in_place "auto"); ``off``: the earlier settings (SmolLM2 compiled, 8B without compile,
 anchor_chunk 1024 at parity, slots copied out).
 

@@ -4,9 +4,9 @@
 
 SPECFORGE_HF_DIR is what SpecForge's own exporter writes (``specforge.export.to_hf.export_to_hf``: a
 ``DFlashDraftModel`` ``config.json`` + ``model.safetensors``, or shards with ``model.safetensors.index.json``).
-EXPORT_DIR is what ``dflash-ipc eval --drafter`` reads (drafter/export.py): the drafter is rebuilt as
-dflash-ipc's :class:`~dflash_ipc.drafter.model.DFlashDrafter`, its weights loaded strictly, and written by
-:func:`~dflash_ipc.drafter.export.export_drafter` (config fields, modeling file, 0644 files).
+EXPORT_DIR is what ``dflash-ipc eval --drafter`` reads (drafter/export/layout.py): the drafter is rebuilt as
+dflash-ipc's :class:`~dflash_ipc.drafter.model.dflash_drafter.DFlashDrafter`, its weights loaded strictly, and written by
+:func:`~dflash_ipc.drafter.export.layout.export_drafter` (config fields, modeling file, 0644 files).
 
 The mapping (read from ``specforge/modeling/draft/dflash.py``):
 
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from dflash_ipc.drafter.export import export_drafter
-from dflash_ipc.drafter.model import FULL, SLIDING, DFlashDrafter, DrafterModelConfig
+from dflash_ipc.drafter.export.layout import export_drafter
+from dflash_ipc.drafter.model.dflash_drafter import FULL, SLIDING, DFlashDrafter, DrafterModelConfig
 
 #: SpecForge's draft-family keys that change the architecture (Domino, DSpark heads; label shift)
 FOREIGN_DFLASH_KEYS = ("projector_type", "pure_draft_prefix_len", "shift_label")

@@ -107,7 +107,7 @@ def drafter_shape(cfg, tokenizer):
     and the target's HF config."""
     from specforge.training.model_utils import resolve_mask_token_id
 
-    from dflash_ipc.drafter.model import DrafterModelConfig
+    from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
     from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 
     hf_config = load_hf_config(cfg.target, vocab_size=len(tokenizer))
@@ -386,7 +386,7 @@ def main(argv=None) -> dict:
     from dflash_ipc.config import load_config
     from dflash_ipc.data.corpus import load_corpus
     from dflash_ipc.data.tokenizer import config_tokenizer
-    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.platform.devices import dtype_from_name
     from dflash_ipc.target_spec.heads import target_head_weights
 
     # a bad config or batching is refused before SpecForge's process group starts

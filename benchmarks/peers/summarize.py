@@ -71,7 +71,7 @@ def target_flops(shape: str, tokens: float, layers: int, head: bool = False) -> 
 def drafter_model_config(shape: str, block_size: int, draft_layers: int = DRAFT_LAYERS):
     """The drafter's ``DrafterModelConfig`` over ``shape``'s target, as dflash-ipc resolves it (default layers)."""
     from dflash_ipc.config.drafter import DrafterConfig
-    from dflash_ipc.drafter.model import DrafterModelConfig
+    from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
 
     cfg = hf_config(shape)
     layer_ids = default_layer_ids(int(cfg.num_hidden_layers), draft_layers)

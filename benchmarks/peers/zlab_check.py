@@ -34,7 +34,7 @@ def main(argv=None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_ipc.drafter.export import load_exported_drafter
+    from dflash_ipc.drafter.export.layout import load_exported_drafter
     from dflash_ipc.eval.spec import DrafterProposer, greedy_generate, speculative_generate
     from dflash_ipc.eval.target_lm import TargetLM
 

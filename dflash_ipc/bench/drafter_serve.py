@@ -10,7 +10,7 @@ tokens), one block of ``block_size`` tokens through the layers, then the head on
 * ``reduced-scatter``: the ``N`` rows' logits scattered into a ``-inf`` ``[V]`` row, then argmax
   (vLLM's ``DFlashQwen3ForCausalLM.compute_logits``: its sampler takes full-vocabulary logits).
 
-Random bf16 weights of the export's own modeling code (:mod:`dflash_ipc.drafter.hf_modeling`) at the
+Random bf16 weights of the export's own modeling code (:mod:`dflash_ipc.drafter.export.hf_modeling`) at the
 given shapes (default: a 5-layer drafter at Qwen3.6-27B's widths and 248,320-token vocabulary, 32,768
 draft rows). Each (batch, head) cell: ``--warmup`` untimed steps, then the median of ``--steps``
 CUDA-event-timed steps (wall clock on a CPU). Ratios are against ``whole`` at the same batch. The
@@ -96,7 +96,7 @@ def _step(model, whole, head: str, pos, noise, new, cache, keep: int):
     """One served step: the body on one block over the cached context, then ``head``'s greedy pick."""
     import torch
 
-    from dflash_ipc.drafter.hf_modeling import crop_cache
+    from dflash_ipc.drafter.export.hf_modeling import crop_cache
 
     with torch.inference_mode():
         h = model(pos, noise, new, past_key_values=cache, use_cache=True)[:, 1:]
@@ -113,7 +113,7 @@ def run_drafter_serve_bench(shape: ServeShape, batches: list[int], *, device: st
     import torch
     from transformers import DynamicCache
 
-    from dflash_ipc.drafter.hf_modeling import DFlashIpcDraftModel, crop_cache
+    from dflash_ipc.drafter.export.hf_modeling import DFlashIpcDraftModel, crop_cache
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -157,45 +157,3 @@ def run_drafter_serve_bench(shape: ServeShape, batches: list[int], *, device: st
         # the two reduced routes are one computation: the same tokens, each one of the draft rows' ids
         "reduced_routes_agree": reduced_agree and in_rows,
     }
-
-
-def drafter_serve_command():
-    """``dflash-ipc bench drafter-serve`` (click imported here: the bench module stays importable without it)."""
-    import json
-
-    import click
-
-    from dflash_ipc.cli_options import int_option, json_option
-
-    @click.command("drafter-serve")
-    @click.option("--batches", default="1,32", show_default=True, help="Comma-separated batch sizes (sequences drafted at once).")
-    @click.option("--device", default="cuda", show_default=True)
-    @int_option("--steps", minimum=1, default=20, help="Timed steps per cell (median).")
-    @int_option("--warmup", minimum=0, default=5, help="Untimed steps per cell.")
-    @click.option("--shape", "overrides", multiple=True, help="FIELD=INT of the drafter's shape (ServeShape), e.g. vocab_size=1024.")
-    @json_option()
-    def cmd(batches, device, steps, warmup, overrides, as_json):
-        """Time one served drafter step (one block), reduced head vs the target's whole head."""
-        fields = {}
-        for item in overrides:
-            key, _, value = item.partition("=")
-            if key not in ServeShape.__dataclass_fields__ or not value.lstrip("-").isdigit():
-                raise click.BadParameter(
-                    f"{item!r}: FIELD=INT, FIELD one of {', '.join(ServeShape.__dataclass_fields__)}", param_hint="--shape"
-                )
-            fields[key] = int(value)
-        try:
-            shape = ServeShape(**fields)
-            sizes = [int(x) for x in batches.split(",") if x.strip()]
-        except ValueError as e:
-            raise click.BadParameter(str(e)) from None
-        result = run_drafter_serve_bench(shape, sizes, device=device, steps=steps, warmup=warmup)
-        if as_json:
-            click.echo(json.dumps(result))
-            return
-        for r in result["rows"]:
-            click.echo(f"batch {r['batch']:>3}  {r['head']:<16} {r['ms']:>10.3f} ms  x{r['vs_whole']:.3f} of whole")
-        agree = "the same tokens" if result["reduced_routes_agree"] else "DIFFERENT tokens (a bug: they must agree)"
-        click.echo(f"reduced and reduced-scatter drafted {agree}")
-
-    return cmd

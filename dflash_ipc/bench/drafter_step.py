@@ -4,7 +4,7 @@
 
 * **Model**: the config's drafter (random weights, ``run.seed``) on its target's shapes: the target
   model folder's config and LM head (``target.model_path``) or ``target.spec``, as training builds it
-  (:func:`~dflash_ipc.drafter.build.build_drafter`); ``--random-target``: SmolLM2-135M's shapes
+  (:func:`~dflash_ipc.drafter.model.build.build_drafter`); ``--random-target``: SmolLM2-135M's shapes
   (:func:`~dflash_ipc.target_spec.hf_config.smollm2_135m_config`) with random heads, for a machine
   without the checkpoint; ``--target-shape`` picks Qwen3-8B's or Qwen3.6-27B's widths instead
   (:data:`RANDOM_TARGETS`).
@@ -13,8 +13,8 @@
   ``--doc-len``, each document's last ``--supervised`` share under the loss mask (a chat answer
   after its prompt), random planes in the target's dtype. Every batch has its own shape, as in
   training.
-* **Step**: the real path: :func:`~dflash_ipc.drafter.loss.compute_loss` (anchors, masks, drafter
-  forward, chunked CE) and :meth:`~dflash_ipc.drafter.trainer.DrafterTrainer.step` (backward,
+* **Step**: the real path: :func:`~dflash_ipc.drafter.loss.objective.compute_loss` (anchors, masks, drafter
+  forward, chunked CE) and :meth:`~dflash_ipc.drafter.training.trainer.DrafterTrainer.step` (backward,
   clip, AdamW). Phases: ``prep`` (anchors, labels, masks), ``forward`` (the drafter's layers),
   ``loss`` (the chunked CE and metrics), ``backward``, ``optimizer``; CUDA events on GPU,
   ``perf_counter`` on CPU, and one synchronize before the trainer's step, whose own phases are
@@ -23,7 +23,7 @@
   (the config as it is), ``eager`` (both compile options off), ``compile`` (``drafter.compile``),
   ``ce-compile`` (``training.ce_compile``), ``ce-fp8`` (``training.ce_fp8``), ``ce-chunk-N`` (``training.ce_chunk_tokens = N``),
   ``anchor-chunk-N`` (``drafter.anchor_chunk = N``), ``anchor-chunk-auto`` (the chunk
-  :mod:`~dflash_ipc.drafter.memory_plan` picks for this GPU, the drafter alone on it), ``fp8-R``
+  :mod:`~dflash_ipc.drafter.training.memory_plan` picks for this GPU, the drafter alone on it), ``fp8-R``
   (``drafter.fp8_linears = R``: ``fp8-rowwise``, ``fp8-tensorwise``, ``fp8-none``), ``attn-K``
   (``drafter.attention = K``: ``attn-sdpa``, ``attn-blockwise``, ``attn-flex``); ``+`` joins
   several (``compile+ce-chunk-8192``, ``compile+fp8-rowwise``).
@@ -54,15 +54,15 @@ from dflash_ipc.bench.mps import mps_status
 from dflash_ipc.bench.op_profile import format_table, profile_classes
 from dflash_ipc.config import DFlashConfig, load_config
 from dflash_ipc.config.fields import FieldError
+from dflash_ipc.data.draft_vocab import DraftVocab
 from dflash_ipc.data.tokenizer import load_tokenizer
-from dflash_ipc.devices import dtype_from_name
-from dflash_ipc.draft_vocab import DraftVocab
-from dflash_ipc.drafter.build import build_drafter, drafter_for_target
-from dflash_ipc.drafter.fp8_linears import fp8_linear_names
-from dflash_ipc.drafter.loss import compute_loss
-from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
-from dflash_ipc.drafter.model import ATTENTION_KERNELS, DFlashDrafter
-from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.drafter.loss.objective import compute_loss
+from dflash_ipc.drafter.model.build import build_drafter, drafter_for_target
+from dflash_ipc.drafter.model.dflash_drafter import ATTENTION_KERNELS, DFlashDrafter
+from dflash_ipc.drafter.model.fp8_linears import fp8_linear_names
+from dflash_ipc.drafter.training.memory_plan import resolve_anchor_chunk
+from dflash_ipc.drafter.training.trainer import DrafterTrainer
+from dflash_ipc.platform.devices import dtype_from_name
 from dflash_ipc.target_spec.hf_config import make_hf_config, qwen36_27b_spec, resolve_layer_ids, smollm2_135m_config, target_vocab_size
 from dflash_ipc.transport.slots import SlotViews
 

@@ -42,6 +42,7 @@ from dflash_ipc.bench.gpu_wire import (
     send,
     unpack,
 )
+from dflash_ipc.config.transport import BACKENDS
 from dflash_ipc.transport.factory import create_producer_ring, open_consumer_ring
 from dflash_ipc.transport.ring import SlotStateError, SlotTable
 from dflash_ipc.transport.shm_names import new_run_id, sweep_run_shm
@@ -236,7 +237,7 @@ def _produce(sc: Scenario, conn, rank: int) -> ProducerFigures:
         consumer = recv(conn, ConsumerClosed, timeout=120).figures  # the consumer closed its ring: now the producer may free it
     finally:
         ring.close()
-        if sc.backend in ("host-pinned", "cpu-shm"):
+        if BACKENDS[sc.backend].ring_memory == "host":
             sweep_run_shm(run_id)
     return ProducerFigures(
         create_s=create_s,

@@ -22,7 +22,7 @@ from dflash_ipc.bench.gpu_ring import (
     run_scenarios,
     scenario,
 )
-from dflash_ipc.devices import as_device, cuda_device
+from dflash_ipc.platform.devices import as_device, cuda_device
 from dflash_ipc.transport.factory import choose_backend
 
 

@@ -300,7 +300,7 @@ def run_variant(
 ) -> dict:
     cfg, fwd, forward_only = variant_config(config_path, name, steps, sets)
     run_dir = Path(tempfile.mkdtemp(prefix=f"dflash-bench-{name}-"))
-    sup = Supervisor(cfg, run_dir, echo=lambda s: echo(f"[{name}] {s}"), forward_only=forward_only)
+    sup = Supervisor(cfg, run_dir, echo=lambda s: echo(f"[{name}] {s}"), forward_only=forward_only, bench_counters=True)
     if fork_server is not None:
         sup.launcher = fork_server.client(cfg)
     t0 = time.perf_counter()

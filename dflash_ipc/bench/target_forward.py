@@ -1,6 +1,6 @@
 """The target's forward alone, in this process: padded vs packed, bf16 vs FP8, on the same batches.
 
-``python -m dflash_ipc.bench.target_forward --config C --out F.json [--layers N] [--batches K]``
+``dflash-ipc bench target-forward --config C --out F.json [--layers N] [--batches K]``
 
 * **Batches**: the first ``K`` batches of the config's own epoch plan (``data.*``: bucketing,
   token budget), collated as the target role does: the same batches ``bench pipeline`` forwards.
@@ -45,13 +45,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import click
 import torch
 from torch import nn
 
 from dflash_ipc.bench.op_profile import format_table, profile_classes
-from dflash_ipc.cli_options import int_option, set_option
-from dflash_ipc.config import ConfigError, DFlashConfig, load_config
+from dflash_ipc.config import DFlashConfig, load_config
 from dflash_ipc.target.model import TargetModel, build_target
 
 VARIANTS = ("padded", "packed")
@@ -418,42 +416,3 @@ def checkpoint_agreement(model_path: str, out_path: str, device: str = "cuda:0",
     _echo(format_agreement(f"{model_path}: captured hidden states, FP8 vs bf16 ({sum(lens)} real tokens)", rows))
     Path(out_path).write_text(json.dumps(out, indent=1))
     return out
-
-
-@click.command()
-@click.option("--config", "config_path", default="", help="A dflash-ipc config (its target and data).")
-@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="JSON written here (rewritten as it goes).")
-@click.option("--layers", type=click.IntRange(0), default=0, help="Keep the first N decoder layers of a spec target (0: all).")
-@int_option("--batches", "n_batches", minimum=3, default=8)
-@int_option("--warmup-passes", minimum=1, default=1, help="Untimed passes over every batch before each variant's timed pass.")
-@int_option("--agree-batches", minimum=0, default=2)
-@click.option("--profile/--no-profile", default=False)
-@click.option("--fp8/--no-fp8", default=True)
-@click.option("--fuse", is_flag=True, help="Also: packed with the norms and SwiGLU (and FP8 quantizer) fused (target/fused.py).")
-@click.option("--peak-tflops", type=float, default=790.0, show_default=True)
-@click.option("--device", default="", help="Default: topology.targets[0].")
-@click.option("--cache-dir", default="", help="Tokenized corpus cache (default: a folder under the temp dir).")
-@click.option("--checkpoint", default="", help="Instead: FP8 vs bf16 agreement on this local checkpoint's real weights.")
-@click.option(
-    "--fp8-unmerged/--no-fp8-unmerged",
-    default=True,
-    help="Also FP8 with the sibling projections unmerged (each quantizes its input, its own GEMM): packed, and fused with --fuse.",
-)
-@click.option("--fp8-off-gpu", is_flag=True, hidden=True, help="Dry runs: FP8 through torch._scaled_mm on any device (CPU: slow).")
-@set_option()
-def main(checkpoint: str, **options) -> None:
-    if checkpoint:
-        checkpoint_agreement(checkpoint, options["out_path"], options["device"] or "cuda:0")
-        return
-    if not options["config_path"]:
-        raise click.UsageError("--config is needed (or --checkpoint)")
-    try:  # refused before any model is built
-        load_config(options["config_path"], sets=options["set_values"])
-    except ConfigError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    run(**options)  # every other option is a keyword of run, by name
-
-
-if __name__ == "__main__":
-    main()

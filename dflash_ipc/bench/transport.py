@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import zmq
 
+from dflash_ipc.config.transport import BACKENDS
 from dflash_ipc.control import channels, handshake, protocol
 from dflash_ipc.control.protocol import Done, RejectCounter
 from dflash_ipc.runtime.forkserver import ForkServer, popen_with
@@ -394,7 +395,7 @@ def run_transport_bench(args: BenchArgs, progress=print) -> dict:
         "rejected_messages": ring["rejected"],
         "verified": bool(ring["verified"] and base["verified"] and hand["verified"]),
     }
-    if args.backend in ("cuda-ipc", "host-pinned", "nccl") and args.producer_device != "cpu" and torch.cuda.is_available():
+    if BACKENDS[args.backend].devices != "cpu" and args.producer_device != "cpu" and torch.cuda.is_available():
         from dflash_ipc.bench.gpu_suite import measure_reference_gbps
 
         ref = measure_reference_gbps(args.producer_device, args.consumer_device, layout.planes_bytes)

@@ -1,8 +1,9 @@
 """The `dflash-ipc` command line: a thin layer over the library.
 
-``main`` is the group; each command lives with its kind: ``cli.training`` (check-config, plan, up,
-status), ``cli.drafters`` (eval, export, export-untrained), ``cli.gen_data``, ``cli.bench`` (the bench
-group), ``ops.systemd_cli`` (the systemd group); ``cli.common`` holds what they share.
+Every click command of dflash-ipc lives in this package. ``main`` is the group; each command lives with its
+kind: ``cli.training`` (check-config, plan, up, status), ``cli.drafters`` (eval, export, export-untrained),
+``cli.gen_data``, ``cli.bench`` (the bench group, its longer commands in ``cli.bench_*``), ``cli.systemd`` (the
+systemd group). ``cli.common`` holds what they share at run time, ``cli.options`` the options several declare alike.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import click
 from dflash_ipc.cli.bench import bench
 from dflash_ipc.cli.drafters import eval_cmd, export_cmd, export_untrained_cmd
 from dflash_ipc.cli.gen_data import gen_data_cmd
+from dflash_ipc.cli.systemd import systemd_group
 from dflash_ipc.cli.training import check_config, plan, status, up
-from dflash_ipc.ops.systemd_cli import systemd_group
-from dflash_ipc.third_party_logs import quiet_import_notes
+from dflash_ipc.platform.third_party_logs import quiet_import_notes
 
 
 @click.group()

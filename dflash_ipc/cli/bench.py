@@ -1,5 +1,6 @@
 """`dflash-ipc bench ...`: benchmarks that report ratios against a baseline measured in the same run
-(transport rings, GPU rings, pipeline variants; drafter-step, gen-decode and drafter-serve live with their benches)."""
+(transport rings, GPU rings, pipeline variants, family forwards here; drafter-step, gen-decode, drafter-serve and
+target-forward in their own ``cli.bench_*`` modules)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import sys
 
 import click
 
-from dflash_ipc.bench.drafter_serve import drafter_serve_command
-from dflash_ipc.bench.drafter_step_cli import drafter_step_cmd
-from dflash_ipc.bench.gen_decode_cli import gen_decode_cmd
+from dflash_ipc.cli.bench_drafter_serve import drafter_serve_cmd
+from dflash_ipc.cli.bench_drafter_step import drafter_step_cmd
+from dflash_ipc.cli.bench_gen_decode import gen_decode_cmd
+from dflash_ipc.cli.bench_target_forward import target_forward_cmd
 from dflash_ipc.cli.common import check_device_option, load_or_exit
-from dflash_ipc.cli_options import choice_option, config_option, int_option, json_option, set_option
+from dflash_ipc.cli.options import choice_option, config_option, int_option, json_option, set_option
 from dflash_ipc.config import ConfigError, blame_sets
-from dflash_ipc.control.ring_descriptor import BACKENDS
+from dflash_ipc.config.transport import BACKENDS
 
 
 @click.group()
@@ -22,13 +24,12 @@ def bench() -> None:
     """Benchmarks that report ratios against a baseline measured in the same run."""
 
 
-bench.add_command(drafter_step_cmd)
-bench.add_command(gen_decode_cmd)
-bench.add_command(drafter_serve_command())
+for command in (drafter_step_cmd, gen_decode_cmd, drafter_serve_cmd, target_forward_cmd):
+    bench.add_command(command)
 
 
 @bench.command("transport")
-@choice_option("--backend", choices=BACKENDS)
+@choice_option("--backend", choices=tuple(BACKENDS))
 @click.option("--producers", type=click.IntRange(1, 16), default=2, show_default=True)
 @click.option("--consumers", type=click.IntRange(1, 16), default=2, show_default=True)
 @click.option("--slots", type=click.IntRange(2, 64), default=4, show_default=True)
@@ -69,7 +70,7 @@ def bench_transport_cmd(
     """Move real data through the slot rings between real processes; verify every slot."""
     from dflash_ipc.bench.transport import BenchArgs, run_transport_bench
 
-    gpu = backend != "cpu-shm"
+    gpu = BACKENDS[backend].devices != "cpu"
     given = {
         "--producer-device": producer_device,
         "--consumer-device": consumer_device if consumer_device not in (None, "other", "same") else None,

@@ -9,7 +9,7 @@ import sys
 import click
 
 from dflash_ipc.cli.common import check_device_option, load_or_exit
-from dflash_ipc.cli_options import choice_option, config_option, int_option, json_option, set_option
+from dflash_ipc.cli.options import choice_option, config_option, int_option, json_option, set_option
 from dflash_ipc.eval.prompts import HUMANEVAL_AS, MT_BENCH_TURNS
 
 
@@ -120,7 +120,7 @@ def eval_cmd(config_path, drafter_dir, prompts_path, suite, set_values, as_json,
 @json_option()
 def export_cmd(source: str, out_dir: str, client: str, device: str, as_json: bool) -> None:
     """Export a run's newest complete checkpoint for a serving engine; print the command that serves it."""
-    from dflash_ipc.drafter.export_run import export_checkpoint
+    from dflash_ipc.drafter.export.from_checkpoint import export_checkpoint
 
     check_device_option("--device", device, "cpu", "cpu")
     try:
@@ -147,7 +147,7 @@ def export_untrained_cmd(config_path: str, out_dir: str, device: str, set_values
     """Export a freshly initialised drafter (as `up` starts it) in the trained export's layout: eval's untrained floor."""
     from pathlib import Path
 
-    from dflash_ipc.drafter.build import export_untrained
+    from dflash_ipc.drafter.export.untrained import export_untrained
 
     cfg = load_or_exit(config_path, set_values)
     check_device_option("--device", device, "cpu", "cpu")

@@ -8,7 +8,7 @@ import sys
 import click
 
 from dflash_ipc.cli.common import check_device_option, load_or_exit
-from dflash_ipc.cli_options import choice_option, config_option, int_option, json_option, set_option
+from dflash_ipc.cli.options import choice_option, config_option, int_option, json_option, set_option
 
 
 @click.command("gen-data")

@@ -8,7 +8,7 @@ import sys
 import click
 
 from dflash_ipc.cli.common import load_or_exit
-from dflash_ipc.cli_options import config_option, int_option, json_option, set_option
+from dflash_ipc.cli.options import config_option, int_option, json_option, set_option
 from dflash_ipc.config import ConfigError, blame_sets
 
 

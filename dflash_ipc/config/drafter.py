@@ -32,7 +32,7 @@ class DrafterConfig:
     anchor_chunk: int | Literal["auto"] = 0
     """Anchors per drafter forward+backward inside one optimizer step (gradient accumulation over anchor chunks:
     memory follows the chunk, not the anchor count); 0: all anchors at once; "auto": the most this GPU fits beside
-    a target sharing it, chosen at the drafter's start (drafter/memory_plan.py)."""
+    a target sharing it, chosen at the drafter's start (drafter/training/memory_plan.py)."""
     anchor_budget: Literal["fixed", "follow-wait"] = "fixed"
     """How many anchors each batch trains on. "fixed": ``max_anchors_per_batch``, always. "follow-wait": starts at
     ``max_anchors_per_batch``; every ``anchor_window`` steps moves it by one ``anchor_chunk``, up while the drafter

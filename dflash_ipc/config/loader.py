@@ -42,8 +42,8 @@ from dflash_ipc.config.run import RunConfig
 from dflash_ipc.config.target import TargetConfig
 from dflash_ipc.config.topology import TopologyConfig
 from dflash_ipc.config.training import TrainingConfig
-from dflash_ipc.config.transport import TransportConfig
-from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.config.transport import BACKENDS, TransportConfig
+from dflash_ipc.rundir.fsutil import write_text_atomic
 
 __all__ = [
     "RESOLVED_CONFIG_FILE",
@@ -76,18 +76,16 @@ class DFlashConfig:
     source: str = "<defaults>"
 
     def __post_init__(self) -> None:
-        if self.transport.backend == "cpu-shm":
-            require(not self.topology.on_cuda, "transport.backend", 'cpu-shm needs cpu devices; use "auto" on GPUs')
-        if self.transport.backend in ("cuda-ipc", "host-pinned"):
-            require(
-                self.topology.on_cuda,
-                "transport.backend",
-                f'{self.transport.backend} needs cuda devices; use "cpu-shm" or "auto" on CPU',
-            )
+        backend = BACKENDS.get(self.transport.backend)  # None: "auto"
+        if backend is not None and backend.devices == "cpu":
+            require(not self.topology.on_cuda, "transport.backend", f'{backend.name} needs cpu devices; use "auto" on GPUs')
+        if backend is not None and backend.devices == "cuda":
+            require(self.topology.on_cuda, "transport.backend", f'{backend.name} needs cuda devices; use "cpu-shm" or "auto" on CPU')
+        off_host = " or ".join(f'"{b.name}"' for b in BACKENDS.values() if b.off_host)
         require(
-            self.run.control == "ipc" or self.transport.backend == "nccl",
+            self.run.control == "ipc" or (backend is not None and backend.off_host),
             "run.control",
-            'is "tcp", which is for targets and drafters on different hosts: set transport.backend = "nccl" too, or use "ipc"',
+            f'is "tcp", which is for targets and drafters on different hosts: set transport.backend = {off_host} too, or use "ipc"',
         )
         if self.training.kl_weight > 0:
             require(

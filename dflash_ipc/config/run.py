@@ -58,9 +58,8 @@ class RunConfig:
     plan order (control/router.py, deal_by_plan), each drafter trains its own in that order, credits still bound every
     queue, and torch uses its deterministic algorithms where it has them (warning where not; on CUDA with
     CUBLAS_WORKSPACE_CONFIG=:4096:8): one seed repeats its per-step losses bit for bit. Cost: a drafter waits for its
-    own next batch instead of taking any that is ready, and a target sends first-in first-out; measured on the CPU
-    (configs/tiny-cpu.toml, 40 steps, 3 pairs side by side on 2 busy cores) 0.98x the tokens/s (0.90-1.06 per pair,
-    within the machine's noise). Still not repeated: a run stopped and resumed (deterministic from its checkpoint, but
+    own next batch instead of taking any that is ready, and a target sends first-in first-out (docs/BENCHMARKS.md
+    measures it). Still not repeated: a run stopped and resumed (deterministic from its checkpoint, but
     not the uninterrupted run's steps), training.max_seconds (the clock picks the last step), when held-out tau is
     measured, another machine, thread count, device or library build."""
     handshake_timeout_s: float = 120.0

@@ -1,4 +1,11 @@
-"""``[transport]``: how captured hidden states move from targets to drafters (the slot rings)."""
+"""``[transport]``: how captured hidden states move from targets to drafters (the slot rings), and what each ring
+backend is, declared once.
+
+:data:`BACKENDS` is the one table of the backends' traits; the config checks, the ring descriptor, the factory
+that makes rings, the data plane and the resource estimate all read it, and none compares backend names. A new
+backend is its module in ``dflash_ipc/transport/`` (a ``create_producer`` and an ``open_consumer``, see
+``transport/factory.py``) plus its row here.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +14,54 @@ from typing import Literal
 
 from dflash_ipc.config.fields import require
 
-__all__ = ["MAX_PREFETCH", "TransportConfig"]
+__all__ = ["BACKENDS", "MAX_PREFETCH", "Backend", "TransportConfig"]
 
 # A drafter's prefetch buffers are slot-sized each; more than a deep ring's worth buys nothing.
 MAX_PREFETCH = 64
 
 
+@dataclass(frozen=True)
+class Backend:
+    """One ring backend's traits."""
+
+    name: str
+    #: the transport module that makes its rings (``create_producer``, ``open_consumer``)
+    module: str
+    #: where its targets and drafters may run: the CPU only, CUDA devices only, or either
+    devices: Literal["cpu", "cuda", "any"]
+    #: where a ring's slots live: host shared memory (/dev/shm, counted there by the preflight) or the target's device
+    ring_memory: Literal["host", "device"]
+    #: the ring descriptor's backend parts it carries (``control/ring_descriptor.py``), no more, no fewer
+    descriptor_parts: tuple[str, ...]
+    #: ``transport.drafter_in_place = "auto"`` reads its slots in place wherever the ring can
+    in_place_by_default: bool = False
+    #: its consumers may be on other hosts: the only kind ``run.control = "tcp"`` runs with; "auto" never picks it
+    off_host: bool = False
+
+
+#: The ring backends by name, in the order ``--help`` and CONFIG.md list them.
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("cpu-shm", "dflash_ipc.transport.cpu_shm", devices="cpu", ring_memory="host", descriptor_parts=("shm",)),
+        Backend("host-pinned", "dflash_ipc.transport.host_pinned", devices="cuda", ring_memory="host", descriptor_parts=("shm", "gpu")),
+        Backend(
+            "cuda-ipc",
+            "dflash_ipc.transport.cuda_ipc",
+            devices="cuda",
+            ring_memory="device",
+            descriptor_parts=("gpu", "cuda_ipc"),
+            in_place_by_default=True,
+        ),
+        Backend("nccl", "dflash_ipc.transport.p2p", devices="any", ring_memory="device", descriptor_parts=("pair",), off_host=True),
+    )
+}
+BACKEND_CHOICES = ("auto", *BACKENDS)
+
+
 @dataclass
 class TransportConfig:
-    backend: Literal["auto", "cpu-shm", "host-pinned", "cuda-ipc", "nccl"] = "auto"
+    backend: Literal[BACKEND_CHOICES] = "auto"
     """"cpu-shm": shared-memory rings (CPU runs); "cuda-ipc": rings in GPU memory shared once; "host-pinned": rings in
     pinned host memory; "nccl": slots sent point to point over torch.distributed, for drafters on other hosts (never
     chosen by "auto"). "auto": cpu-shm on the CPU, the fastest that works on GPUs."""

@@ -42,9 +42,9 @@ from pathlib import Path
 
 import zmq
 
-from dflash_ipc import fsutil
 from dflash_ipc.control import protocol
 from dflash_ipc.control.protocol import Message, ProtocolError, RejectCounter
+from dflash_ipc.rundir import fsutil
 
 log = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import zmq
 
-from dflash_ipc import bounded_json
 from dflash_ipc.control import channels, curve
 from dflash_ipc.control.protocol import RejectCounter
+from dflash_ipc.rundir import bounded_json
 
 CONTROL_FILE = "control.json"
 

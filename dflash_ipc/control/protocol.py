@@ -8,7 +8,7 @@ logs each kind once, counts it, and keeps running (:class:`RejectCounter`). Cont
 (slot index past the ring size, a SlotFree for a slot that is not held) happen in the
 handler that knows the context and are counted the same way. Nothing is ever unpickled.
 
-Payloads are typed too (:class:`Struct`, defined in ``dflash_ipc.control.stats``): a
+Payloads are typed too (:class:`Struct`, defined in ``dflash_ipc.control.wire``): a
 heartbeat carries :class:`~dflash_ipc.control.stats.TargetStats` or ``DrafterStats`` in the
 field named after its role, so a renamed or mistyped key anywhere inside is rejected with its
 dotted path (``heartbeat.drafter.work.step``) instead of turning into ``None`` at the reader.

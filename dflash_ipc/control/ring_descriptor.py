@@ -16,8 +16,9 @@ shape; one nested part per backend carries what only that backend needs::
 
 :meth:`RingDescriptor.__post_init__` refuses a descriptor whose parts do not match its backend, so
 a decoded descriptor is complete for its backend. ``version`` is :data:`DESCRIPTOR_VERSION` of the
-build that made it; a consumer refuses any other. This module imports only ``control.protocol``
-(the transport imports it, never the other way round).
+build that made it; a consumer refuses any other. Which parts a backend carries is its row of
+:data:`~dflash_ipc.config.transport.BACKENDS`. This module imports only ``control.wire`` and that table (the
+transport imports it, never the other way round).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from dflash_ipc.config.transport import BACKENDS
 from dflash_ipc.control.wire import Struct
 
 # Bumped whenever a descriptor field changes meaning; consumers refuse any other version.
 DESCRIPTOR_VERSION = 3
-BACKENDS = ("cpu-shm", "cuda-ipc", "host-pinned", "nccl")
+#: the optional parts of a descriptor, each carried by the backends whose row names it
+PARTS = ("shm", "gpu", "cuda_ipc", "pair")
 
 
 @dataclass(frozen=True)
@@ -115,8 +118,8 @@ class RingDescriptor(Struct):
             raise ValueError(f"unknown transport backend {self.backend!r}; use one of {', '.join(BACKENDS)}")
         if self.num_slots < 1:
             raise ValueError(f"ring descriptor num_slots is {self.num_slots}; a ring has at least one slot")
-        needs = {"cpu-shm": ("shm",), "host-pinned": ("shm", "gpu"), "cuda-ipc": ("gpu", "cuda_ipc"), "nccl": ("pair",)}[self.backend]
-        for part in ("shm", "gpu", "cuda_ipc", "pair"):
+        needs = BACKENDS[self.backend].descriptor_parts
+        for part in PARTS:
             present = getattr(self, part) is not None
             if present != (part in needs):
                 raise ValueError(f"a {self.backend} ring descriptor {'needs' if part in needs else 'carries no'} `{part}` part")

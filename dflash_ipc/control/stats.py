@@ -78,16 +78,17 @@ class TargetWork(Struct):
     planned: int
     skipped_ledgered: int  # planned batches a resumed run had already trained on
     tflops: float
-    steady_tokens_per_s: float  # after the first forward (warm-up, compilation)
-    steady_tflops: float
-    steady_wall_s: float
-    steady_forward_s: float
-    steady_forward_tflops: float
-    bare_forward_s: float  # benchmark ceiling: the same batches without capture
-    bare_forwards: int
-    first_pass_forward_s: float  # benchmark ceiling: each batch's first, untimed, captured forward
     layers_run: int
     gpu: GpuMemory | None
+    # A benchmark's counters (bench/target_counters.py, attached by `bench pipeline`); zero in a training run.
+    steady_tokens_per_s: float = 0.0  # after the first forward (warm-up, compilation)
+    steady_tflops: float = 0.0
+    steady_wall_s: float = 0.0
+    steady_forward_s: float = 0.0
+    steady_forward_tflops: float = 0.0
+    bare_forward_s: float = 0.0  # benchmark ceiling: the same batches without capture
+    bare_forwards: int = 0
+    first_pass_forward_s: float = 0.0  # benchmark ceiling: each batch's first, untimed, captured forward
 
 
 @dataclass(frozen=True)

@@ -215,8 +215,8 @@ def plan_command(config_path: str | Path, cache_dir: str | Path | None = None, s
     """
     from dflash_ipc.config import load_config
     from dflash_ipc.data.corpus import load_corpus
+    from dflash_ipc.data.draft_vocab import coverage_by_size
     from dflash_ipc.data.tokenizer import config_tokenizer
-    from dflash_ipc.draft_vocab import coverage_by_size
 
     cfg = load_config(config_path, sets=sets)
     num_shards = len(cfg.topology.targets)

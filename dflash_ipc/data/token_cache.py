@@ -11,7 +11,7 @@ The directory (``data.cache_dir``, else ``RUN_DIR/data``) may sit outside the ru
 directory, so it is trusted only as this user's own: created 0700 with any missing parents (files
 0600) whatever the umask, and opened once, its owner and mode checked on the descriptor, every
 file read and written relative to it, never through a link. A directory or cache file of another
-user, or one other users can write, is refused by name (:class:`~dflash_ipc.fsutil.NotPrivate`).
+user, or one other users can write, is refused by name (:class:`~dflash_ipc.rundir.fsutil.NotPrivate`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 from dflash_ipc.config import DataConfig
 from dflash_ipc.data.tokenizer import tokenizer_identity
-from dflash_ipc.fsutil import NotPrivate, check_own_private, make_private_dirs, write_atomic_at
+from dflash_ipc.rundir.fsutil import NotPrivate, check_own_private, make_private_dirs, write_atomic_at
 
 log = logging.getLogger("dflash_ipc.data.corpus")
 

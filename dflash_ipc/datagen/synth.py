@@ -46,7 +46,7 @@ from dflash_ipc.datagen.gen import GenOptions, generate_batch, read_complete_jso
 from dflash_ipc.datagen.prequery import pre_query_template, user_turn_stops
 from dflash_ipc.datagen.synth_filters import PromptFilter, diversity_report, format_report
 from dflash_ipc.datagen.synth_turns import extend_turns
-from dflash_ipc.fsutil import write_text_atomic
+from dflash_ipc.rundir.fsutil import write_text_atomic
 
 __all__ = [
     "SYNTH_PREFIX",

@@ -1,4 +1,4 @@
-"""The drafter's pure core: trainer, ledger, checkpoints, metrics over a model built by ``drafter.build``. No sockets.
+"""The drafter's pure core: trainer, ledger, checkpoints, metrics over a model built by ``drafter.model.build``. No sockets.
 
 One training step, identical on every drafter rank (data parallel, lockstep)::
 
@@ -12,7 +12,7 @@ One training step, identical on every drafter rank (data parallel, lockstep)::
         │   (a rank without a batch steps with zero weight, so collectives never hang)
     ledger += batch id ─▶ metrics.jsonl (+ TensorBoard events if run.tensorboard; rank 0)
         │
-    anchor budget (follow-wait, drafter/anchor_budget.py): fed this step's wait_s and step_s; every
+    anchor budget (follow-wait, drafter/training/anchor_budget.py): fed this step's wait_s and step_s; every
         │         drafter.anchor_window steps one all-reduce of the window's sums, the same move on every rank
     checkpoint every N steps (with the budget: a resumed run continues at the same anchors per batch)
 
@@ -33,15 +33,12 @@ from pathlib import Path
 
 import torch
 
-from dflash_ipc import bounded_json
 from dflash_ipc.config import DFlashConfig
 from dflash_ipc.control.drafter_tau import TRAINING_TAU_STEPS, DrafterTau, drafter_tau
 from dflash_ipc.control.stats import DrafterWork, GpuMemory, ResumePoint
 from dflash_ipc.control.wire import to_wire
-from dflash_ipc.devices import dtype_from_name
-from dflash_ipc.drafter.anchor_budget import AnchorBudget
-from dflash_ipc.drafter.build import build_drafter, run_draft_vocab
-from dflash_ipc.drafter.checkpoint import (
+from dflash_ipc.drafter.checkpoint.layout import run_config_hash
+from dflash_ipc.drafter.checkpoint.store import (
     BatchLedger,
     gather_ledger,
     load_latest_checkpoint,
@@ -49,35 +46,33 @@ from dflash_ipc.drafter.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dflash_ipc.drafter.ckpt_layout import run_config_hash
-from dflash_ipc.drafter.ckpt_verify import BATCHES_TRAINED_KEY, read_plan, resume_ledger
-from dflash_ipc.drafter.distributed import DistInfo
-from dflash_ipc.drafter.export import export_drafter
-from dflash_ipc.drafter.holdout import HoldoutScore, score_holdout_batch
-from dflash_ipc.drafter.learning import UpdateTally
-from dflash_ipc.drafter.loss import accuracy_per_pos, compute_loss, expected_acceptance_length
-from dflash_ipc.drafter.memory_plan import resolve_anchor_chunk
-from dflash_ipc.drafter.model import num_parameters
-from dflash_ipc.drafter.time_budget import MEASURE_FROM, TimeBudget
-from dflash_ipc.drafter.trainer import DrafterTrainer
-from dflash_ipc.fence import Fence
-from dflash_ipc.fsutil import make_private_dir, open_append, write_text_atomic
-from dflash_ipc.node_spec import read_node_spec
+from dflash_ipc.drafter.checkpoint.verify import BATCHES_TRAINED_KEY, PLAN_FILE, read_plan, resume_ledger
+from dflash_ipc.drafter.export.layout import export_drafter
+from dflash_ipc.drafter.loss.objective import accuracy_per_pos, compute_loss, expected_acceptance_length
+from dflash_ipc.drafter.model.build import build_drafter, run_draft_vocab
+from dflash_ipc.drafter.model.dflash_drafter import num_parameters
+from dflash_ipc.drafter.training.anchor_budget import AnchorBudget
+from dflash_ipc.drafter.training.distributed import DistInfo
+from dflash_ipc.drafter.training.holdout import HoldoutScore, score_holdout_batch
+from dflash_ipc.drafter.training.learning import UpdateTally
+from dflash_ipc.drafter.training.memory_plan import resolve_anchor_chunk
+from dflash_ipc.drafter.training.metrics_log import MetricsLog
+from dflash_ipc.drafter.training.time_budget import MEASURE_FROM, TimeBudget
+from dflash_ipc.drafter.training.trainer import DrafterTrainer
+from dflash_ipc.platform.devices import dtype_from_name
+from dflash_ipc.rundir.fence import Fence
+from dflash_ipc.rundir.fsutil import make_private_dir, write_text_atomic
+from dflash_ipc.rundir.node_spec import read_node_spec
 from dflash_ipc.transport.slots import SlotViews
 
 log = logging.getLogger(__name__)
 
-#: (metrics.jsonl key, TensorBoard tag) of the scalars written per step when run.tensorboard is on
-TENSORBOARD_SCALARS = (
-    ("loss", "train/loss"),
-    ("acc", "train/acc"),
-    ("tau", "train/tau"),
-    ("tokens_per_s", "train/tokens_per_s"),
-    ("lr", "train/lr"),
-    ("tau_holdout", "holdout/tau"),
-    ("tau_holdout_uniform", "holdout/tau_uniform"),
-    ("loss_holdout", "holdout/loss"),
-)
+
+def planned_steps(cfg: DFlashConfig, run_dir: Path, world_size: int) -> int:
+    """The optimizer steps a run plans: ``training.max_steps``, or every batch of the run's plan (``plan.json``,
+    written by `up`) shared by the ``world_size`` data-parallel ranks."""
+    plan = json.loads((run_dir / PLAN_FILE).read_text())
+    return cfg.training.max_steps or max(1, -(-plan["n_batches_total"] // world_size))
 
 
 class RecentRate:
@@ -130,7 +125,7 @@ class DrafterCore:
     ):
         self.cfg = cfg
         self.run_dir = run_dir
-        # Every write to the run directory is fenced: refused once a newer `up` owns it (dflash_ipc.fence).
+        # Every write to the run directory is fenced: refused once a newer `up` owns it (dflash_ipc.rundir.fence).
         self.fence = fence or Fence.none()
         self.world = world
         self.device = device
@@ -154,15 +149,15 @@ class DrafterCore:
         self.plan = read_plan(run_dir)  # plan.json, written by `up` (None outside a run)
         self.trained_ids: list[tuple] = []  # every batch this rank trained on in this process (its own ledger)
         self.config_hash = run_config_hash(cfg.to_dict())
-        self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics = MetricsLog(run_dir, self.fence)  # written by global rank 0
         self.tokens_total = 0
         self.t_start = time.perf_counter()
         self.t_first_step: float | None = None  # when this process's first training step began
         self.time_budget = TimeBudget(cfg.training.max_seconds, cfg.training.max_steps) if cfg.training.max_seconds > 0 else None
         self.recent = RecentRate(start_after=MEASURE_FROM)  # the time budget skips the same compiles
         self.last: dict = {}
-        self.updates = UpdateTally()  # whether the run learned anything (drafter/learning.py), asked before writing weights
-        self.batches_trained = 0  # by every rank, since the ledger began: what the ledger must hold (ckpt_verify)
+        self.updates = UpdateTally()  # whether the run learned anything (drafter/training/learning.py), asked before writing weights
+        self.batches_trained = 0  # by every rank, since the ledger began: what the ledger must hold (checkpoint.verify)
         self.n_params = num_parameters(self.model)
         self.target_hidden_size = self.model.config.hidden_size  # equal to the target's (DrafterModelConfig.from_configs)
         self.warmup_s: float | None = None
@@ -174,7 +169,8 @@ class DrafterCore:
         self.anchor_budget = self._anchor_budget()
         if resume:
             self._resume()
-        self._tensorboard = self._open_tensorboard(resume) if (cfg.run.tensorboard and world.is_main) else None
+        if cfg.run.tensorboard and world.is_main:
+            self.metrics.open_tensorboard(purge_step=self.step + 1 if resume else None)
 
     def _anchor_budget(self) -> AnchorBudget | None:
         d = self.cfg.drafter
@@ -204,19 +200,12 @@ class DrafterCore:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         return int(t.item())
 
-    def _open_tensorboard(self, resume: bool):
-        from torch.utils.tensorboard import SummaryWriter
-
-        # purge_step: a resumed run hides the events of steps after its checkpoint (or all of them,
-        # with none: trained again now), as _truncate_metrics does for metrics.jsonl.
-        purge = self.step + 1 if resume else None
-        return SummaryWriter(log_dir=str(self.run_dir), purge_step=purge, flush_secs=10)
+    @property
+    def metrics_path(self) -> Path:
+        return self.metrics.path
 
     def close(self) -> None:
-        """Close the TensorBoard writer (flushes its last events); metrics.jsonl is closed per line."""
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        self.metrics.close()
 
     def _resume(self) -> None:
         # strict: checkpoints that all fail verification end this process; it never trains again from step 0
@@ -225,14 +214,14 @@ class DrafterCore:
         if ckpt is None:
             log.info("resume: no checkpoint under %s, starting fresh", self.ckpt_root)
             if self.world.is_main:  # a run that crashed before its first checkpoint logged steps trained again now
-                self._truncate_metrics(0)
+                self.metrics.drop_after(0)
             return
         self.trainer.load_state_dict(ckpt.trainer_state, master=ckpt.model_state, moments=ckpt.optimizer_tensors)
         set_rng_state(ckpt.rng_state)
         self.generator.manual_seed(self.cfg.run.seed * 1000 + self.world.rank + 7919 * ckpt.step)
-        # the targets skip the same batches (ckpt_verify.resume_ledger): none after `up --replan` re-planned changed data
+        # the targets skip the same batches (checkpoint.verify.resume_ledger): none after `up --replan` re-planned changed data
         self.ledger = resume_ledger(ckpt.path, self.run_dir)
-        self.batches_trained = len(self.ledger)  # as many as its steps trained (ckpt_verify checked); none after --replan
+        self.batches_trained = len(self.ledger)  # as many as its steps trained (checkpoint.verify checked); none after --replan
         self.step = ckpt.step
         self.updates.mark(ckpt.step)
         if self.anchor_budget is not None and "anchor_budget" in ckpt.extra:
@@ -249,25 +238,8 @@ class DrafterCore:
         self.resumed_from = ResumePoint(checkpoint=str(ckpt.path), step=ckpt.step, notes=list(ckpt.notes))
         self.last_checkpoint = (ckpt.step, ckpt.path)
         if self.world.is_main:
-            self._truncate_metrics(ckpt.step)
+            self.metrics.drop_after(ckpt.step)
         log.info("resumed from %s: step %d, %d batches in the ledger", ckpt.path, ckpt.step, len(self.ledger))
-
-    def _truncate_metrics(self, step: int) -> None:
-        """Drop metrics of steps after the checkpoint (trained before a crash, trained again now)."""
-        if not self.metrics_path.exists():
-            return
-        lines = self.metrics_path.read_text().splitlines()
-        kept = []
-        for ln in lines:
-            try:
-                if bounded_json.loads(ln)["step"] <= step:
-                    kept.append(ln)
-            except (ValueError, KeyError, TypeError):
-                pass  # a torn last line of a crashed run
-        if len(kept) != len(lines):
-            with self.fence.guard("metrics.jsonl (dropping the steps after the checkpoint)"):
-                write_text_atomic(self.metrics_path, "".join(ln + "\n" for ln in kept))
-            log.info("resume: dropped %d metrics lines after step %d", len(lines) - len(kept), step)
 
     # -- warm-up
     def warm_up(self) -> float:
@@ -349,7 +321,7 @@ class DrafterCore:
             count = torch.zeros(bs, device=self.device)
             accept = torch.zeros(2, device=self.device)
             n_tokens = 0
-        # the batches every rank trained this step, counted apart from their ids (the ledger must agree: ckpt_verify)
+        # the batches every rank trained this step, counted apart from their ids (the ledger must agree: checkpoint.verify)
         counts = torch.tensor([float(n_tokens), float(views is not None)], device=self.device)
         sums = torch.cat([correct.float(), count.float(), accept, counts])
         if self.world.is_distributed:
@@ -412,7 +384,7 @@ class DrafterCore:
             self._holdout_unlogged = {}
         self.last = rec
         if self.world.is_main:
-            self._write_metrics(rec)
+            self.metrics.write(rec)
         # global figures (all-reduced): every rank raises at the same step, no collective is left waiting
         limit = self.cfg.training.max_consecutive_skipped_updates
         self.updates.observe(self.step, stats.skipped, stats.grad_norm, stats.global_weight, stats.global_loss, limit)
@@ -420,7 +392,7 @@ class DrafterCore:
 
     # -- held-out passes
     def evaluate_holdout(self, views: SlotViews, batch_id: list, pass_batches: int) -> dict | None:
-        """Held-out τ of a batch by simulated decoding (drafter/holdout.py): no gradient, no optimizer
+        """Held-out τ of a batch by simulated decoding (drafter/training/holdout.py): no gradient, no optimizer
         step, no ledger, no collective, noise off, the training RNG stream untouched.
 
         ``tau_holdout``: eval's decode replayed on the answers (blocks at every position, chained from
@@ -464,15 +436,6 @@ class DrafterCore:
             rec["loss_holdout"],
         )
         return rec
-
-    def _write_metrics(self, rec: dict) -> None:
-        with self.fence.guard(f"metrics.jsonl (step {rec['step']})"), open_append(self.metrics_path) as f:
-            f.write(json.dumps(rec) + "\n")
-        if self._tensorboard is not None:
-            for key, tag in TENSORBOARD_SCALARS:
-                value = rec.get(key)
-                if value is not None and math.isfinite(value):
-                    self._tensorboard.add_scalar(tag, value, rec["step"])
 
     # -- checkpoints
     def checkpoint(self, reason: str) -> Path | None:

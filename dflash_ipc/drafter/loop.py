@@ -18,13 +18,13 @@ in-memory channels in the tests, which run the same loop in one process). One it
 
 States::
 
-    TRAINING ──max_steps reached (or the step training.max_seconds planned: drafter/time_budget.py) ──▶ FINISHING
+    TRAINING ──max_steps reached (or the step training.max_seconds planned: drafter/training/time_budget.py) ──▶ FINISHING
        ├──── no rank has a batch and none will come ──────▶ FINISHING ("data exhausted")
        └──── a rank saw a stop (agreed on every rank) ────▶ FINISHING (checkpoint at this boundary)
     FINISHING: checkpoint (training.checkpoint_on_finish, or always after a stop), export
                (rank 0), rank record, Done ─▶ exit
     (a checkpoint or the export of a run that learned nothing since its start or its last checkpoint, or
-     whose weights exploded, is refused instead: TrainingDiverged, exit 1; drafter/learning.py)
+     whose weights exploded, is refused instead: TrainingDiverged, exit 1; drafter/training/learning.py)
 
 A resumed run that already reached max_steps trains nothing more (systemd restarts it).
 """

@@ -37,7 +37,7 @@ from dflash_ipc.config import DFlashConfig, config_from_dict
 from dflash_ipc.data.readers import iter_records, prompt_messages
 from dflash_ipc.data.tokenizer import stop_token_ids
 from dflash_ipc.eval.prompts import EvalPrompt, read_eval_prompts, set_name
-from dflash_ipc.third_party_logs import quiet_import_notes
+from dflash_ipc.platform.third_party_logs import quiet_import_notes
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _with_quantization(cfg: DFlashConfig, quantization: str, dtype: str, tdevs: 
     refused before any model loads where the target devices cannot run it."""
     import dataclasses
 
-    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.platform.devices import dtype_from_name
     from dflash_ipc.target.fp8 import fp8_device_problem
 
     if quantization == "none":
@@ -149,7 +149,7 @@ def run_suite(
     """Decode the first ``n`` prompts of each ``(name, source)`` set (source None: ``data.paths``) both
     ways; ``{"sets": {name: summarize report + speed fields}, ...run-wide fields}``."""
     from dflash_ipc.data.tokenizer import check_target_tokenizer, config_tokenizer
-    from dflash_ipc.drafter.export import read_export
+    from dflash_ipc.drafter.export.layout import read_export
 
     _check_suite_options(sets, workers, speed_prompts, temperature, top_p)
     names = [name for name, _ in sets]
@@ -273,7 +273,7 @@ def _add_lossless_check(rep: dict, name: str, temperature: float, echo) -> None:
 
 def check_template_kwargs(cfg: DFlashConfig, drafter_dir: str, echo) -> None:
     """Refuse a drafter trained on chats rendered with other ``[chat_template] kwargs`` than eval's."""
-    from dflash_ipc.drafter.export import recorded_chat_template_kwargs
+    from dflash_ipc.drafter.export.layout import recorded_chat_template_kwargs
 
     recorded, configured = recorded_chat_template_kwargs(drafter_dir), cfg.chat_template.kwargs
     if recorded is None:
@@ -329,10 +329,10 @@ class _Decoder:
 
     def __init__(self, job: _Job, tdev_name: str, ddev_name: str):
         from dflash_ipc.data.tokenizer import config_tokenizer
-        from dflash_ipc.devices import dtype_from_name
-        from dflash_ipc.drafter.export import load_exported_drafter
+        from dflash_ipc.drafter.export.layout import load_exported_drafter
         from dflash_ipc.eval.target_lm import TargetLM, build_target_lm
         from dflash_ipc.families import family_of
+        from dflash_ipc.platform.devices import dtype_from_name
         from dflash_ipc.target_spec.heads import target_head_weights
         from dflash_ipc.target_spec.hf_config import load_hf_config
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_ipc.drafter.blocks import build_block_layout
-from dflash_ipc.drafter.masks import build_attention_masks
-from dflash_ipc.drafter.model import DFlashDrafter
+from dflash_ipc.drafter.loss.blocks import build_block_layout
+from dflash_ipc.drafter.loss.masks import build_attention_masks
+from dflash_ipc.drafter.model.dflash_drafter import DFlashDrafter
 from dflash_ipc.eval.sampling import SpecSampler
 from dflash_ipc.eval.target_lm import TargetLM
 from dflash_ipc.eval.verify import StepResult, verify_block

@@ -8,7 +8,7 @@ greedy token after every position and the concatenated outputs of the captured d
 layers (layer-major, as the drafter's ``fc`` expects them).
 
 Rolling a cache back by ``r`` tokens (:attr:`TargetLM.rollback`), the policy of the export's own decoder
-(:func:`~dflash_ipc.drafter.hf_modeling.rollback_cache`): the cache is transformers' ``DynamicCache`` for
+(:func:`~dflash_ipc.drafter.export.hf_modeling.rollback_cache`): the cache is transformers' ``DynamicCache`` for
 the model's config with each sliding-window or chunked attention layer (Mistral, Mixtral, Gemma 3/3n/4,
 gpt-oss, Llama 4) replaced by a layer that keeps every token, as a full-attention layer does; the masks
 transformers builds from the config still apply the window or the chunks, over the whole length.
@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.devices import dtype_from_name
 from dflash_ipc.families import family_of
+from dflash_ipc.platform.devices import dtype_from_name
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class TargetLM:
     """Forwards on a cache that return greedy tokens and captured features. Call :meth:`close`."""
 
     def __init__(self, lm: nn.Module, layer_ids: list[int]):
-        from dflash_ipc.drafter.hf_modeling import crops_exactly
+        from dflash_ipc.drafter.export.hf_modeling import crops_exactly
         from dflash_ipc.target.model import find_decoder_stack
 
         self.lm = lm
@@ -120,7 +120,7 @@ class TargetLM:
         self._handles.clear()
 
     def new_cache(self):
-        from dflash_ipc.drafter.hf_modeling import rollback_cache
+        from dflash_ipc.drafter.export.hf_modeling import rollback_cache
 
         return rollback_cache(self.lm.config)
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import psutil
 import zmq
 
-from dflash_ipc import bounded_json
 from dflash_ipc.control import channels, curve
 from dflash_ipc.control.plane import published_endpoints
 from dflash_ipc.control.protocol import ProtocolError
 from dflash_ipc.control.status import LIVE_STATES, StatusSnapshot, decode_status
+from dflash_ipc.rundir import bounded_json
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ the instance name is the config name) and an example environment file for a conc
 absolute paths to the ``dflash-ipc`` executable, the config directory
 (``<config_dir>/<instance>.toml``), the runs directory (``<runs_dir>/<instance>``) and the
 directory of the optional per-instance environment files. ``dflash-ipc systemd render --out DIR
-[--user]`` (:mod:`dflash_ipc.ops.systemd_cli`) is the command line for it. The template shipped
+[--user]`` (:mod:`dflash_ipc.cli.systemd`) is the command line for it. The template shipped
 as ``systemd/dflash-ipc@.service`` in the source tree is :data:`UNIT_TEMPLATE`, verbatim, with
 its ``@NAME@`` placeholders. :func:`verify_unit` checks a rendered unit with
 ``systemd-analyze verify``. The notifications the running service sends are

@@ -54,8 +54,8 @@ from typing import Any, TextIO
 
 import setproctitle
 
-from dflash_ipc.fence import Fence, FencedOut
-from dflash_ipc.fsutil import make_private_dir, open_append
+from dflash_ipc.rundir.fence import Fence, FencedOut
+from dflash_ipc.rundir.fsutil import make_private_dir, open_append
 from dflash_ipc.runtime import stop_signals
 from dflash_ipc.runtime.heartbeat import HeartbeatSender
 from dflash_ipc.runtime.launch import IMPORT_DEATH_SIGNAL, read_key, remove_supervisor_sockets, set_parent_death_signal

@@ -38,7 +38,7 @@ def describe_target(cfg: DFlashConfig) -> str:
 def _forwards(cfg: DFlashConfig, family: DecoderFamily, attention: str) -> list[str]:
     """Per target device: whether the packed forward runs there and how, or why it pads (``target.varlen = true`` where
     it cannot be exact is refused by that key)."""
-    from dflash_ipc.devices import dtype_from_name  # torch: the probe has it, the supervisor never imports it
+    from dflash_ipc.platform.devices import dtype_from_name  # torch: the probe has it, the supervisor never imports it
     from dflash_ipc.target.varlen import plan_packed_attention
 
     dtype = dtype_from_name(cfg.target.dtype)

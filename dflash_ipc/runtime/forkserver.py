@@ -96,6 +96,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dflash_ipc.platform.third_party_logs import quiet_import_notes
 from dflash_ipc.runtime import stop_signals
 from dflash_ipc.runtime.forkserver_serve import (
     MAX_MESSAGE,
@@ -109,7 +110,6 @@ from dflash_ipc.runtime.forkserver_serve import (
     process_context,
 )
 from dflash_ipc.runtime.launch import set_parent_death_signal
-from dflash_ipc.third_party_logs import quiet_import_notes
 
 if TYPE_CHECKING:
     from dflash_ipc.config import DFlashConfig

@@ -31,8 +31,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_ipc.platform.third_party_logs import quiet_import_notes
 from dflash_ipc.runtime import stop_signals
-from dflash_ipc.third_party_logs import quiet_import_notes
 
 _PR_SET_PDEATHSIG = 1
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
@@ -84,7 +84,7 @@ def start_death_sentinel(supervisor: int, grace_s: float = ORPHAN_KILL_AFTER_S) 
 
     The death signal (SIGTERM, so a running child leaves through its CLOSING path) stays pending
     in a SIGSTOPped process until SIGCONT: a stopped child of a SIGKILLed supervisor would wake up
-    later in a directory a newer `up` owns (dflash_ipc.fence refuses its writes). The sentinel waits
+    later in a directory a newer `up` owns (dflash_ipc.rundir.fence refuses its writes). The sentinel waits
     on the supervisor's pidfd; once it is gone it SIGKILLs this process at once if stopped, else
     after ``grace_s``. It dies with this process (its own death signal). None where unsupported
     (not Linux, no pidfd) or when the supervisor is already gone (the caller's check exits then)."""

@@ -21,7 +21,7 @@ from dflash_ipc.transport.shm_names import SHM_DIR, shm_free_bytes
 
 def host_memory_text(proc: psutil.Process, *more: str) -> str:
     """This process's host memory now and its high-water mark so far, then each non-empty ``more``
-    (a GPU's figures: :func:`dflash_ipc.devices.gpu_memory_text`), for the phase lines of a role's
+    (a GPU's figures: :func:`dflash_ipc.platform.devices.gpu_memory_text`), for the phase lines of a role's
     log: where a peak happened is then read from the log, not guessed."""
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     host = f"host RSS {proc.memory_info().rss / 2**30:.2f} GiB (peak so far {peak_kib / 2**20:.2f} GiB)"

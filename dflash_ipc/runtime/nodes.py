@@ -56,7 +56,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from dflash_ipc.control.status import NodeStatus
-from dflash_ipc.node_spec import MAX_NODES, NODE_FILE, NodeOptionError, NodeSpec, read_node_spec, write_node_spec  # noqa: F401 - re-exported
+from dflash_ipc.rundir.node_spec import MAX_NODES, NODE_FILE, NodeOptionError, NodeSpec, read_node_spec, write_node_spec  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 

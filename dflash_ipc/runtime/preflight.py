@@ -40,7 +40,7 @@ from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TopologyConfig, blame_sets, load_config
 from dflash_ipc.config.topology import valid_device
-from dflash_ipc.fsutil import NotPrivate, check_own_private, links_below
+from dflash_ipc.rundir.fsutil import NotPrivate, check_own_private, links_below
 from dflash_ipc.runtime.family_check import check_target_family
 from dflash_ipc.runtime.resume_check import check_resume_checkpoints, check_resume_config
 from dflash_ipc.runtime.run_lock import LOCK_FILE, refuse_if_owned
@@ -169,7 +169,7 @@ def check_quantization_devices(source: str, quantization: str, dtype: str, devic
     """``target.quantization = "fp8"`` only on devices that run FP8 GEMMs (CUDA, capability >= 8.9)."""
     if quantization == "none":
         return
-    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.platform.devices import dtype_from_name
     from dflash_ipc.target.fp8 import fp8_device_problem
 
     for i, dev in enumerate(devices):
@@ -183,7 +183,7 @@ def check_fp8_linears(source: str, recipe: str, devices: list[str]) -> None:
     capability >= 8.9, or the CPU: no speed-up there, the same numerics)."""
     if recipe == "none":
         return
-    from dflash_ipc.drafter.fp8_linears import fp8_linears_problem
+    from dflash_ipc.drafter.model.fp8_linears import fp8_linears_problem
 
     for i, dev in enumerate(devices):
         if problem := fp8_linears_problem(dev):
@@ -195,7 +195,7 @@ def check_ce_fp8_devices(source: str, ce_fp8: bool, devices: list[str]) -> None:
     """``training.ce_fp8`` only on drafter devices that run FP8 GEMMs: CUDA of capability >= 8.9, or the CPU."""
     if not ce_fp8:
         return
-    from dflash_ipc.fp8 import fp8_device_problem
+    from dflash_ipc.platform.e4m3 import fp8_device_problem
 
     for i, dev in enumerate(devices):
         if dev.startswith("cuda") and (problem := fp8_device_problem(dev)):
@@ -385,7 +385,7 @@ def _check_model(cfg: DFlashConfig) -> None:
 
 def _check_drafter_resolves(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], mask_id: int) -> Any:
     """What the drafter process will build from these configs: any remaining refusal, before spawn."""
-    from dflash_ipc.drafter.model import DrafterModelConfig
+    from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
 
     try:
         shape = DrafterModelConfig.from_configs(cfg.drafter, hf_config, layer_ids, mask_id)
@@ -398,7 +398,7 @@ def _check_drafter_resolves(cfg: DFlashConfig, hf_config: Any, layer_ids: list[i
 
 def _check_init_from_target(cfg: DFlashConfig, shape: Any) -> None:
     """``drafter.init_from_target`` against the checkpoint's tensor shapes (its headers only)."""
-    from dflash_ipc.drafter.init_from_target import plan_init
+    from dflash_ipc.drafter.model.init_from_target import plan_init
     from dflash_ipc.target_spec.heads import decoder_stack_shapes
 
     if not cfg.target.model_path:

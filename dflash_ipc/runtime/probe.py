@@ -40,13 +40,13 @@ from typing import ClassVar
 
 from dflash_ipc.config import ConfigError, DFlashConfig, read_resolved_config, write_resolved_config
 from dflash_ipc.control.protocol import ProtocolError, Struct, from_wire, to_wire
-from dflash_ipc.fsutil import NotPrivate, make_private_dir
+from dflash_ipc.platform.third_party_logs import quiet_import_notes
+from dflash_ipc.rundir.fsutil import NotPrivate, make_private_dir
 from dflash_ipc.runtime import liveness, stop_signals
 from dflash_ipc.runtime.family_check import describe_target
 from dflash_ipc.runtime.forkserver import ForkServer
 from dflash_ipc.runtime.launch import child_env
 from dflash_ipc.runtime.preflight import check_machine, torch_loaded
-from dflash_ipc.third_party_logs import quiet_import_notes
 
 # Tokenizing a large corpus takes minutes; a probe stuck (in CUDA initialisation, say) is still ended.
 PROBE_TIMEOUT_S = 3600.0
@@ -171,7 +171,7 @@ def plan_data(cfg: DFlashConfig, run_dir: Path, n_shards: int) -> DataPlan:
     )
     summary = corpus.report.summary()
     if cfg.drafter.draft_vocab_size:
-        from dflash_ipc.draft_vocab import ensure_draft_vocab
+        from dflash_ipc.data.draft_vocab import ensure_draft_vocab
         from dflash_ipc.target_spec.hf_config import target_vocab_size
 
         vocab_size = target_vocab_size(cfg.target, len(tok))

@@ -163,14 +163,6 @@ def progress_display(live: bool, echo: Callable[[str], None]) -> PlainProgress |
     return RichProgress() if live else PlainProgress(echo)
 
 
-def run_end(stop_requested: str, summary: DrafterSummary | None) -> tuple[str, str | None]:
-    """The state and end_reason of a run whose drafters all sent Done: "stopped" when a signal asked for
-    it (the step it stopped at: resumable), else "finished" (their own end: max_steps, max_seconds, data exhausted)."""
-    if stop_requested:
-        return "stopped", f"{stop_requested} at step {summary.final.work.step if summary else 0}"
-    return "finished", summary.reason if summary else None
-
-
 def finished_summary(run_dir: Path, summary: DrafterSummary | None, wall_s: float, stopped: bool = False) -> str:
     """The lines `up` prints when training ended (``stopped``: by a signal): loss first -> last, tokens/s, where things are."""
     metrics = run_dir / "metrics.jsonl"

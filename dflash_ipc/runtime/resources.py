@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dflash_ipc.config import ConfigError, DataConfig, DFlashConfig, DrafterConfig, TargetConfig, TopologyConfig, TransportConfig
+from dflash_ipc.config.transport import BACKENDS
 from dflash_ipc.families import family_of
 from dflash_ipc.transport.shm_names import SHM_DIR, shm_free_bytes
 
@@ -116,7 +117,7 @@ def slot_bytes(cfg: DFlashConfig, num_planes: int, hidden: int) -> int:
 
 def drafter_trainable_params(m: Any) -> int:
     """Trainable parameters of a DFlash drafter of shape ``m`` (a DrafterModelConfig), as
-    :class:`~dflash_ipc.drafter.model.DFlashDrafter` declares them (tests/test_resources.py holds the two equal)."""
+    :class:`~dflash_ipc.drafter.model.dflash_drafter.DFlashDrafter` declares them (tests/test_resources.py holds the two equal)."""
     h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     per_layer = 2 * h + h * q + 2 * h * kv + q * h + 2 * m.head_dim + 3 * h * m.intermediate_size
     return m.num_context_planes * h * h + 2 * h + m.num_layers * per_layer
@@ -132,7 +133,7 @@ def target_weight_params(cfg: TargetConfig, hf_config: Any, n_build: int) -> int
 def target_weight_bytes(cfg: TargetConfig, hf_config: Any, n_build: int) -> int:
     """Bytes of the weights the target process loads in ``cfg.dtype``: the spec's stack, or every tensor of the
     checkpoint (every expert of an MoE) as :func:`checkpoint_weight_bytes` sizes it."""
-    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.platform.devices import dtype_from_name
 
     itemsize = dtype_from_name(cfg.dtype).itemsize
     if cfg.model_path:
@@ -207,7 +208,7 @@ def _safetensors_tensors(path: Path) -> list[tuple[str, int]]:
 
 def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_shape: Any, backend: str) -> list[Need]:
     """What the run will hold, item by item (see the module docstring)."""
-    from dflash_ipc.devices import dtype_from_name
+    from dflash_ipc.platform.devices import dtype_from_name
     from dflash_ipc.target_spec.hf_config import text_config
 
     tc = text_config(hf_config)
@@ -234,7 +235,7 @@ def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_sh
     ring = cfg.transport.ring_slots * slot_bytes(cfg, num_planes, hidden)
     trainable = drafter_trainable_params(drafter_shape)
     heads = (1 if _tied(hf_config) else 2) * vocab * hidden * d_size
-    heads += 2 * vocab * hidden if cfg.training.ce_fp8 else 0  # the head's two e4m3 copies (drafter/fp8_head.py)
+    heads += 2 * vocab * hidden if cfg.training.ce_fp8 else 0  # the head's two e4m3 copies (drafter/model/fp8_head.py)
     drafter_bytes = trainable * (OPTIMIZER_BYTES_PER_PARAM + (0 if d_size == 4 else d_size)) + heads
     d_ref = DrafterConfig()
     drafter_factors = [
@@ -250,7 +251,7 @@ def estimate(cfg: DFlashConfig, hf_config: Any, layer_ids: list[int], drafter_sh
         weights_what = f"target-{rank} weights ({_count(weights // t_size)} parameters, {cfg.target.dtype})"
         needs.append(Need(weights_what, place, weights, spec_factors or [("target.model_path", 1, 1)]))
         needs.append(Need(f"target-{rank} captured planes", place, num_planes * tokens * hidden * t_size, plane_factors))
-        ring_place = SHM if backend in ("cpu-shm", "host-pinned") else place
+        ring_place = SHM if backend in BACKENDS and BACKENDS[backend].ring_memory == "host" else place
         ring_what = f"target-{rank} ring ({cfg.transport.ring_slots} slots x {human(ring // cfg.transport.ring_slots)})"
         needs.append(Need(ring_what, ring_place, ring, ring_factors))
     for rank, dev in enumerate(cfg.topology.drafters):
@@ -345,6 +346,12 @@ def _refuse(cfg: DFlashConfig, needs: list[Need], headline: str, hint: str) -> N
     raise ConfigError.at(cfg.source, key, message)
 
 
+def anchor_chunk_target_need(cfg, device) -> int | None:
+    """What a drafter on ``device`` leaves to a target sharing its GPU when it sizes its anchor chunk to the GPU
+    (``drafter.anchor_chunk = "auto"``: :func:`target_need_bytes`); None when the chunk is a fixed number."""
+    return target_need_bytes(cfg, device) if cfg.drafter.anchor_chunk == "auto" else None
+
+
 def target_need_bytes(cfg, device) -> int:
     """A target's certain needs on ``device`` when one shares it (0 otherwise): the preflight's weights,
     planes and ring (:func:`estimate`), plus one decoder layer's forward
@@ -352,8 +359,8 @@ def target_need_bytes(cfg, device) -> int:
     import torch
 
     from dflash_ipc.data.tokenizer import load_tokenizer
-    from dflash_ipc.devices import dtype_from_name
-    from dflash_ipc.drafter.model import DrafterModelConfig
+    from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
+    from dflash_ipc.platform.devices import dtype_from_name
     from dflash_ipc.target_spec.hf_config import load_hf_config, resolve_layer_ids, text_config
 
     place = str(torch.device(device))

@@ -12,7 +12,7 @@ was edited: refused too. A checkpoint written before configs were stored is comp
 ``RUN_DIR/config.json`` when that file's hash is the checkpoint's, else by hash alone. A key added
 to the config after the checkpoint was written is kept when this run leaves it at its default.
 
-The checkpoints themselves (:mod:`dflash_ipc.drafter.ckpt_verify`): at the door the newest one whose
+The checkpoints themselves (:mod:`dflash_ipc.drafter.checkpoint.verify`): at the door the newest one whose
 meta, sizes and ledger count hold is found (:func:`check_resume_checkpoints`; when checkpoints exist
 and none holds, ``--resume`` is refused: it never trains again from step 0); after the probe has
 planned the data, the same with every file's sha256 and the ledger against the new plan, and the
@@ -29,11 +29,11 @@ import json
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dflash_ipc import bounded_json
 from dflash_ipc.config import RESOLVED_CONFIG_FILE, ConfigError, DFlashConfig
 from dflash_ipc.data.fingerprint import describe_changes, same_data
-from dflash_ipc.drafter.ckpt_layout import CKPT_FORMAT, META_FILE, STEP_DIR_RE, run_config_hash
-from dflash_ipc.drafter.ckpt_verify import NoUsableCheckpoint, ResumeChoice, choose_checkpoint
+from dflash_ipc.drafter.checkpoint.layout import CKPT_FORMAT, META_FILE, STEP_DIR_RE, run_config_hash
+from dflash_ipc.drafter.checkpoint.verify import NoUsableCheckpoint, ResumeChoice, choose_checkpoint
+from dflash_ipc.rundir import bounded_json
 
 KEY = "--resume"
 # Dotted keys (or whole sections, ending in ".") a resumed run may change.
@@ -185,7 +185,7 @@ def _fail(cfg: DFlashConfig, message: str) -> NoReturn:
 def check_resume_checkpoints(
     cfg: DFlashConfig, ckpt_root: Path, *, digests: bool = False, plan: dict[str, Any] | None = None
 ) -> ResumeChoice:
-    """The checkpoint ``--resume`` continues from (``ckpt_verify.choose_checkpoint``); checkpoints that
+    """The checkpoint ``--resume`` continues from (``checkpoint.verify.choose_checkpoint``); checkpoints that
     all fail are refused, naming each one's fault. ``digests`` and ``plan`` as there."""
     try:
         return choose_checkpoint(ckpt_root, digests=digests, plan=plan)

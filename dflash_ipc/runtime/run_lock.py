@@ -10,7 +10,7 @@ keep a directory locked). The file also records the owner (pid, host, start time
 word a refusal. A file can be deleted while it is locked, and a lock taken on its replacement
 would exclude nobody: so the directory itself is flocked first (an fd opened with O_DIRECTORY),
 and a deleted ``lock`` file admits no second run. Once locked, the supervisor takes the directory's
-next *generation* (:mod:`dflash_ipc.fence`), which fences out every write of the processes
+next *generation* (:mod:`dflash_ipc.rundir.fence`), which fences out every write of the processes
 of earlier runs::
 
     up: validate the config (reads only; an owned directory is refused here already: refuse_if_owned)
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_ipc import bounded_json, fence
+from dflash_ipc.rundir import bounded_json, fence
 
 if TYPE_CHECKING:
     from dflash_ipc.runtime.nodes import NodeSpec

@@ -59,11 +59,11 @@ from dflash_ipc.control.protocol import Dead, Done, Heartbeat, RejectCounter, Sh
 from dflash_ipc.control.stats import DrafterStats, DrafterSummary
 from dflash_ipc.control.status import ENDED_STATES, SCHEMA_VERSION, StatusSnapshot, Totals
 from dflash_ipc.data.run_length import DataLength, run_length_text
-from dflash_ipc.drafter.ckpt_layout import latest_committed_step
-from dflash_ipc.fsutil import make_private_dir, open_append, write_text_atomic
+from dflash_ipc.drafter.checkpoint.layout import latest_committed_step
 from dflash_ipc.ops import sdnotify
 from dflash_ipc.ops.prometheus import MetricsServer
 from dflash_ipc.ops.status_server import serve_status_requests
+from dflash_ipc.rundir.fsutil import make_private_dir, open_append, write_text_atomic
 from dflash_ipc.runtime import liveness, progress, stop_signals
 from dflash_ipc.runtime.children import Child, teardown
 from dflash_ipc.runtime.forkserver import ForkServer, launcher_for, popen_with
@@ -86,6 +86,14 @@ class StoppedDuringStart(RuntimeError):
     pass
 
 
+def run_end(stop_requested: str, summary: DrafterSummary | None) -> tuple[str, str | None]:
+    """The state and end_reason of a run whose drafters all sent Done: "stopped" when a signal asked for
+    it (the step it stopped at: resumable), else "finished" (their own end: max_steps, max_seconds, data exhausted)."""
+    if stop_requested:
+        return "stopped", f"{stop_requested} at step {summary.final.work.step if summary else 0}"
+    return "finished", summary.reason if summary else None
+
+
 class Supervisor:
     def __init__(
         self,
@@ -97,6 +105,7 @@ class Supervisor:
         max_restarts: int = 0,
         echo=print,
         forward_only: int = 0,
+        bench_counters: bool = False,
         live_progress: bool = False,
         node: NodeSpec | None = None,
     ):
@@ -129,6 +138,7 @@ class Supervisor:
         self._last_snapshot: StatusSnapshot | None = None
         # Benchmark ceiling: only targets, N batches each, slots released as soon as packed.
         self.forward_only = forward_only
+        self.bench_counters = bench_counters  # a benchmark's figures from every target (bench/target_counters.py)
         self.dir_lock: RunDirLock = lock_run_dirs(run_dir, self.node)  # one supervisor per run dir: taken by prepare (or earlier)
         self.launcher: ForkServer | None = None  # run.launcher or one set before prepare: probe and children fork from it; closed at end
 
@@ -283,10 +293,12 @@ class Supervisor:
             env = dict(base_env)
             key_fd = key_pipe(self._auth.key)
             argv = child_argv(ch.role, parent, key_fd) + ["--run-dir", str(self.run_dir), "--rank", str(ch.rank)]
-            argv += ["--generation", self.dir_lock.own_fence().argv_value]  # its writes there are fenced (dflash_ipc.fence)
+            argv += ["--generation", self.dir_lock.own_fence().argv_value]  # its writes there are fenced (dflash_ipc.rundir.fence)
             argv += self._control.child_argv
             if self.forward_only:
                 argv += ["--forward-only", str(self.forward_only)]
+            if self.bench_counters and ch.role == "target":
+                argv.append("--bench-counters")
             if cpu_shares:
                 argv += ["--cpus", ",".join(map(str, cpu_shares[i]))]
             if ch.role == "drafter":
@@ -451,7 +463,7 @@ class Supervisor:
                         )
                     for c in liveness.wait_for_exits(drafters, max(5.0, cfg.run.teardown_grace_s)):
                         self.echo(f"[up] {c.name} finished but is still running after run.teardown_grace_s; stopping it")
-                    self.state, self.end_reason = progress.run_end(self.stop_requested, self._summary)
+                    self.state, self.end_reason = run_end(self.stop_requested, self._summary)
                     self._write_status()
                     self._close_progress()
                     self.echo(finished_summary(self.run_dir, self._summary, time.time() - self.started_unix, self.state == "stopped"))

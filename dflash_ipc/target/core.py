@@ -18,8 +18,10 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -29,8 +31,8 @@ from dflash_ipc.control.stats import GpuMemory, TargetWork
 from dflash_ipc.data.corpus import Corpus, load_corpus
 from dflash_ipc.data.plan import PlannedBatch, plan_epoch
 from dflash_ipc.data.tokenizer import config_tokenizer
-from dflash_ipc.ledger import BatchLedger
-from dflash_ipc.node_spec import NodeSpec, read_node_spec
+from dflash_ipc.rundir.ledger import BatchLedger
+from dflash_ipc.rundir.node_spec import NodeSpec, read_node_spec
 from dflash_ipc.target.fast_path import fast_path_report
 from dflash_ipc.target.model import TargetModel, build_target
 from dflash_ipc.target.packing import AsyncPacker, BatchMeta, OverlapMeter, PackHandle, flat_batch_meta
@@ -48,6 +50,22 @@ def slot_layout_for(cfg: DFlashConfig, model: TargetModel) -> SlotLayout:
         max_seqs=cfg.data.max_batch_size,
         plane_dtype=cfg.target.dtype,
     )
+
+
+class ForwardObserver(Protocol):
+    """What a benchmark attaches to a :class:`TargetCore` (``core.observers``) to count its forwards
+    (``bench/target_counters.py``); the target's own work and figures never depend on one."""
+
+    def before_forward(self, timed_capture: Callable[[], float], timed_uncaptured: Callable[[], float]) -> None:
+        """Called with the batch about to be forwarded: each callable forwards it once more, synchronized and
+        timed (seconds back), captured or through the decoder stack alone (no hooks, no capture), and counts as
+        a forward for the overlap meter."""
+
+    def after_forward(self, n_tokens: int, flops: float, seconds: float) -> None:
+        """Called once the batch's captured forward completed: its real tokens, FLOPs and seconds."""
+
+    def figures(self, work: TargetWork) -> TargetWork:
+        """``work`` with the observer's own figures filled in."""
 
 
 @dataclass
@@ -150,15 +168,7 @@ class TargetCore:
         self.tokens_forwarded = 0
         self.slot_wait_s = 0.0
         self.flops = 0.0
-        # Steady state: everything after the first forward (which pays warm-up and compilation).
-        self.t_first_done: float | None = None
-        self.steady_tokens = 0
-        self.steady_flops = 0.0
-        self.steady_forward_s = 0.0
-        self.bare_forward_s = 0.0
-        self.bare_forwards = 0
-        self.first_pass_forward_s = 0.0
-        self.steady_first_pass_s = 0.0
+        self.observers: list[ForwardObserver] = []  # a benchmark's counters
 
     def start(self, ledger: BatchLedger) -> None:
         """Plan every epoch of this shard, leaving out batches already consumed."""
@@ -214,30 +224,22 @@ class TargetCore:
         batch = self._schedule.popleft()
         return batch, self.corpus, batch.id.to_wire(), 0
 
-    def forward_next(self, bare_baseline: bool = False) -> Captured | None:
-        """Forward the next batch with capture hooks (the critical path), timed to completion.
-
-        ``bare_baseline`` (benchmark ceiling): the batch first runs once through the captured
-        forward untimed (``first_pass_forward_s``: compilation, autotuning and first calls of a new
-        batch shape land there), then through the bare stack and the captured forward, both timed,
-        so the ceiling is the warm forward's and the first pass says what a new shape costs."""
+    def forward_next(self) -> Captured | None:
+        """Forward the next batch with capture hooks (the critical path), timed to completion; each observer
+        sees the batch before (and may forward it again) and the forward's figures after."""
         nxt = self._next_batch()
         if nxt is None:
             return None
         batch, corpus, wire_id, holdout_pass_batches = nxt
         ids, mask, lens = corpus.collate(batch.sample_indices, self.pad_id)
-        steady = self.t_first_done is not None
         varlen = self.model.varlen
         on_gpu = self.device.type == "cuda"
         meta = None
         if varlen:  # the real tokens back to back: the forward's input and the slot's order
             meta = flat_batch_meta(ids, mask, lens, pin=False)
             ids = meta.token_ids
-        bare_s = first_pass_s = 0.0
-        if bare_baseline:
-            first_pass_s = self._timed(lambda: self._capture(ids, meta))
-            bare_s = self._bare_forward(ids, lens)
-            self.first_pass_forward_s += first_pass_s
+        for observer in self.observers:
+            observer.before_forward(lambda: self._timed(lambda: self._capture(ids, meta)), lambda: self._uncaptured_forward(ids, lens))
         self._sync()
         t0 = time.perf_counter()
         start_mark = self.overlap.mark()
@@ -259,16 +261,8 @@ class TargetCore:
         self.forwards += 1
         self.tokens_forwarded += batch.n_tokens
         self.flops += flops
-        if not steady:
-            self.t_first_done = time.perf_counter()  # after this batch's baseline forwards too
-        else:
-            self.steady_tokens += batch.n_tokens
-            self.steady_flops += flops
-            self.steady_forward_s += dt
-            if bare_baseline:
-                self.bare_forward_s += bare_s
-                self.bare_forwards += 1
-                self.steady_first_pass_s += first_pass_s
+        for observer in self.observers:
+            observer.after_forward(batch.n_tokens, flops, dt)
         return Captured(batch, planes, meta, dt, wire_id, holdout_pass_batches)
 
     def _capture(self, ids: torch.Tensor, meta: BatchMeta | None) -> list[torch.Tensor]:
@@ -277,7 +271,7 @@ class TargetCore:
         return self.model.capture(ids.to(self.device, non_blocking=True))
 
     def _timed(self, forward) -> float:
-        """A benchmark baseline forward, synchronized and timed; the overlap meter counts it as a forward."""
+        """An observer's forward, synchronized and timed; the overlap meter counts it as a forward."""
         self._sync()
         t0 = time.perf_counter()
         start_mark = self.overlap.mark()
@@ -292,7 +286,7 @@ class TargetCore:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _bare_forward(self, ids: torch.Tensor, lens: torch.Tensor) -> float:
+    def _uncaptured_forward(self, ids: torch.Tensor, lens: torch.Tensor) -> float:
         """The batch through the stack alone, as the captured forward runs it (packed or padded):
         no hooks, no capture."""
         return self._timed(lambda: self.model.forward_bare(ids, lens.tolist() if self.model.varlen else None))
@@ -324,9 +318,7 @@ class TargetCore:
         overlap = (
             self.overlap.stats(final=final) if self.overlap else {"packs_measured": 0, "pack_overlap_pct": 0.0, "pack_exposed_ms": 0.0}
         )
-        baseline_s = self.bare_forward_s + self.steady_first_pass_s  # the benchmark's own forwards, not the target's work
-        steady_wall = max(1e-9, time.perf_counter() - self.t_first_done - baseline_s) if self.t_first_done else 0.0
-        return TargetWork(
+        work = TargetWork(
             forwards=self.forwards,
             forward_ms=1e3 * self.forward_s / max(1, self.forwards),
             pack_ms=1e3 * pk["pack_s_mean"],
@@ -342,18 +334,12 @@ class TargetCore:
             planned=self.planned,
             skipped_ledgered=self.skipped_ledgered,
             tflops=self.flops / wall / 1e12,
-            # the benchmark's baseline forwards (bare, first pass) are left out of the target's rate
-            steady_tokens_per_s=self.steady_tokens / steady_wall if steady_wall else 0.0,
-            steady_tflops=self.steady_flops / steady_wall / 1e12 if steady_wall else 0.0,
-            steady_wall_s=steady_wall,
-            steady_forward_s=self.steady_forward_s,
-            steady_forward_tflops=self.steady_flops / max(1e-9, self.steady_forward_s) / 1e12,
-            bare_forward_s=self.bare_forward_s,
-            bare_forwards=self.bare_forwards,
-            first_pass_forward_s=self.first_pass_forward_s,
             layers_run=self.model.layers_run,
             gpu=GpuMemory.of(self.device),
         )
+        for observer in self.observers:
+            work = observer.figures(work)
+        return work
 
     def describe_kernels(self) -> str:
         """The forward's kernels, for the start-up log."""

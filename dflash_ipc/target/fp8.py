@@ -16,7 +16,7 @@ routed experts are 3-D parameters, not ``nn.Linear``: :mod:`~dflash_ipc.target.f
 gate/up, ...) into one quantization and one GEMM.
 
 Row-wise ``_scaled_mm`` runs on CUDA devices of compute capability 8.9 and above (Ada, Hopper,
-Blackwell) with a bf16 output; :func:`~dflash_ipc.fp8.fp8_device_problem` says why a device cannot, and the
+Blackwell) with a bf16 output; :func:`~dflash_ipc.platform.e4m3.fp8_device_problem` says why a device cannot, and the
 preflight refuses such a config before any process starts.
 """
 
@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dflash_ipc.fp8 import ALIGN, E4M3, fp8_device_problem, quantize_rows
+from dflash_ipc.platform.e4m3 import ALIGN, E4M3, fp8_device_problem, quantize_rows
 
 log = logging.getLogger(__name__)
 

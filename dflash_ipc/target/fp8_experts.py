@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflash_ipc.fp8 import ALIGN, quantize_rows
+from dflash_ipc.platform.e4m3 import ALIGN, quantize_rows
 
 __all__ = ["ExpertsReport", "Fp8Experts", "grouped_gemm_runs", "quantize_experts"]
 

@@ -1,4 +1,4 @@
-"""Fused elementwise work of the frozen decoder (measured in ``bench.target_forward --fuse``).
+"""Fused elementwise work of the frozen decoder (measured by ``dflash-ipc bench target-forward --fuse``).
 
 In eager mode a Qwen3.5 decoder layer spends a large share of its kernels outside the GEMMs: each
 zero-centered RMSNorm is seven passes over the hidden states (cast to fp32, square, mean, add,

@@ -6,7 +6,7 @@ process's sockets in ``procs/target.py``; in-memory channels in the tests, which
 loop in one process). One iteration, in named steps::
 
     drain            peers' SlotFree/Load -> data plane; the supervisor's Shutdown -> stop
-    commit           finished packs -> ring.commit -> data plane enqueue (forward-only: slot back at once)
+    commit           finished packs -> ring.commit -> data plane enqueue
     dispatch         queued slots -> the least-busy drafter with credit (SlotReady)
     forward_or_pack  no captured batch? forward the next one        (the critical path)
                      captured and a slot free? submit its pack      (off the critical path)
@@ -18,8 +18,11 @@ loop in one process). One iteration, in named steps::
 States::
 
     RUNNING ──schedule empty, packs done, nothing waiting──▶ ENDED (EndOfData sent; idle until Shutdown)
-       │  (forward-only N: N forwards done, or the data ran out ─▶ Done to the supervisor ─▶ exit)
        └── stop requested (Shutdown, signal, supervisor gone) ─▶ exit
+
+A benchmark runs the same loop with other answers to two questions (``bench/forward_only.py``): whether
+there is more to forward (:meth:`TargetLoop.more_to_forward`) and whether the loop is over on its own
+(:meth:`TargetLoop.over`); a training target forwards until its data ends and runs until Shutdown.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 
 from dflash_ipc.control.loop_io import LoopIO
-from dflash_ipc.control.protocol import Done, Heartbeat
+from dflash_ipc.control.protocol import Heartbeat
 from dflash_ipc.control.stats import ProducerPlaneStats, TargetStats
 from dflash_ipc.transport.dataplane import ProducerDataPlane
 
@@ -39,9 +42,6 @@ log = logging.getLogger(__name__)
 
 
 class TargetLoop:
-    """``forward_only`` > 0: the benchmark ceiling. No drafters; each slot is released the moment
-    its pack completed, and every batch also runs once through the bare transformers stack."""
-
     def __init__(
         self,
         core: Any,  # TargetCore
@@ -50,17 +50,14 @@ class TargetLoop:
         io: LoopIO,
         *,
         heartbeat_interval_s: float,
-        forward_only: int = 0,
     ):
         self.core, self.ring, self.plane, self.io = core, ring, plane, io
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.forward_only = forward_only
         # The pack already completed (observed on the host): slot events go on an idle stream,
         # never on the compute stream, or the drafter's copy would wait for the next forward.
         self.commit_stream = torch.cuda.Stream(core.device) if core.device.type == "cuda" else None
         self.captured = None
         self.end_sent = False
-        self.finished = False  # forward-only: Done sent
         self._next_beat = 0.0
         self._waited = False
         self.t0 = time.perf_counter()
@@ -75,9 +72,6 @@ class TargetLoop:
         for done in self.core.finished_packs():
             b = done.batch
             self.ring.commit(done.slot, b.n_tokens, b.batch_size, self.commit_stream)
-            if self.forward_only:
-                self.plane.table.abort_filling(done.slot)
-                continue
             route = self.core.route_of(done.wire_id, done.holdout_pass_batches)
             self.plane.enqueue(
                 done.slot, done.wire_id, b.bucket, b.n_tokens, b.batch_size, {"padded_len": b.padded_len}, done.holdout_pass_batches, route
@@ -89,8 +83,8 @@ class TargetLoop:
     def forward_or_pack(self) -> None:
         core = self.core
         self._waited = False
-        if self.captured is None and not self.end_sent and not (self.forward_only and core.forwards >= self.forward_only):
-            self.captured = core.forward_next(bare_baseline=bool(self.forward_only))
+        if self.captured is None and self.more_to_forward():
+            self.captured = core.forward_next()
         if self.captured is None:
             return
         slot = self.plane.acquire()
@@ -105,25 +99,20 @@ class TargetLoop:
 
     def maybe_end(self) -> None:
         core, plane = self.core, self.plane
-        if self.end_sent or self.forward_only or self.captured is not None:
+        if self.end_sent or self.captured is not None:
             return
         if core.batches_left == 0 and core.packs_in_flight == 0 and plane.waiting == 0:
             plane.end_of_data()
             self.end_sent = True
             log.info("end of data: %d batches sent", plane.batches_sent)
 
-    def forward_only_done(self) -> bool:
-        """Forward-only: the N forwards (or all the data) are packed; Done goes to the supervisor."""
-        core = self.core
-        if not self.forward_only or self.captured is not None or core.packs_in_flight:
-            return False
-        if core.forwards < self.forward_only and core.batches_left > 0:
-            return False
-        stats = self.stats("done", final=True)
-        self.io.send_to_supervisor(Done(role="target", rank=core.rank, target=stats))
-        log.info("forward-only done: %s", stats)
-        self.finished = True
-        return True
+    def more_to_forward(self) -> bool:
+        """Whether to forward another batch when one is due: until the end of data was sent."""
+        return not self.end_sent
+
+    def over(self) -> bool:
+        """Whether the loop ended on its own: a training target never does (it runs until Shutdown)."""
+        return False
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -139,12 +128,12 @@ class TargetLoop:
 
     # -- the loop
     def step(self) -> bool:
-        """One iteration; False once the loop is over (stop requested, or forward-only done)."""
-        if self.io.stop.requested or self.finished:
+        """One iteration; False once the loop is over (stop requested, or :meth:`over`)."""
+        if self.io.stop.requested:
             return False
         self.drain()
         self.commit()
-        if self.forward_only_done():
+        if self.over():
             return False
         self.dispatch()
         self.forward_or_pack()

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.devices import as_device, cuda_device, dtype_from_name
 from dflash_ipc.families import family_of
+from dflash_ipc.platform.devices import as_device, cuda_device, dtype_from_name
 from dflash_ipc.target.flops import ForwardFlops
 from dflash_ipc.target.fp8 import fp8_device_problem, input_quantizer, quantize_linears
 from dflash_ipc.target.fp8_experts import quantize_experts

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dflash_ipc.config import TargetConfig
-from dflash_ipc.devices import as_device, cuda_device, fill_normal_
+from dflash_ipc.platform.devices import as_device, cuda_device, fill_normal_
 from dflash_ipc.target_spec.hf_config import text_config
 
 

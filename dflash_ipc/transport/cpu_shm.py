@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from dflash_ipc.control.ring_descriptor import RingDescriptor, ShmSegment
+from dflash_ipc.platform.devices import DeviceLike
 from dflash_ipc.transport.ring import (
     CopyTicket,
     DoneTicket,
@@ -76,3 +77,14 @@ class CpuShmConsumerRing(SlotRingBase):
 
     def close(self) -> None:
         self._buffer = None
+
+
+def create_producer(
+    layout: SlotLayout, num_slots: int, run_id: str, producer_rank: int, device: DeviceLike, host: str, timeout_s: float
+) -> CpuShmProducerRing:
+    """The factory's entry point (``transport/factory.py``): a segment in /dev/shm needs no device, host or timeout."""
+    return CpuShmProducerRing(layout, num_slots, run_id, producer_rank)
+
+
+def open_consumer(descriptor: RingDescriptor, device: DeviceLike, consumer_rank: int | None, timeout_s: float) -> CpuShmConsumerRing:
+    return CpuShmConsumerRing(descriptor)

@@ -43,7 +43,7 @@ from dflash_ipc.control.ring_descriptor import (
     GpuIdentity,
     RingDescriptor,
 )
-from dflash_ipc.devices import cuda_device
+from dflash_ipc.platform.devices import DeviceLike, cuda_device
 from dflash_ipc.transport.cuda_common import (
     AFTER_CURRENT,
     CudaCopyTicket,
@@ -275,3 +275,14 @@ class CudaIpcConsumerRing(SlotRingBase):
         self._ring_stream.synchronize()
         self._events = []
         self._buffer = None
+
+
+def create_producer(
+    layout: SlotLayout, num_slots: int, run_id: str, producer_rank: int, device: DeviceLike, host: str, timeout_s: float
+) -> CudaIpcProducerRing:
+    """The factory's entry point (``transport/factory.py``): the ring on ``device``'s GPU; no host, no timeout."""
+    return CudaIpcProducerRing(layout, num_slots, run_id, producer_rank, cuda_device(device))
+
+
+def open_consumer(descriptor: RingDescriptor, device: DeviceLike, consumer_rank: int | None, timeout_s: float) -> CudaIpcConsumerRing:
+    return CudaIpcConsumerRing(descriptor, cuda_device(device))

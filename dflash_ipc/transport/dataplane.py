@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_ipc.config.transport import BACKENDS
 from dflash_ipc.control.protocol import (
     EndOfData,
     Load,
@@ -291,15 +292,24 @@ class _Copying:
 
 
 def reads_in_place(rings: list[ConsumerRing], setting: bool | str) -> list[bool]:
-    """Per ring, whether its slots are read in place (``transport.drafter_in_place``): "auto" for cuda-ipc
-    rings on the consumer's own GPU, True for every ring that can (a cpu-shm ring with a CPU consumer too),
-    False never."""
+    """Per ring, whether its slots are read in place (``transport.drafter_in_place``): "auto" where the ring can
+    and its backend reads in place by default (cuda-ipc rings on the consumer's own GPU), True for every ring that
+    can (a cpu-shm ring with a CPU consumer too), False never."""
     if setting not in (True, False, "auto"):
         raise ValueError(f"in_place must be true, false or 'auto', got {setting!r}")
     can = [bool(getattr(r, "can_read_in_place", False)) for r in rings]
     if setting == "auto":
-        return [c and r.backend == "cuda-ipc" for c, r in zip(can, rings)]
+        return [c and BACKENDS[r.backend].in_place_by_default for c, r in zip(can, rings)]
     return [c and bool(setting) for c in can]
+
+
+def copy_buffers(rings: list[ConsumerRing], in_place: bool | str, prefetch: int, device: torch.device) -> list[torch.Tensor]:
+    """The slot-sized buffers a consumer copies slots into: ``prefetch`` + 1 (the batch in use and those ready
+    behind it), none when every ring is read in place (``in_place``: ``transport.drafter_in_place``)."""
+    if all(reads_in_place(rings, in_place)):
+        return []
+    slot_bytes = max(r.layout.slot_bytes for r in rings)
+    return [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(prefetch + 1)]
 
 
 class ConsumerDataPlane:

@@ -1,30 +1,37 @@
-"""The one place that picks a ring backend: create a producer's ring, import a consumer's, and
-``transport.backend = "auto"`` (:func:`choose_backend`).
+"""The one place that makes rings: create a producer's ring, import a consumer's, and ``transport.backend =
+"auto"`` (:func:`choose_backend`).
 
-Importing this module needs no GPU: the CUDA backends touch CUDA only when a ring is made.
+A backend's module is named by its row of :data:`~dflash_ipc.config.transport.BACKENDS` and imported when a
+ring of it is made; it provides two functions with one signature for every backend::
+
+    create_producer(layout, num_slots, run_id, producer_rank, device, host, timeout_s) -> ProducerRing
+    open_consumer(descriptor, device, consumer_rank, timeout_s) -> ConsumerRing
+
+(``host``/``timeout_s``: where an off-host ring's consumers meet its producer, and how long they may take;
+``consumer_rank``: the consumer's place in such a ring). Importing this module needs no GPU: the CUDA
+backends touch CUDA only when a ring is made.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 
 import torch
 
-from dflash_ipc.control.ring_descriptor import (
-    BACKENDS,
-    DESCRIPTOR_VERSION,
-    RingDescriptor,
-)
-from dflash_ipc.devices import DeviceLike, as_device, cuda_device
-from dflash_ipc.transport.cpu_shm import CpuShmConsumerRing, CpuShmProducerRing
-from dflash_ipc.transport.cuda_ipc import CudaIpcConsumerRing, CudaIpcProducerRing
-from dflash_ipc.transport.host_pinned import (
-    HostPinnedConsumerRing,
-    HostPinnedProducerRing,
-)
-from dflash_ipc.transport.p2p import PAIR_TIMEOUT_S, P2PConsumerRing, P2PProducerRing
+from dflash_ipc.config.transport import BACKENDS
+from dflash_ipc.control.ring_descriptor import DESCRIPTOR_VERSION, RingDescriptor
+from dflash_ipc.platform.devices import DeviceLike, as_device, cuda_device
+from dflash_ipc.transport.p2p import PAIR_TIMEOUT_S
 from dflash_ipc.transport.ring import ConsumerRing, ProducerRing
 from dflash_ipc.transport.slots import SlotLayout
+
+
+def backend_module(backend: str):
+    """The transport module that makes ``backend``'s rings."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown transport backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    return importlib.import_module(BACKENDS[backend].module)
 
 
 def create_producer_ring(
@@ -38,16 +45,8 @@ def create_producer_ring(
     host: str = "127.0.0.1",
     timeout_s: float = PAIR_TIMEOUT_S,
 ) -> ProducerRing:
-    """``host``/``timeout_s``: where an ``nccl`` ring's consumers meet it, and how long they may take."""
-    if backend == "cpu-shm":
-        return CpuShmProducerRing(layout, num_slots, run_id, producer_rank)
-    if backend == "cuda-ipc":
-        return CudaIpcProducerRing(layout, num_slots, run_id, producer_rank, cuda_device(device))
-    if backend == "host-pinned":
-        return HostPinnedProducerRing(layout, num_slots, run_id, producer_rank, cuda_device(device))
-    if backend == "nccl":
-        return P2PProducerRing(layout, num_slots, run_id, producer_rank, as_device(device), host, timeout_s)
-    raise ValueError(f"unknown transport backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    """``host``/``timeout_s``: where an off-host ring's consumers meet it (``nccl``), and how long they may take."""
+    return backend_module(backend).create_producer(layout, num_slots, run_id, producer_rank, device, host, timeout_s)
 
 
 def open_consumer_ring(
@@ -60,18 +59,7 @@ def open_consumer_ring(
             f"ring descriptor version {descriptor.version}, this build reads {DESCRIPTOR_VERSION}: "
             "run every process of a run from the same install"
         )
-    backend = descriptor.backend
-    if backend == "cpu-shm":
-        return CpuShmConsumerRing(descriptor)
-    if backend == "cuda-ipc":
-        return CudaIpcConsumerRing(descriptor, cuda_device(local_device))
-    if backend == "host-pinned":
-        return HostPinnedConsumerRing(descriptor, cuda_device(local_device))
-    if backend == "nccl":
-        if consumer_rank is None:
-            raise ValueError("opening an nccl ring needs the consumer's rank")
-        return P2PConsumerRing(descriptor, consumer_rank, as_device(local_device), timeout_s)
-    raise ValueError(f"unknown transport backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    return backend_module(descriptor.backend).open_consumer(descriptor, local_device, consumer_rank, timeout_s)
 
 
 def choose_backend(producer_device: DeviceLike, consumer_devices: Sequence[DeviceLike]) -> tuple[str, str]:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from dflash_ipc.control.ring_descriptor import GpuIdentity, RingDescriptor, ShmSegment
-from dflash_ipc.devices import cuda_device
+from dflash_ipc.platform.devices import DeviceLike, cuda_device
 from dflash_ipc.transport.cuda_common import (
     AFTER_CURRENT,
     CudaCopyTicket,
@@ -210,3 +210,14 @@ class HostPinnedConsumerRing(SlotRingBase):
                 log.warning("cudaHostUnregister of %s failed: %s", self.name, e)
             self._registered = False
         self._buffer = None
+
+
+def create_producer(
+    layout: SlotLayout, num_slots: int, run_id: str, producer_rank: int, device: DeviceLike, host: str, timeout_s: float
+) -> HostPinnedProducerRing:
+    """The factory's entry point (``transport/factory.py``): pinned host slots staged from ``device``'s GPU."""
+    return HostPinnedProducerRing(layout, num_slots, run_id, producer_rank, cuda_device(device))
+
+
+def open_consumer(descriptor: RingDescriptor, device: DeviceLike, consumer_rank: int | None, timeout_s: float) -> HostPinnedConsumerRing:
+    return HostPinnedConsumerRing(descriptor, cuda_device(device))

@@ -44,7 +44,7 @@ from datetime import timedelta
 import torch
 
 from dflash_ipc.control.ring_descriptor import PairRendezvous, RingDescriptor
-from dflash_ipc.devices import cuda_device
+from dflash_ipc.platform.devices import DeviceLike, as_device, cuda_device
 from dflash_ipc.transport.rendezvous import is_loopback, tcp_store
 from dflash_ipc.transport.ring import InPlaceStaging, SlotRingBase, describe, layout_from_descriptor
 from dflash_ipc.transport.slots import SlotLayout, coalesce
@@ -317,3 +317,16 @@ class P2PConsumerRing(SlotRingBase):
             close_group(self._group)
         self._group = None
         self._store = None
+
+
+def create_producer(
+    layout: SlotLayout, num_slots: int, run_id: str, producer_rank: int, device: DeviceLike, host: str, timeout_s: float
+) -> P2PProducerRing:
+    """The factory's entry point (``transport/factory.py``): consumers meet the producer at ``host`` within ``timeout_s``."""
+    return P2PProducerRing(layout, num_slots, run_id, producer_rank, as_device(device), host, timeout_s)
+
+
+def open_consumer(descriptor: RingDescriptor, device: DeviceLike, consumer_rank: int | None, timeout_s: float) -> P2PConsumerRing:
+    if consumer_rank is None:
+        raise ValueError("opening an nccl ring needs the consumer's rank")
+    return P2PConsumerRing(descriptor, consumer_rank, as_device(device), timeout_s)

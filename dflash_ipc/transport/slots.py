@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_ipc.control.ring_descriptor import SlotLayoutWire
-from dflash_ipc.devices import dtype_from_name
+from dflash_ipc.platform.devices import dtype_from_name
 
 ALIGN = 256
 # Used ranges closer than this are copied as one range (the gap's bytes are copied too; they are

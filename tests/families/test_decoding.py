@@ -27,9 +27,9 @@ from transformers import AutoModelForCausalLM
 from dflash_ipc.config import load_config
 from dflash_ipc.data.tokenizer import build_builtin_tokenizer, config_tokenizer, stop_token_ids
 from dflash_ipc.datagen.gen import GenOptions, run_gen_data
-from dflash_ipc.drafter.build import export_untrained
-from dflash_ipc.drafter.export import load_exported_drafter
-from dflash_ipc.drafter.hf_modeling import DFlashIpcDraftModel
+from dflash_ipc.drafter.export.hf_modeling import DFlashIpcDraftModel
+from dflash_ipc.drafter.export.layout import load_exported_drafter
+from dflash_ipc.drafter.export.untrained import export_untrained
 from dflash_ipc.eval.run import load_prompts
 from dflash_ipc.eval.spec import DrafterProposer, speculative_generate
 from dflash_ipc.eval.target_lm import TargetLM, build_target_lm

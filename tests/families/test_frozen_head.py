@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from family_zoo import build_checkpoint
 from loop_harness import small_config
 
-from dflash_ipc.drafter.build import drafter_for_target
-from dflash_ipc.drafter.chunked_ce import chunked_lm_loss
-from dflash_ipc.drafter.export import EXPORT_WEIGHTS_FILE, export_drafter, load_exported_drafter
-from dflash_ipc.drafter.fp8_head import Fp8Head
-from dflash_ipc.drafter.frozen_head import EMBED_TENSOR
+from dflash_ipc.drafter.export.layout import EXPORT_WEIGHTS_FILE, export_drafter, load_exported_drafter
+from dflash_ipc.drafter.loss.chunked_ce import chunked_lm_loss
+from dflash_ipc.drafter.model.build import drafter_for_target
+from dflash_ipc.drafter.model.fp8_head import Fp8Head
+from dflash_ipc.drafter.model.frozen_head import EMBED_TENSOR
 from dflash_ipc.families import FrozenHead
 from dflash_ipc.target_spec.heads import target_head_weights
 from dflash_ipc.target_spec.hf_config import load_hf_config
@@ -171,8 +171,8 @@ def test_a_training_steps_loss_is_the_cross_entropy_of_the_drafters_finished_log
     from test_dflash_loss import manual_loss, packed_views
 
     from dflash_ipc.config import DrafterConfig, TrainingConfig
-    from dflash_ipc.drafter import blocks as B
-    from dflash_ipc.drafter import loss as L
+    from dflash_ipc.drafter.loss import blocks as B
+    from dflash_ipc.drafter.loss import objective as L
 
     d = copy.deepcopy(zoo[name][2])
     with torch.no_grad():
@@ -332,7 +332,7 @@ def test_the_export_carries_what_vllm_reads_the_scaled_table_and_the_logit_scale
 def test_the_export_notes_say_which_engine_cannot_compute_the_targets_embeddings_or_logits(zoo):
     """vLLM reads no soft-cap (Gemma); SGLang reads no embedding scale (both families; its Gemma module scales);
     a layout for one engine notes only its own; a plain family none."""
-    from dflash_ipc.drafter.export_run import client_notes
+    from dflash_ipc.drafter.export.from_checkpoint import client_notes
 
     def engines(name, client):
         return sorted(n.split()[0] for n in client_notes(zoo[name][2].config, client))
@@ -345,7 +345,7 @@ def test_the_export_notes_say_which_engine_cannot_compute_the_targets_embeddings
 
 def test_the_memory_plan_counts_the_soft_caps_slope(zoo):
     """The chunked CE keeps the capped logits' slope per chunk (fp32): planned for Gemma, not for the others."""
-    from dflash_ipc.drafter.memory_plan import drafter_widths, shared_step_bytes
+    from dflash_ipc.drafter.training.memory_plan import drafter_widths, shared_step_bytes
 
     widths = {name: drafter_widths(zoo[name][2], zoo[name][3]) for name in FAMILIES}
     assert [widths[name].ce_softcap for name in FAMILIES] == [True, False, False]

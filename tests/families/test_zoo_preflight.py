@@ -11,7 +11,7 @@ from conftest import tiny_cpu_config
 from families.family_zoo import FAMILIES, build_checkpoint, unknown_hybrid_config
 
 from dflash_ipc.config import config_from_dict
-from dflash_ipc.drafter.build import build_drafter
+from dflash_ipc.drafter.model.build import build_drafter
 from dflash_ipc.families import family_of
 from dflash_ipc.runtime import resources
 from dflash_ipc.runtime.preflight import check_machine

@@ -1,7 +1,7 @@
 """`up --resume` from checkpoints another config wrote: refused before any process starts, naming
 the keys that differ, from the config stored in the checkpoint's meta.json.
 
-Checkpoints are written by the real writer (``drafter.checkpoint.save_checkpoint``) with the
+Checkpoints are written by the real writer (``drafter.checkpoint.store.save_checkpoint``) with the
 ``extra`` and ``config_hash`` a drafter gives it; the refusals come from
 ``preflight.validate_for_up`` (the entry point of `up`) and once from the real `dflash-ipc up`.
 """
@@ -19,8 +19,8 @@ from conftest import write_toml
 from test_bad_configs import DELETE, apply, base_config
 
 from dflash_ipc.config import RESOLVED_CONFIG_FILE, ConfigError, config_from_dict
-from dflash_ipc.drafter.checkpoint import BatchLedger, save_checkpoint
-from dflash_ipc.drafter.ckpt_layout import META_FILE, run_config_hash, step_dir_name
+from dflash_ipc.drafter.checkpoint.layout import META_FILE, run_config_hash, step_dir_name
+from dflash_ipc.drafter.checkpoint.store import BatchLedger, save_checkpoint
 from dflash_ipc.runtime.preflight import validate_for_up
 from dflash_ipc.runtime.resume_check import config_differences
 

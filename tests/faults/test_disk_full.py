@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_ipc.drafter.checkpoint import (
+from dflash_ipc.drafter.checkpoint.store import (
     BatchLedger,
     CheckpointDiskFull,
     _free_bytes,

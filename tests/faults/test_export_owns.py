@@ -28,7 +28,7 @@ import pytest
 from conftest import run_up
 from fault_harness import CLI, RUN_TIMEOUT_S, Up, report, write_config
 
-from dflash_ipc.drafter.export_target import EXPORT_MARKER
+from dflash_ipc.drafter.export.destination import EXPORT_MARKER
 
 STEPS = 8
 EXPORT = Path("export") / "drafter"

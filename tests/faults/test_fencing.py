@@ -29,8 +29,8 @@ import pytest
 import torch
 from fault_harness import CLI, Up, report, write_config
 
-from dflash_ipc.drafter.checkpoint import BatchLedger, read_latest_pointer, save_checkpoint
-from dflash_ipc.fence import Fence, FencedOut, generation_file
+from dflash_ipc.drafter.checkpoint.store import BatchLedger, read_latest_pointer, save_checkpoint
+from dflash_ipc.rundir.fence import Fence, FencedOut, generation_file
 from dflash_ipc.runtime.forkserver import SHARED_FORKSERVER_ENV
 from dflash_ipc.runtime.run_lock import LOCK_FILE, RunDirBusy, RunDirLock, refuse_if_owned
 

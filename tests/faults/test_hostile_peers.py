@@ -26,7 +26,7 @@ import pytest
 from fault_harness import FULL, HostilePeer, Up, leftovers, rejected_total, report, status_json, write_config
 
 from dflash_ipc.control import channels
-from dflash_ipc.drafter.checkpoint import LEDGER_FILE, read_latest_pointer
+from dflash_ipc.drafter.checkpoint.store import LEDGER_FILE, read_latest_pointer
 
 pytestmark = pytest.mark.slow
 

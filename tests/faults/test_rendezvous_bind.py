@@ -16,7 +16,7 @@ import psutil
 
 JOIN = """
 import sys, torch, torch.distributed as dist
-from dflash_ipc.drafter.distributed import destroy_distributed, init_distributed
+from dflash_ipc.drafter.training.distributed import destroy_distributed, init_distributed
 info = init_distributed("gloo", timeout_s=60)
 t = torch.ones(1)
 dist.all_reduce(t)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from fault_harness import CLI, Up, leftovers, lock_owner_pid, report, status_json, write_config
 
-from dflash_ipc.drafter.ckpt_layout import META_FILE, read_latest_pointer
+from dflash_ipc.drafter.checkpoint.layout import META_FILE, read_latest_pointer
 from dflash_ipc.runtime.nodes import NodeSpec
 from dflash_ipc.runtime.run_lock import LOCK_FILE, LockSpec, RunDirBusy, RunDirLock, lock_run_dirs, refuse_if_owned
 

@@ -20,7 +20,7 @@ from conftest import write_toml
 from test_bad_configs import base_config
 
 from dflash_ipc.config import ConfigError, config_from_dict
-from dflash_ipc.drafter.model import DrafterModelConfig
+from dflash_ipc.drafter.model.dflash_drafter import DrafterModelConfig
 from dflash_ipc.runtime import liveness, resources
 from dflash_ipc.runtime.preflight import check_memory
 from dflash_ipc.target_spec.hf_config import default_layer_ids, make_hf_config

@@ -33,10 +33,10 @@ from safetensors.torch import load_file, save_file
 
 from dflash_ipc.config import ConfigError, config_from_dict
 from dflash_ipc.data.builtin_corpus import builtin_conversations
-from dflash_ipc.drafter.checkpoint import NoUsableCheckpoint, load_latest_checkpoint
-from dflash_ipc.drafter.ckpt_layout import LEDGER_FILE, META_FILE, MODEL_FILE, OPTIM_FILE, TRAINER_FILE
-from dflash_ipc.drafter.ckpt_values import ModelShapes
-from dflash_ipc.drafter.ckpt_verify import DIGESTS_KEY, META_DIGEST_KEY, choose_checkpoint, meta_digest, read_plan, sha256_file
+from dflash_ipc.drafter.checkpoint.layout import LEDGER_FILE, META_FILE, MODEL_FILE, OPTIM_FILE, TRAINER_FILE
+from dflash_ipc.drafter.checkpoint.store import NoUsableCheckpoint, load_latest_checkpoint
+from dflash_ipc.drafter.checkpoint.values import ModelShapes
+from dflash_ipc.drafter.checkpoint.verify import DIGESTS_KEY, META_DIGEST_KEY, choose_checkpoint, meta_digest, read_plan, sha256_file
 from dflash_ipc.runtime.preflight import validate_for_up
 
 STEPS, EVERY = 12, 4
