@@ -171,9 +171,9 @@ def tcp_run(tmp_path_factory):
             procs = {f"{p['role']}-{p['rank']}": p for p in snap["processes"]}
             # a child's PULL may come up after its first heartbeat: keep sampling until every control port was seen
             control_ports = {int(ep.rsplit(":", 1)[1]) for _, ep in endpoints.values()}
-            ok = control_ports <= {port for _, _, port in listening} and snap["supervisor_rejected_by_kind"].get("unauthenticated_peer", 0) >= 2 * ROUNDS * len(STRANGER_KINDS) and all(
-                procs[name]["rejected_by_kind"].get("unauthenticated_peer", 0) >= ROUNDS for name in pulls
-            )
+            all_bound = control_ports <= {port for _, _, port in listening}
+            ok = all_bound and snap["supervisor_rejected_by_kind"].get("unauthenticated_peer", 0) >= 2 * ROUNDS * len(STRANGER_KINDS)
+            ok = ok and all(procs[name]["rejected_by_kind"].get("unauthenticated_peer", 0) >= ROUNDS for name in pulls)
             return snap if ok or snap["state"] not in ("starting", "running") else None
 
         seen["live_status"] = _wait(counted, "status --json to show the refusals", proc)
