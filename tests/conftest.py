@@ -72,18 +72,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # --------------------------------------------------------------------------- pytest-xdist workers
 
 #: The modules that read the session's shared run (one `up` process group): one worker runs them all.
-SHARED_RUN_MODULES = frozenset({"tests/test_up.py", "tests/test_progress.py", "tests/test_tensorboard.py", "tests/test_holdout.py"})
+SHARED_RUN_MODULES = frozenset(
+    {"tests/end_to_end/test_up.py", "tests/runtime/test_progress.py", "tests/cli/test_tensorboard.py", "tests/drafter/test_holdout.py"}
+)
 #: Modules of long, independent process-group tests (no fixture shared between tests): each test may
 #: go to either worker, so two of them never queue behind each other on one.
 SPLIT_MODULES = frozenset(
     {
-        "tests/test_multinode.py",
-        "tests/test_multinode_faults.py",
+        "tests/end_to_end/test_multinode.py",
+        "tests/faults/test_multinode_faults.py",
         "tests/faults/test_crash_anywhere.py",
         "tests/faults/test_group_signal.py",
-        "tests/test_topology_5t3d.py",
-        "tests/test_bench_pipeline.py",
-        "tests/test_transport_nccl.py",
+        "tests/end_to_end/test_topology_5t3d.py",
+        "tests/bench/test_bench_pipeline.py",
+        "tests/transport/test_transport_nccl.py",
     }
 )
 
@@ -91,17 +93,17 @@ SPLIT_MODULES = frozenset(
 #: The longest worker scopes (measured with --durations on 2 cores), started first: handed out in
 #: collection order, a long scope coming late would leave one worker running it alone at the end.
 LONGEST_FIRST = (
-    "tests/test_multinode.py",
-    "tests/test_up.py",  # the shared run's scope (with the other SHARED_RUN_MODULES)
+    "tests/end_to_end/test_multinode.py",
+    "tests/end_to_end/test_up.py",  # the shared run's scope (with the other SHARED_RUN_MODULES)
     "tests/faults/test_bad_configs.py",
     "tests/faults/test_soak.py",
-    "tests/test_eval_sampling.py",
-    "tests/test_loops.py",
-    "tests/test_transport_procs.py",
+    "tests/eval/test_eval_sampling.py",
+    "tests/drafter/test_loops.py",
+    "tests/transport/test_transport_procs.py",
     "tests/faults/test_crash_anywhere.py",
-    "tests/test_drafter_step.py",
-    "tests/test_multinode_faults.py",
-    "tests/test_bench_pipeline.py",
+    "tests/bench/test_drafter_step.py",
+    "tests/faults/test_multinode_faults.py",
+    "tests/bench/test_bench_pipeline.py",
     "tests/faults/test_hostile_peers.py",
 )
 
@@ -435,7 +437,7 @@ def family_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
     """``family_checkpoint(name)``: the directory of family ``name``'s tiny checkpoint (tests/families/family_zoo.py),
     built once per pytest worker, on first use."""
     import transformers
-    from family_zoo import build_checkpoint  # tests/families is on sys.path once one of its modules is collected
+    from families.family_zoo import build_checkpoint
 
     root = tmp_path_factory.mktemp("families")
 

@@ -199,12 +199,12 @@ def test_a_training_steps_loss_is_the_cross_entropy_of_the_drafters_finished_log
 @pytest.mark.parametrize("name", SCALED)
 def test_the_fp8_heads_loss_is_the_targets_within_e4m3_rounding(zoo, name):
     """``training.ce_fp8``: the head's GEMMs in e4m3 (the CPU's _scaled_mm), the logits finished as the
-    target's: the loss within 1 % and the gradient at cosine > 0.99 of transformers' own (tests/test_ce_fp8.py
+    target's: the loss within 1 % and the gradient at cosine > 0.99 of transformers' own (tests/drafter/test_ce_fp8.py
     derives these bounds); without the transform the loss is far outside."""
     _, model, d, _ = zoo[name]
     labels = torch.tensor([5, 900, 17, 17, 300, 1023, 0, 64] * 4)
     weights = torch.ones(32)
-    # raw logits that spread like an LM's (std ~2.4: tests/test_ce_fp8.py's cases), Gemma's ten times wider: capped
+    # raw logits that spread like an LM's (std ~2.4: tests/drafter/test_ce_fp8.py's cases), Gemma's ten times wider: capped
     std = 30.0 if name == "gemma3" else 3.0
     h = hidden_states(32, 4, std=std).requires_grad_()
     head = model.lm_head.weight.detach()

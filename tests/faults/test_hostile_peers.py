@@ -7,7 +7,7 @@ nothing behind.
 
 The run moves its slots with ``transport.backend = "nccl"`` (gloo on CPU: one two-rank pair group
 per target-drafter pair, the code path of NCCL on GPUs), so the same run is the nccl transport's
-end-to-end test (tests/test_transport_nccl.py has its ring harness): the control sockets are the
+end-to-end test (tests/transport/test_transport_nccl.py has its ring harness): the control sockets are the
 same whatever moves the slots, and every planned batch trained exactly once is what both assert.
 
 Before: a two-part message to sock/sup ended the supervisor (ValueError: too many values to

@@ -22,7 +22,7 @@ from dflash_ipc.runtime.launch import child_env
 pytestmark = [pytest.mark.slow, pytest.mark.own_forkserver]  # a shared server of its own, whose clients it counts
 
 
-# The full suite's: by default, tests/test_forkserver_shared.py SIGKILLs a client of a shared server (its
+# The full suite's: by default, tests/runtime/test_forkserver_shared.py SIGKILLs a client of a shared server (its
 # children end, the other client's run on, the server serves on), and test_crash_anywhere.py SIGKILLs a real
 # `up` mid-step (its children leave through CLOSING: no process, segment or socket left; status "lost").
 @pytest.mark.faults_full
