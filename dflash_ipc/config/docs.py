@@ -5,7 +5,7 @@
     python -m dflash_ipc.config.docs            # rewrite docs/CONFIG.md
     python -m dflash_ipc.config.docs --check    # exit 1 if docs/CONFIG.md is not current
 
-``tests/test_config_docs.py`` runs the check, so a field doc changed without regenerating fails the suite.
+``tests/config/test_config_docs.py`` runs the check, so a field doc changed without regenerating fails the suite.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ hybrid model's own cache stays, transformers ignores the flag); ``compiled`` add
 ``reduce-overhead``: CUDA graphs, no per-kernel launch from Python). With a static cache the
 left-padded width is rounded up to a power of two, so batches of similar prompts reuse one
 compiled graph (shapes, not values, decide a recompile). Greedy outputs are the same ids in
-every mode (tests/test_gen_data.py).
+every mode (tests/datagen/test_gen_data.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Each emitted token is distributed as the target's own sampling would draw it (Le
 2023, Chen et al. 2023): the DFlash drafter proposes all k positions in one forward from
 ``[anchor, MASK ...]``, so q_s depends on the context only, never on the other drafts, and the
 per-position argument holds as for a chain of draft-model samples. ``lossless`` at T > 0 is this
-distributional statement, checked statistically (tests/test_eval_sampling.py), not a token-exact
+distributional statement, checked statistically (tests/eval/test_eval_sampling.py), not a token-exact
 comparison.
 
 Top-p is applied the same way to p and to q (each its own nucleus: the smallest set of most likely

@@ -12,7 +12,7 @@ sets up its own device. On a GPU host transformers' Qwen3.5 modeling imports fla
 whose import asks the GPU its name: :func:`up_preload` leaves such modules to the children where fla is
 installed; on a host with an NVIDIA device, transformers' modeling imports torchao (its quantizer) where
 that is installed, whose kernels ask the GPU its compute capability, so those modules are left to the
-children there too. Forced on one H200, the forked path trains (tests/test_gpu_pipeline.py's forkserver case).
+children there too. Forced on one H200, the forked path trains (tests/end_to_end/test_gpu_pipeline.py's forkserver case).
 
 A forked child gets what ``Popen`` would have given it: the same argv (only ``python -m MODULE
 ...`` command lines: the module runs as ``__main__`` through :mod:`runpy`), environment, working

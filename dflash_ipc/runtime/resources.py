@@ -117,7 +117,7 @@ def slot_bytes(cfg: DFlashConfig, num_planes: int, hidden: int) -> int:
 
 def drafter_trainable_params(m: Any) -> int:
     """Trainable parameters of a DFlash drafter of shape ``m`` (a DrafterModelConfig), as
-    :class:`~dflash_ipc.drafter.model.dflash_drafter.DFlashDrafter` declares them (tests/test_resources.py holds the two equal)."""
+    :class:`~dflash_ipc.drafter.model.dflash_drafter.DFlashDrafter` declares them (tests/runtime/test_resources.py holds the two equal)."""
     h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     per_layer = 2 * h + h * q + 2 * h * kv + q * h + 2 * m.head_dim + 3 * h * m.intermediate_size
     return m.num_context_planes * h * h + 2 * h + m.num_layers * per_layer
@@ -143,7 +143,7 @@ def target_weight_bytes(cfg: TargetConfig, hf_config: Any, n_build: int) -> int:
 
 def qwen3_5_stack_params(c: Any, layer_types: list[str]) -> int:
     """Parameters of a ``Qwen3_5TextModel`` of config ``c`` built with these layers (embedding, decoder
-    layers, final norm), as transformers declares them (tests/test_resources.py holds the two equal),
+    layers, final norm), as transformers declares them (tests/runtime/test_resources.py holds the two equal),
     counted without importing its modeling module: that import brings torch._dynamo, over a CPU-second
     of every `up`'s start."""
     h = c.hidden_size

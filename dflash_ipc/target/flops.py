@@ -17,7 +17,7 @@ LM head:
   (they differ under DeepSeek's latent attention). Per document of L tokens: L(L+1)/2 causal pairs; a
   sliding window of w keys caps each query at w of them; chunked attention restarts at every chunk
   boundary; bidirectional attention sees every pair (within a window: ``|q - k| <= w``, transformers'
-  rule). :func:`attention_pairs` mirrors transformers' mask functions (``tests/test_flops.py`` holds
+  rule). :func:`attention_pairs` mirrors transformers' mask functions (``tests/target/test_flops.py`` holds
   them equal).
 * **GatedDeltaNet**: the state recurrence, ``6 * d_k * d_v`` per value head per token (state
   decay/read-out/update of the recurrent form; chunked kernels do the same order).

@@ -7,7 +7,7 @@ and stable (https://huggingface.co/docs/safetensors: an 8-byte little-endian hea
 header of ``{name: {dtype, shape, data_offsets}}`` plus ``__metadata__``, then the raw bytes), so
 this writer streams each tensor from its device in slices of at most ``slice_bytes`` (64 MiB)
 through one reused host buffer. Reading stays with the ``safetensors`` library, which also checks
-what this writes (tests/test_safetensors_stream.py).
+what this writes (tests/drafter/test_safetensors_stream.py).
 """
 
 from __future__ import annotations

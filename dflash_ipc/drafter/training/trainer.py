@@ -377,7 +377,7 @@ class DrafterTrainer:
         The moments are twice the master weights; the drafter's warm-up takes them before the
         handshake, so that its memory peak is a step's and a GPU too small for the step fails there.
         The next step is bit-identical to one on a fresh optimizer: it starts from exactly this
-        state (tests/test_trainer.py). A no-op once the optimizer has state (a resumed run's, or
+        state (tests/drafter/test_trainer.py). A no-op once the optimizer has state (a resumed run's, or
         after a step).
         """
         if self.optimizer.state:
