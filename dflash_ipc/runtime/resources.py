@@ -94,6 +94,7 @@ class Available:
     host: int
     shm: int
     cuda: dict[int, int] = field(default_factory=dict)
+    host_limited_by: str = ""  # the cgroup file whose limit caps ``host`` ("" when the machine's free memory does)
 
 
 def human(n: int) -> str:
@@ -300,8 +301,11 @@ def _place(device: str) -> str:
 
 
 def measure_available(cfg: DFlashConfig) -> Available:
-    """Free host memory, /dev/shm space and memory of each CUDA device the topology names."""
+    """Free host memory (under this process's cgroup limits), /dev/shm space and memory of each CUDA device the
+    topology names."""
     import psutil
+
+    from dflash_ipc.platform.host_memory import host_memory
 
     cuda: dict[int, int] = {}
     devices = {int(d[5:]) for d in (*cfg.topology.targets, *cfg.topology.drafters) if d.startswith("cuda:")}
@@ -310,7 +314,8 @@ def measure_available(cfg: DFlashConfig) -> Available:
 
         for i in sorted(devices):
             cuda[i] = int(torch.cuda.mem_get_info(i)[0])
-    return Available(host=int(psutil.virtual_memory().available), shm=shm_free_bytes(), cuda=cuda)
+    host = host_memory(int(psutil.virtual_memory().available))
+    return Available(host=host.available, shm=shm_free_bytes(), cuda=cuda, host_limited_by=host.limited_by)
 
 
 def check_fits(cfg: DFlashConfig, needs: list[Need], available: Available) -> None:
@@ -328,7 +333,8 @@ def check_fits(cfg: DFlashConfig, needs: list[Need], available: Available) -> No
     host = [n for n in needs if n.place in (HOST, SHM)]
     host_total = sum(n.nbytes for n in host)
     if host and host_total > available.host:
-        _refuse(cfg, host, f"the run needs at least {human(host_total)} of {HOST} but {human(available.host)} is available", "")
+        capped = f" under the cgroup limit in {available.host_limited_by}" if available.host_limited_by else ""
+        _refuse(cfg, host, f"the run needs at least {human(host_total)} of {HOST} but {human(available.host)} is available{capped}", "")
     for index, free in sorted(available.cuda.items()):
         place = f"cuda:{index}"
         on_device = [n for n in needs if n.place == place]
