@@ -17,6 +17,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -115,15 +116,31 @@ def _status_cli(run_dir: Path) -> dict:
     return json.loads(out.stdout)
 
 
-def _listening(pids: list[int]) -> list[tuple[int, str, int]]:
-    out = []
-    for pid in pids:
-        try:
-            conns = psutil.Process(pid).net_connections(kind="inet")
-        except psutil.Error:  # gone (or a zombie) between the status read and this look
-            continue
-        out += [(pid, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
-    return out
+class _ListenSampler:
+    """Every listening inet socket of the machine with its pid, sampled from before the run binds anything until it
+    ends: a child may bind after its first heartbeat, and a short run's children may exit before the refusals are
+    all counted, so looks at the run's processes at chosen moments can miss sockets."""
+
+    def __init__(self, period_s: float = 0.1):
+        self.seen: set[tuple[int, str, int]] = set()
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> _ListenSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            found = psutil.net_connections(kind="inet")
+            self.seen.update((c.pid, c.laddr.ip, c.laddr.port) for c in found if c.pid and c.status == psutil.CONN_LISTEN)
+            if self._stop.wait(self._period_s):
+                return
 
 
 def _ledger(run_dir: Path) -> list[tuple[int, ...]]:
@@ -146,8 +163,21 @@ def tcp_run(tmp_path_factory):
     cfg = write_toml(tmp / "tcp.toml", raw)
     run_dir = tmp / "run"
     argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "--config", str(cfg), "--max-steps", "0", "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    seen: dict = {"run_dir": run_dir}
+    with _ListenSampler() as sampler:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        seen = _attack_while_it_runs(proc, run_dir)
+    # the run's processes: the supervisor's process tree, and its children by pid (forked from the worker's shared
+    # fork server, they are that server's children) as the last status names them
+    final = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {"processes": []}
+    pids = {proc.pid} | seen.pop("tree") | {p["pid"] for p in final["processes"] if p["pid"]}
+    seen["listening"] = {entry for entry in sampler.seen if entry[0] in pids}
+    seen["rc"] = proc.returncode
+    return seen
+
+
+def _attack_while_it_runs(proc: subprocess.Popen, run_dir: Path) -> dict:
+    """Strangers at every control socket, then status --json until it shows them refused; the run to its end."""
+    seen: dict = {"run_dir": run_dir, "tree": set()}
     try:
         published = _wait(lambda: plane.published_endpoints(run_dir), "control.json", proc)
         keys = curve.read_run_keys(Path(published["key_root"]))
@@ -156,36 +186,26 @@ def tcp_run(tmp_path_factory):
         endpoints |= {name: (zmq.PUSH, ep) for name, ep in pulls.items()}
         seen["endpoints"] = endpoints
         seen["attempts"] = _attack(endpoints, keys)
-        listening: set[tuple[int, str, int]] = set()
-        seen["listening"] = listening
         seen["sock_dir_exists"] = (run_dir / "sock").exists()
 
         def counted():
             # The supervisor counts its own refusals at once; children report theirs with their heartbeats.
             snap = _status_cli(run_dir)
-            # every listening socket of the run, sampled while it runs (the nccl rendezvous comes up late): the
-            # supervisor's process tree and its children by pid (forked from the worker's shared fork server,
-            # they are that server's children)
-            tree = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-            listening.update(_listening(tree + [p["pid"] for p in snap["processes"] if p["pid"]]))
+            seen["tree"].update(p.pid for p in psutil.Process(proc.pid).children(recursive=True))
             procs = {f"{p['role']}-{p['rank']}": p for p in snap["processes"]}
-            # a child's PULL may come up after its first heartbeat: keep sampling until every control port was seen
-            control_ports = {int(ep.rsplit(":", 1)[1]) for _, ep in endpoints.values()}
-            all_bound = control_ports <= {port for _, _, port in listening}
-            ok = all_bound and snap["supervisor_rejected_by_kind"].get("unauthenticated_peer", 0) >= 2 * ROUNDS * len(STRANGER_KINDS)
-            ok = ok and all(procs[name]["rejected_by_kind"].get("unauthenticated_peer", 0) >= ROUNDS for name in pulls)
+            ok = snap["supervisor_rejected_by_kind"].get("unauthenticated_peer", 0) >= 2 * ROUNDS * len(STRANGER_KINDS) and all(
+                procs[name]["rejected_by_kind"].get("unauthenticated_peer", 0) >= ROUNDS for name in pulls
+            )
             return snap if ok or snap["state"] not in ("starting", "running") else None
 
         seen["live_status"] = _wait(counted, "status --json to show the refusals", proc)
         live = status_client._live_endpoint(run_dir)
-        seen["live_endpoint"] = (live[0], live[1] is not None)
-        out, _ = proc.communicate(timeout=300)
+        seen["live_endpoint"] = (live[0], live[1] is not None) if live else None
+        seen["out"], _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    seen["out"] = out
-    seen["rc"] = proc.returncode
     return seen
 
 
