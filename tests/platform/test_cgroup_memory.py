@@ -93,7 +93,9 @@ def test_this_machine_reads_its_real_files():
     assert 0 <= found.available <= machine
     assert found.limited_by == "" or Path(found.limited_by).is_file()
     cfg = load_config(str(REPO / "configs" / "tiny-cpu.toml"))
-    assert resources.measure_available(cfg).host <= machine
+    # preflight's figure goes through the same reading (memory moves between two reads: no equality)
+    measured = resources.measure_available(cfg)
+    assert measured.host > 0 and (measured.host_limited_by == "" or Path(measured.host_limited_by).is_file())
 
 
 def test_a_run_over_the_limit_is_refused_naming_the_cgroup_file():
