@@ -284,17 +284,17 @@ def test_the_design_map_names_every_package_and_only_packages():
 
 
 # the test rooms that are not one package: whole `up` process groups, the fault suite, the repository itself
-CROSS_PACKAGE_TEST_ROOMS = {"end_to_end": "whole runs", "faults": "the fault suite (docs/FAULTS.md)", "project": "layout and docs"}
+CROSS_PACKAGE_TEST_ROOMS = frozenset({"end_to_end", "faults", "project"})
 
 
 def test_tests_mirror_the_packages():
     """A test sits in the room of the package it tests (tests/<package>/), or in one of the cross-package rooms;
     nothing at tests/'s top but the shared fixtures and harnesses."""
-    packages = {p.parent.name for p in (REPO / "dflash_ipc").glob("*/__init__.py")}
+    rooms = {p.parent.name for p in (REPO / "dflash_ipc").glob("*/__init__.py")} | CROSS_PACKAGE_TEST_ROOMS
     misplaced = []
     for path in sorted((REPO / "tests").rglob("test_*.py")):
         room = path.relative_to(REPO / "tests").parts
-        if len(room) != 2 or (room[0] not in packages and room[0] not in CROSS_PACKAGE_TEST_ROOMS):
+        if len(room) != 2 or room[0] not in rooms:
             misplaced.append(path.relative_to(REPO).as_posix())
     assert not misplaced, f"tests outside tests/<package>/ or {sorted(CROSS_PACKAGE_TEST_ROOMS)}: {misplaced}"
 
