@@ -137,7 +137,7 @@ def publish_endpoints(run_dir: Path, supervisor: str, status: str, key_root: Pat
 def published_endpoints(run_dir: Path) -> dict | None:
     """What :func:`publish_endpoints` wrote (None: an ipc run, or no supervisor running)."""
     try:
-        return bounded_json.loads((run_dir / CONTROL_FILE).read_text())
+        return bounded_json.read(run_dir / CONTROL_FILE)
     except FileNotFoundError:
         return None
 

@@ -54,14 +54,6 @@ class NotPrivate(OSError):
         return str(self.strerror)
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _is_link(name: str, dir_fd: int) -> bool:
     try:
         return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
@@ -121,7 +113,7 @@ def make_private_dir(path: str | os.PathLike[str], *, root: str | os.PathLike[st
     """``path`` made (with its missing parents) and set to mode 0700, never through a link below ``root``
     (without ``root``: ``path`` is trusted as given, a run directory named through a link of the user's)."""
     path = Path(path)
-    with open_dir(path, root=root if root is not None else path, create=True) as fd:
+    with open_dir(path, root=root, create=True) as fd:
         os.fchmod(fd, PRIVATE_DIR_MODE)
     return path
 
@@ -168,7 +160,7 @@ def write_atomic(
     old file or the new one, never a mix. ``durable`` also fsyncs the file and its directory, for
     files a crash must not lose (checkpoint pointers). A link at ``path`` or below ``root`` is refused."""
     path = Path(path)
-    with open_dir(path.parent, root=root if root is not None else path.parent) as dfd:
+    with open_dir(path.parent, root=root) as dfd:
         write_atomic_at(dfd, path, fill, durable=durable, mode=mode)
 
 
@@ -190,7 +182,7 @@ def open_append(
 ):
     """``path`` opened to append (created 0600), never through a link at it or below ``root``."""
     path = Path(path)
-    with open_dir(path.parent, root=root if root is not None else path.parent) as dfd:
+    with open_dir(path.parent, root=root) as dfd:
         try:
             fd = os.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE_MODE, dir_fd=dfd)
         except OSError as e:
@@ -308,7 +300,7 @@ def replace_dir(
 
     path = Path(path)
     parent, name = path.parent, path.name
-    with open_dir(parent, root=root if root is not None else parent) as pfd:
+    with open_dir(parent, root=root) as pfd:
         if _is_link(name, pfd):
             raise LinkRefused(path)
         _remove_stale_staging(pfd, name, parent)

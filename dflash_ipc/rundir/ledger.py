@@ -92,4 +92,4 @@ def read_ledger(checkpoint_dir: str | Path | None) -> BatchLedger:
     """The ledger of a checkpoint directory (none: an empty ledger, a fresh run)."""
     if not checkpoint_dir:
         return BatchLedger()
-    return BatchLedger.from_wire(bounded_json.loads((Path(checkpoint_dir) / LEDGER_FILE).read_text()))
+    return BatchLedger.from_wire(bounded_json.read(Path(checkpoint_dir) / LEDGER_FILE))

@@ -93,4 +93,4 @@ def read_node_spec(run_dir: Path) -> NodeSpec:
     path = run_dir / NODE_FILE
     if not path.exists():
         return NodeSpec()
-    return NodeSpec.from_json(bounded_json.loads(path.read_text()))
+    return NodeSpec.from_json(bounded_json.read(path))

@@ -104,7 +104,7 @@ def check_resume_config(cfg: DFlashConfig, ckpt_root: Path, *, replan: bool = Fa
 
 def _read_meta(step_dir: Path) -> dict[str, Any] | None:
     try:
-        meta = bounded_json.loads((step_dir / META_FILE).read_text())
+        meta = bounded_json.read(step_dir / META_FILE)
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or meta.get("format") != CKPT_FORMAT:
@@ -128,7 +128,7 @@ def _stored_config(meta: dict[str, Any], step_dir: Path, ckpt_root: Path) -> tup
     # older checkpoints: the run directory's frozen config, if it is the one that wrote them
     frozen_path = ckpt_root.parent / RESOLVED_CONFIG_FILE
     try:
-        frozen = bounded_json.loads(frozen_path.read_text())["config"]
+        frozen = bounded_json.read(frozen_path)["config"]
     except (OSError, ValueError, KeyError, TypeError):
         return None, ""
     if isinstance(frozen, dict) and isinstance(frozen.get("training"), dict) and run_config_hash(frozen) == recorded:

@@ -80,7 +80,7 @@ def _owner_record(spec: LockSpec) -> bytes:
 
 def _read_owner(path: Path) -> dict:
     try:
-        owner = bounded_json.loads(path.read_text())
+        owner = bounded_json.read(path)
     except (OSError, ValueError):
         return {}
     return owner if isinstance(owner, dict) else {}
