@@ -200,10 +200,6 @@ class DrafterCore:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         return int(t.item())
 
-    @property
-    def metrics_path(self) -> Path:
-        return self.metrics.path
-
     def close(self) -> None:
         self.metrics.close()
 

@@ -37,7 +37,7 @@ def train(core: DrafterCore, waits: list[float]) -> None:
 
 
 def metrics(core: DrafterCore) -> list[dict]:
-    return [json.loads(line) for line in core.metrics_path.read_text().splitlines()]
+    return [json.loads(line) for line in core.metrics.path.read_text().splitlines()]
 
 
 def test_budget_grows_per_window_to_the_cap_and_the_sampler_follows(tmp_path, caplog):

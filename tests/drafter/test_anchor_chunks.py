@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from conftest import free_port, process_group_rank, spawn_ranks
-from test_dflash_loss import packed_views, tiny_model
+from test_dflash_loss import packed_views, split_by_documents, tiny_model
 
 from dflash_ipc.config import DrafterConfig, TrainingConfig
 from dflash_ipc.drafter.loss import objective as L
@@ -119,19 +119,7 @@ def test_bf16_compute_accumulates_chunks_in_the_fp32_gradient():
 
 
 def _halves(seed: int) -> list[SlotViews]:
-    full = packed_views(LENS, seed=seed)
-    cut = LENS[0] + LENS[1]
-    n = sum(LENS)
-
-    def part(lo, hi, seq):
-        return SlotViews(
-            planes=full.planes[:, lo:hi],
-            token_ids=full.token_ids[lo:hi],
-            loss_mask=full.loss_mask[lo:hi],
-            seq_lens=torch.tensor(seq, dtype=torch.int32),
-        )
-
-    return [part(0, cut, LENS[:2]), part(cut, n, LENS[2:])]
+    return split_by_documents(packed_views(LENS, seed=seed), LENS, 2)
 
 
 def _dp_worker(rank: int, port: int, out_dir: str) -> None:

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_cpu_config, write_toml
+from data.test_draft_vocab import reduced_twin
 from test_dflash_loss import loss_case, packed_views, reference_loss, tiny_model
-from test_draft_vocab import reduced_twin
 
 from dflash_ipc.config import ConfigError, DFlashConfig, TrainingConfig, load_config
 from dflash_ipc.drafter.loss import objective as L

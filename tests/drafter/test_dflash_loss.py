@@ -58,6 +58,21 @@ def packed_views(seq_lens, *, planes=3, loss_mask=None, seed=0):
     )
 
 
+def split_by_documents(full: SlotViews, seq_lens: list[int], docs: int) -> list[SlotViews]:
+    """``full`` (documents of ``seq_lens`` packed) as two batches: its first ``docs`` documents, and the rest."""
+    cut = sum(seq_lens[:docs])
+
+    def part(lo, hi, seq):
+        return SlotViews(
+            planes=full.planes[:, lo:hi],
+            token_ids=full.token_ids[lo:hi],
+            loss_mask=full.loss_mask[lo:hi],
+            seq_lens=torch.tensor(seq, dtype=torch.int32),
+        )
+
+    return [part(0, cut, seq_lens[:docs]), part(cut, sum(seq_lens), seq_lens[docs:])]
+
+
 # --------------------------------------------------------------------------- context
 
 
@@ -540,15 +555,6 @@ def test_a_batch_split_by_documents_gives_the_same_token_weighted_gradient():
     tc = TrainingConfig()
     lens = [9, 14, 7, 12]
     full = packed_views(lens, seed=3)
-    cut = lens[0] + lens[1]
-
-    def half(lo, hi, seq):
-        return SlotViews(
-            planes=full.planes[:, lo:hi],
-            token_ids=full.token_ids[lo:hi],
-            loss_mask=full.loss_mask[lo:hi],
-            seq_lens=torch.tensor(seq, dtype=torch.int32),
-        )
 
     def grads(parts):
         model.zero_grad()
@@ -558,7 +564,7 @@ def test_a_batch_split_by_documents_gives_the_same_token_weighted_gradient():
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, outs
 
     g_full, (o_full,) = grads([full])
-    g_split, (o_a, o_b) = grads([half(0, cut, lens[:2]), half(cut, sum(lens), lens[2:])])
+    g_split, (o_a, o_b) = grads(split_by_documents(full, lens, 2))
     assert o_a.weight_sum != o_b.weight_sum  # unequal halves: a plain mean of means would differ
     torch.testing.assert_close(o_a.weight_sum + o_b.weight_sum, o_full.weight_sum)
     assert g_full.keys() == g_split.keys() and g_full

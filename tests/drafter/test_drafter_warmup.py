@@ -88,7 +88,7 @@ def test_warm_up_changes_nothing_and_training_matches(tmp_path, anchor_chunk):
         assert float(per_param["step"]) == 0 and not per_param["exp_avg"].any() and not per_param["exp_avg_sq"].any()
     assert_identical(after, before)  # weights, step, RNG streams, gradient buffer
     assert all(p.grad is None or not p.grad.any() for p in warm.trainer.params)
-    assert not warm.metrics_path.exists()  # the warm-up is no step: nothing logged, nothing in the ledger
+    assert not warm.metrics.path.exists()  # the warm-up is no step: nothing logged, nothing in the ledger
     assert len(warm.ledger) == 0 and not warm._new_ids
     recs = {}
     for name, core in (("warm", warm), ("cold", cold)):

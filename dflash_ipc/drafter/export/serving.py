@@ -138,7 +138,9 @@ def _sglang(drafter: str, config: DrafterModelConfig, target: ServingTarget, cli
 
 def _python_route(head: str, load_draft: list[str], decode: list[str], target: ServingTarget) -> str:
     """The lines both Python routes share: the models in one dtype, eval's prompt rendering and stop tokens."""
-    if target.tokenizer == "builtin":
+    from dflash_ipc.data.tokenizer import BUILTIN_SPEC
+
+    if target.tokenizer == BUILTIN_SPEC:
         tokenizer = ["from dflash_ipc.data.tokenizer import build_builtin_tokenizer", "tok = build_builtin_tokenizer()"]
     else:
         tokenizer = [f"tok = AutoTokenizer.from_pretrained({target.tokenizer!r})"]

@@ -4,12 +4,12 @@ A run that learned nothing never exits 0, whatever its length. Per drafter (ever
 the step's figures are all-reduced and data-parallel ranks hold the same weights, so no rank is left
 waiting in a collective)::
 
-    start, or a checkpoint written ─▶ MARK: steps = applied = 0 since this step
-    each training step ─▶ steps += 1; its update applied ─▶ applied += 1, skipped_in_a_row = 0
+    start, or a checkpoint written ─▶ MARK: applied = 0 since this step
+    each training step ─▶ its update applied ─▶ applied += 1, skipped_in_a_row = 0
                                       skipped for a non-finite loss or gradient ─▶ skipped_in_a_row += 1
         skipped_in_a_row reaches training.max_consecutive_skipped_updates (0: never) ─────────▶ DIVERGED
     before a checkpoint or the export:
-        steps > 0 but applied == 0: not one update since the start or the last checkpoint ─▶ DIVERGED
+        a step since the mark but applied == 0: not one update since the start or the last checkpoint ─▶ DIVERGED
         a trainable weight non-finite or past checkpoint.values.WEIGHT_ABS_BOUND (exploded) ──────▶ DIVERGED
     DIVERGED: TrainingDiverged: nothing more is written; the drafter reports Dead and exits 1, `up` FAILED
 
@@ -39,16 +39,14 @@ class UpdateTally:
     """The updates since the process started or since its last checkpoint (the module's MARK)."""
 
     since_step: int = 0  # the step of the start or of the last checkpoint
-    steps: int = 0
     applied: int = 0
     skipped_in_a_row: int = 0  # updates skipped for a non-finite loss or gradient since the last applied one
 
     def mark(self, step: int) -> None:
-        self.since_step, self.steps, self.applied = step, 0, 0
+        self.since_step, self.applied = step, 0
 
     def observe(self, step: int, skipped: bool, grad_norm: float, loss_weight: float, loss: float, limit: int) -> None:
         """One training step's global figures; raises :class:`TrainingDiverged` at ``limit`` non-finite skips in a row."""
-        self.steps += 1
         self.applied += not skipped
         non_finite = skipped and not (math.isfinite(grad_norm) and math.isfinite(loss_weight))
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if non_finite else 0
@@ -63,9 +61,10 @@ class UpdateTally:
     def check_before_writing(self, step: int, weights: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
         """Raise :class:`TrainingDiverged` rather than write ``what`` of a run that learned nothing since the mark,
         or whose trainable ``weights`` are non-finite or exploded."""
-        if self.steps and not self.applied:
+        steps = step - self.since_step
+        if steps and not self.applied:
             raise TrainingDiverged(
-                f"training learned nothing: none of the {self.steps} updates of steps {self.since_step + 1}..{step} (since this "
+                f"training learned nothing: none of the {steps} updates of steps {self.since_step + 1}..{step} (since this "
                 f"start or the last checkpoint) was applied (each skipped for a non-finite loss or gradient, or no loss to weigh), "
                 f"so no {what} is written. {ADVICE}"
             )
