@@ -23,12 +23,13 @@ def check_config(config_path: str, file_only: bool, set_values: tuple[str, ...])
     cfg = load_or_exit(config_path, set_values, check_environment=not file_only)
     data = None
     if not file_only:  # the tokenizer imports transformers and torch: seconds a refused or file-only check never needs
-        from dflash_ipc.data.plan import plan_command
-        from dflash_ipc.data.tokenizer import TokenizerError, check_target_tokenizer, load_tokenizer
+        from dflash_ipc.data.plan import plan_report
+        from dflash_ipc.data.tokenizer import TokenizerError, check_target_tokenizer, config_tokenizer
 
         try:
-            check_target_tokenizer(cfg.target, load_tokenizer(cfg.target.tokenizer))
-            plan = plan_command(config_path, sets=set_values)  # the data counted as `plan` counts it (cached like it)
+            tok = config_tokenizer(cfg)
+            check_target_tokenizer(cfg.target, tok)
+            plan = plan_report(cfg, config_path, tok)  # the data counted as `plan` counts it (cached like it)
         except (TokenizerError, OSError, ValueError) as e:
             click.echo(f"error: {config_path}: {e}", err=True)
             sys.exit(2)

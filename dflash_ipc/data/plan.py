@@ -208,21 +208,27 @@ DRAFT_VOCAB_SIZES = (1024, 4096, 8192, 16384, 32768)
 
 
 def plan_command(config_path: str | Path, cache_dir: str | Path | None = None, sets: Sequence[str] = ()) -> dict[str, Any]:
-    """``dflash-ipc plan``: load the config (``sets``: its ``--set`` items), tokenizer and corpus, return :func:`plan_stats`.
+    """``dflash-ipc plan``: load the config (``sets``: its ``--set`` items), then :func:`plan_report`."""
+    from dflash_ipc.config import load_config
+
+    return plan_report(load_config(config_path, sets=sets), config_path, cache_dir=cache_dir)
+
+
+def plan_report(cfg: Any, config_path: str | Path, tok: Any = None, cache_dir: str | Path | None = None) -> dict[str, Any]:
+    """:func:`plan_stats` of ``cfg``'s corpus with what the corpus held, tokenized by ``tok`` (None: the config's
+    tokenizer, loaded here; a caller that holds it already passes it).
 
     The tokenized corpus is cached in ``cache_dir``, else ``data.cache_dir``, else the run's
     ``data`` directory when ``run.run_dir`` is set, else a temporary directory.
     """
-    from dflash_ipc.config import load_config
     from dflash_ipc.data.corpus import load_corpus
     from dflash_ipc.data.draft_vocab import coverage_by_size
     from dflash_ipc.data.tokenizer import config_tokenizer
 
-    cfg = load_config(config_path, sets=sets)
     num_shards = len(cfg.topology.targets)
+    tok = tok if tok is not None else config_tokenizer(cfg)
 
     def run(cdir: Path) -> dict[str, Any]:
-        tok = config_tokenizer(cfg)
         corpus = load_corpus(cfg.data, tok, cdir)
         stats = plan_stats(corpus.lengths, cfg.data, cfg.run.seed, num_shards=num_shards, sources=corpus.sources)
         r = corpus.report
