@@ -46,7 +46,7 @@ def latest_committed_step(ckpt_root: Path | str) -> int | None:
     if not m:
         return None
     try:
-        meta = bounded_json.loads((Path(ckpt_root) / name / META_FILE).read_text())
+        meta = bounded_json.read(Path(ckpt_root) / name / META_FILE)
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or meta.get("format") != CKPT_FORMAT or meta.get("step") != int(m.group(1)):

@@ -74,7 +74,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not m:
         raise CheckpointError(f"{path}: not a step-NNNNNN directory")
     try:
-        meta = bounded_json.loads((path / META_FILE).read_text())
+        meta = bounded_json.read(path / META_FILE)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {META_FILE} missing (incomplete checkpoint)") from None
     except (OSError, ValueError) as e:
@@ -109,7 +109,7 @@ def verify_files(path: Path, *, digests: bool = True) -> tuple[dict[str, Any], B
         if digests and isinstance(recorded, dict) and recorded.get(fname) != sha256_file(fp):
             raise CheckpointError(f"{path}: {fname} does not match the sha256 meta.json recorded (damaged since it was written)")
     try:
-        wire = bounded_json.loads((path / LEDGER_FILE).read_text())
+        wire = bounded_json.read(path / LEDGER_FILE)
         ledger = BatchLedger.from_wire(wire)
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {LEDGER_FILE} unreadable: {e}") from None
@@ -155,7 +155,7 @@ def ledger_applies(meta: dict[str, Any], plan: dict[str, Any] | None) -> bool:
 
 def read_plan(run_dir: Path) -> dict[str, Any] | None:
     try:
-        plan = bounded_json.loads((run_dir / PLAN_FILE).read_text())
+        plan = bounded_json.read(run_dir / PLAN_FILE)
     except (OSError, ValueError):
         return None
     return plan if isinstance(plan, dict) else None
