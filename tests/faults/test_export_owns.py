@@ -108,6 +108,18 @@ def test_export_into_a_directory_of_other_files_touches_none_of_them(run, tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["home", "run"]  # nothing staged beside it either
 
 
+def test_a_marker_nested_past_the_parser_is_no_marker_and_refused_by_name(run, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / EXPORT_MARKER).write_text("[" * 200_000 + "]" * 200_000)
+    (out / "notes.txt").write_text("mine\n")
+    before = tree_digest(out)
+    proc = export(run, out)
+    assert proc.returncode == 2 and "holds notes.txt, which no dflash-ipc export wrote" in proc.stdout, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stdout and "RecursionError" not in proc.stdout
+    assert tree_digest(out) == before
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["", "checkpoints/step-000008", "checkpoints", "logs", "fresh"])
 def test_export_into_the_run_or_its_checkpoints_is_refused_and_changes_nothing(run, target):

@@ -22,6 +22,8 @@ import os
 import stat
 from pathlib import Path
 
+from dflash_ipc.rundir import bounded_json
+
 #: the file every export writes last, naming the files it wrote
 EXPORT_MARKER = ".dflash-ipc-export"
 MARKER_FORMAT = "dflash-ipc-export/1"
@@ -44,7 +46,7 @@ def _marker_files(marker: Path) -> set[str] | None:
     try:
         if not stat.S_ISREG(os.lstat(marker).st_mode):
             return None
-        data = json.loads(marker.read_text())
+        data = bounded_json.read(marker)  # a planted marker nested past the parser's recursion is no marker
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("format") != MARKER_FORMAT or not isinstance(data.get("files"), list):
