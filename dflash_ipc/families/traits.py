@@ -6,7 +6,6 @@ target (packed attention, capture), the drafter's frozen pieces, eval, preflight
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -164,8 +163,3 @@ class FusibleModules:
 
     def __bool__(self) -> bool:
         return bool(self.zero_centered_norms or self.gated_norms or self.swiglu_mlps)
-
-
-def sqrt_hidden(hidden_size: int) -> float:
-    """Gemma's embedding scale."""
-    return math.sqrt(hidden_size)
