@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["AttentionLayer", "ExpertLayout", "FrozenHead", "FusibleModules", "LayerKind", "TemperatureTuning"]
+__all__ = ["EXPERTS_MODULE", "AttentionLayer", "ExpertLayout", "FrozenHead", "FusibleModules", "LayerKind", "TemperatureTuning"]
 
 #: A decoder layer's token mixer: causal attention over the whole document ("full"), over the last
 #: ``window`` tokens ("sliding"), within fixed chunks of the document ("chunked"), or a linear-attention
@@ -72,6 +72,10 @@ class AttentionLayer:
         if self.v_head_dim and self.qk_head_dim and self.v_head_dim != self.qk_head_dim:
             out.append(f"value head size {self.v_head_dim} != query/key head size {self.qk_head_dim}")
         return out
+
+
+#: The module transformers 5.x keeps an MoE layer's routed experts in (what the FLOP count and FP8 look for).
+EXPERTS_MODULE = "experts"
 
 
 @dataclass(frozen=True)
