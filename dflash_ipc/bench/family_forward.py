@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dflash_ipc.bench.target_forward import agreement
+from dflash_ipc.bench.target_forward import agreement, run_one
 from dflash_ipc.config import TargetConfig
 from dflash_ipc.families import family_of
 from dflash_ipc.target.model import TargetModel, find_decoder_stack, target_from_stack
@@ -143,13 +143,6 @@ def _batches(vocab: int, lengths: tuple[int, int], batch_tokens: int, n_batches:
     return out
 
 
-def _run(model: TargetModel, variant: str, ids: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
-    if variant == "packed":
-        flat = torch.cat([ids[i, :n] for i, n in enumerate(lens)])
-        return model.capture_packed(flat.to(model.device), lens)
-    return model.capture(ids.to(model.device))
-
-
 def _real_planes(planes: list[torch.Tensor], variant: str, lens: list[int]) -> list[torch.Tensor]:
     """The real tokens of each captured plane as [1, n, H] (padded planes are [B, L, H])."""
     if variant == "packed":
@@ -158,13 +151,13 @@ def _real_planes(planes: list[torch.Tensor], variant: str, lens: list[int]) -> l
 
 
 def _time(model: TargetModel, variant: str, batches, peak_tflops: float) -> tuple[dict[str, Any], list[list[torch.Tensor]]]:
-    planes = [_real_planes(_run(model, variant, ids, lens), variant, lens) for ids, lens in batches[:1]]  # untimed, kept for agreement
+    planes = [_real_planes(run_one(model, variant, ids, lens), variant, lens) for ids, lens in batches[:1]]  # untimed, kept for agreement
     for ids, lens in batches[1:]:
-        _run(model, variant, ids, lens)
+        run_one(model, variant, ids, lens)
     torch.cuda.synchronize(model.device)
     t0 = time.perf_counter()
     for ids, lens in batches:
-        _run(model, variant, ids, lens)
+        run_one(model, variant, ids, lens)
     torch.cuda.synchronize(model.device)
     seconds = time.perf_counter() - t0
     real = sum(sum(lens) for _, lens in batches)

@@ -5,6 +5,7 @@ wider heads than its sliding ones (``global_head_dim``, or transformers' per-lay
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from dflash_ipc.families.base import DecoderFamily, first_int
@@ -16,8 +17,8 @@ class Gemma3(DecoderFamily):
     packed_checked = True
 
     def frozen_head(self) -> FrozenHead:
-        softcap = getattr(self.config, "final_logit_softcapping", None)
-        return FrozenHead(embed_scale=math.sqrt(int(self.config.hidden_size)), final_logit_softcap=float(softcap) if softcap else None)
+        # the generic reader's final-logit soft-cap, with Gemma's scaled embeddings
+        return dataclasses.replace(super().frozen_head(), embed_scale=math.sqrt(int(self.config.hidden_size)))
 
 
 class Gemma4(Gemma3):

@@ -6,11 +6,10 @@ target (packed attention, capture), the drafter's frozen pieces, eval, preflight
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["AttentionLayer", "ExpertLayout", "FrozenHead", "FusibleModules", "LayerKind", "TemperatureTuning"]
+__all__ = ["EXPERTS_MODULE", "AttentionLayer", "ExpertLayout", "FrozenHead", "FusibleModules", "LayerKind", "TemperatureTuning"]
 
 #: A decoder layer's token mixer: causal attention over the whole document ("full"), over the last
 #: ``window`` tokens ("sliding"), within fixed chunks of the document ("chunked"), or a linear-attention
@@ -73,6 +72,10 @@ class AttentionLayer:
         if self.v_head_dim and self.qk_head_dim and self.v_head_dim != self.qk_head_dim:
             out.append(f"value head size {self.v_head_dim} != query/key head size {self.qk_head_dim}")
         return out
+
+
+#: The module transformers 5.x keeps an MoE layer's routed experts in (what the FLOP count and FP8 look for).
+EXPERTS_MODULE = "experts"
 
 
 @dataclass(frozen=True)
@@ -164,8 +167,3 @@ class FusibleModules:
 
     def __bool__(self) -> bool:
         return bool(self.zero_centered_norms or self.gated_norms or self.swiglu_mlps)
-
-
-def sqrt_hidden(hidden_size: int) -> float:
-    """Gemma's embedding scale."""
-    return math.sqrt(hidden_size)

@@ -36,14 +36,12 @@ from typing import Any
 from torch import nn
 
 from dflash_ipc.families import AttentionLayer, family_of
+from dflash_ipc.families.traits import EXPERTS_MODULE
 from dflash_ipc.target_spec.hf_config import text_config
 
 __all__ = ["ForwardFlops", "attention_pairs", "forward_flops", "layer_matmul_params"]
 
 log = logging.getLogger(__name__)
-
-#: The module transformers 5.x keeps an MoE layer's routed experts in.
-EXPERTS_MODULE = "experts"
 
 
 def attention_pairs(spec: AttentionLayer, length: int) -> int:

@@ -29,13 +29,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dflash_ipc.families.traits import EXPERTS_MODULE
 from dflash_ipc.platform.e4m3 import ALIGN, quantize_rows
 
 __all__ = ["ExpertsReport", "Fp8Experts", "grouped_gemm_runs", "quantize_experts"]
 
 Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-#: The module transformers 5.x keeps an MoE layer's routed experts in.
-EXPERTS_MODULE = "experts"
 
 
 def _dispatched(experts: nn.Module) -> bool:

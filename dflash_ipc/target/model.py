@@ -315,14 +315,7 @@ class TargetModel:
         ``docs`` None, or attention on transformers' own varlen path: unchanged)."""
         if docs is None or not self.packed_attention:
             return contextlib.nullcontext()
-        row = PackedRow(
-            layers=self._attention_layers,
-            cu_seqlens=docs.cu_seqlens,
-            cu_seqlens_cpu=docs.cu_seqlens_cpu,
-            positions=docs.position_ids.view(-1),
-            max_len=docs.max_len,
-            use_kernel=varlen_kernel_usable(self.device, self.dtype),
-        )
+        row = PackedRow(layers=self._attention_layers, docs=docs, use_kernel=varlen_kernel_usable(self.device, self.dtype))
         return packed_attention(self.stack.config, row)
 
     def _packed_kwargs(self, input_ids: torch.Tensor, seq_lens: Sequence[int]) -> tuple[dict[str, Any], PackedDocs]:

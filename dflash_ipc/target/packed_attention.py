@@ -40,13 +40,15 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from dflash_ipc.families.traits import AttentionLayer, TemperatureTuning
-from dflash_ipc.target.packing import real_token_index
+
+if TYPE_CHECKING:
+    from dflash_ipc.target.varlen import PackedDocs
 
 __all__ = [
     "PACKED_ATTENTION",
@@ -106,35 +108,37 @@ class PackedRow:
 
     layers: Mapping[torch.nn.Module, AttentionLayer]
     """Each attention module of the stack -> its layer's traits (from the target's family)."""
-    cu_seqlens: torch.Tensor  # [D + 1] int32, on the device
-    cu_seqlens_cpu: torch.Tensor  # [D + 1] int64, on the host
-    positions: torch.Tensor  # [n] int64, each token's position in its document, on the device
-    max_len: int
+    docs: PackedDocs
     use_kernel: bool
     """torch's varlen kernel (else the reference path)."""
     _chunks: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
     _retune: dict[TemperatureTuning, torch.Tensor] = field(default_factory=dict)
+    _padded_index: torch.Tensor | None = None
 
-    @property
-    def n_tokens(self) -> int:
-        return int(self.cu_seqlens_cpu[-1])
+    def padded_index(self) -> torch.Tensor:
+        """:meth:`PackedDocs.padded_index`, computed once per forward rather than by every layer of the reference path."""
+        if self._padded_index is None:
+            self._padded_index = self.docs.padded_index()
+        return self._padded_index
 
     def chunk_bounds(self, chunk: int) -> tuple[torch.Tensor, int]:
         """(cu_seqlens of every document cut into chunks of ``chunk`` tokens from its start, longest chunk)."""
         if chunk not in self._chunks:
             bounds = [0]
-            for start, end in zip(self.cu_seqlens_cpu[:-1].tolist(), self.cu_seqlens_cpu[1:].tolist()):
+            cu_cpu = self.docs.cu_seqlens_cpu
+            for start, end in zip(cu_cpu[:-1].tolist(), cu_cpu[1:].tolist()):
                 bounds += list(range(start + chunk, end, chunk)) + [end]
-            cu = torch.tensor(bounds, dtype=torch.int32).to(self.cu_seqlens.device, non_blocking=True)
-            self._chunks[chunk] = (cu, min(chunk, self.max_len))
+            cu = torch.tensor(bounds, dtype=torch.int32).to(self.docs.cu_seqlens.device, non_blocking=True)
+            self._chunks[chunk] = (cu, min(chunk, self.docs.max_len))
         return self._chunks[chunk]
 
     def retune_factor(self, tuning: TemperatureTuning) -> torch.Tensor:
         """[n] fp32: the query scale at each token's document position over the one its layer applied at
         its row position (a layer scales by ``arange(n)``, the positions of one unpacked sequence)."""
         if tuning not in self._retune:
-            row = torch.arange(self.n_tokens, device=self.positions.device)
-            self._retune[tuning] = tuning.scales(self.positions) / tuning.scales(row)
+            positions = self.docs.position_ids.view(-1)
+            row = torch.arange(self.docs.n_tokens, device=positions.device)
+            self._retune[tuning] = tuning.scales(positions) / tuning.scales(row)
         return self._retune[tuning]
 
 
@@ -179,8 +183,8 @@ def packed_attention_forward(
         raise ValueError("a packed row has no padding: attention_mask must be None")
     if dropout:
         raise ValueError("packed attention is forward-only (dropout must be 0)")
-    if query.shape[0] != 1 or key.shape[2] != query.shape[2] or query.shape[2] != row.n_tokens:
-        raise ValueError(f"packed attention needs one row of {row.n_tokens} tokens (got {tuple(query.shape)} / {tuple(key.shape)})")
+    if query.shape[0] != 1 or key.shape[2] != query.shape[2] or query.shape[2] != row.docs.n_tokens:
+        raise ValueError(f"packed attention needs one row of {row.docs.n_tokens} tokens (got {tuple(query.shape)} / {tuple(key.shape)})")
     _check_agreement(spec, sliding_window, s_aux, softcap, kwargs.get("is_causal", True), type(module).__name__)
     if spec.temperature_tuning is not None:
         query = (query.float() * row.retune_factor(spec.temperature_tuning).view(1, 1, -1, 1)).to(query.dtype)
@@ -218,7 +222,7 @@ def _varlen_kernel(
     varlen_attn, params = kernel
     if spec.softcap is not None:
         raise ValueError("torch's varlen_attn has no attention soft-cap: this layer cannot run packed on it")
-    cu, max_len = row.chunk_bounds(spec.chunk) if spec.kind == "chunked" and spec.chunk else (row.cu_seqlens, row.max_len)
+    cu, max_len = row.chunk_bounds(spec.chunk) if spec.kind == "chunked" and spec.chunk else (row.docs.cu_seqlens, row.docs.max_len)
     kw: dict[str, Any] = {"scale": scale, "window_size": (spec.window - 1, 0) if spec.kind == "sliding" and spec.window else (-1, 0)}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
@@ -250,13 +254,13 @@ def _reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: PackedRow, spec: AttentionLayer, scale: float, sinks: torch.Tensor | None
 ) -> torch.Tensor:
     """Each document right-padded to the longest, through the layer's own mask and transformers' eager formula."""
-    n, docs, longest = q.shape[0], row.cu_seqlens_cpu.numel() - 1, row.max_len
-    index = real_token_index((row.cu_seqlens_cpu[1:] - row.cu_seqlens_cpu[:-1]).to(q.device), longest, n)
+    n_docs, longest = len(row.docs.seq_lens), row.docs.max_len
+    index = row.padded_index()
 
     def padded(t: torch.Tensor) -> torch.Tensor:  # [n, H, D] -> [docs, H, longest, D]
-        out = t.new_zeros((docs * longest, *t.shape[1:]))
+        out = t.new_zeros((n_docs * longest, *t.shape[1:]))
         out.index_copy_(0, index, t)
-        return out.view(docs, longest, *t.shape[1:]).transpose(1, 2)
+        return out.view(n_docs, longest, *t.shape[1:]).transpose(1, 2)
 
     qp, kp, vp = padded(q), padded(k), padded(v)
     positions = torch.arange(longest, device=q.device)
@@ -275,7 +279,7 @@ def _reference(
             scores = torch.tanh(scores / spec.softcap) * spec.softcap
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
         if sinks is not None:
-            sink = sinks.reshape(1, -1, 1, 1).expand(docs, -1, longest, 1).to(scores.dtype)
+            sink = sinks.reshape(1, -1, 1, 1).expand(n_docs, -1, longest, 1).to(scores.dtype)
             combined = torch.cat([scores, sink], dim=-1)
             combined = combined - combined.max(dim=-1, keepdim=True).values
             probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
@@ -283,4 +287,4 @@ def _reference(
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(qp.dtype)
         out = torch.matmul(probs.to(vp.dtype), vp)
     # [docs, Hq, longest, Dv] -> the real tokens, [n, Hq, Dv]
-    return out.transpose(1, 2).reshape(docs * longest, out.shape[1], out.shape[-1]).index_select(0, index)
+    return out.transpose(1, 2).reshape(n_docs * longest, out.shape[1], out.shape[-1]).index_select(0, index)

@@ -83,7 +83,7 @@ class PackedDocs:
 
     @property
     def n_tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
+        return int(self.cu_seqlens_cpu[-1])  # the host copy: no device sync in a layer's check
 
     @classmethod
     def build(cls, seq_lens: list[int], device: torch.device) -> PackedDocs:

@@ -168,7 +168,7 @@ def test_a_training_steps_loss_is_the_cross_entropy_of_the_drafters_finished_log
     """compute_loss on a packed batch (3 documents, KL on, chunks of 16 rows) equals the loss recomputed from
     the drafter's compute_logits, which the tests above hold to transformers' own logits; the final norm and
     the target's last hidden states scaled up so that Gemma's cap bends both distributions."""
-    from test_dflash_loss import manual_loss, packed_views
+    from drafter.test_dflash_loss import manual_loss, packed_views
 
     from dflash_ipc.config import DrafterConfig, TrainingConfig
     from dflash_ipc.drafter.loss import blocks as B

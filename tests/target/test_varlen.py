@@ -264,10 +264,7 @@ def packed_row(lens: list[int], layer: torch.nn.Module, device: str = "cpu", use
     from dflash_ipc.target.packed_attention import PackedRow
     from dflash_ipc.target.varlen import PackedDocs
 
-    docs = PackedDocs.build(lens, torch.device(device))
-    return PackedRow(
-        {layer: AttentionLayer("full")}, docs.cu_seqlens, docs.cu_seqlens_cpu, docs.position_ids.view(-1), docs.max_len, use_kernel
-    )
+    return PackedRow({layer: AttentionLayer("full")}, PackedDocs.build(lens, torch.device(device)), use_kernel)
 
 
 def test_packed_attention_equals_each_document_alone():
