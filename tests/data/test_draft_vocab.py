@@ -73,7 +73,7 @@ def test_the_config_refuses_a_negative_size_and_kl_over_a_draft_vocabulary():
 
 
 def test_a_size_over_the_targets_vocabulary_is_refused_before_any_process_starts(tmp_path):
-    from test_probe import tiny_cfg
+    from runtime.test_probe import tiny_cfg
 
     from dflash_ipc.runtime.preflight import check_machine
 
@@ -153,8 +153,8 @@ def test_labels_outside_the_head_carry_no_loss_and_count_as_misses(weighting):
 
 
 def test_the_export_carries_its_rows_and_eval_drafts_over_them_losslessly(tmp_path):
+    from eval.test_eval import TINY
     from safetensors import safe_open
-    from test_eval import TINY
 
     from dflash_ipc.cli import main
     from dflash_ipc.config import load_config

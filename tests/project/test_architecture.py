@@ -299,6 +299,19 @@ def test_tests_mirror_the_packages():
     assert not misplaced, f"tests outside tests/<package>/ or {sorted(CROSS_PACKAGE_TEST_ROOMS)}: {misplaced}"
 
 
+def test_a_test_imports_another_rooms_test_module_by_its_room():
+    """pytest puts a test's own folder on sys.path when it collects the test: a bare ``from test_x import`` of
+    another room's module resolves only when that room happened to be collected first (``pytest tests/drafter``
+    alone fails). Another room's module is imported as ``room.test_x``."""
+    bare = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("test_"):
+                if not (path.parent / f"{node.module}.py").exists():
+                    bare.append(f"{path.relative_to(REPO).as_posix()}:{node.lineno} from {node.module}")
+    assert not bare, f"import these through their room (e.g. from drafter.test_dflash_loss import ...): {bare}"
+
+
 def test_every_subpackage_is_installed():
     """pyproject lists the packages explicitly (procs/ maps to dflash_ipc.procs): a sub-package left
     out works from an editable checkout and is missing from a wheel."""
